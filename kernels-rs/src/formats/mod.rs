@@ -1,0 +1,16 @@
+//! Number formats of the NVFP4 checkpoint, bit-exact with NVIDIA ModelOpt.
+//!
+//! - [`e2m1`]: the 4-bit element format and its nibble packing.
+//! - [`e4m3`]: `float8_e4m3fn` and the unsigned UE4M3 used for block scales.
+//! - [`nvfp4`]: two-level quantization (per-tensor FP32 scale, per-16 block E4M3 scale).
+//! - [`swizzle`]: the 128×4 scale-factor layout block-scaled MMA kernels read.
+
+pub mod e2m1;
+pub mod e4m3;
+pub mod nvfp4;
+pub mod swizzle;
+
+pub use e2m1::{E2M1_MAX, e2m1_to_f32, f32_to_e2m1, pack_e2m1, unpack_e2m1};
+pub use e4m3::{E4M3_MAX, Overflow, e4m3_to_f32, f32_to_e4m3, f32_to_ue4m3, ue4m3_to_f32};
+pub use nvfp4::{NVFP4_BLOCK, Nvfp4Error, Nvfp4Matrix};
+pub use swizzle::SwizzledScales;

@@ -1,0 +1,319 @@
+//! Memory-mapped safetensors files with errors that name the file and the tensor.
+//!
+//! Checkpoint shards, golden files and CLI inputs all go through here, so that a truncated
+//! shard or a tensor of the wrong dtype reads as "`shard-3.safetensors`: tensor `…weight_scale`
+//! has dtype BF16, expected F8_E4M3" instead of a panic deep inside a kernel.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use half::{bf16, f16};
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum TensorFileError {
+    #[error("{path}: cannot open: {source}")]
+    Open {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: not a valid safetensors file: {reason}")]
+    Malformed { path: PathBuf, reason: String },
+    #[error("{path}: tensor `{tensor}` is missing")]
+    Missing { path: PathBuf, tensor: String },
+    #[error("{path}: tensor `{tensor}` has dtype {actual:?}, expected {expected}")]
+    Dtype {
+        path: PathBuf,
+        tensor: String,
+        actual: Dtype,
+        expected: String,
+    },
+    #[error("{path}: tensor `{tensor}` has shape {actual:?}, expected {expected:?}")]
+    Shape {
+        path: PathBuf,
+        tensor: String,
+        actual: Vec<usize>,
+        expected: Vec<usize>,
+    },
+    #[error("{path}: tensor `{tensor}`: {reason}")]
+    BadValue {
+        path: PathBuf,
+        tensor: String,
+        reason: String,
+    },
+}
+
+/// Where one tensor's bytes lie inside the mapped file.
+#[derive(Clone, Debug)]
+pub struct TensorInfo {
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    byte_range: std::ops::Range<usize>,
+}
+
+impl TensorInfo {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// A memory-mapped safetensors file. Tensors are borrowed from the mapping, never copied
+/// unless a conversion is asked for.
+pub struct TensorFile {
+    path: PathBuf,
+    mmap: Mmap,
+    tensors: BTreeMap<String, TensorInfo>,
+    metadata: BTreeMap<String, String>,
+}
+
+impl std::fmt::Debug for TensorFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TensorFile")
+            .field("path", &self.path)
+            .field("tensors", &self.tensors.len())
+            .finish()
+    }
+}
+
+impl TensorFile {
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, TensorFileError> {
+        let path = path.as_ref().to_path_buf();
+        let file = File::open(&path).map_err(|source| TensorFileError::Open {
+            path: path.clone(),
+            source,
+        })?;
+        // SAFETY: the mapping is read-only; a file changed underneath it while mapped is a
+        // user error we cannot guard against, as with every mmap-based loader.
+        let mmap = unsafe { Mmap::map(&file) }.map_err(|source| TensorFileError::Open {
+            path: path.clone(),
+            source,
+        })?;
+        let malformed = |reason: String| TensorFileError::Malformed {
+            path: path.clone(),
+            reason,
+        };
+        let (_, header) =
+            SafeTensors::read_metadata(&mmap).map_err(|e| malformed(e.to_string()))?;
+        let parsed = SafeTensors::deserialize(&mmap).map_err(|e| malformed(e.to_string()))?;
+        let base = mmap.as_ptr() as usize;
+        let tensors = parsed
+            .tensors()
+            .into_iter()
+            .map(|(name, view)| {
+                let start = view.data().as_ptr() as usize - base;
+                let info = TensorInfo {
+                    dtype: view.dtype(),
+                    shape: view.shape().to_vec(),
+                    byte_range: start..start + view.data().len(),
+                };
+                (name, info)
+            })
+            .collect();
+        let metadata = header
+            .metadata()
+            .clone()
+            .unwrap_or_default()
+            .into_iter()
+            .collect();
+        Ok(Self {
+            path,
+            mmap,
+            tensors,
+            metadata,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The free-form `__metadata__` of the header.
+    pub fn metadata(&self) -> &BTreeMap<String, String> {
+        &self.metadata
+    }
+
+    /// Tensor names in sorted order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(String::as_str)
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    pub fn info(&self, name: &str) -> Result<&TensorInfo, TensorFileError> {
+        self.tensors
+            .get(name)
+            .ok_or_else(|| TensorFileError::Missing {
+                path: self.path.clone(),
+                tensor: name.to_string(),
+            })
+    }
+
+    /// The raw bytes of a tensor, checked against the expected dtype.
+    pub fn bytes(&self, name: &str, expected: &[Dtype]) -> Result<&[u8], TensorFileError> {
+        let info = self.info(name)?;
+        if !expected.contains(&info.dtype) {
+            return Err(self.dtype_error(name, info.dtype, expected));
+        }
+        Ok(&self.mmap[info.byte_range.clone()])
+    }
+
+    /// Checks a tensor's shape.
+    pub fn expect_shape(&self, name: &str, expected: &[usize]) -> Result<(), TensorFileError> {
+        let info = self.info(name)?;
+        if info.shape != expected {
+            return Err(TensorFileError::Shape {
+                path: self.path.clone(),
+                tensor: name.to_string(),
+                actual: info.shape.clone(),
+                expected: expected.to_vec(),
+            });
+        }
+        Ok(())
+    }
+
+    /// A floating-point tensor (F32, BF16 or F16) widened to `f32`.
+    pub fn f32_values(&self, name: &str) -> Result<Vec<f32>, TensorFileError> {
+        let info = self.info(name)?;
+        let bytes = self.bytes(name, &[Dtype::F32, Dtype::BF16, Dtype::F16])?;
+        Ok(match info.dtype {
+            Dtype::F32 => bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            Dtype::BF16 => bytes
+                .chunks_exact(2)
+                .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            Dtype::F16 => bytes
+                .chunks_exact(2)
+                .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            _ => unreachable!("dtype checked above"),
+        })
+    }
+
+    /// A one-element floating-point tensor (shape `[]` or `[1]`), such as `weight_scale_2`.
+    pub fn f32_scalar(&self, name: &str) -> Result<f32, TensorFileError> {
+        let info = self.info(name)?;
+        if info.numel() != 1 {
+            return Err(TensorFileError::Shape {
+                path: self.path.clone(),
+                tensor: name.to_string(),
+                actual: info.shape.clone(),
+                expected: vec![],
+            });
+        }
+        Ok(self.f32_values(name)?[0])
+    }
+
+    /// A positive, finite scale such as `weight_scale_2` or `input_scale`.
+    pub fn positive_scale(&self, name: &str) -> Result<f32, TensorFileError> {
+        let value = self.f32_scalar(name)?;
+        if !(value.is_finite() && value > 0.0) {
+            return Err(self.bad_value(
+                name,
+                format!("scale is {value}; it must be positive and finite"),
+            ));
+        }
+        Ok(value)
+    }
+
+    /// A byte tensor (U8 or an FP8 dtype viewed as its codes).
+    pub fn u8_values(&self, name: &str, expected: &[Dtype]) -> Result<&[u8], TensorFileError> {
+        self.bytes(name, expected)
+    }
+
+    pub fn bad_value(&self, name: &str, reason: String) -> TensorFileError {
+        TensorFileError::BadValue {
+            path: self.path.clone(),
+            tensor: name.to_string(),
+            reason,
+        }
+    }
+
+    fn dtype_error(&self, name: &str, actual: Dtype, expected: &[Dtype]) -> TensorFileError {
+        let expected = expected
+            .iter()
+            .map(|d| format!("{d:?}"))
+            .collect::<Vec<_>>()
+            .join(" or ");
+        TensorFileError::Dtype {
+            path: self.path.clone(),
+            tensor: name.to_string(),
+            actual,
+            expected,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use safetensors::tensor::TensorView;
+
+    fn write(path: &Path, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) {
+        let views: Vec<(String, TensorView)> = tensors
+            .iter()
+            .map(|(n, d, s, b)| (n.to_string(), TensorView::new(*d, s.clone(), b).unwrap()))
+            .collect();
+        safetensors::serialize_to_file(views, None, path).unwrap();
+    }
+
+    #[test]
+    fn reads_values_and_names_file_and_tensor_in_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.safetensors");
+        let bf: Vec<u8> = [1.5f32, -2.0]
+            .iter()
+            .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
+            .collect();
+        write(
+            &path,
+            &[
+                ("a", Dtype::BF16, vec![2], bf),
+                ("s", Dtype::F32, vec![], f32::NAN.to_le_bytes().to_vec()),
+            ],
+        );
+        let file = TensorFile::open(&path).unwrap();
+        assert_eq!(file.f32_values("a").unwrap(), vec![1.5, -2.0]);
+        let missing = file.f32_values("b").unwrap_err().to_string();
+        assert!(
+            missing.contains("t.safetensors") && missing.contains("`b`"),
+            "{missing}"
+        );
+        let dtype = file.u8_values("a", &[Dtype::U8]).unwrap_err().to_string();
+        assert!(dtype.contains("`a`") && dtype.contains("BF16"), "{dtype}");
+        let shape = file.expect_shape("a", &[3]).unwrap_err().to_string();
+        assert!(shape.contains("[2]") && shape.contains("[3]"), "{shape}");
+        let nan = file.positive_scale("s").unwrap_err().to_string();
+        assert!(nan.contains("`s`") && nan.contains("NaN"), "{nan}");
+    }
+
+    #[test]
+    fn truncated_and_garbage_files_are_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.safetensors");
+        write(&path, &[("a", Dtype::F32, vec![64], vec![0u8; 256])]);
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..bytes.len() - 10]).unwrap();
+        let err = TensorFile::open(&path).unwrap_err().to_string();
+        assert!(
+            err.contains("t.safetensors") && err.contains("not a valid safetensors"),
+            "{err}"
+        );
+        std::fs::write(&path, b"garbage").unwrap();
+        assert!(matches!(
+            TensorFile::open(&path),
+            Err(TensorFileError::Malformed { .. })
+        ));
+        assert!(matches!(
+            TensorFile::open(dir.path().join("none")),
+            Err(TensorFileError::Open { .. })
+        ));
+    }
+}

@@ -1,0 +1,12 @@
+//! Shared helpers of the cross-crate tests: where the committed goldens live.
+
+use std::path::PathBuf;
+
+/// `golden/data/NAME` in the repository.
+pub fn golden_path(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join("golden")
+        .join("data")
+        .join(name)
+}
