@@ -79,7 +79,7 @@ fn inspect(path: &std::path::Path) -> Result<()> {
             .filter(|b| b.iter().all(|&v| v == 0.0))
             .count();
         println!(
-            "  {:<48} {:>12} {:>12.4e} {:>10.4} {:>10}",
+            "  {:<48} {:>12} {:>12.4e} {:>10.4e} {:>10}",
             name,
             format!("{}x{}", matrix.rows, matrix.cols),
             matrix.global_scale,

@@ -7,9 +7,10 @@
 /// Largest E2M1 magnitude.
 pub const E2M1_MAX: f32 = 6.0;
 
-/// Value of each of the 16 codes (code 8 is −0, which decodes to −0.0).
+/// Value of each of the 16 codes. Code 8 is "−0" in the format but decodes to +0.0, as in
+/// ModelOpt's table, so that dequantized tensors match its output bit for bit.
 pub const E2M1_VALUES: [f32; 16] = [
-    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
 ];
 
 /// Midpoints between neighbouring magnitudes. A magnitude equal to a midpoint goes to the

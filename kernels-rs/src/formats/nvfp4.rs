@@ -201,7 +201,7 @@ impl Nvfp4Matrix {
         block_scales: Vec<u8>,
         global_scale: f32,
     ) -> Result<Self, Nvfp4Error> {
-        if cols % NVFP4_BLOCK != 0 {
+        if !cols.is_multiple_of(NVFP4_BLOCK) {
             return Err(Nvfp4Error::RowNotBlockAligned { cols });
         }
         if packed.len() != rows * cols / 2 {
@@ -261,7 +261,11 @@ impl Nvfp4Matrix {
     #[inline]
     pub fn code(&self, row: usize, col: usize) -> u8 {
         let byte = self.packed[(row * self.cols + col) / 2];
-        if col % 2 == 0 { byte & 0x0F } else { byte >> 4 }
+        if col.is_multiple_of(2) {
+            byte & 0x0F
+        } else {
+            byte >> 4
+        }
     }
 }
 
@@ -272,12 +276,12 @@ pub fn fake_quantize_activations(
     cols: usize,
     input_scale: f32,
 ) -> Result<Vec<f32>, Nvfp4Error> {
-    let rows = if cols == 0 { 0 } else { values.len() / cols };
+    let rows = values.len().checked_div(cols).unwrap_or(0);
     Ok(Nvfp4Matrix::quantize_with_global_scale(values, rows, cols, input_scale)?.dequantize())
 }
 
 fn check_shape(len: usize, rows: usize, cols: usize) -> Result<(), Nvfp4Error> {
-    if cols % NVFP4_BLOCK != 0 {
+    if !cols.is_multiple_of(NVFP4_BLOCK) {
         return Err(Nvfp4Error::RowNotBlockAligned { cols });
     }
     if len != rows * cols {

@@ -97,7 +97,11 @@ mod tests {
     #[test]
     fn offsets_follow_the_documented_permutation() {
         // Row 33 = quarter 1, lane 1; scale column 5 = tile 1, column 1; 8 padded columns.
-        assert_eq!(swizzled_offset(33, 5, 8), ((1 * 32 + 1) * 4 + 1) * 4 + 1);
+        let (col_tile, lane, quarter, col_in_tile) = (1, 1, 1, 1);
+        assert_eq!(
+            swizzled_offset(33, 5, 8),
+            ((col_tile * 32 + lane) * 4 + quarter) * 4 + col_in_tile
+        );
         // Second row tile starts after all column tiles of the first.
         assert_eq!(swizzled_offset(128, 0, 8), 2 * SWIZZLE_ATOM_BYTES);
         // The four scales of one row inside an atom are contiguous (one u32 for the MMA).
