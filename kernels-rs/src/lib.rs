@@ -4,4 +4,8 @@
 //! source and its tactic type side by side. [`formats`] holds the number formats every family
 //! shares: E2M1, E4M3/UE4M3, NVFP4 two-level quantization and the scale-factor swizzle.
 
+pub mod dense;
 pub mod formats;
+pub mod matrix;
+pub mod mla;
+pub mod moe_gemm;

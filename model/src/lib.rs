@@ -1,7 +1,20 @@
 //! The model layer: checkpoint → model → kernels → backend.
 //!
-//! Today it holds the tensor-file reader every loader shares; config, checkpoint, layers and
-//! the decode loop arrive with the model work.
+//! - [`config`] and [`checkpoint`]: what NVIDIA ships, read as it is.
+//! - [`weights`]: the weights, borrowed from memory-mapped shards.
+//! - [`rope`], [`forward`]: the DeepSeek-V3 forward pass over a paged latent cache, through the
+//!   [`backend::Backend`] trait.
+//! - [`sampler`], [`generate`]: the decode loop.
+//! - [`generator`], [`quantize`], [`plan`]: checkpoint generation, NVFP4 quantization, memory
+//!   planning.
 
+pub mod backend;
+pub mod checkpoint;
+pub mod config;
+pub mod forward;
+pub mod generate;
 pub mod nvfp4_file;
+pub mod rope;
+pub mod sampler;
 pub mod tensor_file;
+pub mod weights;

@@ -162,6 +162,21 @@ impl TensorFile {
         Ok(&self.mmap[info.byte_range.clone()])
     }
 
+    /// The raw bytes at `range` of the mapping (a range from [`TensorFile::byte_range`]).
+    #[inline]
+    pub fn mapped(&self, range: std::ops::Range<usize>) -> &[u8] {
+        &self.mmap[range]
+    }
+
+    /// Where a tensor's bytes lie in the mapping, after checking its dtype.
+    pub fn byte_range(&self, name: &str, expected: &[Dtype]) -> Result<std::ops::Range<usize>, TensorFileError> {
+        let info = self.info(name)?;
+        if !expected.contains(&info.dtype) {
+            return Err(self.dtype_error(name, info.dtype, expected));
+        }
+        Ok(info.byte_range.clone())
+    }
+
     /// Checks a tensor's shape.
     pub fn expect_shape(&self, name: &str, expected: &[usize]) -> Result<(), TensorFileError> {
         let info = self.info(name)?;

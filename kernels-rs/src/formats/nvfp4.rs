@@ -228,22 +228,20 @@ impl Nvfp4Matrix {
         })
     }
 
+    /// A borrowed view of the matrix.
+    pub fn view(&self) -> Nvfp4View<'_> {
+        Nvfp4View {
+            rows: self.rows,
+            cols: self.cols,
+            packed: &self.packed,
+            block_scales: &self.block_scales,
+            global_scale: self.global_scale,
+        }
+    }
+
     /// Dequantizes one row into `out` (`cols` elements).
     pub fn dequantize_row_into(&self, row: usize, out: &mut [f32]) {
-        let cols = self.cols;
-        let packed = &self.packed[row * cols / 2..(row + 1) * cols / 2];
-        let scales = &self.block_scales[row * cols / NVFP4_BLOCK..(row + 1) * cols / NVFP4_BLOCK];
-        for ((out_block, packed_block), &scale) in out
-            .chunks_exact_mut(NVFP4_BLOCK)
-            .zip(packed.chunks_exact(NVFP4_BLOCK / 2))
-            .zip(scales)
-        {
-            let factor = block_dequant_factor(scale, self.global_scale);
-            for (pair, &byte) in out_block.chunks_exact_mut(2).zip(packed_block) {
-                pair[0] = e2m1_to_f32(byte) * factor;
-                pair[1] = e2m1_to_f32(byte >> 4) * factor;
-            }
-        }
+        self.view().dequantize_row_into(row, out);
     }
 
     /// Dequantizes the whole matrix, row-major.
@@ -265,6 +263,48 @@ impl Nvfp4Matrix {
             byte & 0x0F
         } else {
             byte >> 4
+        }
+    }
+}
+
+/// An NVFP4 matrix borrowed from elsewhere, typically a memory-mapped checkpoint.
+#[derive(Clone, Copy, Debug)]
+pub struct Nvfp4View<'a> {
+    pub rows: usize,
+    pub cols: usize,
+    pub packed: &'a [u8],
+    pub block_scales: &'a [u8],
+    pub global_scale: f32,
+}
+
+impl Nvfp4View<'_> {
+    /// Dequantizes one row into `out` (`cols` elements).
+    #[inline]
+    pub fn dequantize_row_into(&self, row: usize, out: &mut [f32]) {
+        let cols = self.cols;
+        let packed = &self.packed[row * cols / 2..(row + 1) * cols / 2];
+        let scales = &self.block_scales[row * cols / NVFP4_BLOCK..(row + 1) * cols / NVFP4_BLOCK];
+        for ((out_block, packed_block), &scale) in
+            out.chunks_exact_mut(NVFP4_BLOCK).zip(packed.chunks_exact(NVFP4_BLOCK / 2)).zip(scales)
+        {
+            let factor = block_dequant_factor(scale, self.global_scale);
+            for (pair, &byte) in out_block.chunks_exact_mut(2).zip(packed_block) {
+                pair[0] = e2m1_to_f32(byte) * factor;
+                pair[1] = e2m1_to_f32(byte >> 4) * factor;
+            }
+        }
+    }
+}
+
+/// Quantizes one row of activations and dequantizes it again, in place of `out`.
+pub fn fake_quantize_row(row: &[f32], input_scale: f32, out: &mut [f32]) {
+    let mut packed = [0u8; NVFP4_BLOCK / 2];
+    for (block, out_block) in row.chunks_exact(NVFP4_BLOCK).zip(out.chunks_exact_mut(NVFP4_BLOCK)) {
+        let scale = quantize_block(block, input_scale, &mut packed);
+        let factor = block_dequant_factor(scale, input_scale);
+        for (pair, &byte) in out_block.chunks_exact_mut(2).zip(&packed) {
+            pair[0] = e2m1_to_f32(byte) * factor;
+            pair[1] = e2m1_to_f32(byte >> 4) * factor;
         }
     }
 }

@@ -1,0 +1,344 @@
+//! The paged latent KV cache: pages of [`PAGE_TOKENS`] tokens, one block table per sequence,
+//! one page id valid across all layers (as paged attention engines allocate them).
+//!
+//! Storage per token and layer:
+//! - BF16: the 512 latent values and the 64 RoPE values, 1,152 bytes.
+//! - FP8 E4M3: the 512 latent values as E4M3 codes with one FP32 scale per token
+//!   (`amax / 448`, so every token uses the full E4M3 range), plus the 64 RoPE values in BF16:
+//!   512 + 4 + 128 = 644 bytes. The RoPE part stays BF16 because its rotation spreads values
+//!   across magnitudes that one scale would crush, and it is only 11% of the bytes.
+
+use half::bf16;
+use thiserror::Error;
+
+use crate::formats::e4m3::{E4M3_MAX, Overflow, e4m3_to_f32, f32_to_e4m3};
+
+/// Tokens per cache page.
+pub const PAGE_TOKENS: usize = 64;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KvCacheDtype {
+    Bf16,
+    Fp8E4m3,
+}
+
+impl KvCacheDtype {
+    pub fn id(self) -> &'static str {
+        match self {
+            Self::Bf16 => "bf16",
+            Self::Fp8E4m3 => "fp8",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "bf16" => Some(Self::Bf16),
+            "fp8" | "fp8_e4m3" => Some(Self::Fp8E4m3),
+            _ => None,
+        }
+    }
+
+    /// Bytes one token occupies in one layer.
+    pub fn bytes_per_token(self, shape: &LatentCacheShape) -> usize {
+        match self {
+            Self::Bf16 => 2 * (shape.latent_dim + shape.rope_dim),
+            Self::Fp8E4m3 => shape.latent_dim + 4 + 2 * shape.rope_dim,
+        }
+    }
+}
+
+/// Dimensions of the cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LatentCacheShape {
+    pub layers: usize,
+    pub latent_dim: usize,
+    pub rope_dim: usize,
+}
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum CacheError {
+    #[error("KV cache is full: {needed} more pages needed, {free} free of {total}")]
+    Full { needed: usize, free: usize, total: usize },
+    #[error("unknown sequence {0:?}")]
+    UnknownSequence(SeqId),
+    #[error("position {pos} is beyond the {reserved} tokens reserved for sequence {seq:?}")]
+    NotReserved { seq: SeqId, pos: usize, reserved: usize },
+}
+
+/// A sequence's handle in the cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqId(pub u32);
+
+#[derive(Clone, Debug, Default)]
+struct BlockTable {
+    pages: Vec<u32>,
+    /// Tokens whose entries are written in every layer.
+    len: usize,
+}
+
+/// Storage for one layer. Index of token slot `s` of page `p`: `p * PAGE_TOKENS + s`.
+enum LayerStorage {
+    Bf16 { values: Vec<bf16> },
+    Fp8 { latent: Vec<u8>, scales: Vec<f32>, rope: Vec<bf16> },
+}
+
+/// One token's cached entry, widened to `f32`.
+pub struct TokenEntry<'a> {
+    pub latent: &'a mut [f32],
+    pub rope: &'a mut [f32],
+}
+
+pub struct PagedLatentCache {
+    shape: LatentCacheShape,
+    dtype: KvCacheDtype,
+    num_pages: usize,
+    layers: Vec<LayerStorage>,
+    free_pages: Vec<u32>,
+    sequences: std::collections::BTreeMap<SeqId, BlockTable>,
+    next_seq: u32,
+}
+
+impl PagedLatentCache {
+    pub fn new(shape: LatentCacheShape, dtype: KvCacheDtype, num_pages: usize) -> Self {
+        let slots = num_pages * PAGE_TOKENS;
+        let layers = (0..shape.layers)
+            .map(|_| match dtype {
+                KvCacheDtype::Bf16 => {
+                    LayerStorage::Bf16 { values: vec![bf16::ZERO; slots * (shape.latent_dim + shape.rope_dim)] }
+                }
+                KvCacheDtype::Fp8E4m3 => LayerStorage::Fp8 {
+                    latent: vec![0; slots * shape.latent_dim],
+                    scales: vec![0.0; slots],
+                    rope: vec![bf16::ZERO; slots * shape.rope_dim],
+                },
+            })
+            .collect();
+        Self {
+            shape,
+            dtype,
+            num_pages,
+            layers,
+            // Pop from the end, so hand out low page ids first.
+            free_pages: (0..num_pages as u32).rev().collect(),
+            sequences: Default::default(),
+            next_seq: 0,
+        }
+    }
+
+    /// A cache big enough for `tokens` tokens in total.
+    pub fn with_capacity_tokens(shape: LatentCacheShape, dtype: KvCacheDtype, tokens: usize) -> Self {
+        Self::new(shape, dtype, tokens.div_ceil(PAGE_TOKENS))
+    }
+
+    pub fn shape(&self) -> LatentCacheShape {
+        self.shape
+    }
+
+    pub fn dtype(&self) -> KvCacheDtype {
+        self.dtype
+    }
+
+    pub fn free_pages(&self) -> usize {
+        self.free_pages.len()
+    }
+
+    pub fn total_pages(&self) -> usize {
+        self.num_pages
+    }
+
+    pub fn add_sequence(&mut self) -> SeqId {
+        let id = SeqId(self.next_seq);
+        self.next_seq += 1;
+        self.sequences.insert(id, BlockTable::default());
+        id
+    }
+
+    /// Returns the sequence's pages to the free list.
+    pub fn free_sequence(&mut self, seq: SeqId) -> Result<(), CacheError> {
+        let table = self.sequences.remove(&seq).ok_or(CacheError::UnknownSequence(seq))?;
+        self.free_pages.extend(table.pages.into_iter().rev());
+        Ok(())
+    }
+
+    /// Tokens cached for `seq` (written in every layer).
+    pub fn seq_len(&self, seq: SeqId) -> Result<usize, CacheError> {
+        Ok(self.table(seq)?.len)
+    }
+
+    /// The sequence's page ids, in order.
+    pub fn block_table(&self, seq: SeqId) -> Result<&[u32], CacheError> {
+        Ok(&self.table(seq)?.pages)
+    }
+
+    /// Makes room for `new_tokens` more tokens after the current length.
+    pub fn reserve(&mut self, seq: SeqId, new_tokens: usize) -> Result<(), CacheError> {
+        let table = self.sequences.get(&seq).ok_or(CacheError::UnknownSequence(seq))?;
+        let needed_pages = (table.len + new_tokens).div_ceil(PAGE_TOKENS);
+        let extra = needed_pages.saturating_sub(table.pages.len());
+        if extra > self.free_pages.len() {
+            return Err(CacheError::Full { needed: extra, free: self.free_pages.len(), total: self.num_pages });
+        }
+        let new_pages: Vec<u32> = (0..extra).map(|_| self.free_pages.pop().expect("checked above")).collect();
+        self.sequences.get_mut(&seq).expect("checked above").pages.extend(new_pages);
+        Ok(())
+    }
+
+    /// Marks `new_tokens` more tokens as written in every layer.
+    pub fn commit(&mut self, seq: SeqId, new_tokens: usize) -> Result<(), CacheError> {
+        let table = self.sequences.get_mut(&seq).ok_or(CacheError::UnknownSequence(seq))?;
+        let reserved = table.pages.len() * PAGE_TOKENS;
+        if table.len + new_tokens > reserved {
+            return Err(CacheError::NotReserved { seq, pos: table.len + new_tokens - 1, reserved });
+        }
+        table.len += new_tokens;
+        Ok(())
+    }
+
+    fn table(&self, seq: SeqId) -> Result<&BlockTable, CacheError> {
+        self.sequences.get(&seq).ok_or(CacheError::UnknownSequence(seq))
+    }
+
+    fn slot(&self, seq: SeqId, pos: usize) -> Result<usize, CacheError> {
+        let table = self.table(seq)?;
+        let page = table
+            .pages
+            .get(pos / PAGE_TOKENS)
+            .ok_or(CacheError::NotReserved { seq, pos, reserved: table.pages.len() * PAGE_TOKENS })?;
+        Ok(*page as usize * PAGE_TOKENS + pos % PAGE_TOKENS)
+    }
+
+    /// Writes token `pos` of `seq` in `layer`: the normalized latent and the RoPE'd key part,
+    /// quantized to the cache's dtype.
+    pub fn write(&mut self, layer: usize, seq: SeqId, pos: usize, latent: &[f32], rope: &[f32]) -> Result<(), CacheError> {
+        let (l, r) = (self.shape.latent_dim, self.shape.rope_dim);
+        assert_eq!((latent.len(), rope.len()), (l, r), "cache write: latent/rope lengths");
+        let slot = self.slot(seq, pos)?;
+        match &mut self.layers[layer] {
+            LayerStorage::Bf16 { values } => {
+                let entry = &mut values[slot * (l + r)..(slot + 1) * (l + r)];
+                for (dst, &src) in entry.iter_mut().zip(latent.iter().chain(rope)) {
+                    *dst = bf16::from_f32(src);
+                }
+            }
+            LayerStorage::Fp8 { latent: codes, scales, rope: rope_store } => {
+                let scale = fp8_token_scale(latent);
+                scales[slot] = scale;
+                for (dst, &src) in codes[slot * l..(slot + 1) * l].iter_mut().zip(latent) {
+                    *dst = f32_to_e4m3(src / scale, Overflow::Saturate);
+                }
+                for (dst, &src) in rope_store[slot * r..(slot + 1) * r].iter_mut().zip(rope) {
+                    *dst = bf16::from_f32(src);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads token `pos` of `seq` in `layer`, dequantized, into `entry`.
+    pub fn read(&self, layer: usize, seq: SeqId, pos: usize, entry: TokenEntry<'_>) -> Result<(), CacheError> {
+        let slot = self.slot(seq, pos)?;
+        self.read_slot(layer, slot, entry.latent, entry.rope);
+        Ok(())
+    }
+
+    /// Reads the cache entry in physical slot `slot` of `layer`.
+    #[inline]
+    pub fn read_slot(&self, layer: usize, slot: usize, latent: &mut [f32], rope: &mut [f32]) {
+        let (l, r) = (self.shape.latent_dim, self.shape.rope_dim);
+        match &self.layers[layer] {
+            LayerStorage::Bf16 { values } => {
+                let entry = &values[slot * (l + r)..(slot + 1) * (l + r)];
+                for (dst, src) in latent.iter_mut().zip(&entry[..l]) {
+                    *dst = src.to_f32();
+                }
+                for (dst, src) in rope.iter_mut().zip(&entry[l..]) {
+                    *dst = src.to_f32();
+                }
+            }
+            LayerStorage::Fp8 { latent: codes, scales, rope: rope_store } => {
+                let scale = scales[slot];
+                for (dst, &code) in latent.iter_mut().zip(&codes[slot * l..(slot + 1) * l]) {
+                    *dst = e4m3_to_f32(code) * scale;
+                }
+                for (dst, src) in rope.iter_mut().zip(&rope_store[slot * r..(slot + 1) * r]) {
+                    *dst = src.to_f32();
+                }
+            }
+        }
+    }
+
+    /// Physical slots of tokens `0..len` of `seq`, in order.
+    pub fn slots(&self, seq: SeqId, len: usize) -> Result<Vec<usize>, CacheError> {
+        (0..len).map(|pos| self.slot(seq, pos)).collect()
+    }
+
+    /// Bytes the cache's storage occupies.
+    pub fn storage_bytes(&self) -> usize {
+        self.num_pages * PAGE_TOKENS * self.shape.layers * self.dtype.bytes_per_token(&self.shape)
+    }
+}
+
+/// The per-token FP8 scale: the token's latent amax maps to 448; an all-zero latent gets 1.
+pub fn fp8_token_scale(latent: &[f32]) -> f32 {
+    let amax = latent.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    if amax > 0.0 && amax.is_finite() { amax / E4M3_MAX } else { 1.0 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SHAPE: LatentCacheShape = LatentCacheShape { layers: 2, latent_dim: 32, rope_dim: 8 };
+
+    #[test]
+    fn pages_are_allocated_per_sequence_and_returned() {
+        let mut cache = PagedLatentCache::new(SHAPE, KvCacheDtype::Bf16, 4);
+        let a = cache.add_sequence();
+        let b = cache.add_sequence();
+        cache.reserve(a, 65).unwrap();
+        assert_eq!(cache.block_table(a).unwrap(), &[0, 1]);
+        cache.reserve(b, 64).unwrap();
+        assert_eq!(cache.block_table(b).unwrap(), &[2]);
+        assert_eq!(cache.reserve(b, 200), Err(CacheError::Full { needed: 3, free: 1, total: 4 }));
+        cache.free_sequence(a).unwrap();
+        assert_eq!(cache.free_pages(), 3);
+        cache.reserve(b, 129).unwrap();
+        assert_eq!(cache.block_table(b).unwrap(), &[2, 0, 1]);
+        assert!(cache.commit(b, 193).is_err());
+        cache.commit(b, 129).unwrap();
+        assert_eq!(cache.seq_len(b).unwrap(), 129);
+    }
+
+    #[test]
+    fn bf16_and_fp8_round_trip_within_their_precision() {
+        for dtype in [KvCacheDtype::Bf16, KvCacheDtype::Fp8E4m3] {
+            let mut cache = PagedLatentCache::new(SHAPE, dtype, 2);
+            let seq = cache.add_sequence();
+            cache.reserve(seq, 70).unwrap();
+            let latent: Vec<f32> = (0..32).map(|i| ((i as f32) * 0.37).sin() * 3.0).collect();
+            let rope: Vec<f32> = (0..8).map(|i| i as f32 * 0.1 - 0.3).collect();
+            cache.write(1, seq, 66, &latent, &rope).unwrap();
+            let (mut l, mut r) = (vec![0.0; 32], vec![0.0; 8]);
+            cache.read(1, seq, 66, TokenEntry { latent: &mut l, rope: &mut r }).unwrap();
+            let amax = 3.0f32;
+            // BF16 keeps 8 significant bits; E4M3 keeps 4, relative to the token's own scale.
+            let tol = match dtype {
+                KvCacheDtype::Bf16 => amax / 256.0,
+                KvCacheDtype::Fp8E4m3 => amax / 16.0,
+            };
+            for (a, b) in latent.iter().zip(&l) {
+                assert!((a - b).abs() <= tol, "{dtype:?}: {a} vs {b}");
+            }
+            for (a, b) in rope.iter().zip(&r) {
+                assert!((a - b).abs() <= 0.3 / 256.0 + 1e-6, "{dtype:?}: {a} vs {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn cache_sizes_match_the_model_facts() {
+        let kimi = LatentCacheShape { layers: 61, latent_dim: 512, rope_dim: 64 };
+        assert_eq!(KvCacheDtype::Bf16.bytes_per_token(&kimi), 1152);
+        assert_eq!(KvCacheDtype::Fp8E4m3.bytes_per_token(&kimi), 644);
+    }
+}

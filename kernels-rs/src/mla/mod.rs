@@ -1,0 +1,15 @@
+//! MLA decode attention over a paged latent KV cache.
+//!
+//! DeepSeek-V3's multi-head latent attention caches, per token and layer, one normalized latent
+//! `c` (`kv_lora_rank` = 512 values) and one RoPE'd key part `k_pe` (64 values), shared by all
+//! heads. With the absorbed formulation a query head `h` arrives as `q_abs[h]` (its no-PE query
+//! already multiplied into latent space) and `q_pe[h]`, and attention is
+//! `softmax_t((q_abs·c_t + q_pe·kpe_t) · scale) · c_t`, leaving the output in latent space.
+//!
+//! - [`cache`]: pages of 64 tokens, block tables, BF16 or FP8 E4M3 storage.
+//! - [`reference`]: the CPU reference of the attention.
+
+pub mod cache;
+pub mod reference;
+
+pub use cache::{CacheError, KvCacheDtype, LatentCacheShape, PAGE_TOKENS, PagedLatentCache, SeqId};

@@ -1,0 +1,71 @@
+//! The small set of operations a compute backend provides to the forward pass. The CPU backend
+//! implements it with the kernels crate's CPU paths; a CUDA backend implements the same calls.
+
+use kernels::matrix::MatrixView;
+use kernels::mla::cache::{CacheError, PagedLatentCache};
+use kernels::mla::reference::{MlaProblem, mla_attention_reference};
+use kernels::moe_gemm::reference::{ExpertInputAmax, ExpertView, Routing, moe_reference};
+
+pub trait Backend: Send + Sync {
+    fn name(&self) -> &'static str;
+
+    /// `out = x · Wᵀ` for `x: [tokens, w.cols]`.
+    fn matmul(&self, x: &[f32], tokens: usize, w: MatrixView<'_>, out: &mut [f32]);
+
+    /// Routed experts (grouped GEMM), W4A4 for NVFP4 experts; records activation maxima when
+    /// `amax` is given (calibration).
+    fn moe(
+        &self,
+        x: &[f32],
+        hidden: usize,
+        routing: &Routing,
+        experts: &[ExpertView<'_>],
+        out: &mut [f32],
+        amax: Option<&mut ExpertInputAmax>,
+    );
+
+    /// Absorbed MLA attention over the paged latent cache: latent outputs and log-sum-exp.
+    fn mla_attention(
+        &self,
+        cache: &PagedLatentCache,
+        problem: &MlaProblem<'_>,
+        out: &mut [f32],
+        lse: &mut [f32],
+    ) -> Result<(), CacheError>;
+}
+
+/// The CPU backend: rayon-parallel kernels from the `kernels` crate.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CpuBackend;
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn matmul(&self, x: &[f32], tokens: usize, w: MatrixView<'_>, out: &mut [f32]) {
+        kernels::dense::matmul_transposed(x, tokens, w, out);
+    }
+
+    fn moe(
+        &self,
+        x: &[f32],
+        hidden: usize,
+        routing: &Routing,
+        experts: &[ExpertView<'_>],
+        out: &mut [f32],
+        amax: Option<&mut ExpertInputAmax>,
+    ) {
+        moe_reference(x, hidden, routing, experts, out, amax);
+    }
+
+    fn mla_attention(
+        &self,
+        cache: &PagedLatentCache,
+        problem: &MlaProblem<'_>,
+        out: &mut [f32],
+        lse: &mut [f32],
+    ) -> Result<(), CacheError> {
+        mla_attention_reference(cache, problem, out, lse)
+    }
+}

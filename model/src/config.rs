@@ -1,0 +1,468 @@
+//! Model and quantization configuration, parsed from the files a checkpoint ships as they are:
+//! Kimi-K2.5's `config.json` (`model_type: kimi_k25`, the text model in `text_config`), plain
+//! DeepSeek-V3 / Kimi-K2 configs, and ModelOpt's `hf_quant_config.json` or the
+//! `quantization_config` inside `config.json`.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    #[error("{path}: cannot read: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{path}: invalid JSON: {source}")]
+    Json { path: PathBuf, source: serde_json::Error },
+    #[error("{path}: {message}")]
+    Invalid { path: PathBuf, message: String },
+}
+
+/// YaRN RoPE scaling, as DeepSeek-V3 and Kimi use it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct YarnScaling {
+    pub factor: f64,
+    pub original_max_position_embeddings: usize,
+    pub beta_fast: f64,
+    pub beta_slow: f64,
+    pub mscale: f64,
+    pub mscale_all_dim: f64,
+}
+
+/// The text model's hyper-parameters (DeepSeek-V3 architecture).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelConfig {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    /// Dense MLP width (the first `first_k_dense_replace` layers).
+    pub intermediate_size: usize,
+    pub moe_intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub n_routed_experts: usize,
+    pub n_shared_experts: usize,
+    pub num_experts_per_tok: usize,
+    pub first_k_dense_replace: usize,
+    pub moe_layer_freq: usize,
+    /// `None`: queries come from a plain `q_proj`.
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: usize,
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+    pub rope_theta: f64,
+    pub rope_scaling: Option<YarnScaling>,
+    pub rms_norm_eps: f64,
+    pub routed_scaling_factor: f64,
+    pub n_group: usize,
+    pub topk_group: usize,
+    pub norm_topk_prob: bool,
+    pub max_position_embeddings: usize,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+    pub tie_word_embeddings: bool,
+}
+
+/// How routed experts are stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum QuantAlgo {
+    /// ModelOpt NVFP4 (W4A4): E2M1 weights, E4M3 per-16 scales, FP32 global scales.
+    Nvfp4,
+}
+
+/// The KV-cache quantization a checkpoint asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum KvCacheQuant {
+    Fp8,
+}
+
+/// ModelOpt's quantization description.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct QuantConfig {
+    pub quant_algo: QuantAlgo,
+    pub group_size: usize,
+    pub exclude_modules: Vec<String>,
+    pub kv_cache_quant_algo: Option<KvCacheQuant>,
+    pub producer: Option<String>,
+}
+
+impl QuantConfig {
+    /// Whether `module` (a dotted name without `.weight`) is excluded from quantization by one
+    /// of the `exclude_modules` globs.
+    pub fn is_excluded(&self, module: &str) -> bool {
+        self.exclude_modules.iter().any(|pattern| glob_match(pattern, module))
+    }
+}
+
+/// Shell-style glob with `*` (any run, dots included, as ModelOpt's fnmatch) and `?`.
+pub fn glob_match(pattern: &str, text: &str) -> bool {
+    let (p, t): (Vec<char>, Vec<char>) = (pattern.chars().collect(), text.chars().collect());
+    let (mut pi, mut ti, mut star, mut mark) = (0usize, 0usize, None::<usize>, 0usize);
+    while ti < t.len() {
+        if pi < p.len() && (p[pi] == '?' || p[pi] == t[ti]) {
+            pi += 1;
+            ti += 1;
+        } else if pi < p.len() && p[pi] == '*' {
+            star = Some(pi);
+            mark = ti;
+            pi += 1;
+        } else if let Some(s) = star {
+            pi = s + 1;
+            mark += 1;
+            ti = mark;
+        } else {
+            return false;
+        }
+    }
+    p[pi..].iter().all(|&c| c == '*')
+}
+
+/// Everything a checkpoint directory says about the model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CheckpointConfig {
+    pub model: ModelConfig,
+    pub quant: Option<QuantConfig>,
+    /// `model_type` of the top-level config (`kimi_k25`, `deepseek_v3`, `kimi_k2`).
+    pub model_type: String,
+}
+
+const TEXT_MODEL_TYPES: [&str; 2] = ["deepseek_v3", "kimi_k2"];
+const WRAPPER_MODEL_TYPES: [&str; 1] = ["kimi_k25"];
+
+impl CheckpointConfig {
+    /// Reads `config.json` and, if present, `hf_quant_config.json` from a checkpoint directory.
+    pub fn from_dir(dir: &Path) -> Result<Self, ConfigError> {
+        let config_path = dir.join("config.json");
+        let root = read_json(&config_path)?;
+        let quant_path = dir.join("hf_quant_config.json");
+        let hf_quant = if quant_path.exists() { Some(read_json(&quant_path)?) } else { None };
+        Self::from_json(&config_path, &root, hf_quant.as_ref().map(|v| (quant_path.as_path(), v)))
+    }
+
+    pub fn from_json(
+        config_path: &Path,
+        root: &Value,
+        hf_quant: Option<(&Path, &Value)>,
+    ) -> Result<Self, ConfigError> {
+        let invalid = |message: String| ConfigError::Invalid { path: config_path.to_path_buf(), message };
+        let model_type = root
+            .get("model_type")
+            .and_then(Value::as_str)
+            .ok_or_else(|| invalid("missing `model_type`".into()))?
+            .to_string();
+        let text = if WRAPPER_MODEL_TYPES.contains(&model_type.as_str()) {
+            let text = root
+                .get("text_config")
+                .ok_or_else(|| invalid(format!("`model_type: {model_type}` needs a `text_config`")))?;
+            let text_type = text.get("model_type").and_then(Value::as_str).unwrap_or("deepseek_v3");
+            if !TEXT_MODEL_TYPES.contains(&text_type) {
+                return Err(invalid(format!(
+                    "text_config.model_type `{text_type}` is not supported (expected one of {TEXT_MODEL_TYPES:?})"
+                )));
+            }
+            text
+        } else if TEXT_MODEL_TYPES.contains(&model_type.as_str()) {
+            root
+        } else {
+            return Err(invalid(format!(
+                "model_type `{model_type}` is not supported (expected one of {:?} or {:?})",
+                WRAPPER_MODEL_TYPES, TEXT_MODEL_TYPES
+            )));
+        };
+        let model = parse_text_config(text, root).map_err(invalid)?;
+
+        let quant = match hf_quant {
+            Some((path, value)) => {
+                let section = value.get("quantization").unwrap_or(value);
+                let producer = value.get("producer").map(|p| {
+                    format!(
+                        "{} {}",
+                        p.get("name").and_then(Value::as_str).unwrap_or("?"),
+                        p.get("version").and_then(Value::as_str).unwrap_or("?")
+                    )
+                });
+                Some(parse_quant(section, producer).map_err(|message| ConfigError::Invalid {
+                    path: path.to_path_buf(),
+                    message,
+                })?)
+            }
+            None => {
+                let embedded = root.get("quantization_config").or_else(|| text.get("quantization_config"));
+                match embedded {
+                    Some(q) => Some(parse_quant(q, None).map_err(invalid)?),
+                    None => None,
+                }
+            }
+        };
+        Ok(Self { model, quant, model_type })
+    }
+}
+
+fn read_json(path: &Path) -> Result<Value, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+    serde_json::from_str(&text).map_err(|source| ConfigError::Json { path: path.to_path_buf(), source })
+}
+
+fn get_usize(v: &Value, key: &str) -> Result<usize, String> {
+    v.get(key)
+        .and_then(Value::as_u64)
+        .map(|x| x as usize)
+        .ok_or_else(|| format!("missing or non-integer `{key}`"))
+}
+
+fn get_f64(v: &Value, key: &str) -> Result<f64, String> {
+    v.get(key).and_then(Value::as_f64).ok_or_else(|| format!("missing or non-numeric `{key}`"))
+}
+
+fn token_ids(v: Option<&Value>) -> Vec<u32> {
+    match v {
+        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        Some(Value::Array(items)) => items.iter().filter_map(Value::as_u64).map(|x| x as u32).collect(),
+        _ => Vec::new(),
+    }
+}
+
+fn parse_text_config(t: &Value, root: &Value) -> Result<ModelConfig, String> {
+    if let Some(func) = t.get("scoring_func").and_then(Value::as_str) {
+        if func != "sigmoid" {
+            return Err(format!("scoring_func `{func}` is not supported (only `sigmoid`)"));
+        }
+    }
+    if let Some(method) = t.get("topk_method").and_then(Value::as_str) {
+        if method != "noaux_tc" {
+            return Err(format!("topk_method `{method}` is not supported (only `noaux_tc`)"));
+        }
+    }
+    if let Some(act) = t.get("hidden_act").and_then(Value::as_str) {
+        if act != "silu" {
+            return Err(format!("hidden_act `{act}` is not supported (only `silu`)"));
+        }
+    }
+    let heads = get_usize(t, "num_attention_heads")?;
+    if let Some(kv_heads) = t.get("num_key_value_heads").and_then(Value::as_u64) {
+        if kv_heads as usize != heads {
+            return Err(format!("num_key_value_heads {kv_heads} != num_attention_heads {heads}: MLA expects them equal"));
+        }
+    }
+    let rope_scaling = match t.get("rope_scaling") {
+        None | Some(Value::Null) => None,
+        Some(rs) => {
+            let kind = rs.get("rope_type").or_else(|| rs.get("type")).and_then(Value::as_str).unwrap_or("");
+            if kind != "yarn" {
+                return Err(format!("rope_scaling type `{kind}` is not supported (only `yarn`)"));
+            }
+            Some(YarnScaling {
+                factor: get_f64(rs, "factor")?,
+                original_max_position_embeddings: get_usize(rs, "original_max_position_embeddings")?,
+                beta_fast: rs.get("beta_fast").and_then(Value::as_f64).unwrap_or(32.0),
+                beta_slow: rs.get("beta_slow").and_then(Value::as_f64).unwrap_or(1.0),
+                mscale: rs.get("mscale").and_then(Value::as_f64).unwrap_or(1.0),
+                mscale_all_dim: rs.get("mscale_all_dim").and_then(Value::as_f64).unwrap_or(0.0),
+            })
+        }
+    };
+    let q_lora_rank = match t.get("q_lora_rank") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(v.as_u64().ok_or("`q_lora_rank` must be an integer or null")? as usize),
+    };
+    let n_routed_experts = get_usize(t, "n_routed_experts")?;
+    let n_group = t.get("n_group").and_then(Value::as_u64).unwrap_or(1) as usize;
+    let topk_group = t.get("topk_group").and_then(Value::as_u64).unwrap_or(1) as usize;
+    let num_experts_per_tok = get_usize(t, "num_experts_per_tok")?;
+    if n_group == 0 || n_routed_experts % n_group != 0 || topk_group > n_group {
+        return Err(format!("n_group {n_group} / topk_group {topk_group} do not divide {n_routed_experts} experts"));
+    }
+    if num_experts_per_tok > topk_group * (n_routed_experts / n_group) {
+        return Err(format!("num_experts_per_tok {num_experts_per_tok} exceeds the experts of {topk_group} groups"));
+    }
+    let mut eos = token_ids(t.get("eos_token_id"));
+    if eos.is_empty() {
+        eos = token_ids(root.get("eos_token_id"));
+    }
+    let config = ModelConfig {
+        vocab_size: get_usize(t, "vocab_size")?,
+        hidden_size: get_usize(t, "hidden_size")?,
+        intermediate_size: get_usize(t, "intermediate_size")?,
+        moe_intermediate_size: get_usize(t, "moe_intermediate_size")?,
+        num_hidden_layers: get_usize(t, "num_hidden_layers")?,
+        num_attention_heads: heads,
+        n_routed_experts,
+        n_shared_experts: t.get("n_shared_experts").and_then(Value::as_u64).unwrap_or(0) as usize,
+        num_experts_per_tok,
+        first_k_dense_replace: t.get("first_k_dense_replace").and_then(Value::as_u64).unwrap_or(0) as usize,
+        moe_layer_freq: t.get("moe_layer_freq").and_then(Value::as_u64).unwrap_or(1) as usize,
+        q_lora_rank,
+        kv_lora_rank: get_usize(t, "kv_lora_rank")?,
+        qk_nope_head_dim: get_usize(t, "qk_nope_head_dim")?,
+        qk_rope_head_dim: get_usize(t, "qk_rope_head_dim")?,
+        v_head_dim: get_usize(t, "v_head_dim")?,
+        rope_theta: t.get("rope_theta").and_then(Value::as_f64).unwrap_or(10000.0),
+        rope_scaling,
+        rms_norm_eps: t.get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-6),
+        routed_scaling_factor: t.get("routed_scaling_factor").and_then(Value::as_f64).unwrap_or(1.0),
+        n_group,
+        topk_group,
+        norm_topk_prob: t.get("norm_topk_prob").and_then(Value::as_bool).unwrap_or(true),
+        max_position_embeddings: get_usize(t, "max_position_embeddings")?,
+        bos_token_id: token_ids(t.get("bos_token_id").or_else(|| root.get("bos_token_id"))).first().copied(),
+        eos_token_ids: eos,
+        tie_word_embeddings: t
+            .get("tie_word_embeddings")
+            .or_else(|| root.get("tie_word_embeddings"))
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
+    };
+    if config.qk_rope_head_dim % 2 != 0 {
+        return Err(format!("qk_rope_head_dim {} must be even", config.qk_rope_head_dim));
+    }
+    if config.moe_layer_freq != 1 {
+        return Err(format!("moe_layer_freq {} is not supported (only 1)", config.moe_layer_freq));
+    }
+    Ok(config)
+}
+
+fn parse_quant(q: &Value, producer: Option<String>) -> Result<QuantConfig, String> {
+    if let Some(method) = q.get("quant_method").and_then(Value::as_str) {
+        if method != "modelopt" {
+            return Err(format!("quant_method `{method}` is not supported (only ModelOpt NVFP4)"));
+        }
+    }
+    let algo = q.get("quant_algo").and_then(Value::as_str).ok_or("missing `quant_algo`")?;
+    let quant_algo = match algo {
+        "NVFP4" => QuantAlgo::Nvfp4,
+        other => return Err(format!("quant_algo `{other}` is not supported (only NVFP4)")),
+    };
+    let group_size = q.get("group_size").and_then(Value::as_u64).unwrap_or(16) as usize;
+    if group_size != kernels::formats::NVFP4_BLOCK {
+        return Err(format!("group_size {group_size} is not supported (NVFP4 uses 16)"));
+    }
+    let kv_cache_quant_algo = match q.get("kv_cache_quant_algo") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if s == "FP8" => Some(KvCacheQuant::Fp8),
+        Some(other) => return Err(format!("kv_cache_quant_algo {other} is not supported (only FP8 or null)")),
+    };
+    let exclude_modules = q
+        .get("exclude_modules")
+        .and_then(Value::as_array)
+        .map(|items| items.iter().filter_map(Value::as_str).map(str::to_string).collect())
+        .unwrap_or_default();
+    Ok(QuantConfig { quant_algo, group_size, exclude_modules, kv_cache_quant_algo, producer })
+}
+
+impl ModelConfig {
+    pub fn qk_head_dim(&self) -> usize {
+        self.qk_nope_head_dim + self.qk_rope_head_dim
+    }
+
+    /// Values cached per token per layer: the normalized latent plus the RoPE'd key part.
+    pub fn latent_cache_dim(&self) -> usize {
+        self.kv_lora_rank + self.qk_rope_head_dim
+    }
+
+    pub fn is_moe_layer(&self, layer: usize) -> bool {
+        layer >= self.first_k_dense_replace && self.n_routed_experts > 0
+    }
+
+    /// Softmax scale `qk_head_dim^-0.5 · mscale²` (YaRN's `mscale_all_dim` correction).
+    pub fn softmax_scale(&self) -> f32 {
+        let mut scale = (self.qk_head_dim() as f64).powf(-0.5);
+        if let Some(y) = &self.rope_scaling {
+            if y.mscale_all_dim != 0.0 {
+                let m = yarn_mscale(y.factor, y.mscale_all_dim);
+                scale *= m * m;
+            }
+        }
+        scale as f32
+    }
+}
+
+/// YaRN's attention-temperature correction `0.1 · m · ln(factor) + 1` (1 for factor ≤ 1).
+pub fn yarn_mscale(factor: f64, mscale: f64) -> f64 {
+    if factor <= 1.0 { 1.0 } else { 0.1 * mscale * factor.ln() + 1.0 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn kimi_k25_json() -> Value {
+        json!({
+            "architectures": ["KimiK25ForConditionalGeneration"],
+            "model_type": "kimi_k25",
+            "text_config": {
+                "model_type": "kimi_k2", "vocab_size": 163840, "hidden_size": 7168,
+                "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+                "num_attention_heads": 64, "num_key_value_heads": 64, "n_routed_experts": 384,
+                "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 1,
+                "moe_layer_freq": 1, "q_lora_rank": 1536, "kv_lora_rank": 512,
+                "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                "rope_theta": 50000.0, "rms_norm_eps": 1e-5, "routed_scaling_factor": 2.827,
+                "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
+                                 "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+                "n_group": 1, "topk_group": 1, "norm_topk_prob": true, "scoring_func": "sigmoid",
+                "topk_method": "noaux_tc", "max_position_embeddings": 262144,
+                "bos_token_id": 163584, "eos_token_id": 163585, "hidden_act": "silu"
+            }
+        })
+    }
+
+    #[test]
+    fn kimi_k25_config_and_softmax_scale() {
+        let quant = json!({"producer": {"name": "modelopt", "version": "0.37.0"},
+            "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8", "group_size": 16,
+                             "exclude_modules": ["lm_head", "*self_attn*", "*shared_experts*", "*mlp.gate"]}});
+        let c = CheckpointConfig::from_json(Path::new("config.json"), &kimi_k25_json(), Some((Path::new("q.json"), &quant))).unwrap();
+        assert_eq!(c.model.hidden_size, 7168);
+        assert_eq!(c.model.q_lora_rank, Some(1536));
+        assert_eq!(c.model.eos_token_ids, vec![163585]);
+        assert!((c.model.softmax_scale() - 0.1446796).abs() < 1e-6, "{}", c.model.softmax_scale());
+        let q = c.quant.unwrap();
+        assert_eq!(q.kv_cache_quant_algo, Some(KvCacheQuant::Fp8));
+        assert!(q.is_excluded("language_model.model.layers.3.self_attn.q_a_proj"));
+        assert!(q.is_excluded("language_model.model.layers.3.mlp.gate"));
+        assert!(!q.is_excluded("language_model.model.layers.3.mlp.experts.7.up_proj"));
+    }
+
+    #[test]
+    fn unsupported_values_are_named() {
+        let mut bad = kimi_k25_json();
+        bad["text_config"]["scoring_func"] = json!("softmax");
+        let err = CheckpointConfig::from_json(Path::new("cfg.json"), &bad, None).unwrap_err().to_string();
+        assert!(err.contains("cfg.json") && err.contains("softmax"), "{err}");
+        let quant = json!({"quantization": {"quant_algo": "INT4_AWQ"}});
+        let err = CheckpointConfig::from_json(Path::new("c.json"), &kimi_k25_json(), Some((Path::new("hf_quant_config.json"), &quant)))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("hf_quant_config.json") && err.contains("INT4_AWQ"), "{err}");
+        let err = CheckpointConfig::from_json(Path::new("c.json"), &json!({"model_type": "llama"}), None).unwrap_err().to_string();
+        assert!(err.contains("llama"), "{err}");
+    }
+
+    #[test]
+    fn plain_deepseek_config_with_grouped_routing_and_no_q_lora() {
+        let mut t = kimi_k25_json()["text_config"].clone();
+        t["model_type"] = json!("deepseek_v3");
+        t["q_lora_rank"] = Value::Null;
+        t["n_group"] = json!(8);
+        t["topk_group"] = json!(4);
+        t["eos_token_id"] = json!([1, 2]);
+        t["quantization_config"] = json!({"quant_method": "modelopt", "quant_algo": "NVFP4", "kv_cache_quant_algo": null});
+        let c = CheckpointConfig::from_json(Path::new("config.json"), &t, None).unwrap();
+        assert_eq!(c.model.q_lora_rank, None);
+        assert_eq!((c.model.n_group, c.model.topk_group), (8, 4));
+        assert_eq!(c.model.eos_token_ids, vec![1, 2]);
+        assert_eq!(c.quant.unwrap().kv_cache_quant_algo, None);
+    }
+
+    #[test]
+    fn globs_match_like_fnmatch() {
+        assert!(glob_match("*self_attn*", "model.layers.0.self_attn.o_proj"));
+        assert!(glob_match("lm_head", "lm_head"));
+        assert!(!glob_match("lm_head", "language_model.lm_head"));
+        assert!(glob_match("*.mlp.gate", "a.mlp.gate"));
+        assert!(!glob_match("*.mlp.gate", "a.mlp.gate_proj"));
+        assert!(glob_match("layers.?.x", "layers.3.x"));
+    }
+}

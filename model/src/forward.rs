@@ -1,0 +1,393 @@
+//! The DeepSeek-V3 / Kimi-K2.5 forward pass: embedding, MLA attention (absorbed, over the
+//! paged latent cache), dense MLP or MoE (sigmoid `noaux_tc` routing, shared experts, NVFP4
+//! W4A4 routed experts), final norm and `lm_head`. One call processes any mix of prefill
+//! chunks and single decode tokens from several sequences.
+
+use kernels::dense::dot;
+use kernels::mla::cache::{CacheError, KvCacheDtype, LatentCacheShape, PagedLatentCache, SeqId};
+use kernels::mla::reference::{AttentionQuery, MlaProblem};
+use kernels::moe_gemm::reference::{ExpertInputAmax, ExpertView, Routing, silu};
+use rayon::prelude::*;
+use thiserror::Error;
+
+use crate::backend::Backend;
+use crate::config::ModelConfig;
+use crate::rope::Rope;
+use crate::weights::*;
+
+#[derive(Debug, Error)]
+pub enum ForwardError {
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+    #[error("token id {token} is outside the vocabulary of {vocab}")]
+    TokenOutOfRange { token: u32, vocab: usize },
+    #[error("position {pos} exceeds max_position_embeddings {max}")]
+    ContextTooLong { pos: usize, max: usize },
+}
+
+/// New tokens of one sequence, appended after what the cache already holds for it.
+#[derive(Clone, Copy, Debug)]
+pub struct SeqInput<'a> {
+    pub seq: SeqId,
+    pub tokens: &'a [u32],
+}
+
+/// Which rows get logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitRows {
+    /// The last token of every input (decoding).
+    Last,
+    /// Every token (scoring a prompt).
+    All,
+}
+
+/// Logits `[rows, vocab]`.
+#[derive(Clone, Debug)]
+pub struct Logits {
+    pub rows: usize,
+    pub vocab: usize,
+    pub values: Vec<f32>,
+}
+
+impl Logits {
+    pub fn row(&self, row: usize) -> &[f32] {
+        &self.values[row * self.vocab..(row + 1) * self.vocab]
+    }
+}
+
+/// Activation maxima at the routed experts' inputs, per MoE layer (calibration).
+pub type Calibration = Vec<ExpertInputAmax>;
+
+pub struct Model {
+    pub config: ModelConfig,
+    pub weights: ModelWeights,
+    rope: Rope,
+    softmax_scale: f32,
+}
+
+impl Model {
+    pub fn new(config: ModelConfig, weights: ModelWeights) -> Self {
+        let rope = Rope::new(&config);
+        let softmax_scale = config.softmax_scale();
+        Self { config, weights, rope, softmax_scale }
+    }
+
+    pub fn cache_shape(&self) -> LatentCacheShape {
+        LatentCacheShape {
+            layers: self.config.num_hidden_layers,
+            latent_dim: self.config.kv_lora_rank,
+            rope_dim: self.config.qk_rope_head_dim,
+        }
+    }
+
+    /// A cache with room for `tokens` tokens across all sequences.
+    pub fn new_cache(&self, dtype: KvCacheDtype, tokens: usize) -> PagedLatentCache {
+        PagedLatentCache::with_capacity_tokens(self.cache_shape(), dtype, tokens)
+    }
+
+    /// Runs the model on `inputs`, appending their tokens to the cache, and returns logits.
+    /// With `calibration`, records the routed experts' input maxima per MoE layer.
+    pub fn forward(
+        &self,
+        backend: &dyn Backend,
+        cache: &mut PagedLatentCache,
+        inputs: &[SeqInput<'_>],
+        logit_rows: LogitRows,
+        mut calibration: Option<&mut Calibration>,
+    ) -> Result<Logits, ForwardError> {
+        let c = &self.config;
+        let hidden = c.hidden_size;
+        let mut rows: Vec<(SeqId, usize)> = Vec::new();
+        for input in inputs {
+            let start = cache.seq_len(input.seq)?;
+            cache.reserve(input.seq, input.tokens.len())?;
+            for (i, &token) in input.tokens.iter().enumerate() {
+                if token as usize >= c.vocab_size {
+                    return Err(ForwardError::TokenOutOfRange { token, vocab: c.vocab_size });
+                }
+                if start + i >= c.max_position_embeddings {
+                    return Err(ForwardError::ContextTooLong { pos: start + i, max: c.max_position_embeddings });
+                }
+                rows.push((input.seq, start + i));
+            }
+        }
+        let tokens: Vec<u32> = inputs.iter().flat_map(|i| i.tokens.iter().copied()).collect();
+        let n = rows.len();
+
+        let mut x = vec![0.0f32; n * hidden];
+        for (dst, &token) in x.chunks_exact_mut(hidden).zip(&tokens) {
+            for (d, w) in dst.iter_mut().zip(self.weights.embed.row(token as usize)) {
+                *d = w.to_f32();
+            }
+        }
+
+        let mut moe_layer = 0;
+        for (layer, weights) in self.weights.layers.iter().enumerate() {
+            let h = rms_norm_rows(&x, hidden, &weights.input_norm, c.rms_norm_eps);
+            let attn = self.attention(backend, cache, layer, &weights.attention, &h, &rows)?;
+            add_in_place(&mut x, &attn);
+            let h = rms_norm_rows(&x, hidden, &weights.post_attention_norm, c.rms_norm_eps);
+            let mlp = match &weights.mlp {
+                MlpWeights::Dense(dense) => dense_mlp(backend, dense, &h, n),
+                MlpWeights::Moe(moe) => {
+                    let amax = calibration.as_deref_mut().map(|cal| {
+                        if cal.len() <= moe_layer {
+                            cal.resize(moe_layer + 1, ExpertInputAmax::default());
+                        }
+                        &mut cal[moe_layer]
+                    });
+                    moe_layer += 1;
+                    self.moe(backend, moe, &h, n, amax)
+                }
+            };
+            add_in_place(&mut x, &mlp);
+        }
+        for input in inputs {
+            cache.commit(input.seq, input.tokens.len())?;
+        }
+
+        let selected: Vec<usize> = match logit_rows {
+            LogitRows::All => (0..n).collect(),
+            LogitRows::Last => {
+                let mut end = 0;
+                inputs
+                    .iter()
+                    .map(|i| {
+                        end += i.tokens.len();
+                        end - 1
+                    })
+                    .collect()
+            }
+        };
+        let mut final_hidden = Vec::with_capacity(selected.len() * hidden);
+        for &r in &selected {
+            final_hidden.extend_from_slice(&x[r * hidden..(r + 1) * hidden]);
+        }
+        let normed = rms_norm_rows(&final_hidden, hidden, &self.weights.norm, c.rms_norm_eps);
+        let mut values = vec![0.0f32; selected.len() * c.vocab_size];
+        backend.matmul(&normed, selected.len(), self.weights.lm_head.view(), &mut values);
+        Ok(Logits { rows: selected.len(), vocab: c.vocab_size, values })
+    }
+
+    fn attention(
+        &self,
+        backend: &dyn Backend,
+        cache: &mut PagedLatentCache,
+        layer: usize,
+        w: &AttentionWeights,
+        h: &[f32],
+        rows: &[(SeqId, usize)],
+    ) -> Result<Vec<f32>, ForwardError> {
+        let c = &self.config;
+        let n = rows.len();
+        let (heads, nope, rope_dim, v_dim, latent) =
+            (c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank);
+        let qk = nope + rope_dim;
+
+        let mut q = vec![0.0f32; n * heads * qk];
+        match &w.q {
+            QueryProjection::LowRank { a, norm, b } => {
+                let mut qa = vec![0.0f32; n * a.rows];
+                backend.matmul(h, n, a.view(), &mut qa);
+                let qa = rms_norm_rows(&qa, a.rows, norm, c.rms_norm_eps);
+                backend.matmul(&qa, n, b.view(), &mut q);
+            }
+            QueryProjection::Full(wq) => backend.matmul(h, n, wq.view(), &mut q),
+        }
+        let mut kv = vec![0.0f32; n * (latent + rope_dim)];
+        backend.matmul(h, n, w.kv_a.view(), &mut kv);
+
+        for (row, &(seq, pos)) in kv.chunks_exact_mut(latent + rope_dim).zip(rows) {
+            let (c_part, pe_part) = row.split_at_mut(latent);
+            let normed = rms_norm(c_part, &w.kv_a_norm, c.rms_norm_eps);
+            self.rope.apply(pe_part, pos);
+            cache.write(layer, seq, pos, &normed, pe_part)?;
+        }
+
+        // Absorb W_UK into the query: q_abs[h] = q_nope[h] · W_UK[h], W_UK[h] = kv_b rows
+        // h·(P+V) .. h·(P+V)+P.
+        let mut q_abs = vec![0.0f32; n * heads * latent];
+        let mut q_pe = vec![0.0f32; n * heads * rope_dim];
+        q_abs.par_chunks_mut(latent).zip(q_pe.par_chunks_mut(rope_dim)).enumerate().for_each(|(i, (abs, pe))| {
+            let (r, head) = (i / heads, i % heads);
+            let q_head = &q[(r * heads + head) * qk..(r * heads + head + 1) * qk];
+            abs.fill(0.0);
+            for (p, &qn) in q_head[..nope].iter().enumerate() {
+                for (a, wv) in abs.iter_mut().zip(w.kv_b.row(head * (nope + v_dim) + p)) {
+                    *a += qn * wv.to_f32();
+                }
+            }
+            pe.copy_from_slice(&q_head[nope..]);
+            self.rope.apply(pe, rows[r].1);
+        });
+
+        let queries: Vec<AttentionQuery> = rows.iter().map(|&(seq, pos)| AttentionQuery { seq, context: pos + 1 }).collect();
+        let problem = MlaProblem {
+            layer,
+            heads,
+            queries: &queries,
+            q_abs: &q_abs,
+            q_pe: &q_pe,
+            softmax_scale: self.softmax_scale,
+        };
+        let mut o_latent = vec![0.0f32; n * heads * latent];
+        let mut lse = vec![0.0f32; n * heads];
+        backend.mla_attention(cache, &problem, &mut o_latent, &mut lse)?;
+
+        // Back out of latent space with W_UV: o[h, v] = o_latent[h] · kv_b row h·(P+V)+P+v.
+        let mut o = vec![0.0f32; n * heads * v_dim];
+        o.par_chunks_mut(v_dim).enumerate().for_each(|(i, out)| {
+            let head = i % heads;
+            let lat = &o_latent[i * latent..(i + 1) * latent];
+            let mut row = vec![0.0f32; latent];
+            for (v, o) in out.iter_mut().enumerate() {
+                for (dst, wv) in row.iter_mut().zip(w.kv_b.row(head * (nope + v_dim) + nope + v)) {
+                    *dst = wv.to_f32();
+                }
+                *o = dot(lat, &row);
+            }
+        });
+        let mut out = vec![0.0f32; n * c.hidden_size];
+        backend.matmul(&o, n, w.o.view(), &mut out);
+        Ok(out)
+    }
+
+    fn moe(
+        &self,
+        backend: &dyn Backend,
+        w: &MoeWeights,
+        h: &[f32],
+        n: usize,
+        amax: Option<&mut ExpertInputAmax>,
+    ) -> Vec<f32> {
+        let c = &self.config;
+        let mut logits = vec![0.0f32; n * c.n_routed_experts];
+        backend.matmul(h, n, w.router.view(), &mut logits);
+        let routing = route(&logits, &w.correction_bias, c);
+        let experts: Vec<ExpertView<'_>> = w.experts.iter().map(ExpertWeights::view).collect();
+        let mut out = vec![0.0f32; n * c.hidden_size];
+        backend.moe(h, c.hidden_size, &routing, &experts, &mut out, amax);
+        if let Some(shared) = &w.shared {
+            add_in_place(&mut out, &dense_mlp(backend, shared, h, n));
+        }
+        out
+    }
+}
+
+/// `noaux_tc` routing: sigmoid scores; the correction bias is added for choosing experts only
+/// (groups ranked by the sum of their two best biased scores, `topk_group` groups kept); the
+/// weights are the chosen experts' unbiased scores, normalized, times `routed_scaling_factor`.
+/// Ties go to the lower expert index, so the choice is deterministic.
+pub fn route(logits: &[f32], bias: &[f32], c: &ModelConfig) -> Routing {
+    let experts = c.n_routed_experts;
+    let k = c.num_experts_per_tok;
+    let per_group = experts / c.n_group;
+    let mut routing = Routing { top_k: k, experts: Vec::new(), weights: Vec::new() };
+    for row in logits.chunks_exact(experts) {
+        let scores: Vec<f32> = row.iter().map(|&l| 1.0 / (1.0 + (-l).exp())).collect();
+        let mut choice: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
+        if c.n_group > 1 {
+            let group_scores: Vec<f32> = choice
+                .chunks_exact(per_group)
+                .map(|g| {
+                    let mut sorted = g.to_vec();
+                    sorted.sort_by(|a, b| b.total_cmp(a));
+                    sorted.iter().take(2).sum()
+                })
+                .collect();
+            let kept = top_indices(&group_scores, c.topk_group);
+            for (g, chunk) in choice.chunks_exact_mut(per_group).enumerate() {
+                if !kept.contains(&g) {
+                    chunk.fill(f32::NEG_INFINITY);
+                }
+            }
+        }
+        let chosen = top_indices(&choice, k);
+        let mut weights: Vec<f32> = chosen.iter().map(|&e| scores[e]).collect();
+        if c.norm_topk_prob {
+            let sum: f32 = weights.iter().sum::<f32>() + 1e-20;
+            weights.iter_mut().for_each(|w| *w /= sum);
+        }
+        weights.iter_mut().for_each(|w| *w *= c.routed_scaling_factor as f32);
+        routing.experts.extend(chosen.iter().map(|&e| e as u32));
+        routing.weights.extend(weights);
+    }
+    routing
+}
+
+/// Indices of the `k` largest values, largest first, ties to the lower index.
+fn top_indices(values: &[f32], k: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..values.len()).collect();
+    order.sort_by(|&a, &b| values[b].total_cmp(&values[a]).then(a.cmp(&b)));
+    order.truncate(k);
+    order
+}
+
+fn dense_mlp(backend: &dyn Backend, w: &DenseMlpWeights, h: &[f32], n: usize) -> Vec<f32> {
+    let inter = w.gate.rows;
+    let mut gate = vec![0.0f32; n * inter];
+    let mut up = vec![0.0f32; n * inter];
+    backend.matmul(h, n, w.gate.view(), &mut gate);
+    backend.matmul(h, n, w.up.view(), &mut up);
+    for (g, u) in gate.iter_mut().zip(&up) {
+        *g = silu(*g) * u;
+    }
+    let mut out = vec![0.0f32; n * w.down.rows];
+    backend.matmul(&gate, n, w.down.view(), &mut out);
+    out
+}
+
+/// RMSNorm in FP32: `x / sqrt(mean(x²) + eps) · w`.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f64) -> Vec<f32> {
+    let mean_square = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let inv = 1.0 / (mean_square + eps as f32).sqrt();
+    x.iter().zip(weight).map(|(v, w)| w * (v * inv)).collect()
+}
+
+fn rms_norm_rows(x: &[f32], dim: usize, weight: &[f32], eps: f64) -> Vec<f32> {
+    x.chunks_exact(dim).flat_map(|row| rms_norm(row, weight, eps)).collect()
+}
+
+fn add_in_place(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn routing_config(n_group: usize, topk_group: usize) -> ModelConfig {
+        let text = serde_json::json!({
+            "model_type": "deepseek_v3", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+            "moe_intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
+            "n_routed_experts": 8, "num_experts_per_tok": 2, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+            "qk_rope_head_dim": 4, "v_head_dim": 8, "max_position_embeddings": 64,
+            "n_group": n_group, "topk_group": topk_group, "routed_scaling_factor": 2.5, "norm_topk_prob": true
+        });
+        crate::config::CheckpointConfig::from_json(std::path::Path::new("c"), &text, None).unwrap().model
+    }
+
+    #[test]
+    fn bias_selects_but_does_not_weight() {
+        let c = routing_config(1, 1);
+        let logits = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7];
+        let mut bias = [0.0f32; 8];
+        bias[0] = 1.0; // makes expert 0 the best choice despite the lowest score
+        let r = route(&logits, &bias, &c);
+        assert_eq!(r.experts, vec![0, 7]);
+        let (s0, s7) = (0.5f32, 1.0 / (1.0 + (-0.7f32).exp()));
+        assert!((r.weights[0] - 2.5 * s0 / (s0 + s7)).abs() < 1e-6);
+        assert!((r.weights.iter().sum::<f32>() - 2.5).abs() < 1e-5);
+    }
+
+    #[test]
+    fn group_limited_top_k_ignores_experts_of_dropped_groups() {
+        let c = routing_config(4, 1);
+        // Group 3 (experts 6, 7) has the single best expert but group 0's two experts sum higher.
+        let logits = [2.0, 2.0, -5.0, -5.0, -5.0, -5.0, 3.0, -5.0];
+        let r = route(&logits, &[0.0; 8], &c);
+        assert_eq!(r.experts, vec![0, 1]);
+    }
+}

@@ -1,0 +1,112 @@
+//! The decode loop: prefill every request, then decode one token per live sequence per step,
+//! batched, until each hits an EOS id or its token budget.
+
+use std::time::{Duration, Instant};
+
+use kernels::mla::cache::PagedLatentCache;
+
+use crate::backend::Backend;
+use crate::forward::{ForwardError, LogitRows, Model, SeqInput};
+use crate::sampler::{Sampler, SamplingParams};
+
+#[derive(Clone, Debug)]
+pub struct GenerationRequest {
+    pub prompt: Vec<u32>,
+    pub max_new_tokens: usize,
+    pub sampling: SamplingParams,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    Eos,
+    Length,
+}
+
+#[derive(Clone, Debug)]
+pub struct GenerationResult {
+    pub tokens: Vec<u32>,
+    pub stop: StopReason,
+}
+
+/// Wall-clock split between prefill and decode.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GenerationTiming {
+    pub prefill_tokens: usize,
+    pub prefill_time: Duration,
+    pub decode_tokens: usize,
+    pub decode_steps: usize,
+    pub decode_time: Duration,
+}
+
+impl GenerationTiming {
+    pub fn prefill_tokens_per_second(&self) -> f64 {
+        self.prefill_tokens as f64 / self.prefill_time.as_secs_f64().max(1e-9)
+    }
+
+    pub fn decode_tokens_per_second(&self) -> f64 {
+        self.decode_tokens as f64 / self.decode_time.as_secs_f64().max(1e-9)
+    }
+}
+
+/// Runs every request to completion; `on_token(request, token)` sees tokens as they come.
+pub fn generate(
+    model: &Model,
+    backend: &dyn Backend,
+    cache: &mut PagedLatentCache,
+    requests: &[GenerationRequest],
+    mut on_token: impl FnMut(usize, u32),
+) -> Result<(Vec<GenerationResult>, GenerationTiming), ForwardError> {
+    let eos = &model.config.eos_token_ids;
+    let mut timing = GenerationTiming::default();
+    let mut samplers: Vec<Sampler> = requests.iter().map(|r| Sampler::new(r.sampling)).collect();
+    let mut results: Vec<GenerationResult> =
+        requests.iter().map(|_| GenerationResult { tokens: Vec::new(), stop: StopReason::Length }).collect();
+    let seqs: Vec<_> = requests.iter().map(|_| cache.add_sequence()).collect();
+    let mut live: Vec<usize> = Vec::new();
+
+    let start = Instant::now();
+    for (i, request) in requests.iter().enumerate() {
+        if request.max_new_tokens == 0 || request.prompt.is_empty() {
+            continue;
+        }
+        let logits =
+            model.forward(backend, cache, &[SeqInput { seq: seqs[i], tokens: &request.prompt }], LogitRows::Last, None)?;
+        timing.prefill_tokens += request.prompt.len();
+        let token = samplers[i].sample(logits.row(0));
+        results[i].tokens.push(token);
+        on_token(i, token);
+        if eos.contains(&token) {
+            results[i].stop = StopReason::Eos;
+        } else if results[i].tokens.len() < request.max_new_tokens {
+            live.push(i);
+        }
+    }
+    timing.prefill_time = start.elapsed();
+
+    let start = Instant::now();
+    while !live.is_empty() {
+        let last: Vec<[u32; 1]> = live.iter().map(|&i| [*results[i].tokens.last().expect("prefilled")]).collect();
+        let inputs: Vec<SeqInput<'_>> =
+            live.iter().zip(&last).map(|(&i, token)| SeqInput { seq: seqs[i], tokens: token }).collect();
+        let logits = model.forward(backend, cache, &inputs, LogitRows::Last, None)?;
+        timing.decode_steps += 1;
+        timing.decode_tokens += live.len();
+        let mut still_live = Vec::with_capacity(live.len());
+        for (row, &i) in live.iter().enumerate() {
+            let token = samplers[i].sample(logits.row(row));
+            results[i].tokens.push(token);
+            on_token(i, token);
+            if eos.contains(&token) {
+                results[i].stop = StopReason::Eos;
+            } else if results[i].tokens.len() < requests[i].max_new_tokens {
+                still_live.push(i);
+            }
+        }
+        live = still_live;
+    }
+    timing.decode_time = start.elapsed();
+    for seq in seqs {
+        cache.free_sequence(seq)?;
+    }
+    Ok((results, timing))
+}

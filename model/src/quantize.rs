@@ -1,0 +1,194 @@
+//! NVFP4 quantization of a model's routed experts, as ModelOpt exports it: weights with
+//! per-16 E4M3 block scales and an FP32 global scale (gate and up share one, since they run
+//! as one fused GEMM), and `input_scale` calibrated from the activations a forward pass feeds
+//! each expert (max calibration: `amax / (6 · 448)`).
+
+use std::path::Path;
+
+use anyhow::{Context, Result, anyhow, bail};
+use kernels::formats::NVFP4_BLOCK;
+use kernels::formats::nvfp4::{Nvfp4Matrix, amax, global_scale_for_amax};
+use kernels::mla::cache::KvCacheDtype;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use safetensors::Dtype;
+use serde_json::{Value, json};
+
+use crate::backend::Backend;
+use crate::checkpoint::{Checkpoint, INDEX_FILE};
+use crate::checkpoint_writer::{OwnedTensor, write_sharded};
+use crate::config::ModelConfig;
+use crate::forward::{Calibration, LogitRows, Model, SeqInput};
+use crate::weights::{ExpertMatrix, ExpertWeights, MlpWeights};
+
+/// One expert in the ModelOpt NVFP4 layout.
+pub struct QuantizedExpert {
+    pub gate: Nvfp4Matrix,
+    pub up: Nvfp4Matrix,
+    pub down: Nvfp4Matrix,
+    pub gate_up_input_scale: f32,
+    pub down_input_scale: f32,
+}
+
+/// Runs the model on `tokens` (as one sequence) and records each routed expert's input maxima.
+pub fn calibrate(model: &Model, backend: &dyn Backend, tokens: &[u32]) -> Result<Calibration> {
+    let mut cache = model.new_cache(KvCacheDtype::Bf16, tokens.len());
+    let seq = cache.add_sequence();
+    let mut calibration = Calibration::new();
+    model.forward(backend, &mut cache, &[SeqInput { seq, tokens }], LogitRows::Last, Some(&mut calibration))?;
+    Ok(calibration)
+}
+
+/// Seeded random calibration tokens (no tokenizer or dataset is needed to exercise every
+/// expert's range on a generated model; real checkpoints should pass real text).
+pub fn random_tokens(count: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..count).map(|_| rng.random_range(0..vocab as u32)).collect()
+}
+
+fn bf16_values(m: &ExpertMatrix, what: &str) -> Result<Vec<f32>> {
+    match m {
+        ExpertMatrix::Bf16(w) => Ok(w.data.as_slice().iter().map(|v| v.to_f32()).collect()),
+        ExpertMatrix::Nvfp4(_) => bail!("{what} is already NVFP4; quantize needs a BF16 checkpoint"),
+    }
+}
+
+/// Quantizes one expert. `amax_in`/`amax_down` are its calibrated activation maxima.
+pub fn quantize_expert(expert: &ExpertWeights, amax_in: f32, amax_down: f32, what: &str) -> Result<QuantizedExpert> {
+    let (gate, up, down) = (bf16_values(&expert.gate, what)?, bf16_values(&expert.up, what)?, bf16_values(&expert.down, what)?);
+    let (rows, cols) = (expert.gate.view().rows(), expert.gate.view().cols());
+    let shared = global_scale_for_amax(amax(&gate).max(amax(&up)));
+    let quantize = |values: &[f32], rows, cols, global: Option<f32>, name: &str| -> Result<Nvfp4Matrix> {
+        match global {
+            Some(g) => Nvfp4Matrix::quantize_with_global_scale(values, rows, cols, g),
+            None => Nvfp4Matrix::quantize_weight(values, rows, cols),
+        }
+        .map_err(|e| anyhow!("{what}.{name}: {e}"))
+    };
+    let positive = |a: f32, name: &str| -> Result<f32> {
+        if a > 0.0 && a.is_finite() { Ok(global_scale_for_amax(a)) } else { bail!("{what}.{name}: calibrated amax is {a}") }
+    };
+    Ok(QuantizedExpert {
+        gate: quantize(&gate, rows, cols, Some(shared), "gate_proj")?,
+        up: quantize(&up, rows, cols, Some(shared), "up_proj")?,
+        down: quantize(&down, cols, rows, None, "down_proj")?,
+        gate_up_input_scale: positive(amax_in, "gate_proj.input_scale")?,
+        down_input_scale: positive(amax_down, "down_proj.input_scale")?,
+    })
+}
+
+/// Quantizes every routed expert of `model` with the maxima from `calibration`. Experts no
+/// calibration token reached take their layer's largest maxima, so their scales are at least
+/// as wide as any seen.
+pub fn quantize_experts(model: &Model, calibration: &Calibration) -> Result<Vec<(usize, Vec<QuantizedExpert>)>> {
+    let mut out = Vec::new();
+    let mut moe_index = 0;
+    for (layer, weights) in model.weights.layers.iter().enumerate() {
+        let MlpWeights::Moe(moe) = &weights.mlp else { continue };
+        let amax = calibration.get(moe_index).ok_or_else(|| anyhow!("no calibration for layer {layer}"))?;
+        moe_index += 1;
+        let layer_in = amax.gate_up.iter().fold(0.0f32, |m, &v| m.max(v));
+        let layer_down = amax.down.iter().fold(0.0f32, |m, &v| m.max(v));
+        let experts = moe
+            .experts
+            .iter()
+            .enumerate()
+            .map(|(e, expert)| {
+                let pick = |v: f32, fallback: f32| if v > 0.0 { v } else { fallback };
+                let a_in = pick(amax.gate_up.get(e).copied().unwrap_or(0.0), layer_in);
+                let a_down = pick(amax.down.get(e).copied().unwrap_or(0.0), layer_down);
+                quantize_expert(expert, a_in, a_down, &format!("model.layers.{layer}.mlp.experts.{e}"))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        out.push((layer, experts));
+    }
+    Ok(out)
+}
+
+/// The tensors of one quantized expert, named as in the checkpoint.
+pub fn expert_tensors(prefix: &str, layer: usize, e: usize, q: &QuantizedExpert) -> Vec<OwnedTensor> {
+    let mut tensors = Vec::new();
+    for (proj, m, input_scale) in
+        [("gate_proj", &q.gate, q.gate_up_input_scale), ("up_proj", &q.up, q.gate_up_input_scale), ("down_proj", &q.down, q.down_input_scale)]
+    {
+        let base = format!("{prefix}model.layers.{layer}.mlp.experts.{e}.{proj}");
+        tensors.push(OwnedTensor::new(format!("{base}.weight"), Dtype::U8, vec![m.rows, m.cols / 2], m.packed.clone()));
+        tensors.push(OwnedTensor::new(
+            format!("{base}.weight_scale"),
+            Dtype::F8_E4M3,
+            vec![m.rows, m.cols / NVFP4_BLOCK],
+            m.block_scales.clone(),
+        ));
+        tensors.push(OwnedTensor::f32_scalar(format!("{base}.weight_scale_2"), m.global_scale));
+        tensors.push(OwnedTensor::f32_scalar(format!("{base}.input_scale"), input_scale));
+    }
+    tensors
+}
+
+/// `hf_quant_config.json` as ModelOpt writes it.
+pub fn hf_quant_config(prefix: &str, config: &ModelConfig) -> Value {
+    let mut exclude = vec![format!("{prefix}lm_head"), "*self_attn*".to_string(), "*shared_experts*".into(), "*mlp.gate".into()];
+    exclude.extend((0..config.first_k_dense_replace).map(|l| format!("{prefix}model.layers.{l}.mlp*")));
+    json!({
+        "producer": {"name": "modelopt", "version": "0.47.0"},
+        "quantization": {
+            "quant_algo": "NVFP4",
+            "kv_cache_quant_algo": "FP8",
+            "group_size": NVFP4_BLOCK,
+            "exclude_modules": exclude
+        }
+    })
+}
+
+/// Whether `name` is a routed expert's projection weight: `…layers.L.mlp.experts.E.P.weight`.
+fn is_routed_expert_weight(name: &str) -> bool {
+    name.contains(".mlp.experts.") && name.ends_with("_proj.weight")
+}
+
+/// `model quantize`: a BF16 DeepSeek-V3 / Kimi checkpoint to the ModelOpt NVFP4 layout.
+pub fn quantize_checkpoint(
+    input: &Path,
+    output: &Path,
+    backend: &dyn Backend,
+    calib_tokens: usize,
+    seed: u64,
+    max_shard_bytes: usize,
+) -> Result<()> {
+    let checkpoint = Checkpoint::open(input)?;
+    if checkpoint.config.quant.is_some() {
+        bail!("{}: already quantized ({:?})", input.display(), checkpoint.config.quant.as_ref().map(|q| q.quant_algo));
+    }
+    let model = Model::new(checkpoint.model_config().clone(), checkpoint.load_weights()?);
+    let tokens = random_tokens(calib_tokens, model.config.vocab_size, seed);
+    let calibration = calibrate(&model, backend, &tokens)?;
+    let quantized = quantize_experts(&model, &calibration)?;
+
+    let mut names: Vec<(&str, &crate::tensor_file::TensorFile)> = checkpoint.tensor_names().collect();
+    names.sort_by_key(|(n, _)| *n);
+    let mut tensors = Vec::new();
+    for (name, file) in names {
+        if is_routed_expert_weight(name) {
+            continue;
+        }
+        let info = file.info(name)?;
+        let bytes = file.bytes(name, &[info.dtype])?.to_vec();
+        tensors.push(OwnedTensor::new(name, info.dtype, info.shape.clone(), bytes));
+    }
+    for (layer, experts) in &quantized {
+        for (e, q) in experts.iter().enumerate() {
+            tensors.extend(expert_tensors(&checkpoint.prefix, *layer, e, q));
+        }
+    }
+    tensors.sort_by(|a, b| a.name.cmp(&b.name));
+    write_sharded(output, tensors, max_shard_bytes)?;
+    for entry in std::fs::read_dir(input)? {
+        let path = entry?.path();
+        let name = path.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+        if path.is_file() && !name.ends_with(".safetensors") && name != INDEX_FILE && name != "hf_quant_config.json" {
+            std::fs::copy(&path, output.join(&name)).with_context(|| format!("copying {}", path.display()))?;
+        }
+    }
+    let quant = hf_quant_config(&checkpoint.prefix, &model.config);
+    std::fs::write(output.join("hf_quant_config.json"), serde_json::to_string_pretty(&quant)?)?;
+    Ok(())
+}

@@ -1,0 +1,114 @@
+//! Interleaved RoPE with YaRN frequency scaling, computed as HF transformers' DeepSeek-V3 does
+//! (FP32 inverse frequencies, FP32 angles), so that logits agree with the reference.
+
+use crate::config::{ModelConfig, yarn_mscale};
+
+#[derive(Clone, Debug)]
+pub struct Rope {
+    /// One inverse frequency per rotated pair.
+    inv_freq: Vec<f32>,
+    /// YaRN's cos/sin multiplier (1 when `mscale == mscale_all_dim`, as in Kimi).
+    attention_factor: f32,
+}
+
+impl Rope {
+    pub fn new(config: &ModelConfig) -> Self {
+        let dim = config.qk_rope_head_dim;
+        let base = config.rope_theta;
+        let half = dim / 2;
+        let pos_freqs: Vec<f32> = (0..half).map(|i| (base as f32).powf((2 * i) as f32 / dim as f32)).collect();
+        let Some(yarn) = &config.rope_scaling else {
+            return Self { inv_freq: pos_freqs.iter().map(|p| 1.0 / p).collect(), attention_factor: 1.0 };
+        };
+        let factor = yarn.factor;
+        let attention_factor = if yarn.mscale != 0.0 && yarn.mscale_all_dim != 0.0 {
+            yarn_mscale(factor, yarn.mscale) / yarn_mscale(factor, yarn.mscale_all_dim)
+        } else {
+            yarn_mscale(factor, 1.0)
+        };
+        let correction_dim = |rotations: f64| {
+            (dim as f64 * (yarn.original_max_position_embeddings as f64 / (rotations * 2.0 * std::f64::consts::PI)).ln())
+                / (2.0 * base.ln())
+        };
+        let low = correction_dim(yarn.beta_fast).floor().max(0.0);
+        let mut high = correction_dim(yarn.beta_slow).ceil().min((dim - 1) as f64);
+        if low == high {
+            high += 0.001;
+        }
+        let inv_freq = pos_freqs
+            .iter()
+            .enumerate()
+            .map(|(i, &p)| {
+                let ramp = ((i as f32 - low as f32) / (high as f32 - low as f32)).clamp(0.0, 1.0);
+                let extrapolation_weight = 1.0 - ramp;
+                let interpolated = 1.0 / (factor as f32 * p);
+                let extrapolated = 1.0 / p;
+                interpolated * (1.0 - extrapolation_weight) + extrapolated * extrapolation_weight
+            })
+            .collect();
+        Self { inv_freq, attention_factor: attention_factor as f32 }
+    }
+
+    /// Rotates `x` (`qk_rope_head_dim` values, pairs `(2i, 2i+1)`) for position `pos`, in place.
+    #[inline]
+    pub fn apply(&self, x: &mut [f32], pos: usize) {
+        for (pair, &freq) in x.chunks_exact_mut(2).zip(&self.inv_freq) {
+            let angle = pos as f32 * freq;
+            let (cos, sin) = (angle.cos() * self.attention_factor, angle.sin() * self.attention_factor);
+            let (a, b) = (pair[0], pair[1]);
+            pair[0] = a * cos - b * sin;
+            pair[1] = b * cos + a * sin;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::YarnScaling;
+
+    fn config(yarn: Option<YarnScaling>) -> ModelConfig {
+        let text = serde_json::json!({
+            "model_type": "deepseek_v3", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+            "moe_intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
+            "n_routed_experts": 2, "num_experts_per_tok": 1, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+            "qk_rope_head_dim": 64, "v_head_dim": 8, "max_position_embeddings": 262144, "rope_theta": 50000.0
+        });
+        let mut c = crate::config::CheckpointConfig::from_json(std::path::Path::new("c"), &text, None).unwrap().model;
+        c.rope_scaling = yarn;
+        c
+    }
+
+    #[test]
+    fn rotation_preserves_norm_and_relative_positions() {
+        let rope = Rope::new(&config(None));
+        let q: Vec<f32> = (0..64).map(|i| (i as f32 * 0.3).sin()).collect();
+        let k: Vec<f32> = (0..64).map(|i| (i as f32 * 0.7).cos()).collect();
+        let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
+        let at = |v: &[f32], p| {
+            let mut v = v.to_vec();
+            rope.apply(&mut v, p);
+            v
+        };
+        assert!((dot(&at(&q, 5), &at(&q, 5)) - dot(&q, &q)).abs() < 1e-3);
+        assert!((dot(&at(&q, 10), &at(&k, 7)) - dot(&at(&q, 103), &at(&k, 100))).abs() < 1e-3);
+    }
+
+    #[test]
+    fn kimi_yarn_keeps_fast_dims_and_stretches_slow_ones() {
+        let yarn = YarnScaling {
+            factor: 64.0,
+            original_max_position_embeddings: 4096,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            mscale: 1.0,
+            mscale_all_dim: 1.0,
+        };
+        let plain = Rope::new(&config(None));
+        let scaled = Rope::new(&config(Some(yarn)));
+        assert_eq!(scaled.attention_factor, 1.0);
+        assert_eq!(scaled.inv_freq[0], plain.inv_freq[0]);
+        let last = plain.inv_freq.len() - 1;
+        assert!((scaled.inv_freq[last] * 64.0 - plain.inv_freq[last]).abs() < 1e-6 * plain.inv_freq[last]);
+    }
+}
