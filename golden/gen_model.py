@@ -15,6 +15,7 @@ Seeded, CPU-only, single-threaded: re-running writes identical bytes.
 """
 
 import argparse
+import copy
 import json
 import math
 import shutil
@@ -392,6 +393,9 @@ def restore_experts(model, originals):
 def calibrate(model, spec, gen) -> dict:
     """ModelOpt-style max calibration on the BF16 model: per-expert input amax."""
     calib_ids = torch.randint(0, spec["vocab_size"], CALIB_SHAPE, generator=gen)
+    # Calibrate a BF16 copy: casting the model itself to BF16 and back would also round the
+    # rotary embedding's inv_freq buffer, and every later (golden) forward would use it.
+    model = copy.deepcopy(model)
     bias = {l: model.model.layers[l].mlp.gate.e_score_correction_bias.clone() for l in moe_layers(spec)}
     model.to(torch.bfloat16)
     for l in moe_layers(spec):  # HF keeps this buffer in fp32 (_keep_in_fp32_modules_strict)
@@ -406,9 +410,6 @@ def calibrate(model, spec, gen) -> dict:
     with torch.no_grad():
         model(calib_ids, use_cache=False)
     restore_experts(model, originals)
-    model.float()
-    for l in moe_layers(spec):
-        model.model.layers[l].mlp.gate.e_score_correction_bias = bias[l]
     return {l: (p.amax_gu.clone(), p.amax_dn.clone(), p.hits.clone()) for l, p in patched.items()}
 
 

@@ -15,22 +15,33 @@ const ROWS_PER_TASK: usize = 16;
 /// weights are the traffic.
 pub fn matmul_transposed(x: &[f32], tokens: usize, w: MatrixView<'_>, out: &mut [f32]) {
     let (rows, cols) = (w.rows(), w.cols());
-    assert_eq!(x.len(), tokens * cols, "matmul: x is not [{tokens}, {cols}]");
-    assert_eq!(out.len(), tokens * rows, "matmul: out is not [{tokens}, {rows}]");
+    assert_eq!(
+        x.len(),
+        tokens * cols,
+        "matmul: x is not [{tokens}, {cols}]"
+    );
+    assert_eq!(
+        out.len(),
+        tokens * rows,
+        "matmul: out is not [{tokens}, {rows}]"
+    );
     if tokens == 0 || rows == 0 {
         return;
     }
     // Row-major in weight rows (`[rows, tokens]`) so that threads own disjoint chunks.
     let mut transposed = vec![0.0f32; rows * tokens];
-    transposed.par_chunks_mut(ROWS_PER_TASK * tokens).enumerate().for_each(|(task, chunk)| {
-        let mut row_values = vec![0.0f32; cols];
-        for (i, out_row) in chunk.chunks_exact_mut(tokens).enumerate() {
-            w.row_into(task * ROWS_PER_TASK + i, &mut row_values);
-            for (t, o) in out_row.iter_mut().enumerate() {
-                *o = dot(&x[t * cols..(t + 1) * cols], &row_values);
+    transposed
+        .par_chunks_mut(ROWS_PER_TASK * tokens)
+        .enumerate()
+        .for_each(|(task, chunk)| {
+            let mut row_values = vec![0.0f32; cols];
+            for (i, out_row) in chunk.chunks_exact_mut(tokens).enumerate() {
+                w.row_into(task * ROWS_PER_TASK + i, &mut row_values);
+                for (t, o) in out_row.iter_mut().enumerate() {
+                    *o = dot(&x[t * cols..(t + 1) * cols], &row_values);
+                }
             }
-        }
-    });
+        });
     for (j, column) in transposed.chunks_exact(tokens).enumerate() {
         for (t, &v) in column.iter().enumerate() {
             out[t * rows + j] = v;
@@ -44,7 +55,10 @@ pub fn matmul_transposed(x: &[f32], tokens: usize, w: MatrixView<'_>, out: &mut 
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let chunks = a.len() / 8;
-    for (ca, cb) in a[..chunks * 8].chunks_exact(8).zip(b[..chunks * 8].chunks_exact(8)) {
+    for (ca, cb) in a[..chunks * 8]
+        .chunks_exact(8)
+        .zip(b[..chunks * 8].chunks_exact(8))
+    {
         for k in 0..8 {
             acc[k] += ca[k] * cb[k];
         }
@@ -65,20 +79,33 @@ mod tests {
     #[test]
     fn bf16_and_nvfp4_products_match_a_naive_loop() {
         let (tokens, rows, cols) = (3, 37, 64);
-        let x: Vec<f32> = (0..tokens * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
-        let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 53 % 97) as f32 - 48.0) / 40.0).collect();
+        let x: Vec<f32> = (0..tokens * cols)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+            .collect();
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 53 % 97) as f32 - 48.0) / 40.0)
+            .collect();
         let w_bf16: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
         let q = Nvfp4Matrix::quantize_weight(&w, rows, cols).unwrap();
         let deq = q.dequantize();
         for (view, values) in [
-            (MatrixView::Bf16 { rows, cols, data: &w_bf16 }, w_bf16.iter().map(|v| v.to_f32()).collect::<Vec<_>>()),
+            (
+                MatrixView::Bf16 {
+                    rows,
+                    cols,
+                    data: &w_bf16,
+                },
+                w_bf16.iter().map(|v| v.to_f32()).collect::<Vec<_>>(),
+            ),
             (MatrixView::Nvfp4(q.view()), deq),
         ] {
             let mut out = vec![0.0; tokens * rows];
             matmul_transposed(&x, tokens, view, &mut out);
             for t in 0..tokens {
                 for j in 0..rows {
-                    let expected: f32 = (0..cols).map(|i| x[t * cols + i] * values[j * cols + i]).sum();
+                    let expected: f32 = (0..cols)
+                        .map(|i| x[t * cols + i] * values[j * cols + i])
+                        .sum();
                     assert!((out[t * rows + j] - expected).abs() < 1e-4, "t{t} j{j}");
                 }
             }

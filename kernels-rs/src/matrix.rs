@@ -7,7 +7,11 @@ use crate::formats::nvfp4::Nvfp4View;
 /// A row-major `[rows, cols]` weight matrix borrowed from a checkpoint or a test.
 #[derive(Clone, Copy, Debug)]
 pub enum MatrixView<'a> {
-    Bf16 { rows: usize, cols: usize, data: &'a [bf16] },
+    Bf16 {
+        rows: usize,
+        cols: usize,
+        data: &'a [bf16],
+    },
     Nvfp4(Nvfp4View<'a>),
 }
 

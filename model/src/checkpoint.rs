@@ -53,25 +53,31 @@ impl Checkpoint {
     pub fn open(dir: &Path) -> Result<Self, CheckpointError> {
         let config = CheckpointConfig::from_dir(dir)?;
         let index_path = dir.join(INDEX_FILE);
-        let invalid = |path: &Path, message: String| CheckpointError::Invalid { path: path.to_path_buf(), message };
+        let invalid = |path: &Path, message: String| CheckpointError::Invalid {
+            path: path.to_path_buf(),
+            message,
+        };
         let (listing, weight_map): (PathBuf, BTreeMap<String, String>) = if index_path.exists() {
-            let text = std::fs::read_to_string(&index_path).map_err(|e| invalid(&index_path, e.to_string()))?;
-            let index: IndexFile =
-                serde_json::from_str(&text).map_err(|e| invalid(&index_path, format!("invalid index: {e}")))?;
+            let text = std::fs::read_to_string(&index_path)
+                .map_err(|e| invalid(&index_path, e.to_string()))?;
+            let index: IndexFile = serde_json::from_str(&text)
+                .map_err(|e| invalid(&index_path, format!("invalid index: {e}")))?;
             (index_path, index.weight_map)
         } else {
-            let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-                .map_err(|e| invalid(dir, e.to_string()))?
-                .filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-                .collect();
-            files.sort();
-            let [single] = files.as_slice() else {
-                return Err(invalid(dir, format!("no {INDEX_FILE} and {} safetensors files (expected exactly one)", files.len())));
-            };
-            let file = TensorFile::open(single)?;
-            let name = single.file_name().unwrap().to_string_lossy().to_string();
-            (single.clone(), file.names().map(|n| (n.to_string(), name.clone())).collect())
+            let single = dir.join("model.safetensors");
+            if !single.exists() {
+                return Err(invalid(
+                    dir,
+                    format!("neither {INDEX_FILE} nor model.safetensors is here"),
+                ));
+            }
+            let file = TensorFile::open(&single)?;
+            (
+                single,
+                file.names()
+                    .map(|n| (n.to_string(), "model.safetensors".to_string()))
+                    .collect(),
+            )
         };
 
         let mut shard_names: Vec<&String> = weight_map.values().collect();
@@ -91,18 +97,33 @@ impl Checkpoint {
         for (tensor, shard) in &weight_map {
             let i = shard_index[shard];
             if !shards[i].contains(tensor) {
-                return Err(invalid(&listing, format!("lists tensor `{tensor}` in shard {shard}, which does not contain it")));
+                return Err(invalid(
+                    &listing,
+                    format!("lists tensor `{tensor}` in shard {shard}, which does not contain it"),
+                ));
             }
             shard_of.insert(tensor.clone(), i);
         }
-        let prefix = if shard_of.contains_key(&format!("{KIMI_K25_PREFIX}model.embed_tokens.weight")) {
-            KIMI_K25_PREFIX.to_string()
-        } else if shard_of.contains_key("model.embed_tokens.weight") {
-            String::new()
-        } else {
-            return Err(invalid(&listing, "no `model.embed_tokens.weight` (with or without the `language_model.` prefix)".into()));
-        };
-        Ok(Self { dir: dir.to_path_buf(), config, prefix, shards, shard_of, listing })
+        let prefix =
+            if shard_of.contains_key(&format!("{KIMI_K25_PREFIX}model.embed_tokens.weight")) {
+                KIMI_K25_PREFIX.to_string()
+            } else if shard_of.contains_key("model.embed_tokens.weight") {
+                String::new()
+            } else {
+                return Err(invalid(
+                    &listing,
+                    "no `model.embed_tokens.weight` (with or without the `language_model.` prefix)"
+                        .into(),
+                ));
+            };
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            config,
+            prefix,
+            shards,
+            shard_of,
+            listing,
+        })
     }
 
     pub fn model_config(&self) -> &ModelConfig {
@@ -111,7 +132,9 @@ impl Checkpoint {
 
     /// Every tensor name in the checkpoint, with its shard.
     pub fn tensor_names(&self) -> impl Iterator<Item = (&str, &TensorFile)> {
-        self.shard_of.iter().map(|(n, &i)| (n.as_str(), self.shards[i].as_ref()))
+        self.shard_of
+            .iter()
+            .map(|(n, &i)| (n.as_str(), self.shards[i].as_ref()))
     }
 
     pub fn shards(&self) -> &[Arc<TensorFile>] {
@@ -119,7 +142,8 @@ impl Checkpoint {
     }
 
     pub fn contains(&self, name: &str) -> bool {
-        self.shard_of.contains_key(&format!("{}{name}", self.prefix))
+        self.shard_of
+            .contains_key(&format!("{}{name}", self.prefix))
     }
 
     /// The shard holding `name` (without prefix) and the full tensor name.
@@ -134,15 +158,28 @@ impl Checkpoint {
         }
     }
 
-    pub fn bf16(&self, name: &str, rows: usize, cols: usize) -> Result<Bf16Weight, CheckpointError> {
+    pub fn bf16(
+        &self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Bf16Weight, CheckpointError> {
         let (file, full) = self.locate(name)?;
         file.expect_shape(&full, &[rows, cols])?;
         let range = file.byte_range(&full, &[Dtype::BF16])?;
         let data = if bytemuck::try_cast_slice::<u8, bf16>(file.mapped(range.clone())).is_ok() {
-            Bf16Data::Mapped { file: file.clone(), range }
+            Bf16Data::Mapped {
+                file: file.clone(),
+                range,
+            }
         } else {
             let bytes = file.mapped(range);
-            Bf16Data::Owned(Arc::new(bytes.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]])).collect()))
+            Bf16Data::Owned(Arc::new(
+                bytes
+                    .chunks_exact(2)
+                    .map(|b| bf16::from_le_bytes([b[0], b[1]]))
+                    .collect(),
+            ))
         };
         Ok(Bf16Weight { rows, cols, data })
     }
@@ -153,22 +190,36 @@ impl Checkpoint {
         file.expect_shape(&full, &[len])?;
         let values = file.f32_values(&full)?;
         if let Some(i) = values.iter().position(|v| !v.is_finite()) {
-            return Err(file.bad_value(&full, format!("element {i} is {}", values[i])).into());
+            return Err(file
+                .bad_value(&full, format!("element {i} is {}", values[i]))
+                .into());
         }
         Ok(values)
     }
 
     /// An NVFP4 linear layer `{module}.weight/weight_scale/weight_scale_2/input_scale`.
-    pub fn nvfp4(&self, module: &str, rows: usize, cols: usize) -> Result<Nvfp4Weight, CheckpointError> {
+    pub fn nvfp4(
+        &self,
+        module: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Nvfp4Weight, CheckpointError> {
         let (file, weight) = self.locate(&format!("{module}.weight"))?;
         file.expect_shape(&weight, &[rows, cols / 2])?;
         let packed = file.byte_range(&weight, &[Dtype::U8])?;
         let (scale_file, scale_name) = self.locate(&format!("{module}.weight_scale"))?;
         scale_file.expect_shape(&scale_name, &[rows, cols / NVFP4_BLOCK])?;
         let scales = scale_file.byte_range(&scale_name, &[Dtype::F8_E4M3])?;
-        if let Some(i) = scale_file.mapped(scales.clone()).iter().position(|&c| c & 0x7F == 0x7F) {
+        if let Some(i) = scale_file
+            .mapped(scales.clone())
+            .iter()
+            .position(|&c| c & 0x7F == 0x7F)
+        {
             return Err(scale_file
-                .bad_value(&scale_name, format!("block scale {i} (row {}) is NaN", i / (cols / NVFP4_BLOCK)))
+                .bad_value(
+                    &scale_name,
+                    format!("block scale {i} (row {}) is NaN", i / (cols / NVFP4_BLOCK)),
+                )
                 .into());
         }
         let (f2, n2) = self.locate(&format!("{module}.weight_scale_2"))?;
@@ -178,20 +229,35 @@ impl Checkpoint {
         Ok(Nvfp4Weight {
             rows,
             cols,
-            packed: ByteData::Mapped { file: file.clone(), range: packed },
-            block_scales: ByteData::Mapped { file: scale_file.clone(), range: scales },
+            packed: ByteData::Mapped {
+                file: file.clone(),
+                range: packed,
+            },
+            block_scales: ByteData::Mapped {
+                file: scale_file.clone(),
+                range: scales,
+            },
             global_scale,
             input_scale,
         })
     }
 
     /// A routed expert's projection, NVFP4 or BF16 depending on what the checkpoint holds.
-    pub fn expert_matrix(&self, module: &str, rows: usize, cols: usize) -> Result<ExpertMatrix, CheckpointError> {
+    pub fn expert_matrix(
+        &self,
+        module: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<ExpertMatrix, CheckpointError> {
         let (file, weight) = self.locate(&format!("{module}.weight"))?;
         if file.info(&weight)?.dtype == Dtype::U8 {
             Ok(ExpertMatrix::Nvfp4(self.nvfp4(module, rows, cols)?))
         } else {
-            Ok(ExpertMatrix::Bf16(self.bf16(&format!("{module}.weight"), rows, cols)?))
+            Ok(ExpertMatrix::Bf16(self.bf16(
+                &format!("{module}.weight"),
+                rows,
+                cols,
+            )?))
         }
     }
 
@@ -211,7 +277,12 @@ impl Checkpoint {
         } else {
             self.bf16("lm_head.weight", c.vocab_size, c.hidden_size)?
         };
-        Ok(ModelWeights { embed, layers, norm: self.vector("model.norm.weight", c.hidden_size)?, lm_head })
+        Ok(ModelWeights {
+            embed,
+            layers,
+            norm: self.vector("model.norm.weight", c.hidden_size)?,
+            lm_head,
+        })
     }
 
     fn load_layer(&self, c: &ModelConfig, layer: usize) -> Result<LayerWeights, CheckpointError> {
@@ -219,22 +290,45 @@ impl Checkpoint {
         let heads = c.num_attention_heads;
         let q = match c.q_lora_rank {
             Some(rank) => QueryProjection::LowRank {
-                a: self.bf16(&format!("{p}.self_attn.q_a_proj.weight"), rank, c.hidden_size)?,
+                a: self.bf16(
+                    &format!("{p}.self_attn.q_a_proj.weight"),
+                    rank,
+                    c.hidden_size,
+                )?,
                 norm: self.vector(&format!("{p}.self_attn.q_a_layernorm.weight"), rank)?,
-                b: self.bf16(&format!("{p}.self_attn.q_b_proj.weight"), heads * c.qk_head_dim(), rank)?,
+                b: self.bf16(
+                    &format!("{p}.self_attn.q_b_proj.weight"),
+                    heads * c.qk_head_dim(),
+                    rank,
+                )?,
             },
-            None => QueryProjection::Full(self.bf16(&format!("{p}.self_attn.q_proj.weight"), heads * c.qk_head_dim(), c.hidden_size)?),
+            None => QueryProjection::Full(self.bf16(
+                &format!("{p}.self_attn.q_proj.weight"),
+                heads * c.qk_head_dim(),
+                c.hidden_size,
+            )?),
         };
         let attention = AttentionWeights {
             q,
-            kv_a: self.bf16(&format!("{p}.self_attn.kv_a_proj_with_mqa.weight"), c.latent_cache_dim(), c.hidden_size)?,
-            kv_a_norm: self.vector(&format!("{p}.self_attn.kv_a_layernorm.weight"), c.kv_lora_rank)?,
+            kv_a: self.bf16(
+                &format!("{p}.self_attn.kv_a_proj_with_mqa.weight"),
+                c.latent_cache_dim(),
+                c.hidden_size,
+            )?,
+            kv_a_norm: self.vector(
+                &format!("{p}.self_attn.kv_a_layernorm.weight"),
+                c.kv_lora_rank,
+            )?,
             kv_b: self.bf16(
                 &format!("{p}.self_attn.kv_b_proj.weight"),
                 heads * (c.qk_nope_head_dim + c.v_head_dim),
                 c.kv_lora_rank,
             )?,
-            o: self.bf16(&format!("{p}.self_attn.o_proj.weight"), c.hidden_size, heads * c.v_head_dim)?,
+            o: self.bf16(
+                &format!("{p}.self_attn.o_proj.weight"),
+                c.hidden_size,
+                heads * c.v_head_dim,
+            )?,
         };
         let dense = |prefix: &str, inter: usize| -> Result<DenseMlpWeights, CheckpointError> {
             Ok(DenseMlpWeights {
@@ -249,18 +343,36 @@ impl Checkpoint {
                 .map(|e| {
                     let m = format!("{p}.mlp.experts.{e}");
                     Ok(ExpertWeights {
-                        gate: self.expert_matrix(&format!("{m}.gate_proj"), inter, c.hidden_size)?,
+                        gate: self.expert_matrix(
+                            &format!("{m}.gate_proj"),
+                            inter,
+                            c.hidden_size,
+                        )?,
                         up: self.expert_matrix(&format!("{m}.up_proj"), inter, c.hidden_size)?,
-                        down: self.expert_matrix(&format!("{m}.down_proj"), c.hidden_size, inter)?,
+                        down: self.expert_matrix(
+                            &format!("{m}.down_proj"),
+                            c.hidden_size,
+                            inter,
+                        )?,
                     })
                 })
                 .collect::<Result<Vec<_>, CheckpointError>>()?;
             MlpWeights::Moe(MoeWeights {
-                router: self.bf16(&format!("{p}.mlp.gate.weight"), c.n_routed_experts, c.hidden_size)?,
-                correction_bias: self.vector(&format!("{p}.mlp.gate.e_score_correction_bias"), c.n_routed_experts)?,
+                router: self.bf16(
+                    &format!("{p}.mlp.gate.weight"),
+                    c.n_routed_experts,
+                    c.hidden_size,
+                )?,
+                correction_bias: self.vector(
+                    &format!("{p}.mlp.gate.e_score_correction_bias"),
+                    c.n_routed_experts,
+                )?,
                 experts,
                 shared: if c.n_shared_experts > 0 {
-                    Some(dense(&format!("{p}.mlp.shared_experts"), inter * c.n_shared_experts)?)
+                    Some(dense(
+                        &format!("{p}.mlp.shared_experts"),
+                        inter * c.n_shared_experts,
+                    )?)
                 } else {
                     None
                 },
@@ -271,7 +383,10 @@ impl Checkpoint {
         Ok(LayerWeights {
             input_norm: self.vector(&format!("{p}.input_layernorm.weight"), c.hidden_size)?,
             attention,
-            post_attention_norm: self.vector(&format!("{p}.post_attention_layernorm.weight"), c.hidden_size)?,
+            post_attention_norm: self.vector(
+                &format!("{p}.post_attention_layernorm.weight"),
+                c.hidden_size,
+            )?,
             mlp,
         })
     }

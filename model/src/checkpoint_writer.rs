@@ -21,7 +21,12 @@ pub struct OwnedTensor {
 
 impl OwnedTensor {
     pub fn new(name: impl Into<String>, dtype: Dtype, shape: Vec<usize>, bytes: Vec<u8>) -> Self {
-        let tensor = Self { name: name.into(), dtype, shape, bytes };
+        let tensor = Self {
+            name: name.into(),
+            dtype,
+            shape,
+            bytes,
+        };
         debug_assert_eq!(
             tensor.bytes.len() * 8,
             tensor.shape.iter().product::<usize>() * tensor.dtype.bitsize(),
@@ -36,11 +41,21 @@ impl OwnedTensor {
     }
 
     pub fn bf16(name: impl Into<String>, shape: Vec<usize>, values: &[half::bf16]) -> Self {
-        Self::new(name, Dtype::BF16, shape, bytemuck::cast_slice(values).to_vec())
+        Self::new(
+            name,
+            Dtype::BF16,
+            shape,
+            bytemuck::cast_slice(values).to_vec(),
+        )
     }
 
     pub fn f32(name: impl Into<String>, shape: Vec<usize>, values: &[f32]) -> Self {
-        Self::new(name, Dtype::F32, shape, bytemuck::cast_slice(values).to_vec())
+        Self::new(
+            name,
+            Dtype::F32,
+            shape,
+            bytemuck::cast_slice(values).to_vec(),
+        )
     }
 }
 
@@ -66,10 +81,16 @@ pub fn write_sharded(dir: &Path, tensors: Vec<OwnedTensor>, max_shard_bytes: usi
         let file_name = format!("model-{:05}-of-{:05}.safetensors", i + 1, count);
         let views = shard
             .iter()
-            .map(|t| Ok((t.name.clone(), TensorView::new(t.dtype, t.shape.clone(), &t.bytes)?)))
+            .map(|t| {
+                Ok((
+                    t.name.clone(),
+                    TensorView::new(t.dtype, t.shape.clone(), &t.bytes)?,
+                ))
+            })
             .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
         let path = dir.join(&file_name);
-        safetensors::serialize_to_file(views, None, &path).with_context(|| format!("writing {}", path.display()))?;
+        safetensors::serialize_to_file(views, None, &path)
+            .with_context(|| format!("writing {}", path.display()))?;
         for t in shard {
             total_size += t.bytes.len();
             weight_map.insert(t.name.clone(), file_name.clone());

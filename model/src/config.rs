@@ -12,9 +12,15 @@ use thiserror::Error;
 #[derive(Debug, Error)]
 pub enum ConfigError {
     #[error("{path}: cannot read: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{path}: invalid JSON: {source}")]
-    Json { path: PathBuf, source: serde_json::Error },
+    Json {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
     #[error("{path}: {message}")]
     Invalid { path: PathBuf, message: String },
 }
@@ -91,7 +97,9 @@ impl QuantConfig {
     /// Whether `module` (a dotted name without `.weight`) is excluded from quantization by one
     /// of the `exclude_modules` globs.
     pub fn is_excluded(&self, module: &str) -> bool {
-        self.exclude_modules.iter().any(|pattern| glob_match(pattern, module))
+        self.exclude_modules
+            .iter()
+            .any(|pattern| glob_match(pattern, module))
     }
 }
 
@@ -136,8 +144,27 @@ impl CheckpointConfig {
         let config_path = dir.join("config.json");
         let root = read_json(&config_path)?;
         let quant_path = dir.join("hf_quant_config.json");
-        let hf_quant = if quant_path.exists() { Some(read_json(&quant_path)?) } else { None };
-        Self::from_json(&config_path, &root, hf_quant.as_ref().map(|v| (quant_path.as_path(), v)))
+        let hf_quant = if quant_path.exists() {
+            Some(read_json(&quant_path)?)
+        } else {
+            None
+        };
+        let mut config = Self::from_json(
+            &config_path,
+            &root,
+            hf_quant.as_ref().map(|v| (quant_path.as_path(), v)),
+        )?;
+        // generation_config.json may name another stop token (Kimi-K2.5: `<|im_end|>` there,
+        // `[EOS]` in config.json); stop on every one of them.
+        let generation_path = dir.join("generation_config.json");
+        if generation_path.exists() {
+            for id in token_ids(read_json(&generation_path)?.get("eos_token_id")) {
+                if !config.model.eos_token_ids.contains(&id) {
+                    config.model.eos_token_ids.push(id);
+                }
+            }
+        }
+        Ok(config)
     }
 
     pub fn from_json(
@@ -145,17 +172,23 @@ impl CheckpointConfig {
         root: &Value,
         hf_quant: Option<(&Path, &Value)>,
     ) -> Result<Self, ConfigError> {
-        let invalid = |message: String| ConfigError::Invalid { path: config_path.to_path_buf(), message };
+        let invalid = |message: String| ConfigError::Invalid {
+            path: config_path.to_path_buf(),
+            message,
+        };
         let model_type = root
             .get("model_type")
             .and_then(Value::as_str)
             .ok_or_else(|| invalid("missing `model_type`".into()))?
             .to_string();
         let text = if WRAPPER_MODEL_TYPES.contains(&model_type.as_str()) {
-            let text = root
-                .get("text_config")
-                .ok_or_else(|| invalid(format!("`model_type: {model_type}` needs a `text_config`")))?;
-            let text_type = text.get("model_type").and_then(Value::as_str).unwrap_or("deepseek_v3");
+            let text = root.get("text_config").ok_or_else(|| {
+                invalid(format!("`model_type: {model_type}` needs a `text_config`"))
+            })?;
+            let text_type = text
+                .get("model_type")
+                .and_then(Value::as_str)
+                .unwrap_or("deepseek_v3");
             if !TEXT_MODEL_TYPES.contains(&text_type) {
                 return Err(invalid(format!(
                     "text_config.model_type `{text_type}` is not supported (expected one of {TEXT_MODEL_TYPES:?})"
@@ -182,26 +215,40 @@ impl CheckpointConfig {
                         p.get("version").and_then(Value::as_str).unwrap_or("?")
                     )
                 });
-                Some(parse_quant(section, producer).map_err(|message| ConfigError::Invalid {
-                    path: path.to_path_buf(),
-                    message,
-                })?)
+                Some(
+                    parse_quant(section, producer).map_err(|message| ConfigError::Invalid {
+                        path: path.to_path_buf(),
+                        message,
+                    })?,
+                )
             }
             None => {
-                let embedded = root.get("quantization_config").or_else(|| text.get("quantization_config"));
+                let embedded = root
+                    .get("quantization_config")
+                    .or_else(|| text.get("quantization_config"));
                 match embedded {
                     Some(q) => Some(parse_quant(q, None).map_err(invalid)?),
                     None => None,
                 }
             }
         };
-        Ok(Self { model, quant, model_type })
+        Ok(Self {
+            model,
+            quant,
+            model_type,
+        })
     }
 }
 
 fn read_json(path: &Path) -> Result<Value, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
-    serde_json::from_str(&text).map_err(|source| ConfigError::Json { path: path.to_path_buf(), source })
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|source| ConfigError::Json {
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 fn get_usize(v: &Value, key: &str) -> Result<usize, String> {
@@ -212,13 +259,19 @@ fn get_usize(v: &Value, key: &str) -> Result<usize, String> {
 }
 
 fn get_f64(v: &Value, key: &str) -> Result<f64, String> {
-    v.get(key).and_then(Value::as_f64).ok_or_else(|| format!("missing or non-numeric `{key}`"))
+    v.get(key)
+        .and_then(Value::as_f64)
+        .ok_or_else(|| format!("missing or non-numeric `{key}`"))
 }
 
 fn token_ids(v: Option<&Value>) -> Vec<u32> {
     match v {
         Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        Some(Value::Array(items)) => items.iter().filter_map(Value::as_u64).map(|x| x as u32).collect(),
+        Some(Value::Array(items)) => items
+            .iter()
+            .filter_map(Value::as_u64)
+            .map(|x| x as u32)
+            .collect(),
         _ => Vec::new(),
     }
 }
@@ -226,12 +279,16 @@ fn token_ids(v: Option<&Value>) -> Vec<u32> {
 fn parse_text_config(t: &Value, root: &Value) -> Result<ModelConfig, String> {
     if let Some(func) = t.get("scoring_func").and_then(Value::as_str) {
         if func != "sigmoid" {
-            return Err(format!("scoring_func `{func}` is not supported (only `sigmoid`)"));
+            return Err(format!(
+                "scoring_func `{func}` is not supported (only `sigmoid`)"
+            ));
         }
     }
     if let Some(method) = t.get("topk_method").and_then(Value::as_str) {
         if method != "noaux_tc" {
-            return Err(format!("topk_method `{method}` is not supported (only `noaux_tc`)"));
+            return Err(format!(
+                "topk_method `{method}` is not supported (only `noaux_tc`)"
+            ));
         }
     }
     if let Some(act) = t.get("hidden_act").and_then(Value::as_str) {
@@ -242,39 +299,60 @@ fn parse_text_config(t: &Value, root: &Value) -> Result<ModelConfig, String> {
     let heads = get_usize(t, "num_attention_heads")?;
     if let Some(kv_heads) = t.get("num_key_value_heads").and_then(Value::as_u64) {
         if kv_heads as usize != heads {
-            return Err(format!("num_key_value_heads {kv_heads} != num_attention_heads {heads}: MLA expects them equal"));
+            return Err(format!(
+                "num_key_value_heads {kv_heads} != num_attention_heads {heads}: MLA expects them equal"
+            ));
         }
     }
     let rope_scaling = match t.get("rope_scaling") {
         None | Some(Value::Null) => None,
         Some(rs) => {
-            let kind = rs.get("rope_type").or_else(|| rs.get("type")).and_then(Value::as_str).unwrap_or("");
+            let kind = rs
+                .get("rope_type")
+                .or_else(|| rs.get("type"))
+                .and_then(Value::as_str)
+                .unwrap_or("");
             if kind != "yarn" {
-                return Err(format!("rope_scaling type `{kind}` is not supported (only `yarn`)"));
+                return Err(format!(
+                    "rope_scaling type `{kind}` is not supported (only `yarn`)"
+                ));
             }
             Some(YarnScaling {
                 factor: get_f64(rs, "factor")?,
-                original_max_position_embeddings: get_usize(rs, "original_max_position_embeddings")?,
+                original_max_position_embeddings: get_usize(
+                    rs,
+                    "original_max_position_embeddings",
+                )?,
                 beta_fast: rs.get("beta_fast").and_then(Value::as_f64).unwrap_or(32.0),
                 beta_slow: rs.get("beta_slow").and_then(Value::as_f64).unwrap_or(1.0),
                 mscale: rs.get("mscale").and_then(Value::as_f64).unwrap_or(1.0),
-                mscale_all_dim: rs.get("mscale_all_dim").and_then(Value::as_f64).unwrap_or(0.0),
+                mscale_all_dim: rs
+                    .get("mscale_all_dim")
+                    .and_then(Value::as_f64)
+                    .unwrap_or(0.0),
             })
         }
     };
     let q_lora_rank = match t.get("q_lora_rank") {
         None | Some(Value::Null) => None,
-        Some(v) => Some(v.as_u64().ok_or("`q_lora_rank` must be an integer or null")? as usize),
+        Some(v) => Some(
+            v.as_u64()
+                .ok_or("`q_lora_rank` must be an integer or null")? as usize,
+        ),
     };
     let n_routed_experts = get_usize(t, "n_routed_experts")?;
     let n_group = t.get("n_group").and_then(Value::as_u64).unwrap_or(1) as usize;
     let topk_group = t.get("topk_group").and_then(Value::as_u64).unwrap_or(1) as usize;
     let num_experts_per_tok = get_usize(t, "num_experts_per_tok")?;
     if n_group == 0 || n_routed_experts % n_group != 0 || topk_group > n_group {
-        return Err(format!("n_group {n_group} / topk_group {topk_group} do not divide {n_routed_experts} experts"));
+        return Err(format!(
+            "n_group {n_group} / topk_group {topk_group} do not divide {n_routed_experts} experts"
+        ));
     }
     if num_experts_per_tok > topk_group * (n_routed_experts / n_group) {
-        return Err(format!("num_experts_per_tok {num_experts_per_tok} exceeds the experts of {topk_group} groups"));
+        return Err(format!(
+            "num_experts_per_tok {num_experts_per_tok} exceeds the experts of {topk_group} groups"
+        ));
     }
     let mut eos = token_ids(t.get("eos_token_id"));
     if eos.is_empty() {
@@ -288,24 +366,44 @@ fn parse_text_config(t: &Value, root: &Value) -> Result<ModelConfig, String> {
         num_hidden_layers: get_usize(t, "num_hidden_layers")?,
         num_attention_heads: heads,
         n_routed_experts,
-        n_shared_experts: t.get("n_shared_experts").and_then(Value::as_u64).unwrap_or(0) as usize,
+        n_shared_experts: t
+            .get("n_shared_experts")
+            .and_then(Value::as_u64)
+            .unwrap_or(0) as usize,
         num_experts_per_tok,
-        first_k_dense_replace: t.get("first_k_dense_replace").and_then(Value::as_u64).unwrap_or(0) as usize,
+        first_k_dense_replace: t
+            .get("first_k_dense_replace")
+            .and_then(Value::as_u64)
+            .unwrap_or(0) as usize,
         moe_layer_freq: t.get("moe_layer_freq").and_then(Value::as_u64).unwrap_or(1) as usize,
         q_lora_rank,
         kv_lora_rank: get_usize(t, "kv_lora_rank")?,
         qk_nope_head_dim: get_usize(t, "qk_nope_head_dim")?,
         qk_rope_head_dim: get_usize(t, "qk_rope_head_dim")?,
         v_head_dim: get_usize(t, "v_head_dim")?,
-        rope_theta: t.get("rope_theta").and_then(Value::as_f64).unwrap_or(10000.0),
+        rope_theta: t
+            .get("rope_theta")
+            .and_then(Value::as_f64)
+            .unwrap_or(10000.0),
         rope_scaling,
-        rms_norm_eps: t.get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-6),
-        routed_scaling_factor: t.get("routed_scaling_factor").and_then(Value::as_f64).unwrap_or(1.0),
+        rms_norm_eps: t
+            .get("rms_norm_eps")
+            .and_then(Value::as_f64)
+            .unwrap_or(1e-6),
+        routed_scaling_factor: t
+            .get("routed_scaling_factor")
+            .and_then(Value::as_f64)
+            .unwrap_or(1.0),
         n_group,
         topk_group,
-        norm_topk_prob: t.get("norm_topk_prob").and_then(Value::as_bool).unwrap_or(true),
+        norm_topk_prob: t
+            .get("norm_topk_prob")
+            .and_then(Value::as_bool)
+            .unwrap_or(true),
         max_position_embeddings: get_usize(t, "max_position_embeddings")?,
-        bos_token_id: token_ids(t.get("bos_token_id").or_else(|| root.get("bos_token_id"))).first().copied(),
+        bos_token_id: token_ids(t.get("bos_token_id").or_else(|| root.get("bos_token_id")))
+            .first()
+            .copied(),
         eos_token_ids: eos,
         tie_word_embeddings: t
             .get("tie_word_embeddings")
@@ -314,10 +412,16 @@ fn parse_text_config(t: &Value, root: &Value) -> Result<ModelConfig, String> {
             .unwrap_or(false),
     };
     if config.qk_rope_head_dim % 2 != 0 {
-        return Err(format!("qk_rope_head_dim {} must be even", config.qk_rope_head_dim));
+        return Err(format!(
+            "qk_rope_head_dim {} must be even",
+            config.qk_rope_head_dim
+        ));
     }
     if config.moe_layer_freq != 1 {
-        return Err(format!("moe_layer_freq {} is not supported (only 1)", config.moe_layer_freq));
+        return Err(format!(
+            "moe_layer_freq {} is not supported (only 1)",
+            config.moe_layer_freq
+        ));
     }
     Ok(config)
 }
@@ -325,29 +429,71 @@ fn parse_text_config(t: &Value, root: &Value) -> Result<ModelConfig, String> {
 fn parse_quant(q: &Value, producer: Option<String>) -> Result<QuantConfig, String> {
     if let Some(method) = q.get("quant_method").and_then(Value::as_str) {
         if method != "modelopt" {
-            return Err(format!("quant_method `{method}` is not supported (only ModelOpt NVFP4)"));
+            return Err(format!(
+                "quant_method `{method}` is not supported (only ModelOpt NVFP4)"
+            ));
         }
     }
-    let algo = q.get("quant_algo").and_then(Value::as_str).ok_or("missing `quant_algo`")?;
+    let algo = q
+        .get("quant_algo")
+        .and_then(Value::as_str)
+        .ok_or("missing `quant_algo`")?;
     let quant_algo = match algo {
         "NVFP4" => QuantAlgo::Nvfp4,
-        other => return Err(format!("quant_algo `{other}` is not supported (only NVFP4)")),
+        other => {
+            return Err(format!(
+                "quant_algo `{other}` is not supported (only NVFP4)"
+            ));
+        }
     };
     let group_size = q.get("group_size").and_then(Value::as_u64).unwrap_or(16) as usize;
     if group_size != kernels::formats::NVFP4_BLOCK {
-        return Err(format!("group_size {group_size} is not supported (NVFP4 uses 16)"));
+        return Err(format!(
+            "group_size {group_size} is not supported (NVFP4 uses 16)"
+        ));
     }
     let kv_cache_quant_algo = match q.get("kv_cache_quant_algo") {
-        None | Some(Value::Null) => None,
+        // config.json's embedded form describes the cache as a scheme instead of an algorithm.
+        None | Some(Value::Null) => match q.get("kv_cache_scheme") {
+            None | Some(Value::Null) => None,
+            Some(scheme) => {
+                let bits = scheme.get("num_bits").and_then(Value::as_u64);
+                let kind = scheme.get("type").and_then(Value::as_str);
+                if bits == Some(8) && kind == Some("float") {
+                    Some(KvCacheQuant::Fp8)
+                } else {
+                    return Err(format!(
+                        "kv_cache_scheme {scheme} is not supported (only 8-bit float)"
+                    ));
+                }
+            }
+        },
         Some(Value::String(s)) if s == "FP8" => Some(KvCacheQuant::Fp8),
-        Some(other) => return Err(format!("kv_cache_quant_algo {other} is not supported (only FP8 or null)")),
+        Some(other) => {
+            return Err(format!(
+                "kv_cache_quant_algo {other} is not supported (only FP8 or null)"
+            ));
+        }
     };
     let exclude_modules = q
         .get("exclude_modules")
+        .or_else(|| q.get("ignore"))
         .and_then(Value::as_array)
-        .map(|items| items.iter().filter_map(Value::as_str).map(str::to_string).collect())
+        .map(|items| {
+            items
+                .iter()
+                .filter_map(Value::as_str)
+                .map(str::to_string)
+                .collect()
+        })
         .unwrap_or_default();
-    Ok(QuantConfig { quant_algo, group_size, exclude_modules, kv_cache_quant_algo, producer })
+    Ok(QuantConfig {
+        quant_algo,
+        group_size,
+        exclude_modules,
+        kv_cache_quant_algo,
+        producer,
+    })
 }
 
 impl ModelConfig {
@@ -379,7 +525,11 @@ impl ModelConfig {
 
 /// YaRN's attention-temperature correction `0.1 · m · ln(factor) + 1` (1 for factor ≤ 1).
 pub fn yarn_mscale(factor: f64, mscale: f64) -> f64 {
-    if factor <= 1.0 { 1.0 } else { 0.1 * mscale * factor.ln() + 1.0 }
+    if factor <= 1.0 {
+        1.0
+    } else {
+        0.1 * mscale * factor.ln() + 1.0
+    }
 }
 
 #[cfg(test)]
@@ -413,11 +563,20 @@ mod tests {
         let quant = json!({"producer": {"name": "modelopt", "version": "0.37.0"},
             "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8", "group_size": 16,
                              "exclude_modules": ["lm_head", "*self_attn*", "*shared_experts*", "*mlp.gate"]}});
-        let c = CheckpointConfig::from_json(Path::new("config.json"), &kimi_k25_json(), Some((Path::new("q.json"), &quant))).unwrap();
+        let c = CheckpointConfig::from_json(
+            Path::new("config.json"),
+            &kimi_k25_json(),
+            Some((Path::new("q.json"), &quant)),
+        )
+        .unwrap();
         assert_eq!(c.model.hidden_size, 7168);
         assert_eq!(c.model.q_lora_rank, Some(1536));
         assert_eq!(c.model.eos_token_ids, vec![163585]);
-        assert!((c.model.softmax_scale() - 0.1446796).abs() < 1e-6, "{}", c.model.softmax_scale());
+        assert!(
+            (c.model.softmax_scale() - 0.1446796).abs() < 1e-6,
+            "{}",
+            c.model.softmax_scale()
+        );
         let q = c.quant.unwrap();
         assert_eq!(q.kv_cache_quant_algo, Some(KvCacheQuant::Fp8));
         assert!(q.is_excluded("language_model.model.layers.3.self_attn.q_a_proj"));
@@ -429,14 +588,26 @@ mod tests {
     fn unsupported_values_are_named() {
         let mut bad = kimi_k25_json();
         bad["text_config"]["scoring_func"] = json!("softmax");
-        let err = CheckpointConfig::from_json(Path::new("cfg.json"), &bad, None).unwrap_err().to_string();
-        assert!(err.contains("cfg.json") && err.contains("softmax"), "{err}");
-        let quant = json!({"quantization": {"quant_algo": "INT4_AWQ"}});
-        let err = CheckpointConfig::from_json(Path::new("c.json"), &kimi_k25_json(), Some((Path::new("hf_quant_config.json"), &quant)))
+        let err = CheckpointConfig::from_json(Path::new("cfg.json"), &bad, None)
             .unwrap_err()
             .to_string();
-        assert!(err.contains("hf_quant_config.json") && err.contains("INT4_AWQ"), "{err}");
-        let err = CheckpointConfig::from_json(Path::new("c.json"), &json!({"model_type": "llama"}), None).unwrap_err().to_string();
+        assert!(err.contains("cfg.json") && err.contains("softmax"), "{err}");
+        let quant = json!({"quantization": {"quant_algo": "INT4_AWQ"}});
+        let err = CheckpointConfig::from_json(
+            Path::new("c.json"),
+            &kimi_k25_json(),
+            Some((Path::new("hf_quant_config.json"), &quant)),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("hf_quant_config.json") && err.contains("INT4_AWQ"),
+            "{err}"
+        );
+        let err =
+            CheckpointConfig::from_json(Path::new("c.json"), &json!({"model_type": "llama"}), None)
+                .unwrap_err()
+                .to_string();
         assert!(err.contains("llama"), "{err}");
     }
 
@@ -448,7 +619,8 @@ mod tests {
         t["n_group"] = json!(8);
         t["topk_group"] = json!(4);
         t["eos_token_id"] = json!([1, 2]);
-        t["quantization_config"] = json!({"quant_method": "modelopt", "quant_algo": "NVFP4", "kv_cache_quant_algo": null});
+        t["quantization_config"] =
+            json!({"quant_method": "modelopt", "quant_algo": "NVFP4", "kv_cache_quant_algo": null});
         let c = CheckpointConfig::from_json(Path::new("config.json"), &t, None).unwrap();
         assert_eq!(c.model.q_lora_rank, None);
         assert_eq!((c.model.n_group, c.model.topk_group), (8, 4));

@@ -69,7 +69,12 @@ impl Model {
     pub fn new(config: ModelConfig, weights: ModelWeights) -> Self {
         let rope = Rope::new(&config);
         let softmax_scale = config.softmax_scale();
-        Self { config, weights, rope, softmax_scale }
+        Self {
+            config,
+            weights,
+            rope,
+            softmax_scale,
+        }
     }
 
     pub fn cache_shape(&self) -> LatentCacheShape {
@@ -103,15 +108,24 @@ impl Model {
             cache.reserve(input.seq, input.tokens.len())?;
             for (i, &token) in input.tokens.iter().enumerate() {
                 if token as usize >= c.vocab_size {
-                    return Err(ForwardError::TokenOutOfRange { token, vocab: c.vocab_size });
+                    return Err(ForwardError::TokenOutOfRange {
+                        token,
+                        vocab: c.vocab_size,
+                    });
                 }
                 if start + i >= c.max_position_embeddings {
-                    return Err(ForwardError::ContextTooLong { pos: start + i, max: c.max_position_embeddings });
+                    return Err(ForwardError::ContextTooLong {
+                        pos: start + i,
+                        max: c.max_position_embeddings,
+                    });
                 }
                 rows.push((input.seq, start + i));
             }
         }
-        let tokens: Vec<u32> = inputs.iter().flat_map(|i| i.tokens.iter().copied()).collect();
+        let tokens: Vec<u32> = inputs
+            .iter()
+            .flat_map(|i| i.tokens.iter().copied())
+            .collect();
         let n = rows.len();
 
         let mut x = vec![0.0f32; n * hidden];
@@ -165,8 +179,17 @@ impl Model {
         }
         let normed = rms_norm_rows(&final_hidden, hidden, &self.weights.norm, c.rms_norm_eps);
         let mut values = vec![0.0f32; selected.len() * c.vocab_size];
-        backend.matmul(&normed, selected.len(), self.weights.lm_head.view(), &mut values);
-        Ok(Logits { rows: selected.len(), vocab: c.vocab_size, values })
+        backend.matmul(
+            &normed,
+            selected.len(),
+            self.weights.lm_head.view(),
+            &mut values,
+        );
+        Ok(Logits {
+            rows: selected.len(),
+            vocab: c.vocab_size,
+            values,
+        })
     }
 
     fn attention(
@@ -180,8 +203,13 @@ impl Model {
     ) -> Result<Vec<f32>, ForwardError> {
         let c = &self.config;
         let n = rows.len();
-        let (heads, nope, rope_dim, v_dim, latent) =
-            (c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank);
+        let (heads, nope, rope_dim, v_dim, latent) = (
+            c.num_attention_heads,
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.v_head_dim,
+            c.kv_lora_rank,
+        );
         let qk = nope + rope_dim;
 
         let mut q = vec![0.0f32; n * heads * qk];
@@ -208,20 +236,30 @@ impl Model {
         // h·(P+V) .. h·(P+V)+P.
         let mut q_abs = vec![0.0f32; n * heads * latent];
         let mut q_pe = vec![0.0f32; n * heads * rope_dim];
-        q_abs.par_chunks_mut(latent).zip(q_pe.par_chunks_mut(rope_dim)).enumerate().for_each(|(i, (abs, pe))| {
-            let (r, head) = (i / heads, i % heads);
-            let q_head = &q[(r * heads + head) * qk..(r * heads + head + 1) * qk];
-            abs.fill(0.0);
-            for (p, &qn) in q_head[..nope].iter().enumerate() {
-                for (a, wv) in abs.iter_mut().zip(w.kv_b.row(head * (nope + v_dim) + p)) {
-                    *a += qn * wv.to_f32();
+        q_abs
+            .par_chunks_mut(latent)
+            .zip(q_pe.par_chunks_mut(rope_dim))
+            .enumerate()
+            .for_each(|(i, (abs, pe))| {
+                let (r, head) = (i / heads, i % heads);
+                let q_head = &q[(r * heads + head) * qk..(r * heads + head + 1) * qk];
+                abs.fill(0.0);
+                for (p, &qn) in q_head[..nope].iter().enumerate() {
+                    for (a, wv) in abs.iter_mut().zip(w.kv_b.row(head * (nope + v_dim) + p)) {
+                        *a += qn * wv.to_f32();
+                    }
                 }
-            }
-            pe.copy_from_slice(&q_head[nope..]);
-            self.rope.apply(pe, rows[r].1);
-        });
+                pe.copy_from_slice(&q_head[nope..]);
+                self.rope.apply(pe, rows[r].1);
+            });
 
-        let queries: Vec<AttentionQuery> = rows.iter().map(|&(seq, pos)| AttentionQuery { seq, context: pos + 1 }).collect();
+        let queries: Vec<AttentionQuery> = rows
+            .iter()
+            .map(|&(seq, pos)| AttentionQuery {
+                seq,
+                context: pos + 1,
+            })
+            .collect();
         let problem = MlaProblem {
             layer,
             heads,
@@ -241,7 +279,10 @@ impl Model {
             let lat = &o_latent[i * latent..(i + 1) * latent];
             let mut row = vec![0.0f32; latent];
             for (v, o) in out.iter_mut().enumerate() {
-                for (dst, wv) in row.iter_mut().zip(w.kv_b.row(head * (nope + v_dim) + nope + v)) {
+                for (dst, wv) in row
+                    .iter_mut()
+                    .zip(w.kv_b.row(head * (nope + v_dim) + nope + v))
+                {
                     *dst = wv.to_f32();
                 }
                 *o = dot(lat, &row);
@@ -282,7 +323,11 @@ pub fn route(logits: &[f32], bias: &[f32], c: &ModelConfig) -> Routing {
     let experts = c.n_routed_experts;
     let k = c.num_experts_per_tok;
     let per_group = experts / c.n_group;
-    let mut routing = Routing { top_k: k, experts: Vec::new(), weights: Vec::new() };
+    let mut routing = Routing {
+        top_k: k,
+        experts: Vec::new(),
+        weights: Vec::new(),
+    };
     for row in logits.chunks_exact(experts) {
         let scores: Vec<f32> = row.iter().map(|&l| 1.0 / (1.0 + (-l).exp())).collect();
         let mut choice: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
@@ -308,7 +353,9 @@ pub fn route(logits: &[f32], bias: &[f32], c: &ModelConfig) -> Routing {
             let sum: f32 = weights.iter().sum::<f32>() + 1e-20;
             weights.iter_mut().for_each(|w| *w /= sum);
         }
-        weights.iter_mut().for_each(|w| *w *= c.routed_scaling_factor as f32);
+        weights
+            .iter_mut()
+            .for_each(|w| *w *= c.routed_scaling_factor as f32);
         routing.experts.extend(chosen.iter().map(|&e| e as u32));
         routing.weights.extend(weights);
     }
@@ -345,7 +392,9 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f64) -> Vec<f32> {
 }
 
 fn rms_norm_rows(x: &[f32], dim: usize, weight: &[f32], eps: f64) -> Vec<f32> {
-    x.chunks_exact(dim).flat_map(|row| rms_norm(row, weight, eps)).collect()
+    x.chunks_exact(dim)
+        .flat_map(|row| rms_norm(row, weight, eps))
+        .collect()
 }
 
 fn add_in_place(x: &mut [f32], y: &[f32]) {
@@ -366,7 +415,9 @@ mod tests {
             "qk_rope_head_dim": 4, "v_head_dim": 8, "max_position_embeddings": 64,
             "n_group": n_group, "topk_group": topk_group, "routed_scaling_factor": 2.5, "norm_topk_prob": true
         });
-        crate::config::CheckpointConfig::from_json(std::path::Path::new("c"), &text, None).unwrap().model
+        crate::config::CheckpointConfig::from_json(std::path::Path::new("c"), &text, None)
+            .unwrap()
+            .model
     }
 
     #[test]

@@ -59,8 +59,13 @@ pub fn generate(
     let eos = &model.config.eos_token_ids;
     let mut timing = GenerationTiming::default();
     let mut samplers: Vec<Sampler> = requests.iter().map(|r| Sampler::new(r.sampling)).collect();
-    let mut results: Vec<GenerationResult> =
-        requests.iter().map(|_| GenerationResult { tokens: Vec::new(), stop: StopReason::Length }).collect();
+    let mut results: Vec<GenerationResult> = requests
+        .iter()
+        .map(|_| GenerationResult {
+            tokens: Vec::new(),
+            stop: StopReason::Length,
+        })
+        .collect();
     let seqs: Vec<_> = requests.iter().map(|_| cache.add_sequence()).collect();
     let mut live: Vec<usize> = Vec::new();
 
@@ -69,8 +74,16 @@ pub fn generate(
         if request.max_new_tokens == 0 || request.prompt.is_empty() {
             continue;
         }
-        let logits =
-            model.forward(backend, cache, &[SeqInput { seq: seqs[i], tokens: &request.prompt }], LogitRows::Last, None)?;
+        let logits = model.forward(
+            backend,
+            cache,
+            &[SeqInput {
+                seq: seqs[i],
+                tokens: &request.prompt,
+            }],
+            LogitRows::Last,
+            None,
+        )?;
         timing.prefill_tokens += request.prompt.len();
         let token = samplers[i].sample(logits.row(0));
         results[i].tokens.push(token);
@@ -85,9 +98,18 @@ pub fn generate(
 
     let start = Instant::now();
     while !live.is_empty() {
-        let last: Vec<[u32; 1]> = live.iter().map(|&i| [*results[i].tokens.last().expect("prefilled")]).collect();
-        let inputs: Vec<SeqInput<'_>> =
-            live.iter().zip(&last).map(|(&i, token)| SeqInput { seq: seqs[i], tokens: token }).collect();
+        let last: Vec<[u32; 1]> = live
+            .iter()
+            .map(|&i| [*results[i].tokens.last().expect("prefilled")])
+            .collect();
+        let inputs: Vec<SeqInput<'_>> = live
+            .iter()
+            .zip(&last)
+            .map(|(&i, token)| SeqInput {
+                seq: seqs[i],
+                tokens: token,
+            })
+            .collect();
         let logits = model.forward(backend, cache, &inputs, LogitRows::Last, None)?;
         timing.decode_steps += 1;
         timing.decode_tokens += live.len();

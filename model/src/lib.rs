@@ -10,10 +10,14 @@
 
 pub mod backend;
 pub mod checkpoint;
+pub mod checkpoint_writer;
 pub mod config;
 pub mod forward;
 pub mod generate;
+pub mod generator;
 pub mod nvfp4_file;
+pub mod plan;
+pub mod quantize;
 pub mod rope;
 pub mod sampler;
 pub mod tensor_file;

@@ -1,12 +1,24 @@
 //! `model`: the command-line front end.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
-use kernels::formats::nvfp4::{NVFP4_BLOCK, Nvfp4Matrix};
+use kernels::formats::NVFP4_BLOCK;
+use kernels::formats::nvfp4::Nvfp4Matrix;
+use kernels::mla::cache::KvCacheDtype;
+use model::backend::CpuBackend;
+use model::checkpoint::Checkpoint;
+use model::checkpoint_writer::OwnedTensor;
+use model::config::KvCacheQuant;
+use model::forward::{LogitRows, Model, SeqInput};
+use model::generate::{GenerationRequest, generate};
+use model::generator::{Preset, generate_checkpoint};
 use model::nvfp4_file::{nvfp4_weight_names, read_nvfp4};
+use model::plan::{PlanRequest, plan};
+use model::quantize::{quantize_checkpoint, random_tokens};
+use model::sampler::SamplingParams;
 use model::tensor_file::TensorFile;
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
@@ -15,38 +27,393 @@ use safetensors::tensor::TensorView;
 #[command(
     name = "model",
     version,
-    about = "Kimi-K2.5-NVFP4 on CPU and GPU: inspect, quantize, run"
+    about = "Kimi-K2.5-NVFP4 on CPU and GPU: run, score, generate, quantize, plan, inspect"
 )]
 struct Cli {
     #[command(subcommand)]
-    command: Command,
+    command: Option<Command>,
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum KvDtypeArg {
+    /// What the checkpoint asks for (`kv_cache_quant_algo`), else BF16.
+    Auto,
+    /// Full precision (a reference, not a deployment choice).
+    F32,
+    Bf16,
+    Fp8,
 }
 
 #[derive(Subcommand)]
 enum Command {
-    /// Summarize a safetensors file: dtypes, shapes, and every NVFP4 weight decoded.
-    Inspect {
-        /// A `.safetensors` file.
-        path: PathBuf,
+    /// Run the decode loop on CPU (default: the generated `mini` model, made once and cached).
+    Run(RunArgs),
+    /// Score a prompt: logits for every position from one prefill, as float32 `[T, vocab]`.
+    Logits {
+        #[arg(long)]
+        checkpoint: PathBuf,
+        /// Comma-separated token ids.
+        #[arg(long, value_delimiter = ',', required = true)]
+        tokens: Vec<u32>,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, value_enum, default_value = "bf16")]
+        kv_dtype: KvDtypeArg,
     },
-    /// Quantize every 2-D floating-point `*.weight` tensor of a safetensors file to NVFP4,
-    /// written in the ModelOpt layout (`weight`, `weight_scale`, `weight_scale_2`).
+    /// Write a random-weight model in the Kimi-K2.5-NVFP4 layout.
+    GenerateCheckpoint {
+        #[arg(long, value_enum)]
+        preset: Preset,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 20261129)]
+        seed: u64,
+    },
+    /// Quantize a BF16 DeepSeek-V3 / Kimi checkpoint's routed experts to NVFP4 (ModelOpt
+    /// layout), calibrating `input_scale` on a forward pass. Given a single `.safetensors`
+    /// file instead, quantizes each 2-D `*.weight` tensor in it.
     Quantize {
         #[arg(long)]
         input: PathBuf,
         #[arg(long)]
         output: PathBuf,
+        #[arg(long, default_value_t = 256)]
+        calib_tokens: usize,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
     },
+    /// Memory per GPU under tensor parallelism and the longest context that fits.
+    Plan(PlanArgs),
+    /// Summarize a checkpoint directory or one safetensors file.
+    Inspect { path: PathBuf },
+}
+
+#[derive(clap::Args, Clone)]
+struct RunArgs {
+    /// A checkpoint directory; default: the `mini` preset, generated on first use.
+    #[arg(long)]
+    checkpoint: Option<PathBuf>,
+    /// Where the default model is cached.
+    #[arg(long, env = "KIMI_SM120_CACHE")]
+    cache_dir: Option<PathBuf>,
+    /// Comma-separated prompt token ids (default: 32 seeded random tokens).
+    #[arg(long, value_delimiter = ',')]
+    prompt: Vec<u32>,
+    #[arg(long, default_value_t = 32)]
+    prompt_len: usize,
+    #[arg(long, default_value_t = 64)]
+    max_new_tokens: usize,
+    /// Sequences decoded together.
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[arg(long, value_enum, default_value = "auto")]
+    kv_dtype: KvDtypeArg,
+}
+
+#[derive(clap::Args)]
+struct PlanArgs {
+    #[arg(long, conflicts_with = "preset")]
+    checkpoint: Option<PathBuf>,
+    #[arg(long, value_enum)]
+    preset: Option<Preset>,
+    #[arg(long, default_value_t = 8)]
+    gpus: usize,
+    #[arg(long, default_value_t = 96.0)]
+    gpu_mem_gib: f64,
+    #[arg(long, default_value_t = 0.90)]
+    memory_utilization: f64,
+    /// `bf16` or `fp8`; without it both are shown.
+    #[arg(long)]
+    kv_dtype: Option<String>,
+    /// Default: the model's max_position_embeddings.
+    #[arg(long)]
+    max_model_len: Option<usize>,
+    #[arg(long, default_value_t = 8192)]
+    max_batched_tokens: usize,
 }
 
 fn main() -> Result<()> {
-    match Cli::parse().command {
-        Command::Inspect { path } => inspect(&path),
-        Command::Quantize { input, output } => quantize(&input, &output),
+    let cli = Cli::parse();
+    // No subcommand means `run` with its defaults: the front door's main job.
+    let command = match cli.command {
+        Some(command) => command,
+        None => Cli::parse_from(["model", "run"])
+            .command
+            .expect("`run` parses"),
+    };
+    match command {
+        Command::Run(args) => run(args),
+        Command::Logits {
+            checkpoint,
+            tokens,
+            out,
+            kv_dtype,
+        } => logits(&checkpoint, &tokens, &out, kv_dtype),
+        Command::GenerateCheckpoint { preset, out, seed } => {
+            generate_checkpoint(preset, &out, seed, &CpuBackend)?;
+            println!("wrote the {} preset to {}", preset.id(), out.display());
+            Ok(())
+        }
+        Command::Quantize {
+            input,
+            output,
+            calib_tokens,
+            seed,
+        } => {
+            if input.is_file() {
+                quantize_file(&input, &output)
+            } else {
+                quantize_checkpoint(&input, &output, &CpuBackend, calib_tokens, seed, 4 << 30)?;
+                println!("wrote NVFP4 checkpoint {}", output.display());
+                Ok(())
+            }
+        }
+        Command::Plan(args) => plan_command(args),
+        Command::Inspect { path } => {
+            if path.is_dir() {
+                inspect_checkpoint(&path)
+            } else {
+                inspect_file(&path)
+            }
+        }
     }
 }
 
-fn inspect(path: &std::path::Path) -> Result<()> {
+fn resolve_kv_dtype(arg: KvDtypeArg, checkpoint: &Checkpoint) -> KvCacheDtype {
+    match arg {
+        KvDtypeArg::F32 => KvCacheDtype::F32,
+        KvDtypeArg::Bf16 => KvCacheDtype::Bf16,
+        KvDtypeArg::Fp8 => KvCacheDtype::Fp8E4m3,
+        KvDtypeArg::Auto => match checkpoint
+            .config
+            .quant
+            .as_ref()
+            .and_then(|q| q.kv_cache_quant_algo)
+        {
+            Some(KvCacheQuant::Fp8) => KvCacheDtype::Fp8E4m3,
+            None => KvCacheDtype::Bf16,
+        },
+    }
+}
+
+/// The cached default model: generated once into the cache directory.
+fn default_checkpoint(cache_dir: Option<PathBuf>) -> Result<PathBuf> {
+    let base = cache_dir.unwrap_or_else(|| {
+        std::env::var_os("XDG_CACHE_HOME")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+            .unwrap_or_else(std::env::temp_dir)
+            .join("kimi-sm120")
+    });
+    // The folder name carries the crate version so a changed generator makes a new model.
+    let dir = base.join(format!("mini-{}", env!("CARGO_PKG_VERSION")));
+    if dir.join(".complete").exists() {
+        return Ok(dir);
+    }
+    eprintln!("generating the mini model into {} (once)…", dir.display());
+    let partial = base.join(format!(".mini-partial-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&partial);
+    generate_checkpoint(Preset::Mini, &partial, 20261129, &CpuBackend)?;
+    std::fs::write(partial.join(".complete"), b"")?;
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::rename(&partial, &dir)
+        .with_context(|| format!("moving the model into {}", dir.display()))?;
+    Ok(dir)
+}
+
+fn load(dir: &Path) -> Result<(Checkpoint, Model)> {
+    let checkpoint = Checkpoint::open(dir)?;
+    let model = Model::new(
+        checkpoint.model_config().clone(),
+        checkpoint.load_weights()?,
+    );
+    Ok((checkpoint, model))
+}
+
+fn run(args: RunArgs) -> Result<()> {
+    let dir = match &args.checkpoint {
+        Some(dir) => dir.clone(),
+        None => default_checkpoint(args.cache_dir.clone())?,
+    };
+    let started = std::time::Instant::now();
+    let (checkpoint, model) = load(&dir)?;
+    let kv_dtype = resolve_kv_dtype(args.kv_dtype, &checkpoint);
+    let c = &model.config;
+    println!(
+        "model {} ({} layers, hidden {}, {} experts top-{}), loaded in {:.2} s; KV cache {}",
+        dir.display(),
+        c.num_hidden_layers,
+        c.hidden_size,
+        c.n_routed_experts,
+        c.num_experts_per_tok,
+        started.elapsed().as_secs_f64(),
+        kv_dtype.id()
+    );
+    let requests: Vec<GenerationRequest> = (0..args.batch.max(1))
+        .map(|i| GenerationRequest {
+            prompt: if args.prompt.is_empty() {
+                random_tokens(args.prompt_len, c.vocab_size, args.seed + i as u64)
+            } else {
+                args.prompt.clone()
+            },
+            max_new_tokens: args.max_new_tokens,
+            sampling: SamplingParams {
+                temperature: args.temperature,
+                top_k: args.top_k,
+                top_p: args.top_p,
+                seed: args.seed + i as u64,
+            },
+        })
+        .collect();
+    let total_tokens: usize = requests
+        .iter()
+        .map(|r| r.prompt.len() + r.max_new_tokens)
+        .sum();
+    let mut cache = model.new_cache(kv_dtype, total_tokens);
+    let (results, timing) = generate(&model, &CpuBackend, &mut cache, &requests, |_, _| {})?;
+    for (i, r) in results.iter().enumerate() {
+        println!(
+            "sequence {i}: {:?} ({} tokens): {:?}",
+            r.stop,
+            r.tokens.len(),
+            r.tokens
+        );
+    }
+    println!(
+        "prefill: {} tokens in {:.3} s = {:.1} tok/s",
+        timing.prefill_tokens,
+        timing.prefill_time.as_secs_f64(),
+        timing.prefill_tokens_per_second()
+    );
+    println!(
+        "decode: {} tokens in {} steps, {:.3} s = {:.1} tok/s",
+        timing.decode_tokens,
+        timing.decode_steps,
+        timing.decode_time.as_secs_f64(),
+        timing.decode_tokens_per_second()
+    );
+    Ok(())
+}
+
+fn logits(dir: &Path, tokens: &[u32], out: &Path, kv: KvDtypeArg) -> Result<()> {
+    let (checkpoint, model) = load(dir)?;
+    let mut cache = model.new_cache(resolve_kv_dtype(kv, &checkpoint), tokens.len());
+    let seq = cache.add_sequence();
+    let logits = model.forward(
+        &CpuBackend,
+        &mut cache,
+        &[SeqInput { seq, tokens }],
+        LogitRows::All,
+        None,
+    )?;
+    let bytes: &[u8] = bytemuck::cast_slice(&logits.values);
+    let view = TensorView::new(Dtype::F32, vec![logits.rows, logits.vocab], bytes)?;
+    safetensors::serialize_to_file([("logits", view)], None, out)
+        .with_context(|| format!("writing {}", out.display()))?;
+    println!(
+        "wrote logits [{}, {}] to {}",
+        logits.rows,
+        logits.vocab,
+        out.display()
+    );
+    Ok(())
+}
+
+fn plan_command(args: PlanArgs) -> Result<()> {
+    let (config, nvfp4) = match (&args.checkpoint, args.preset) {
+        (Some(dir), _) => {
+            let checkpoint = Checkpoint::open(dir)?;
+            let nvfp4 = checkpoint.config.quant.is_some();
+            (checkpoint.model_config().clone(), nvfp4)
+        }
+        (None, Some(preset)) => (preset.model_config(), true),
+        (None, None) => bail!("give --checkpoint DIR or --preset NAME"),
+    };
+    let dtypes = match &args.kv_dtype {
+        Some(text) => vec![
+            KvCacheDtype::parse(text)
+                .with_context(|| format!("--kv-dtype {text}: expected bf16 or fp8"))?,
+        ],
+        None => vec![KvCacheDtype::Bf16, KvCacheDtype::Fp8E4m3],
+    };
+    for kv_dtype in dtypes {
+        let request = PlanRequest {
+            gpus: args.gpus,
+            gpu_mem_gib: args.gpu_mem_gib,
+            memory_utilization: args.memory_utilization,
+            kv_dtype,
+            max_model_len: args.max_model_len.unwrap_or(config.max_position_embeddings),
+            max_batched_tokens: args.max_batched_tokens,
+            nvfp4_experts: nvfp4,
+        };
+        println!("{}", plan(&config, &request).render(&request));
+    }
+    Ok(())
+}
+
+fn inspect_checkpoint(dir: &Path) -> Result<()> {
+    let checkpoint = Checkpoint::open(dir)?;
+    let c = checkpoint.model_config();
+    println!(
+        "{}: model_type {} (prefix `{}`)",
+        dir.display(),
+        checkpoint.config.model_type,
+        checkpoint.prefix
+    );
+    println!(
+        "  {} layers ({} dense), hidden {}, heads {}, q_lora {:?}, kv_lora {}, experts {} (top-{}, {} shared, groups {}/{}), vocab {}",
+        c.num_hidden_layers,
+        c.first_k_dense_replace,
+        c.hidden_size,
+        c.num_attention_heads,
+        c.q_lora_rank,
+        c.kv_lora_rank,
+        c.n_routed_experts,
+        c.num_experts_per_tok,
+        c.n_shared_experts,
+        c.n_group,
+        c.topk_group,
+        c.vocab_size
+    );
+    match &checkpoint.config.quant {
+        Some(q) => println!(
+            "  quantization {:?} group {} (producer {}), KV cache {:?}, {} exclude patterns",
+            q.quant_algo,
+            q.group_size,
+            q.producer.as_deref().unwrap_or("?"),
+            q.kv_cache_quant_algo,
+            q.exclude_modules.len()
+        ),
+        None => println!("  not quantized"),
+    }
+    let mut by_dtype: BTreeMap<String, (usize, usize)> = BTreeMap::new();
+    for (name, file) in checkpoint.tensor_names() {
+        let info = file.info(name)?;
+        let e = by_dtype.entry(format!("{:?}", info.dtype)).or_default();
+        e.0 += 1;
+        e.1 += info.numel() * info.dtype.bitsize() / 8;
+    }
+    println!("  {} shards", checkpoint.shards().len());
+    for (dtype, (count, bytes)) in by_dtype {
+        println!(
+            "  {dtype:>8}: {count:>6} tensors, {:>10.3} MiB",
+            bytes as f64 / (1 << 20) as f64
+        );
+    }
+    let weights = checkpoint.load_weights()?;
+    println!("  all {} layers load and validate", weights.layers.len());
+    Ok(())
+}
+
+fn inspect_file(path: &Path) -> Result<()> {
     let file = TensorFile::open(path)?;
     println!("{}: {} tensors", path.display(), file.names().count());
     for (key, value) in file.metadata() {
@@ -90,9 +457,9 @@ fn inspect(path: &std::path::Path) -> Result<()> {
     Ok(())
 }
 
-fn quantize(input: &std::path::Path, output: &std::path::Path) -> Result<()> {
+fn quantize_file(input: &Path, output: &Path) -> Result<()> {
     let file = TensorFile::open(input)?;
-    let mut out: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut out = Vec::new();
     for name in file.names() {
         let info = file.info(name)?;
         let is_float = matches!(info.dtype, Dtype::F32 | Dtype::BF16 | Dtype::F16);
@@ -100,26 +467,23 @@ fn quantize(input: &std::path::Path, output: &std::path::Path) -> Result<()> {
             continue;
         }
         let (rows, cols) = (info.shape[0], info.shape[1]);
-        let values = file.f32_values(name)?;
-        let matrix = Nvfp4Matrix::quantize_weight(&values, rows, cols)
+        let matrix = Nvfp4Matrix::quantize_weight(&file.f32_values(name)?, rows, cols)
             .with_context(|| format!("{}: tensor `{name}`", input.display()))?;
-        out.push((
-            name.to_string(),
+        out.push(OwnedTensor::new(
+            name,
             Dtype::U8,
             vec![rows, cols / 2],
             matrix.packed,
         ));
-        out.push((
+        out.push(OwnedTensor::new(
             format!("{name}_scale"),
             Dtype::F8_E4M3,
             vec![rows, cols / NVFP4_BLOCK],
             matrix.block_scales,
         ));
-        out.push((
+        out.push(OwnedTensor::f32_scalar(
             format!("{name}_scale_2"),
-            Dtype::F32,
-            vec![],
-            matrix.global_scale.to_le_bytes().to_vec(),
+            matrix.global_scale,
         ));
         println!("quantized {name} [{rows}, {cols}]");
     }
@@ -131,7 +495,12 @@ fn quantize(input: &std::path::Path, output: &std::path::Path) -> Result<()> {
     }
     let views = out
         .iter()
-        .map(|(n, d, s, b)| Ok((n.clone(), TensorView::new(*d, s.clone(), b)?)))
+        .map(|t| {
+            Ok((
+                t.name.clone(),
+                TensorView::new(t.dtype, t.shape.clone(), &t.bytes)?,
+            ))
+        })
         .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
     safetensors::serialize_to_file(views, None, output)
         .with_context(|| format!("writing {}", output.display()))?;

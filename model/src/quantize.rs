@@ -35,7 +35,13 @@ pub fn calibrate(model: &Model, backend: &dyn Backend, tokens: &[u32]) -> Result
     let mut cache = model.new_cache(KvCacheDtype::Bf16, tokens.len());
     let seq = cache.add_sequence();
     let mut calibration = Calibration::new();
-    model.forward(backend, &mut cache, &[SeqInput { seq, tokens }], LogitRows::Last, Some(&mut calibration))?;
+    model.forward(
+        backend,
+        &mut cache,
+        &[SeqInput { seq, tokens }],
+        LogitRows::Last,
+        Some(&mut calibration),
+    )?;
     Ok(calibration)
 }
 
@@ -43,30 +49,48 @@ pub fn calibrate(model: &Model, backend: &dyn Backend, tokens: &[u32]) -> Result
 /// expert's range on a generated model; real checkpoints should pass real text).
 pub fn random_tokens(count: usize, vocab: usize, seed: u64) -> Vec<u32> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    (0..count).map(|_| rng.random_range(0..vocab as u32)).collect()
+    (0..count)
+        .map(|_| rng.random_range(0..vocab as u32))
+        .collect()
 }
 
 fn bf16_values(m: &ExpertMatrix, what: &str) -> Result<Vec<f32>> {
     match m {
         ExpertMatrix::Bf16(w) => Ok(w.data.as_slice().iter().map(|v| v.to_f32()).collect()),
-        ExpertMatrix::Nvfp4(_) => bail!("{what} is already NVFP4; quantize needs a BF16 checkpoint"),
+        ExpertMatrix::Nvfp4(_) => {
+            bail!("{what} is already NVFP4; quantize needs a BF16 checkpoint")
+        }
     }
 }
 
 /// Quantizes one expert. `amax_in`/`amax_down` are its calibrated activation maxima.
-pub fn quantize_expert(expert: &ExpertWeights, amax_in: f32, amax_down: f32, what: &str) -> Result<QuantizedExpert> {
-    let (gate, up, down) = (bf16_values(&expert.gate, what)?, bf16_values(&expert.up, what)?, bf16_values(&expert.down, what)?);
+pub fn quantize_expert(
+    expert: &ExpertWeights,
+    amax_in: f32,
+    amax_down: f32,
+    what: &str,
+) -> Result<QuantizedExpert> {
+    let (gate, up, down) = (
+        bf16_values(&expert.gate, what)?,
+        bf16_values(&expert.up, what)?,
+        bf16_values(&expert.down, what)?,
+    );
     let (rows, cols) = (expert.gate.view().rows(), expert.gate.view().cols());
     let shared = global_scale_for_amax(amax(&gate).max(amax(&up)));
-    let quantize = |values: &[f32], rows, cols, global: Option<f32>, name: &str| -> Result<Nvfp4Matrix> {
-        match global {
-            Some(g) => Nvfp4Matrix::quantize_with_global_scale(values, rows, cols, g),
-            None => Nvfp4Matrix::quantize_weight(values, rows, cols),
-        }
-        .map_err(|e| anyhow!("{what}.{name}: {e}"))
-    };
+    let quantize =
+        |values: &[f32], rows, cols, global: Option<f32>, name: &str| -> Result<Nvfp4Matrix> {
+            match global {
+                Some(g) => Nvfp4Matrix::quantize_with_global_scale(values, rows, cols, g),
+                None => Nvfp4Matrix::quantize_weight(values, rows, cols),
+            }
+            .map_err(|e| anyhow!("{what}.{name}: {e}"))
+        };
     let positive = |a: f32, name: &str| -> Result<f32> {
-        if a > 0.0 && a.is_finite() { Ok(global_scale_for_amax(a)) } else { bail!("{what}.{name}: calibrated amax is {a}") }
+        if a > 0.0 && a.is_finite() {
+            Ok(global_scale_for_amax(a))
+        } else {
+            bail!("{what}.{name}: calibrated amax is {a}")
+        }
     };
     Ok(QuantizedExpert {
         gate: quantize(&gate, rows, cols, Some(shared), "gate_proj")?,
@@ -80,12 +104,19 @@ pub fn quantize_expert(expert: &ExpertWeights, amax_in: f32, amax_down: f32, wha
 /// Quantizes every routed expert of `model` with the maxima from `calibration`. Experts no
 /// calibration token reached take their layer's largest maxima, so their scales are at least
 /// as wide as any seen.
-pub fn quantize_experts(model: &Model, calibration: &Calibration) -> Result<Vec<(usize, Vec<QuantizedExpert>)>> {
+pub fn quantize_experts(
+    model: &Model,
+    calibration: &Calibration,
+) -> Result<Vec<(usize, Vec<QuantizedExpert>)>> {
     let mut out = Vec::new();
     let mut moe_index = 0;
     for (layer, weights) in model.weights.layers.iter().enumerate() {
-        let MlpWeights::Moe(moe) = &weights.mlp else { continue };
-        let amax = calibration.get(moe_index).ok_or_else(|| anyhow!("no calibration for layer {layer}"))?;
+        let MlpWeights::Moe(moe) = &weights.mlp else {
+            continue;
+        };
+        let amax = calibration
+            .get(moe_index)
+            .ok_or_else(|| anyhow!("no calibration for layer {layer}"))?;
         moe_index += 1;
         let layer_in = amax.gate_up.iter().fold(0.0f32, |m, &v| m.max(v));
         let layer_down = amax.down.iter().fold(0.0f32, |m, &v| m.max(v));
@@ -97,7 +128,12 @@ pub fn quantize_experts(model: &Model, calibration: &Calibration) -> Result<Vec<
                 let pick = |v: f32, fallback: f32| if v > 0.0 { v } else { fallback };
                 let a_in = pick(amax.gate_up.get(e).copied().unwrap_or(0.0), layer_in);
                 let a_down = pick(amax.down.get(e).copied().unwrap_or(0.0), layer_down);
-                quantize_expert(expert, a_in, a_down, &format!("model.layers.{layer}.mlp.experts.{e}"))
+                quantize_expert(
+                    expert,
+                    a_in,
+                    a_down,
+                    &format!("model.layers.{layer}.mlp.experts.{e}"),
+                )
             })
             .collect::<Result<Vec<_>>>()?;
         out.push((layer, experts));
@@ -106,29 +142,54 @@ pub fn quantize_experts(model: &Model, calibration: &Calibration) -> Result<Vec<
 }
 
 /// The tensors of one quantized expert, named as in the checkpoint.
-pub fn expert_tensors(prefix: &str, layer: usize, e: usize, q: &QuantizedExpert) -> Vec<OwnedTensor> {
+pub fn expert_tensors(
+    prefix: &str,
+    layer: usize,
+    e: usize,
+    q: &QuantizedExpert,
+) -> Vec<OwnedTensor> {
     let mut tensors = Vec::new();
-    for (proj, m, input_scale) in
-        [("gate_proj", &q.gate, q.gate_up_input_scale), ("up_proj", &q.up, q.gate_up_input_scale), ("down_proj", &q.down, q.down_input_scale)]
-    {
+    for (proj, m, input_scale) in [
+        ("gate_proj", &q.gate, q.gate_up_input_scale),
+        ("up_proj", &q.up, q.gate_up_input_scale),
+        ("down_proj", &q.down, q.down_input_scale),
+    ] {
         let base = format!("{prefix}model.layers.{layer}.mlp.experts.{e}.{proj}");
-        tensors.push(OwnedTensor::new(format!("{base}.weight"), Dtype::U8, vec![m.rows, m.cols / 2], m.packed.clone()));
+        tensors.push(OwnedTensor::new(
+            format!("{base}.weight"),
+            Dtype::U8,
+            vec![m.rows, m.cols / 2],
+            m.packed.clone(),
+        ));
         tensors.push(OwnedTensor::new(
             format!("{base}.weight_scale"),
             Dtype::F8_E4M3,
             vec![m.rows, m.cols / NVFP4_BLOCK],
             m.block_scales.clone(),
         ));
-        tensors.push(OwnedTensor::f32_scalar(format!("{base}.weight_scale_2"), m.global_scale));
-        tensors.push(OwnedTensor::f32_scalar(format!("{base}.input_scale"), input_scale));
+        tensors.push(OwnedTensor::f32_scalar(
+            format!("{base}.weight_scale_2"),
+            m.global_scale,
+        ));
+        tensors.push(OwnedTensor::f32_scalar(
+            format!("{base}.input_scale"),
+            input_scale,
+        ));
     }
     tensors
 }
 
 /// `hf_quant_config.json` as ModelOpt writes it.
 pub fn hf_quant_config(prefix: &str, config: &ModelConfig) -> Value {
-    let mut exclude = vec![format!("{prefix}lm_head"), "*self_attn*".to_string(), "*shared_experts*".into(), "*mlp.gate".into()];
-    exclude.extend((0..config.first_k_dense_replace).map(|l| format!("{prefix}model.layers.{l}.mlp*")));
+    let mut exclude = vec![
+        format!("{prefix}lm_head"),
+        "*self_attn*".to_string(),
+        "*shared_experts*".into(),
+        "*mlp.gate".into(),
+    ];
+    exclude.extend(
+        (0..config.first_k_dense_replace).map(|l| format!("{prefix}model.layers.{l}.mlp*")),
+    );
     json!({
         "producer": {"name": "modelopt", "version": "0.47.0"},
         "quantization": {
@@ -156,14 +217,22 @@ pub fn quantize_checkpoint(
 ) -> Result<()> {
     let checkpoint = Checkpoint::open(input)?;
     if checkpoint.config.quant.is_some() {
-        bail!("{}: already quantized ({:?})", input.display(), checkpoint.config.quant.as_ref().map(|q| q.quant_algo));
+        bail!(
+            "{}: already quantized ({:?})",
+            input.display(),
+            checkpoint.config.quant.as_ref().map(|q| q.quant_algo)
+        );
     }
-    let model = Model::new(checkpoint.model_config().clone(), checkpoint.load_weights()?);
+    let model = Model::new(
+        checkpoint.model_config().clone(),
+        checkpoint.load_weights()?,
+    );
     let tokens = random_tokens(calib_tokens, model.config.vocab_size, seed);
     let calibration = calibrate(&model, backend, &tokens)?;
     let quantized = quantize_experts(&model, &calibration)?;
 
-    let mut names: Vec<(&str, &crate::tensor_file::TensorFile)> = checkpoint.tensor_names().collect();
+    let mut names: Vec<(&str, &crate::tensor_file::TensorFile)> =
+        checkpoint.tensor_names().collect();
     names.sort_by_key(|(n, _)| *n);
     let mut tensors = Vec::new();
     for (name, file) in names {
@@ -172,7 +241,12 @@ pub fn quantize_checkpoint(
         }
         let info = file.info(name)?;
         let bytes = file.bytes(name, &[info.dtype])?.to_vec();
-        tensors.push(OwnedTensor::new(name, info.dtype, info.shape.clone(), bytes));
+        tensors.push(OwnedTensor::new(
+            name,
+            info.dtype,
+            info.shape.clone(),
+            bytes,
+        ));
     }
     for (layer, experts) in &quantized {
         for (e, q) in experts.iter().enumerate() {
@@ -183,12 +257,23 @@ pub fn quantize_checkpoint(
     write_sharded(output, tensors, max_shard_bytes)?;
     for entry in std::fs::read_dir(input)? {
         let path = entry?.path();
-        let name = path.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
-        if path.is_file() && !name.ends_with(".safetensors") && name != INDEX_FILE && name != "hf_quant_config.json" {
-            std::fs::copy(&path, output.join(&name)).with_context(|| format!("copying {}", path.display()))?;
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_default();
+        if path.is_file()
+            && !name.ends_with(".safetensors")
+            && name != INDEX_FILE
+            && name != "hf_quant_config.json"
+        {
+            std::fs::copy(&path, output.join(&name))
+                .with_context(|| format!("copying {}", path.display()))?;
         }
     }
     let quant = hf_quant_config(&checkpoint.prefix, &model.config);
-    std::fs::write(output.join("hf_quant_config.json"), serde_json::to_string_pretty(&quant)?)?;
+    std::fs::write(
+        output.join("hf_quant_config.json"),
+        serde_json::to_string_pretty(&quant)?,
+    )?;
     Ok(())
 }

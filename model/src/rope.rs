@@ -16,9 +16,14 @@ impl Rope {
         let dim = config.qk_rope_head_dim;
         let base = config.rope_theta;
         let half = dim / 2;
-        let pos_freqs: Vec<f32> = (0..half).map(|i| (base as f32).powf((2 * i) as f32 / dim as f32)).collect();
+        let pos_freqs: Vec<f32> = (0..half)
+            .map(|i| (base as f32).powf((2 * i) as f32 / dim as f32))
+            .collect();
         let Some(yarn) = &config.rope_scaling else {
-            return Self { inv_freq: pos_freqs.iter().map(|p| 1.0 / p).collect(), attention_factor: 1.0 };
+            return Self {
+                inv_freq: pos_freqs.iter().map(|p| 1.0 / p).collect(),
+                attention_factor: 1.0,
+            };
         };
         let factor = yarn.factor;
         let attention_factor = if yarn.mscale != 0.0 && yarn.mscale_all_dim != 0.0 {
@@ -27,7 +32,10 @@ impl Rope {
             yarn_mscale(factor, 1.0)
         };
         let correction_dim = |rotations: f64| {
-            (dim as f64 * (yarn.original_max_position_embeddings as f64 / (rotations * 2.0 * std::f64::consts::PI)).ln())
+            (dim as f64
+                * (yarn.original_max_position_embeddings as f64
+                    / (rotations * 2.0 * std::f64::consts::PI))
+                    .ln())
                 / (2.0 * base.ln())
         };
         let low = correction_dim(yarn.beta_fast).floor().max(0.0);
@@ -46,7 +54,10 @@ impl Rope {
                 interpolated * (1.0 - extrapolation_weight) + extrapolated * extrapolation_weight
             })
             .collect();
-        Self { inv_freq, attention_factor: attention_factor as f32 }
+        Self {
+            inv_freq,
+            attention_factor: attention_factor as f32,
+        }
     }
 
     /// Rotates `x` (`qk_rope_head_dim` values, pairs `(2i, 2i+1)`) for position `pos`, in place.
@@ -54,7 +65,10 @@ impl Rope {
     pub fn apply(&self, x: &mut [f32], pos: usize) {
         for (pair, &freq) in x.chunks_exact_mut(2).zip(&self.inv_freq) {
             let angle = pos as f32 * freq;
-            let (cos, sin) = (angle.cos() * self.attention_factor, angle.sin() * self.attention_factor);
+            let (cos, sin) = (
+                angle.cos() * self.attention_factor,
+                angle.sin() * self.attention_factor,
+            );
             let (a, b) = (pair[0], pair[1]);
             pair[0] = a * cos - b * sin;
             pair[1] = b * cos + a * sin;
@@ -74,7 +88,10 @@ mod tests {
             "n_routed_experts": 2, "num_experts_per_tok": 1, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
             "qk_rope_head_dim": 64, "v_head_dim": 8, "max_position_embeddings": 262144, "rope_theta": 50000.0
         });
-        let mut c = crate::config::CheckpointConfig::from_json(std::path::Path::new("c"), &text, None).unwrap().model;
+        let mut c =
+            crate::config::CheckpointConfig::from_json(std::path::Path::new("c"), &text, None)
+                .unwrap()
+                .model;
         c.rope_scaling = yarn;
         c
     }
@@ -109,6 +126,9 @@ mod tests {
         assert_eq!(scaled.attention_factor, 1.0);
         assert_eq!(scaled.inv_freq[0], plain.inv_freq[0]);
         let last = plain.inv_freq.len() - 1;
-        assert!((scaled.inv_freq[last] * 64.0 - plain.inv_freq[last]).abs() < 1e-6 * plain.inv_freq[last]);
+        assert!(
+            (scaled.inv_freq[last] * 64.0 - plain.inv_freq[last]).abs()
+                < 1e-6 * plain.inv_freq[last]
+        );
     }
 }

@@ -17,7 +17,12 @@ pub struct SamplingParams {
 
 impl SamplingParams {
     pub fn greedy() -> Self {
-        Self { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 }
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+        }
     }
 }
 
@@ -28,7 +33,10 @@ pub struct Sampler {
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> Self {
-        Self { params, rng: ChaCha8Rng::seed_from_u64(params.seed) }
+        Self {
+            params,
+            rng: ChaCha8Rng::seed_from_u64(params.seed),
+        }
     }
 
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
@@ -41,7 +49,10 @@ impl Sampler {
             order.truncate(self.params.top_k);
         }
         let max = logits[order[0]];
-        let mut probs: Vec<f32> = order.iter().map(|&i| ((logits[i] - max) / self.params.temperature).exp()).collect();
+        let mut probs: Vec<f32> = order
+            .iter()
+            .map(|&i| ((logits[i] - max) / self.params.temperature).exp())
+            .collect();
         let total: f32 = probs.iter().sum();
         probs.iter_mut().for_each(|p| *p /= total);
         if self.params.top_p < 1.0 {
@@ -88,22 +99,40 @@ mod tests {
     fn greedy_top_k_one_and_seeded_runs_are_deterministic() {
         let logits = [0.1, 2.0, 1.9, -1.0, 2.0];
         assert_eq!(Sampler::new(SamplingParams::greedy()).sample(&logits), 1);
-        let top1 = SamplingParams { temperature: 1.0, top_k: 1, top_p: 1.0, seed: 3 };
+        let top1 = SamplingParams {
+            temperature: 1.0,
+            top_k: 1,
+            top_p: 1.0,
+            seed: 3,
+        };
         assert_eq!(Sampler::new(top1).sample(&logits), 1);
-        let params = SamplingParams { temperature: 0.8, top_k: 0, top_p: 0.9, seed: 42 };
+        let params = SamplingParams {
+            temperature: 0.8,
+            top_k: 0,
+            top_p: 0.9,
+            seed: 42,
+        };
         let run = |p| {
             let mut s = Sampler::new(p);
             (0..32).map(|_| s.sample(&logits)).collect::<Vec<_>>()
         };
         assert_eq!(run(params), run(params));
         assert_ne!(run(params), run(SamplingParams { seed: 43, ..params }));
-        assert!(!run(params).contains(&3), "top-p 0.9 must cut the unlikely token");
+        assert!(
+            !run(params).contains(&3),
+            "top-p 0.9 must cut the unlikely token"
+        );
     }
 
     #[test]
     fn frequencies_follow_the_softmax() {
         let logits = [0.0f32, (3.0f32).ln()];
-        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 7 });
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 7,
+        });
         let ones = (0..4000).filter(|_| s.sample(&logits) == 1).count();
         assert!((ones as f32 / 4000.0 - 0.75).abs() < 0.03, "{ones}");
     }

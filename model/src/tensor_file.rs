@@ -169,7 +169,11 @@ impl TensorFile {
     }
 
     /// Where a tensor's bytes lie in the mapping, after checking its dtype.
-    pub fn byte_range(&self, name: &str, expected: &[Dtype]) -> Result<std::ops::Range<usize>, TensorFileError> {
+    pub fn byte_range(
+        &self,
+        name: &str,
+        expected: &[Dtype],
+    ) -> Result<std::ops::Range<usize>, TensorFileError> {
         let info = self.info(name)?;
         if !expected.contains(&info.dtype) {
             return Err(self.dtype_error(name, info.dtype, expected));
@@ -209,6 +213,22 @@ impl TensorFile {
                 .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
                 .collect(),
             _ => unreachable!("dtype checked above"),
+        })
+    }
+
+    /// An integer tensor (I64 or I32), such as token ids.
+    pub fn i64_values(&self, name: &str) -> Result<Vec<i64>, TensorFileError> {
+        let info = self.info(name)?;
+        let bytes = self.bytes(name, &[Dtype::I64, Dtype::I32])?;
+        Ok(match info.dtype {
+            Dtype::I64 => bytes
+                .chunks_exact(8)
+                .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")))
+                .collect(),
+            _ => bytes
+                .chunks_exact(4)
+                .map(|b| i32::from_le_bytes(b.try_into().expect("4 bytes")) as i64)
+                .collect(),
         })
     }
 

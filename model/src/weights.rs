@@ -14,7 +14,10 @@ use crate::tensor_file::TensorFile;
 /// BF16 values, either straight from a mapped shard or owned.
 #[derive(Clone, Debug)]
 pub enum Bf16Data {
-    Mapped { file: Arc<TensorFile>, range: Range<usize> },
+    Mapped {
+        file: Arc<TensorFile>,
+        range: Range<usize>,
+    },
     Owned(Arc<Vec<bf16>>),
 }
 
@@ -40,11 +43,19 @@ pub struct Bf16Weight {
 impl Bf16Weight {
     pub fn owned(rows: usize, cols: usize, values: Vec<bf16>) -> Self {
         assert_eq!(values.len(), rows * cols);
-        Self { rows, cols, data: Bf16Data::Owned(Arc::new(values)) }
+        Self {
+            rows,
+            cols,
+            data: Bf16Data::Owned(Arc::new(values)),
+        }
     }
 
     pub fn view(&self) -> MatrixView<'_> {
-        MatrixView::Bf16 { rows: self.rows, cols: self.cols, data: self.data.as_slice() }
+        MatrixView::Bf16 {
+            rows: self.rows,
+            cols: self.cols,
+            data: self.data.as_slice(),
+        }
     }
 
     /// Row `row` as a BF16 slice.
@@ -57,7 +68,10 @@ impl Bf16Weight {
 /// NVFP4 bytes, mapped or owned.
 #[derive(Clone, Debug)]
 pub enum ByteData {
-    Mapped { file: Arc<TensorFile>, range: Range<usize> },
+    Mapped {
+        file: Arc<TensorFile>,
+        range: Range<usize>,
+    },
     Owned(Arc<Vec<u8>>),
 }
 
@@ -145,7 +159,11 @@ impl ExpertWeights {
 #[derive(Clone, Debug)]
 pub enum QueryProjection {
     /// `q_a_proj` → RMSNorm → `q_b_proj`.
-    LowRank { a: Bf16Weight, norm: Vec<f32>, b: Bf16Weight },
+    LowRank {
+        a: Bf16Weight,
+        norm: Vec<f32>,
+        b: Bf16Weight,
+    },
     /// A plain `q_proj`.
     Full(Bf16Weight),
 }

@@ -284,8 +284,10 @@ impl Nvfp4View<'_> {
         let cols = self.cols;
         let packed = &self.packed[row * cols / 2..(row + 1) * cols / 2];
         let scales = &self.block_scales[row * cols / NVFP4_BLOCK..(row + 1) * cols / NVFP4_BLOCK];
-        for ((out_block, packed_block), &scale) in
-            out.chunks_exact_mut(NVFP4_BLOCK).zip(packed.chunks_exact(NVFP4_BLOCK / 2)).zip(scales)
+        for ((out_block, packed_block), &scale) in out
+            .chunks_exact_mut(NVFP4_BLOCK)
+            .zip(packed.chunks_exact(NVFP4_BLOCK / 2))
+            .zip(scales)
         {
             let factor = block_dequant_factor(scale, self.global_scale);
             for (pair, &byte) in out_block.chunks_exact_mut(2).zip(packed_block) {
@@ -299,7 +301,10 @@ impl Nvfp4View<'_> {
 /// Quantizes one row of activations and dequantizes it again, in place of `out`.
 pub fn fake_quantize_row(row: &[f32], input_scale: f32, out: &mut [f32]) {
     let mut packed = [0u8; NVFP4_BLOCK / 2];
-    for (block, out_block) in row.chunks_exact(NVFP4_BLOCK).zip(out.chunks_exact_mut(NVFP4_BLOCK)) {
+    for (block, out_block) in row
+        .chunks_exact(NVFP4_BLOCK)
+        .zip(out.chunks_exact_mut(NVFP4_BLOCK))
+    {
         let scale = quantize_block(block, input_scale, &mut packed);
         let factor = block_dequant_factor(scale, input_scale);
         for (pair, &byte) in out_block.chunks_exact_mut(2).zip(&packed) {

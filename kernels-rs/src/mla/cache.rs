@@ -18,6 +18,8 @@ pub const PAGE_TOKENS: usize = 64;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum KvCacheDtype {
+    /// Full precision: the reference the other two are measured against.
+    F32,
     Bf16,
     Fp8E4m3,
 }
@@ -25,6 +27,7 @@ pub enum KvCacheDtype {
 impl KvCacheDtype {
     pub fn id(self) -> &'static str {
         match self {
+            Self::F32 => "f32",
             Self::Bf16 => "bf16",
             Self::Fp8E4m3 => "fp8",
         }
@@ -32,6 +35,7 @@ impl KvCacheDtype {
 
     pub fn parse(text: &str) -> Option<Self> {
         match text {
+            "f32" => Some(Self::F32),
             "bf16" => Some(Self::Bf16),
             "fp8" | "fp8_e4m3" => Some(Self::Fp8E4m3),
             _ => None,
@@ -41,6 +45,7 @@ impl KvCacheDtype {
     /// Bytes one token occupies in one layer.
     pub fn bytes_per_token(self, shape: &LatentCacheShape) -> usize {
         match self {
+            Self::F32 => 4 * (shape.latent_dim + shape.rope_dim),
             Self::Bf16 => 2 * (shape.latent_dim + shape.rope_dim),
             Self::Fp8E4m3 => shape.latent_dim + 4 + 2 * shape.rope_dim,
         }
@@ -58,11 +63,19 @@ pub struct LatentCacheShape {
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum CacheError {
     #[error("KV cache is full: {needed} more pages needed, {free} free of {total}")]
-    Full { needed: usize, free: usize, total: usize },
+    Full {
+        needed: usize,
+        free: usize,
+        total: usize,
+    },
     #[error("unknown sequence {0:?}")]
     UnknownSequence(SeqId),
     #[error("position {pos} is beyond the {reserved} tokens reserved for sequence {seq:?}")]
-    NotReserved { seq: SeqId, pos: usize, reserved: usize },
+    NotReserved {
+        seq: SeqId,
+        pos: usize,
+        reserved: usize,
+    },
 }
 
 /// A sequence's handle in the cache.
@@ -78,8 +91,17 @@ struct BlockTable {
 
 /// Storage for one layer. Index of token slot `s` of page `p`: `p * PAGE_TOKENS + s`.
 enum LayerStorage {
-    Bf16 { values: Vec<bf16> },
-    Fp8 { latent: Vec<u8>, scales: Vec<f32>, rope: Vec<bf16> },
+    F32 {
+        values: Vec<f32>,
+    },
+    Bf16 {
+        values: Vec<bf16>,
+    },
+    Fp8 {
+        latent: Vec<u8>,
+        scales: Vec<f32>,
+        rope: Vec<bf16>,
+    },
 }
 
 /// One token's cached entry, widened to `f32`.
@@ -103,9 +125,12 @@ impl PagedLatentCache {
         let slots = num_pages * PAGE_TOKENS;
         let layers = (0..shape.layers)
             .map(|_| match dtype {
-                KvCacheDtype::Bf16 => {
-                    LayerStorage::Bf16 { values: vec![bf16::ZERO; slots * (shape.latent_dim + shape.rope_dim)] }
-                }
+                KvCacheDtype::F32 => LayerStorage::F32 {
+                    values: vec![0.0; slots * (shape.latent_dim + shape.rope_dim)],
+                },
+                KvCacheDtype::Bf16 => LayerStorage::Bf16 {
+                    values: vec![bf16::ZERO; slots * (shape.latent_dim + shape.rope_dim)],
+                },
                 KvCacheDtype::Fp8E4m3 => LayerStorage::Fp8 {
                     latent: vec![0; slots * shape.latent_dim],
                     scales: vec![0.0; slots],
@@ -126,7 +151,11 @@ impl PagedLatentCache {
     }
 
     /// A cache big enough for `tokens` tokens in total.
-    pub fn with_capacity_tokens(shape: LatentCacheShape, dtype: KvCacheDtype, tokens: usize) -> Self {
+    pub fn with_capacity_tokens(
+        shape: LatentCacheShape,
+        dtype: KvCacheDtype,
+        tokens: usize,
+    ) -> Self {
         Self::new(shape, dtype, tokens.div_ceil(PAGE_TOKENS))
     }
 
@@ -155,7 +184,10 @@ impl PagedLatentCache {
 
     /// Returns the sequence's pages to the free list.
     pub fn free_sequence(&mut self, seq: SeqId) -> Result<(), CacheError> {
-        let table = self.sequences.remove(&seq).ok_or(CacheError::UnknownSequence(seq))?;
+        let table = self
+            .sequences
+            .remove(&seq)
+            .ok_or(CacheError::UnknownSequence(seq))?;
         self.free_pages.extend(table.pages.into_iter().rev());
         Ok(())
     }
@@ -172,30 +204,52 @@ impl PagedLatentCache {
 
     /// Makes room for `new_tokens` more tokens after the current length.
     pub fn reserve(&mut self, seq: SeqId, new_tokens: usize) -> Result<(), CacheError> {
-        let table = self.sequences.get(&seq).ok_or(CacheError::UnknownSequence(seq))?;
+        let table = self
+            .sequences
+            .get(&seq)
+            .ok_or(CacheError::UnknownSequence(seq))?;
         let needed_pages = (table.len + new_tokens).div_ceil(PAGE_TOKENS);
         let extra = needed_pages.saturating_sub(table.pages.len());
         if extra > self.free_pages.len() {
-            return Err(CacheError::Full { needed: extra, free: self.free_pages.len(), total: self.num_pages });
+            return Err(CacheError::Full {
+                needed: extra,
+                free: self.free_pages.len(),
+                total: self.num_pages,
+            });
         }
-        let new_pages: Vec<u32> = (0..extra).map(|_| self.free_pages.pop().expect("checked above")).collect();
-        self.sequences.get_mut(&seq).expect("checked above").pages.extend(new_pages);
+        let new_pages: Vec<u32> = (0..extra)
+            .map(|_| self.free_pages.pop().expect("checked above"))
+            .collect();
+        self.sequences
+            .get_mut(&seq)
+            .expect("checked above")
+            .pages
+            .extend(new_pages);
         Ok(())
     }
 
     /// Marks `new_tokens` more tokens as written in every layer.
     pub fn commit(&mut self, seq: SeqId, new_tokens: usize) -> Result<(), CacheError> {
-        let table = self.sequences.get_mut(&seq).ok_or(CacheError::UnknownSequence(seq))?;
+        let table = self
+            .sequences
+            .get_mut(&seq)
+            .ok_or(CacheError::UnknownSequence(seq))?;
         let reserved = table.pages.len() * PAGE_TOKENS;
         if table.len + new_tokens > reserved {
-            return Err(CacheError::NotReserved { seq, pos: table.len + new_tokens - 1, reserved });
+            return Err(CacheError::NotReserved {
+                seq,
+                pos: table.len + new_tokens - 1,
+                reserved,
+            });
         }
         table.len += new_tokens;
         Ok(())
     }
 
     fn table(&self, seq: SeqId) -> Result<&BlockTable, CacheError> {
-        self.sequences.get(&seq).ok_or(CacheError::UnknownSequence(seq))
+        self.sequences
+            .get(&seq)
+            .ok_or(CacheError::UnknownSequence(seq))
     }
 
     fn slot(&self, seq: SeqId, pos: usize) -> Result<usize, CacheError> {
@@ -203,24 +257,48 @@ impl PagedLatentCache {
         let page = table
             .pages
             .get(pos / PAGE_TOKENS)
-            .ok_or(CacheError::NotReserved { seq, pos, reserved: table.pages.len() * PAGE_TOKENS })?;
+            .ok_or(CacheError::NotReserved {
+                seq,
+                pos,
+                reserved: table.pages.len() * PAGE_TOKENS,
+            })?;
         Ok(*page as usize * PAGE_TOKENS + pos % PAGE_TOKENS)
     }
 
     /// Writes token `pos` of `seq` in `layer`: the normalized latent and the RoPE'd key part,
     /// quantized to the cache's dtype.
-    pub fn write(&mut self, layer: usize, seq: SeqId, pos: usize, latent: &[f32], rope: &[f32]) -> Result<(), CacheError> {
+    pub fn write(
+        &mut self,
+        layer: usize,
+        seq: SeqId,
+        pos: usize,
+        latent: &[f32],
+        rope: &[f32],
+    ) -> Result<(), CacheError> {
         let (l, r) = (self.shape.latent_dim, self.shape.rope_dim);
-        assert_eq!((latent.len(), rope.len()), (l, r), "cache write: latent/rope lengths");
+        assert_eq!(
+            (latent.len(), rope.len()),
+            (l, r),
+            "cache write: latent/rope lengths"
+        );
         let slot = self.slot(seq, pos)?;
         match &mut self.layers[layer] {
+            LayerStorage::F32 { values } => {
+                let entry = &mut values[slot * (l + r)..(slot + 1) * (l + r)];
+                entry[..l].copy_from_slice(latent);
+                entry[l..].copy_from_slice(rope);
+            }
             LayerStorage::Bf16 { values } => {
                 let entry = &mut values[slot * (l + r)..(slot + 1) * (l + r)];
                 for (dst, &src) in entry.iter_mut().zip(latent.iter().chain(rope)) {
                     *dst = bf16::from_f32(src);
                 }
             }
-            LayerStorage::Fp8 { latent: codes, scales, rope: rope_store } => {
+            LayerStorage::Fp8 {
+                latent: codes,
+                scales,
+                rope: rope_store,
+            } => {
                 let scale = fp8_token_scale(latent);
                 scales[slot] = scale;
                 for (dst, &src) in codes[slot * l..(slot + 1) * l].iter_mut().zip(latent) {
@@ -235,7 +313,13 @@ impl PagedLatentCache {
     }
 
     /// Reads token `pos` of `seq` in `layer`, dequantized, into `entry`.
-    pub fn read(&self, layer: usize, seq: SeqId, pos: usize, entry: TokenEntry<'_>) -> Result<(), CacheError> {
+    pub fn read(
+        &self,
+        layer: usize,
+        seq: SeqId,
+        pos: usize,
+        entry: TokenEntry<'_>,
+    ) -> Result<(), CacheError> {
         let slot = self.slot(seq, pos)?;
         self.read_slot(layer, slot, entry.latent, entry.rope);
         Ok(())
@@ -246,6 +330,11 @@ impl PagedLatentCache {
     pub fn read_slot(&self, layer: usize, slot: usize, latent: &mut [f32], rope: &mut [f32]) {
         let (l, r) = (self.shape.latent_dim, self.shape.rope_dim);
         match &self.layers[layer] {
+            LayerStorage::F32 { values } => {
+                let entry = &values[slot * (l + r)..(slot + 1) * (l + r)];
+                latent.copy_from_slice(&entry[..l]);
+                rope.copy_from_slice(&entry[l..]);
+            }
             LayerStorage::Bf16 { values } => {
                 let entry = &values[slot * (l + r)..(slot + 1) * (l + r)];
                 for (dst, src) in latent.iter_mut().zip(&entry[..l]) {
@@ -255,7 +344,11 @@ impl PagedLatentCache {
                     *dst = src.to_f32();
                 }
             }
-            LayerStorage::Fp8 { latent: codes, scales, rope: rope_store } => {
+            LayerStorage::Fp8 {
+                latent: codes,
+                scales,
+                rope: rope_store,
+            } => {
                 let scale = scales[slot];
                 for (dst, &code) in latent.iter_mut().zip(&codes[slot * l..(slot + 1) * l]) {
                     *dst = e4m3_to_f32(code) * scale;
@@ -281,14 +374,22 @@ impl PagedLatentCache {
 /// The per-token FP8 scale: the token's latent amax maps to 448; an all-zero latent gets 1.
 pub fn fp8_token_scale(latent: &[f32]) -> f32 {
     let amax = latent.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    if amax > 0.0 && amax.is_finite() { amax / E4M3_MAX } else { 1.0 }
+    if amax > 0.0 && amax.is_finite() {
+        amax / E4M3_MAX
+    } else {
+        1.0
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    const SHAPE: LatentCacheShape = LatentCacheShape { layers: 2, latent_dim: 32, rope_dim: 8 };
+    const SHAPE: LatentCacheShape = LatentCacheShape {
+        layers: 2,
+        latent_dim: 32,
+        rope_dim: 8,
+    };
 
     #[test]
     fn pages_are_allocated_per_sequence_and_returned() {
@@ -299,7 +400,14 @@ mod tests {
         assert_eq!(cache.block_table(a).unwrap(), &[0, 1]);
         cache.reserve(b, 64).unwrap();
         assert_eq!(cache.block_table(b).unwrap(), &[2]);
-        assert_eq!(cache.reserve(b, 200), Err(CacheError::Full { needed: 3, free: 1, total: 4 }));
+        assert_eq!(
+            cache.reserve(b, 200),
+            Err(CacheError::Full {
+                needed: 3,
+                free: 1,
+                total: 4
+            })
+        );
         cache.free_sequence(a).unwrap();
         assert_eq!(cache.free_pages(), 3);
         cache.reserve(b, 129).unwrap();
@@ -311,7 +419,7 @@ mod tests {
 
     #[test]
     fn bf16_and_fp8_round_trip_within_their_precision() {
-        for dtype in [KvCacheDtype::Bf16, KvCacheDtype::Fp8E4m3] {
+        for dtype in [KvCacheDtype::F32, KvCacheDtype::Bf16, KvCacheDtype::Fp8E4m3] {
             let mut cache = PagedLatentCache::new(SHAPE, dtype, 2);
             let seq = cache.add_sequence();
             cache.reserve(seq, 70).unwrap();
@@ -319,10 +427,21 @@ mod tests {
             let rope: Vec<f32> = (0..8).map(|i| i as f32 * 0.1 - 0.3).collect();
             cache.write(1, seq, 66, &latent, &rope).unwrap();
             let (mut l, mut r) = (vec![0.0; 32], vec![0.0; 8]);
-            cache.read(1, seq, 66, TokenEntry { latent: &mut l, rope: &mut r }).unwrap();
+            cache
+                .read(
+                    1,
+                    seq,
+                    66,
+                    TokenEntry {
+                        latent: &mut l,
+                        rope: &mut r,
+                    },
+                )
+                .unwrap();
             let amax = 3.0f32;
             // BF16 keeps 8 significant bits; E4M3 keeps 4, relative to the token's own scale.
             let tol = match dtype {
+                KvCacheDtype::F32 => 0.0,
                 KvCacheDtype::Bf16 => amax / 256.0,
                 KvCacheDtype::Fp8E4m3 => amax / 16.0,
             };
@@ -337,7 +456,11 @@ mod tests {
 
     #[test]
     fn cache_sizes_match_the_model_facts() {
-        let kimi = LatentCacheShape { layers: 61, latent_dim: 512, rope_dim: 64 };
+        let kimi = LatentCacheShape {
+            layers: 61,
+            latent_dim: 512,
+            rope_dim: 64,
+        };
         assert_eq!(KvCacheDtype::Bf16.bytes_per_token(&kimi), 1152);
         assert_eq!(KvCacheDtype::Fp8E4m3.bytes_per_token(&kimi), 644);
     }

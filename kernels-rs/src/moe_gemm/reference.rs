@@ -103,7 +103,10 @@ pub fn moe_reference(
     for (t, out_row) in out.chunks_exact_mut(hidden).enumerate() {
         out_row.fill(0.0);
         for k in 0..top_k {
-            for (o, &v) in out_row.iter_mut().zip(&slot_outputs[(t * top_k + k) * hidden..(t * top_k + k + 1) * hidden]) {
+            for (o, &v) in out_row
+                .iter_mut()
+                .zip(&slot_outputs[(t * top_k + k) * hidden..(t * top_k + k + 1) * hidden])
+            {
                 *o += v;
             }
         }
@@ -120,7 +123,12 @@ pub fn moe_reference(
 
 /// Runs one expert on its assigned tokens; returns `[assigned, hidden]` outputs and the
 /// activation maxima at its two quantization points.
-fn expert_forward(x: &[f32], hidden: usize, expert: &ExpertView<'_>, assigned: &[(usize, usize)]) -> (Vec<f32>, f32, f32) {
+fn expert_forward(
+    x: &[f32],
+    hidden: usize,
+    expert: &ExpertView<'_>,
+    assigned: &[(usize, usize)],
+) -> (Vec<f32>, f32, f32) {
     let n = assigned.len();
     if n == 0 {
         return (Vec::new(), 0.0, 0.0);
@@ -189,7 +197,9 @@ mod tests {
     use half::bf16;
 
     fn values(n: usize, seed: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|i| (((i * 7919 + seed * 104729) % 2003) as f32 / 1001.0 - 1.0) * scale).collect()
+        (0..n)
+            .map(|i| (((i * 7919 + seed * 104729) % 2003) as f32 / 1001.0 - 1.0) * scale)
+            .collect()
     }
 
     #[test]
@@ -198,9 +208,24 @@ mod tests {
         let weights: Vec<[Nvfp4Matrix; 3]> = (0..num_experts)
             .map(|e| {
                 [
-                    Nvfp4Matrix::quantize_weight(&values(inter * hidden, e * 3, 0.3), inter, hidden).unwrap(),
-                    Nvfp4Matrix::quantize_weight(&values(inter * hidden, e * 3 + 1, 0.3), inter, hidden).unwrap(),
-                    Nvfp4Matrix::quantize_weight(&values(hidden * inter, e * 3 + 2, 0.3), hidden, inter).unwrap(),
+                    Nvfp4Matrix::quantize_weight(
+                        &values(inter * hidden, e * 3, 0.3),
+                        inter,
+                        hidden,
+                    )
+                    .unwrap(),
+                    Nvfp4Matrix::quantize_weight(
+                        &values(inter * hidden, e * 3 + 1, 0.3),
+                        inter,
+                        hidden,
+                    )
+                    .unwrap(),
+                    Nvfp4Matrix::quantize_weight(
+                        &values(hidden * inter, e * 3 + 2, 0.3),
+                        hidden,
+                        inter,
+                    )
+                    .unwrap(),
                 ]
             })
             .collect();
@@ -229,7 +254,8 @@ mod tests {
         assert!(amax.gate_up[0] > 0.0 && amax.down[0] > 0.0);
 
         for t in 0..tokens {
-            let xq = fake_quantize_activations(&x[t * hidden..(t + 1) * hidden], hidden, in_scale).unwrap();
+            let xq = fake_quantize_activations(&x[t * hidden..(t + 1) * hidden], hidden, in_scale)
+                .unwrap();
             let mut expected = vec![0.0f32; hidden];
             for k in 0..top_k {
                 let [g, u, d] = &weights[routing.experts[t * top_k + k] as usize];
@@ -243,11 +269,15 @@ mod tests {
                     .collect();
                 let hq = fake_quantize_activations(&h, inter, down_scale).unwrap();
                 for (j, e) in expected.iter_mut().enumerate() {
-                    *e += routing.weights[t * top_k + k] * (0..inter).map(|i| hq[i] * dd[j * inter + i]).sum::<f32>();
+                    *e += routing.weights[t * top_k + k]
+                        * (0..inter).map(|i| hq[i] * dd[j * inter + i]).sum::<f32>();
                 }
             }
             for (a, b) in out[t * hidden..(t + 1) * hidden].iter().zip(&expected) {
-                assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "token {t}: {a} vs {b}");
+                assert!(
+                    (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
+                    "token {t}: {a} vs {b}"
+                );
             }
         }
     }
@@ -255,10 +285,27 @@ mod tests {
     #[test]
     fn bf16_experts_skip_activation_quantization() {
         let (hidden, inter) = (16, 16);
-        let w: Vec<bf16> = values(hidden * inter, 1, 0.5).iter().map(|&v| bf16::from_f32(v)).collect();
-        let m = MatrixView::Bf16 { rows: inter, cols: hidden, data: &w };
-        let expert = ExpertView { gate: m, up: m, down: m, gate_up_input_scale: None, down_input_scale: None };
-        let routing = Routing { top_k: 1, experts: vec![0], weights: vec![2.0] };
+        let w: Vec<bf16> = values(hidden * inter, 1, 0.5)
+            .iter()
+            .map(|&v| bf16::from_f32(v))
+            .collect();
+        let m = MatrixView::Bf16 {
+            rows: inter,
+            cols: hidden,
+            data: &w,
+        };
+        let expert = ExpertView {
+            gate: m,
+            up: m,
+            down: m,
+            gate_up_input_scale: None,
+            down_input_scale: None,
+        };
+        let routing = Routing {
+            top_k: 1,
+            experts: vec![0],
+            weights: vec![2.0],
+        };
         let x = values(hidden, 3, 1.0);
         let mut out = vec![0.0; hidden];
         moe_reference(&x, hidden, &routing, &[expert], &mut out, None);

@@ -1,0 +1,372 @@
+//! `model generate-checkpoint`: random-weight models in exactly the layout of
+//! nvidia/Kimi-K2.5-NVFP4 (see golden/MODEL_LAYOUT.md): a `kimi_k25` config wrapping the text
+//! model's `text_config`, `hf_quant_config.json`, sharded safetensors with an index, tensors
+//! under `language_model.`, routed experts in NVFP4 with calibrated `input_scale`s, BF16
+//! everywhere else.
+
+use std::path::Path;
+
+use anyhow::{Context, Result, bail};
+use half::bf16;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
+use serde_json::{Value, json};
+
+use crate::backend::Backend;
+use crate::checkpoint::KIMI_K25_PREFIX;
+use crate::checkpoint_writer::{OwnedTensor, write_sharded};
+use crate::config::{CheckpointConfig, ModelConfig};
+use crate::forward::Model;
+use crate::quantize::{
+    calibrate, expert_tensors, hf_quant_config, quantize_experts, random_tokens,
+};
+use crate::weights::*;
+
+/// Named model sizes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Preset {
+    /// A few hundred KB: for tests.
+    Tiny,
+    /// ~400 MB with Kimi's attention shapes (512 latent + 64 RoPE, 128/64/128 head dims) and
+    /// 64 experts: makes the CPU decode loop a meaningful benchmark.
+    Mini,
+    /// The real Kimi-K2.5 dimensions (1 T parameters): for `model plan` only.
+    KimiK25,
+}
+
+impl Preset {
+    pub fn id(self) -> &'static str {
+        match self {
+            Self::Tiny => "tiny",
+            Self::Mini => "mini",
+            Self::KimiK25 => "kimi-k2.5",
+        }
+    }
+
+    /// The `text_config` of the preset.
+    pub fn text_config(self) -> Value {
+        let kimi = json!({
+            "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
+            "vocab_size": 163840, "hidden_size": 7168, "intermediate_size": 18432,
+            "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 64,
+            "num_key_value_heads": 64, "n_routed_experts": 384, "n_shared_experts": 1,
+            "num_experts_per_tok": 8, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+            "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+            "v_head_dim": 128, "rope_theta": 50000.0, "rms_norm_eps": 1e-5, "routed_scaling_factor": 2.827,
+            "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
+                             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+            "n_group": 1, "topk_group": 1, "norm_topk_prob": true, "scoring_func": "sigmoid",
+            "topk_method": "noaux_tc", "hidden_act": "silu", "max_position_embeddings": 262144,
+            "bos_token_id": 163584, "eos_token_id": 163585, "tie_word_embeddings": false,
+            "attention_bias": false, "num_nextn_predict_layers": 0, "dtype": "bfloat16"
+        });
+        let mut t = kimi;
+        let set = |t: &mut Value, pairs: &[(&str, Value)]| {
+            for (k, v) in pairs {
+                t[*k] = v.clone();
+            }
+        };
+        match self {
+            Self::KimiK25 => {}
+            Self::Mini => set(
+                &mut t,
+                &[
+                    ("vocab_size", json!(32768)),
+                    ("hidden_size", json!(1024)),
+                    ("intermediate_size", json!(2816)),
+                    ("moe_intermediate_size", json!(384)),
+                    ("num_hidden_layers", json!(6)),
+                    ("num_attention_heads", json!(8)),
+                    ("num_key_value_heads", json!(8)),
+                    ("n_routed_experts", json!(64)),
+                    ("q_lora_rank", json!(384)),
+                    ("bos_token_id", json!(32000)),
+                    ("eos_token_id", json!(32001)),
+                ],
+            ),
+            Self::Tiny => set(
+                &mut t,
+                &[
+                    ("vocab_size", json!(512)),
+                    ("hidden_size", json!(64)),
+                    ("intermediate_size", json!(128)),
+                    ("moe_intermediate_size", json!(32)),
+                    ("num_hidden_layers", json!(3)),
+                    ("num_attention_heads", json!(2)),
+                    ("num_key_value_heads", json!(2)),
+                    ("n_routed_experts", json!(8)),
+                    ("num_experts_per_tok", json!(2)),
+                    ("q_lora_rank", json!(48)),
+                    ("kv_lora_rank", json!(64)),
+                    ("qk_nope_head_dim", json!(16)),
+                    ("qk_rope_head_dim", json!(16)),
+                    ("v_head_dim", json!(16)),
+                    ("bos_token_id", json!(500)),
+                    ("eos_token_id", json!(501)),
+                ],
+            ),
+        }
+        t
+    }
+
+    /// The whole `config.json`: Kimi-K2.5's multimodal wrapper around the text model.
+    pub fn config_json(self) -> Value {
+        let text = self.text_config();
+        json!({
+            "architectures": ["KimiK25ForConditionalGeneration"],
+            "model_type": "kimi_k25",
+            "bos_token_id": text["bos_token_id"],
+            "eos_token_id": text["eos_token_id"],
+            "dtype": "bfloat16",
+            "tie_word_embeddings": false,
+            "text_config": text,
+            "vision_config": {"model_type": "moonvit3d"}
+        })
+    }
+
+    pub fn model_config(self) -> ModelConfig {
+        CheckpointConfig::from_json(Path::new(self.id()), &self.config_json(), None)
+            .expect("presets are valid configs")
+            .model
+    }
+}
+
+/// Uniform values with standard deviation `std` (uniform on ±√3·std), rounded to BF16.
+fn random_bf16(rng: &mut ChaCha8Rng, count: usize, std: f32) -> Vec<bf16> {
+    let half_width = std * 3f32.sqrt();
+    // Generate in parallel from per-chunk seeds so large presets are fast and still seeded.
+    let seeds: Vec<u64> = (0..count.div_ceil(1 << 16)).map(|_| rng.random()).collect();
+    let mut out = vec![bf16::ZERO; count];
+    out.par_chunks_mut(1 << 16)
+        .zip(seeds)
+        .for_each(|(chunk, seed)| {
+            let mut local = ChaCha8Rng::seed_from_u64(seed);
+            for v in chunk {
+                *v = bf16::from_f32(local.random_range(-half_width..half_width));
+            }
+        });
+    out
+}
+
+fn matrix(rng: &mut ChaCha8Rng, rows: usize, cols: usize) -> Bf16Weight {
+    Bf16Weight::owned(
+        rows,
+        cols,
+        random_bf16(rng, rows * cols, 1.0 / (cols as f32).sqrt()),
+    )
+}
+
+fn norm(rng: &mut ChaCha8Rng, len: usize) -> Vec<f32> {
+    (0..len)
+        .map(|_| bf16::from_f32(1.0 + rng.random_range(-0.1..0.1)).to_f32())
+        .collect()
+}
+
+/// Random BF16 weights for every tensor of `c` (experts in BF16, before quantization).
+pub fn random_weights(c: &ModelConfig, seed: u64) -> ModelWeights {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let heads = c.num_attention_heads;
+    let dense = |rng: &mut ChaCha8Rng, inter: usize| DenseMlpWeights {
+        gate: matrix(rng, inter, c.hidden_size),
+        up: matrix(rng, inter, c.hidden_size),
+        down: matrix(rng, c.hidden_size, inter),
+    };
+    let layers = (0..c.num_hidden_layers)
+        .map(|layer| {
+            let q = match c.q_lora_rank {
+                Some(rank) => QueryProjection::LowRank {
+                    a: matrix(&mut rng, rank, c.hidden_size),
+                    norm: norm(&mut rng, rank),
+                    b: matrix(&mut rng, heads * c.qk_head_dim(), rank),
+                },
+                None => {
+                    QueryProjection::Full(matrix(&mut rng, heads * c.qk_head_dim(), c.hidden_size))
+                }
+            };
+            let attention = AttentionWeights {
+                q,
+                kv_a: matrix(&mut rng, c.latent_cache_dim(), c.hidden_size),
+                kv_a_norm: norm(&mut rng, c.kv_lora_rank),
+                kv_b: matrix(
+                    &mut rng,
+                    heads * (c.qk_nope_head_dim + c.v_head_dim),
+                    c.kv_lora_rank,
+                ),
+                o: matrix(&mut rng, c.hidden_size, heads * c.v_head_dim),
+            };
+            let mlp = if c.is_moe_layer(layer) {
+                let inter = c.moe_intermediate_size;
+                MlpWeights::Moe(MoeWeights {
+                    router: matrix(&mut rng, c.n_routed_experts, c.hidden_size),
+                    correction_bias: (0..c.n_routed_experts)
+                        .map(|_| rng.random_range(-0.05..0.05))
+                        .collect(),
+                    experts: (0..c.n_routed_experts)
+                        .map(|_| {
+                            let d = dense(&mut rng, inter);
+                            ExpertWeights {
+                                gate: ExpertMatrix::Bf16(d.gate),
+                                up: ExpertMatrix::Bf16(d.up),
+                                down: ExpertMatrix::Bf16(d.down),
+                            }
+                        })
+                        .collect(),
+                    shared: (c.n_shared_experts > 0)
+                        .then(|| dense(&mut rng, inter * c.n_shared_experts)),
+                })
+            } else {
+                MlpWeights::Dense(dense(&mut rng, c.intermediate_size))
+            };
+            LayerWeights {
+                input_norm: norm(&mut rng, c.hidden_size),
+                attention,
+                post_attention_norm: norm(&mut rng, c.hidden_size),
+                mlp,
+            }
+        })
+        .collect();
+    ModelWeights {
+        embed: Bf16Weight::owned(
+            c.vocab_size,
+            c.hidden_size,
+            random_bf16(&mut rng, c.vocab_size * c.hidden_size, 1.0),
+        ),
+        layers,
+        norm: norm(&mut rng, c.hidden_size),
+        lm_head: matrix(&mut rng, c.vocab_size, c.hidden_size),
+    }
+}
+
+fn bf16_tensor(name: String, w: &Bf16Weight) -> OwnedTensor {
+    OwnedTensor::bf16(name, vec![w.rows, w.cols], w.data.as_slice())
+}
+
+fn norm_tensor(name: String, values: &[f32]) -> OwnedTensor {
+    let v: Vec<bf16> = values.iter().map(|&x| bf16::from_f32(x)).collect();
+    OwnedTensor::bf16(name, vec![v.len()], &v)
+}
+
+/// Every non-routed-expert tensor of `weights`, named as in the checkpoint.
+pub fn non_expert_tensors(prefix: &str, weights: &ModelWeights) -> Vec<OwnedTensor> {
+    let mut t = vec![bf16_tensor(
+        format!("{prefix}model.embed_tokens.weight"),
+        &weights.embed,
+    )];
+    for (l, layer) in weights.layers.iter().enumerate() {
+        let p = format!("{prefix}model.layers.{l}");
+        t.push(norm_tensor(
+            format!("{p}.input_layernorm.weight"),
+            &layer.input_norm,
+        ));
+        t.push(norm_tensor(
+            format!("{p}.post_attention_layernorm.weight"),
+            &layer.post_attention_norm,
+        ));
+        let a = &layer.attention;
+        match &a.q {
+            QueryProjection::LowRank { a: qa, norm, b } => {
+                t.push(bf16_tensor(format!("{p}.self_attn.q_a_proj.weight"), qa));
+                t.push(norm_tensor(
+                    format!("{p}.self_attn.q_a_layernorm.weight"),
+                    norm,
+                ));
+                t.push(bf16_tensor(format!("{p}.self_attn.q_b_proj.weight"), b));
+            }
+            QueryProjection::Full(q) => {
+                t.push(bf16_tensor(format!("{p}.self_attn.q_proj.weight"), q))
+            }
+        }
+        t.push(bf16_tensor(
+            format!("{p}.self_attn.kv_a_proj_with_mqa.weight"),
+            &a.kv_a,
+        ));
+        t.push(norm_tensor(
+            format!("{p}.self_attn.kv_a_layernorm.weight"),
+            &a.kv_a_norm,
+        ));
+        t.push(bf16_tensor(
+            format!("{p}.self_attn.kv_b_proj.weight"),
+            &a.kv_b,
+        ));
+        t.push(bf16_tensor(format!("{p}.self_attn.o_proj.weight"), &a.o));
+        let dense = |t: &mut Vec<OwnedTensor>, prefix: String, d: &DenseMlpWeights| {
+            t.push(bf16_tensor(format!("{prefix}.gate_proj.weight"), &d.gate));
+            t.push(bf16_tensor(format!("{prefix}.up_proj.weight"), &d.up));
+            t.push(bf16_tensor(format!("{prefix}.down_proj.weight"), &d.down));
+        };
+        match &layer.mlp {
+            MlpWeights::Dense(d) => dense(&mut t, format!("{p}.mlp"), d),
+            MlpWeights::Moe(m) => {
+                t.push(bf16_tensor(format!("{p}.mlp.gate.weight"), &m.router));
+                t.push(OwnedTensor::f32(
+                    format!("{p}.mlp.gate.e_score_correction_bias"),
+                    vec![m.correction_bias.len()],
+                    &m.correction_bias,
+                ));
+                if let Some(s) = &m.shared {
+                    dense(&mut t, format!("{p}.mlp.shared_experts"), s);
+                }
+            }
+        }
+    }
+    t.push(norm_tensor(
+        format!("{prefix}model.norm.weight"),
+        &weights.norm,
+    ));
+    t.push(bf16_tensor(
+        format!("{prefix}lm_head.weight"),
+        &weights.lm_head,
+    ));
+    t
+}
+
+/// Writes a random-weight NVFP4 checkpoint of `preset` into `out`.
+pub fn generate_checkpoint(
+    preset: Preset,
+    out: &Path,
+    seed: u64,
+    backend: &dyn Backend,
+) -> Result<()> {
+    if preset == Preset::KimiK25 {
+        bail!(
+            "the kimi-k2.5 preset has 1 T parameters; it exists for `model plan`, not for generation"
+        );
+    }
+    let config = preset.model_config();
+    let weights = random_weights(&config, seed);
+    let model = Model::new(config.clone(), weights);
+    let tokens = random_tokens(
+        64.max(config.n_routed_experts),
+        config.vocab_size,
+        seed ^ 0xCA11,
+    );
+    let calibration = calibrate(&model, backend, &tokens).context("calibration forward pass")?;
+    let quantized = quantize_experts(&model, &calibration)?;
+    let prefix = KIMI_K25_PREFIX;
+    let mut tensors = non_expert_tensors(prefix, &model.weights);
+    for (layer, experts) in &quantized {
+        for (e, q) in experts.iter().enumerate() {
+            tensors.extend(expert_tensors(prefix, *layer, e, q));
+        }
+    }
+    let total: usize = tensors.iter().map(|t| t.bytes.len()).sum();
+    // At least two shards, so that the index is always exercised.
+    let shard_bytes = (total / 2 + 1).min(256 << 20);
+    write_sharded(out, tensors, shard_bytes)?;
+    std::fs::write(
+        out.join("config.json"),
+        serde_json::to_string_pretty(&preset.config_json())?,
+    )?;
+    std::fs::write(
+        out.join("hf_quant_config.json"),
+        serde_json::to_string_pretty(&hf_quant_config(prefix, &config))?,
+    )?;
+    let generation =
+        json!({"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_ids});
+    std::fs::write(
+        out.join("generation_config.json"),
+        serde_json::to_string_pretty(&generation)?,
+    )?;
+    Ok(())
+}

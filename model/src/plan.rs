@@ -1,0 +1,218 @@
+//! `model plan`: per-GPU memory under tensor parallelism, and the longest context that fits.
+//!
+//! Sharding is the one this project uses (the same as the serving stacks it replaces):
+//! - split over GPUs: `q_b_proj`/`q_proj`, `kv_b_proj`, `o_proj` (by head), dense and shared
+//!   MLPs and every routed expert (by intermediate row), `embed_tokens` and `lm_head` (by vocab);
+//! - replicated on every GPU: `q_a_proj`, `kv_a_proj_with_mqa`, norms, the router and its
+//!   bias, the per-tensor NVFP4 scales, and the latent KV cache (MLA's single latent head
+//!   cannot be split by head).
+
+use kernels::formats::NVFP4_BLOCK;
+use kernels::mla::cache::{KvCacheDtype, LatentCacheShape};
+
+use crate::config::ModelConfig;
+
+pub const GIB: f64 = (1u64 << 30) as f64;
+
+#[derive(Clone, Debug)]
+pub struct PlanRequest {
+    pub gpus: usize,
+    pub gpu_mem_gib: f64,
+    /// Fraction of each GPU the engine may use (vLLM's `gpu_memory_utilization`).
+    pub memory_utilization: f64,
+    pub kv_dtype: KvCacheDtype,
+    pub max_model_len: usize,
+    /// Tokens per forward pass the activation workspace is sized for.
+    pub max_batched_tokens: usize,
+    /// Whether routed experts are NVFP4 (else BF16).
+    pub nvfp4_experts: bool,
+}
+
+/// Bytes per GPU, by part.
+#[derive(Clone, Debug, Default)]
+pub struct Plan {
+    pub parts: Vec<(&'static str, f64)>,
+    pub weights: f64,
+    pub kv_bytes_per_token: f64,
+    pub runtime_reserve: f64,
+    pub activation_reserve: f64,
+    pub kv_budget: f64,
+    pub max_context_tokens: usize,
+    pub fits: bool,
+}
+
+/// CUDA context, cuBLAS/NCCL workspaces and CUDA-graph pools: measured by the deployments in
+/// the seeds at 1–2 GiB; the midpoint keeps the plan honest without a GPU at hand.
+const RUNTIME_RESERVE_BYTES: f64 = 1.5 * GIB;
+
+pub fn plan(c: &ModelConfig, r: &PlanRequest) -> Plan {
+    let tp = r.gpus as f64;
+    let bf16 = 2.0;
+    let h = c.hidden_size as f64;
+    let heads = c.num_attention_heads as f64;
+    let layers = c.num_hidden_layers as f64;
+    let moe_layers = (0..c.num_hidden_layers)
+        .filter(|&l| c.is_moe_layer(l))
+        .count() as f64;
+    let dense_layers = layers - moe_layers;
+    let expert_bytes_per_param = if r.nvfp4_experts {
+        0.5 + 1.0 / NVFP4_BLOCK as f64
+    } else {
+        bf16
+    };
+
+    let embed = c.vocab_size as f64 * h * bf16 / tp;
+    let lm_head = if c.tie_word_embeddings { 0.0 } else { embed };
+    let q_split = match c.q_lora_rank {
+        Some(rank) => heads * c.qk_head_dim() as f64 * rank as f64,
+        None => heads * c.qk_head_dim() as f64 * h,
+    };
+    let q_replicated = c.q_lora_rank.map_or(0.0, |rank| rank as f64 * (h + 1.0));
+    let kv_a = c.latent_cache_dim() as f64 * h + c.kv_lora_rank as f64;
+    let kv_b = heads * (c.qk_nope_head_dim + c.v_head_dim) as f64 * c.kv_lora_rank as f64;
+    let o = h * heads * c.v_head_dim as f64;
+    let attention = layers * bf16 * (q_replicated + kv_a + (q_split + kv_b + o) / tp);
+    let norms = (layers * 2.0 + 1.0) * h * bf16;
+    let dense = dense_layers * 3.0 * h * c.intermediate_size as f64 * bf16 / tp;
+    let router = moe_layers * c.n_routed_experts as f64 * (h * bf16 + 4.0);
+    let shared =
+        moe_layers * 3.0 * h * (c.moe_intermediate_size * c.n_shared_experts) as f64 * bf16 / tp;
+    let routed_params =
+        moe_layers * c.n_routed_experts as f64 * 3.0 * h * c.moe_intermediate_size as f64;
+    let routed = routed_params * expert_bytes_per_param / tp
+        + if r.nvfp4_experts {
+            moe_layers * c.n_routed_experts as f64 * 3.0 * 8.0
+        } else {
+            0.0
+        };
+    let parts = vec![
+        ("routed experts", routed),
+        ("attention", attention),
+        ("shared experts", shared),
+        ("embed + lm_head", embed + lm_head),
+        ("router", router),
+        ("dense MLP", dense),
+        ("norms", norms),
+    ];
+    let weights: f64 = parts.iter().map(|(_, b)| b).sum();
+
+    let shape = LatentCacheShape {
+        layers: c.num_hidden_layers,
+        latent_dim: c.kv_lora_rank,
+        rope_dim: c.qk_rope_head_dim,
+    };
+    let kv_bytes_per_token = r.kv_dtype.bytes_per_token(&shape) as f64 * layers;
+    // Peak live activations of one forward pass of `max_batched_tokens`: the residual stream
+    // and a few hidden-sized temporaries in FP32, the routed experts' gate/up outputs, and the
+    // all-reduce buffers.
+    let t = r.max_batched_tokens as f64;
+    let activation_reserve = t * h * 4.0 * 6.0
+        + t * c.num_experts_per_tok as f64 * 2.0 * c.moe_intermediate_size as f64 / tp * 4.0
+        + t * heads / tp * (c.kv_lora_rank + c.qk_rope_head_dim) as f64 * 4.0 * 2.0;
+    let usable = r.gpu_mem_gib * GIB * r.memory_utilization;
+    let kv_budget = (usable - weights - RUNTIME_RESERVE_BYTES - activation_reserve).max(0.0);
+    let max_context_tokens = (kv_budget / kv_bytes_per_token) as usize;
+    Plan {
+        parts,
+        weights,
+        kv_bytes_per_token,
+        runtime_reserve: RUNTIME_RESERVE_BYTES,
+        activation_reserve,
+        kv_budget,
+        max_context_tokens,
+        fits: max_context_tokens >= r.max_model_len,
+    }
+}
+
+impl Plan {
+    pub fn render(&self, r: &PlanRequest) -> String {
+        let mut s = String::new();
+        let gib = |b: f64| b / GIB;
+        s += &format!(
+            "per GPU ({} GPUs, {:.1} GiB each, {:.0}% usable, KV cache {}):\n",
+            r.gpus,
+            r.gpu_mem_gib,
+            r.memory_utilization * 100.0,
+            r.kv_dtype.id()
+        );
+        for (name, bytes) in &self.parts {
+            s += &format!("  {name:<18} {:>9.3} GiB\n", gib(*bytes));
+        }
+        s += &format!("  {:<18} {:>9.3} GiB\n", "weights total", gib(self.weights));
+        s += &format!(
+            "  {:<18} {:>9.3} GiB\n",
+            "runtime reserve",
+            gib(self.runtime_reserve)
+        );
+        s += &format!(
+            "  {:<18} {:>9.3} GiB  ({} tokens per pass)\n",
+            "activations",
+            gib(self.activation_reserve),
+            r.max_batched_tokens
+        );
+        s += &format!(
+            "  {:<18} {:>9.3} GiB\n",
+            "KV cache budget",
+            gib(self.kv_budget)
+        );
+        s += &format!(
+            "KV cache per token: {:.0} B ({:.1} KiB, replicated on every GPU)\n",
+            self.kv_bytes_per_token,
+            self.kv_bytes_per_token / 1024.0
+        );
+        s += &format!(
+            "largest context that fits: {} tokens\n",
+            self.max_context_tokens
+        );
+        s += &format!(
+            "max_model_len {}: {}\n",
+            r.max_model_len,
+            if self.fits { "fits" } else { "does NOT fit" }
+        );
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::generator::Preset;
+
+    fn request(kv_dtype: KvCacheDtype, max_model_len: usize) -> PlanRequest {
+        PlanRequest {
+            gpus: 8,
+            gpu_mem_gib: 96.0,
+            memory_utilization: 0.90,
+            kv_dtype,
+            max_model_len,
+            max_batched_tokens: 8192,
+            nvfp4_experts: true,
+        }
+    }
+
+    #[test]
+    fn kimi_on_eight_rtx_pro_6000_matches_the_deployment() {
+        let c = Preset::KimiK25.model_config();
+        let bf16 = plan(&c, &request(KvCacheDtype::Bf16, 262_144));
+        // vLLM reported 70.81 GiB of weights per GPU at TP8.
+        assert!(
+            (bf16.weights / GIB - 70.81).abs() < 0.5,
+            "{}",
+            bf16.weights / GIB
+        );
+        assert!((bf16.kv_bytes_per_token - 61.0 * 1152.0).abs() < 1.0);
+        assert!(
+            !bf16.fits,
+            "262,144 must not fit with a BF16 cache: {}",
+            bf16.max_context_tokens
+        );
+        assert!(bf16.max_context_tokens >= 131_072);
+        let fp8 = plan(&c, &request(KvCacheDtype::Fp8E4m3, 262_144));
+        assert!(
+            fp8.fits,
+            "262,144 must fit with an FP8 cache: {}",
+            fp8.max_context_tokens
+        );
+        assert!(fp8.max_context_tokens as f64 > 1.7 * bf16.max_context_tokens as f64);
+    }
+}
