@@ -5,3 +5,4 @@
 //! shares: E2M1, E4M3/UE4M3, NVFP4 two-level quantization and the scale-factor swizzle.
 
 pub mod formats;
+pub mod moe_gemm;
