@@ -282,6 +282,8 @@ pub fn lanes_to_d(d: &[[f32; 4]; WARP]) -> [[f32; MMA_N]; MMA_M] {
 }
 
 #[cfg(test)]
+// Index loops mirror the matrix formulas being checked.
+#[allow(clippy::needless_range_loop)]
 mod tests {
     use super::*;
     use crate::formats::Nvfp4Matrix;

@@ -8,3 +8,6 @@
 //! - `moe_gemm.cu` (beside this file): the CUDA source, templated on the tactic parameters.
 
 pub mod mma_sm120;
+pub mod tactic;
+
+pub use tactic::{KernelVariant, MoeGemmTactic, ScaleLoad, Sm, SmemFootprint};
