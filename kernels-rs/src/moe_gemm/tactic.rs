@@ -316,20 +316,20 @@ impl MoeGemmTactic {
         if !(1..=8).contains(&self.split_k) {
             return bad(format!("split-k {}", self.split_k));
         }
-        if self.tile_k == 0 || self.tile_k % Self::MMA_K != 0 {
+        if self.tile_k == 0 || !self.tile_k.is_multiple_of(Self::MMA_K) {
             return bad(format!("tile_k {} is not a multiple of 64", self.tile_k));
         }
         // Each warp owns a slice of the weight rows of both halves (gate and up) with whole
         // MMAs; the slice must also hold whole 16-element scale blocks of the intermediate,
         // which the epilogue quantizes.
         let per_warp = 2 * self.warps * self.mma_weight_rows().max(SF_VEC as u32 / 2);
-        if self.tile_n == 0 || self.tile_n % per_warp != 0 {
+        if self.tile_n == 0 || !self.tile_n.is_multiple_of(per_warp) {
             return bad(format!(
                 "tile_n {} is not a multiple of {per_warp} (2 halves × {} warps × MMA rows)",
                 self.tile_n, self.warps
             ));
         }
-        if self.tile_m == 0 || self.tile_m % self.mma_tokens() != 0 {
+        if self.tile_m == 0 || !self.tile_m.is_multiple_of(self.mma_tokens()) {
             return bad(format!(
                 "tile_m {} is not a multiple of {}",
                 self.tile_m,
