@@ -127,7 +127,9 @@ fn count_sass(sass: &str, reports: &mut BTreeMap<String, KernelReport>) {
         }
         let Some(name) = &current else { continue };
         // Instruction lines look like "/*0100*/   OMMA.SF.16864... R12, ... ;"
-        let Some(code) = line.split("*/").nth(1) else { continue };
+        let Some(code) = line.split("*/").nth(1) else {
+            continue;
+        };
         let mut words = code.split_whitespace();
         let Some(mut op) = words.next() else { continue };
         if op.starts_with('@') {
@@ -192,7 +194,11 @@ fn build(tc: &Toolchain, root: &Path, out: &Path, tactic: MoeGemmTactic, sm: Sm)
         )),
         Err(e) => b.failures.push(format!("nvcc -ptx did not run: {e}")),
     }
-    match Command::new(&tc.cuobjdump).arg("-sass").arg(&cubin).output() {
+    match Command::new(&tc.cuobjdump)
+        .arg("-sass")
+        .arg(&cubin)
+        .output()
+    {
         Ok(r) if r.status.success() => {
             count_sass(&String::from_utf8_lossy(&r.stdout), &mut b.kernels)
         }
@@ -218,20 +224,30 @@ fn check(b: &mut Build) {
                 k.spill_stores, k.spill_loads
             ));
         }
-        let dynamic = if name == "moe_gate_up" { smem.gate_up } else { smem.down };
+        let dynamic = if name == "moe_gate_up" {
+            smem.gate_up
+        } else {
+            smem.down
+        };
         let total = dynamic + k.static_smem as usize;
         if total > limit {
-            b.failures
-                .push(format!("{name}: {total} B shared memory > {limit} B on {}", b.sm));
+            b.failures.push(format!(
+                "{name}: {total} B shared memory > {limit} B on {}",
+                b.sm
+            ));
         }
         let found: u32 = k
             .sass
             .iter()
-            .filter(|(op, _)| op.strip_prefix("op:").is_some_and(|o| o.starts_with(required)))
+            .filter(|(op, _)| {
+                op.strip_prefix("op:")
+                    .is_some_and(|o| o.starts_with(required))
+            })
             .map(|(_, n)| n)
             .sum();
         if found == 0 {
-            b.failures.push(format!("{name}: no {required} in the SASS"));
+            b.failures
+                .push(format!("{name}: no {required} in the SASS"));
         }
     }
 }
@@ -263,7 +279,11 @@ fn manifest_entry(b: &Build) -> Value {
                 .filter(|(op, _)| !op.starts_with("op:"))
                 .map(|(op, n)| (op.as_str(), *n))
                 .collect();
-            let dynamic = if name == "moe_gate_up" { smem.gate_up } else { smem.down };
+            let dynamic = if name == "moe_gate_up" {
+                smem.gate_up
+            } else {
+                smem.down
+            };
             (
                 name.clone(),
                 json!({
@@ -319,7 +339,11 @@ fn main() -> ExitCode {
     };
     let work: Vec<(MoeGemmTactic, Sm)> = Sm::ALL
         .into_iter()
-        .flat_map(|sm| MoeGemmTactic::enumerate(sm).into_iter().map(move |t| (t, sm)))
+        .flat_map(|sm| {
+            MoeGemmTactic::enumerate(sm)
+                .into_iter()
+                .map(move |t| (t, sm))
+        })
         .collect();
     eprintln!(
         "ptx-gate: {} builds on {jobs} jobs with {}",
@@ -333,7 +357,9 @@ fn main() -> ExitCode {
         for _ in 0..jobs.max(1) {
             s.spawn(|| {
                 loop {
-                    let Some((i, (t, sm))) = queue.lock().unwrap().pop() else { break };
+                    let Some((i, (t, sm))) = queue.lock().unwrap().pop() else {
+                        break;
+                    };
                     let b = build(&tc, &root, &out, t, sm);
                     results.lock().unwrap().push((i, b));
                 }
@@ -361,7 +387,11 @@ fn main() -> ExitCode {
                 })
                 .map(|(_, n)| n)
                 .sum();
-            let dynamic = if name == "moe_gate_up" { smem.gate_up } else { smem.down };
+            let dynamic = if name == "moe_gate_up" {
+                smem.gate_up
+            } else {
+                smem.down
+            };
             println!(
                 "{:<42} {:<8} {:<12} {:>5} {:>7} {:>6} {:>6} {:>6}  {:<6} {:>6.1}",
                 b.tactic.id(),
