@@ -472,3 +472,54 @@ fn main() -> ExitCode {
         ExitCode::FAILURE
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_ptxas_resource_lines() {
+        let log = "ptxas info    : Compiling entry function 'moe_down' for 'sm_120a'\n\
+ptxas info    : Function properties for moe_down\n\
+    96 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads\n\
+ptxas info    : Used 80 registers, used 1 barriers, 1024 bytes smem, 96 bytes cumulative stack size\n\
+ptxas info    : Compiling entry function 'moe_gate_up' for 'sm_120a'\n\
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n\
+ptxas info    : Used 125 registers, used 1 barriers\n";
+        let r = parse_ptxas(log);
+        let d = &r["moe_down"];
+        assert_eq!(
+            (
+                d.regs,
+                d.stack,
+                d.spill_stores,
+                d.spill_loads,
+                d.static_smem
+            ),
+            (80, 96, 8, 12, 1024)
+        );
+        assert_eq!(
+            (r["moe_gate_up"].regs, r["moe_gate_up"].static_smem),
+            (125, 0)
+        );
+    }
+
+    #[test]
+    fn counts_sass_per_function() {
+        let sass = "\tFunction : moe_gate_up\n\
+        /*0100*/                   OMMA.SF.16864.F32.E2M1.E2M1.UE4M3.4X R12, R12, R4, R16, R0, R11, URZ ;\n\
+        /*0110*/               @P0 SHFL.IDX PT, R1, R2, R3, R4 ;\n\
+\tFunction : moe_down\n\
+        /*0100*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;\n";
+        let mut r = BTreeMap::new();
+        count_sass(sass, &mut r);
+        assert_eq!(r["moe_gate_up"].sass["OMMA"], 1);
+        assert_eq!(r["moe_gate_up"].sass["SHFL"], 1);
+        assert_eq!(
+            r["moe_gate_up"].sass["op:OMMA.SF.16864.F32.E2M1.E2M1.UE4M3.4X"],
+            1
+        );
+        assert_eq!(r["moe_down"].sass["HMMA"], 1);
+        assert!(!r["moe_down"].sass.contains_key("OMMA"));
+    }
+}
