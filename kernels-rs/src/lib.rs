@@ -1,8 +1,13 @@
 //! Kernel families for running Kimi-K2.5-NVFP4.
 //!
 //! Each family lives in its own module with its CPU reference, its fast CPU version, its CUDA
-//! source and its tactic type side by side. [`formats`] holds the number formats every family
-//! shares: E2M1, E4M3/UE4M3, NVFP4 two-level quantization and the scale-factor swizzle.
+//! source and its tactic type side by side:
+//! - [`moe_gemm`]: the NVFP4 grouped GEMM of the routed experts;
+//! - [`mla`]: MLA decode attention over the paged latent cache;
+//! - [`dense`]: BF16/NVFP4 dense products for everything else.
+//!
+//! [`formats`] holds the number formats every family shares: E2M1, E4M3/UE4M3, NVFP4
+//! two-level quantization and the scale-factor swizzle; [`matrix`] the borrowed weight views.
 
 pub mod dense;
 pub mod formats;

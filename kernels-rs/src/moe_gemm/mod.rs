@@ -1,5 +1,15 @@
-//! The MoE grouped GEMM: routed experts applied to the tokens routed to them.
+//! NVFP4 grouped GEMM for the routed MoE experts.
 //!
 //! - [`reference`]: the CPU reference with the checkpoint's exact W4A4 semantics.
+//! - [`mma_sm120`]: a register-level CPU model of SM120's block-scaled FP4 `mma.sync`, the
+//!   instruction the native kernel is built on, and the fragment layouts its loaders must
+//!   produce.
+//! - [`tactic`]: the typed tactic space (tiles, stages, variants), shared-memory footprints and
+//!   per-SM limits.
+//! - `moe_gemm.cu` (beside this file): the CUDA source, templated on the tactic parameters.
 
+pub mod mma_sm120;
 pub mod reference;
+pub mod tactic;
+
+pub use tactic::{KernelVariant, MoeGemmTactic, ScaleLoad, Sm, SmemFootprint};

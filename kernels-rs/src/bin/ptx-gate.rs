@@ -1,0 +1,525 @@
+//! Compile gate for the NVFP4 MoE GEMM: builds every (tactic, SM) of
+//! `MoeGemmTactic::enumerate` with the pinned toolchain (`scripts/cuda-toolchain.sh`), reads
+//! ptxas's resource report and the SASS, writes `ptx/manifest.json` and the cubins/PTX under
+//! `ptx/moe_gemm/`, prints a table, and exits non-zero if any kernel spills, exceeds its SM's
+//! shared memory, or lacks the instruction its variant exists for.
+//!
+//! Usage: `cargo run --release -p kernels --bin ptx-gate -- [--out DIR] [--jobs N] [--check]`
+//! `--check` additionally fails if the committed manifest differs from the one just built,
+//! so a change to the kernel or the tactic space cannot land without its new numbers.
+
+use kernels::moe_gemm::{MoeGemmTactic, Sm};
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+use std::sync::Mutex;
+use std::time::Instant;
+
+const FAMILY: &str = "moe_gemm";
+const KERNELS: [&str; 2] = ["moe_gate_up", "moe_down"];
+/// SASS mnemonics counted for every kernel (the manifest records them all; the gate checks
+/// the variant's required one).
+const COUNTED: [&str; 6] = ["OMMA", "HMMA", "SHFL", "LDGSTS", "LDS", "RED"];
+
+struct Toolchain {
+    nvcc: PathBuf,
+    cuobjdump: PathBuf,
+    version: String,
+}
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("kernels-rs sits in the workspace root")
+        .to_path_buf()
+}
+
+fn find_toolchain(root: &Path) -> Result<Toolchain, String> {
+    let bin = std::env::var_os("CUDA_TOOLCHAIN_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join(".cuda-toolchain/site/nvidia/cu13/bin"));
+    let nvcc = bin.join("nvcc");
+    let cuobjdump = bin.join("cuobjdump");
+    if !nvcc.exists() || !cuobjdump.exists() {
+        return Err(format!(
+            "no nvcc/cuobjdump in {} — run scripts/cuda-toolchain.sh first",
+            bin.display()
+        ));
+    }
+    let out = Command::new(&nvcc)
+        .arg("--version")
+        .output()
+        .map_err(|e| format!("{}: {e}", nvcc.display()))?;
+    let version = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find(|l| l.contains("release"))
+        .unwrap_or("unknown")
+        .trim()
+        .to_string();
+    Ok(Toolchain {
+        nvcc,
+        cuobjdump,
+        version,
+    })
+}
+
+#[derive(Default, Clone, Debug)]
+struct KernelReport {
+    regs: u32,
+    stack: u32,
+    spill_stores: u32,
+    spill_loads: u32,
+    static_smem: u32,
+    sass: BTreeMap<String, u32>,
+}
+
+struct Build {
+    tactic: MoeGemmTactic,
+    sm: Sm,
+    kernels: BTreeMap<String, KernelReport>,
+    cubin: String,
+    ptx: String,
+    compile_s: f64,
+    failures: Vec<String>,
+}
+
+fn number_before(line: &str, suffix: &str) -> Option<u32> {
+    let idx = line.find(suffix)?;
+    line[..idx].split_whitespace().last()?.parse().ok()
+}
+
+/// ptxas -v prints, per entry: "Compiling entry function 'X' for 'sm_..'", then
+/// "N bytes stack frame, S bytes spill stores, L bytes spill loads" and
+/// "Used R registers, ... [Z bytes smem]".
+fn parse_ptxas(log: &str) -> BTreeMap<String, KernelReport> {
+    let mut out: BTreeMap<String, KernelReport> = BTreeMap::new();
+    let mut current: Option<String> = None;
+    for line in log.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            let name = rest.split('\'').next().unwrap_or("").to_string();
+            out.entry(name.clone()).or_default();
+            current = Some(name);
+            continue;
+        }
+        let Some(name) = &current else { continue };
+        let r = out.get_mut(name).expect("entry inserted above");
+        if line.contains("bytes stack frame") {
+            r.stack = number_before(line, "bytes stack frame").unwrap_or(0);
+            r.spill_stores = number_before(line, "bytes spill stores").unwrap_or(0);
+            r.spill_loads = number_before(line, "bytes spill loads").unwrap_or(0);
+        }
+        if line.contains("Used") && line.contains("registers") {
+            r.regs = number_before(line, "registers").unwrap_or(0);
+            r.static_smem = number_before(line, "bytes smem").unwrap_or(0);
+        }
+    }
+    out
+}
+
+/// Counts instruction mnemonics per function in `cuobjdump -sass` output.
+fn count_sass(sass: &str, reports: &mut BTreeMap<String, KernelReport>) {
+    let mut current: Option<String> = None;
+    for line in sass.lines() {
+        if let Some(name) = line.trim().strip_prefix("Function : ") {
+            current = Some(name.trim().to_string());
+            continue;
+        }
+        let Some(name) = &current else { continue };
+        // Instruction lines look like "/*0100*/   OMMA.SF.16864... R12, ... ;"
+        let Some(code) = line.split("*/").nth(1) else {
+            continue;
+        };
+        let mut words = code.split_whitespace();
+        let Some(mut op) = words.next() else { continue };
+        if op.starts_with('@') {
+            op = words.next().unwrap_or("");
+        }
+        let report = reports.entry(name.clone()).or_default();
+        let base = op.split('.').next().unwrap_or("");
+        if COUNTED.contains(&base) {
+            *report.sass.entry(base.to_string()).or_default() += 1;
+        }
+        // The full mnemonic of the variant's key instruction is recorded too.
+        *report.sass.entry(format!("op:{op}")).or_default() += 1;
+    }
+}
+
+fn build(tc: &Toolchain, root: &Path, out: &Path, tactic: MoeGemmTactic, sm: Sm) -> Build {
+    let start = Instant::now();
+    let src = root.join("kernels-rs/src/moe_gemm/moe_gemm.cu");
+    let dir = out.join(FAMILY).join(sm.arch());
+    std::fs::create_dir_all(&dir).expect("create output dir");
+    let cubin = dir.join(format!("{}.cubin", tactic.id()));
+    let ptx = dir.join(format!("{}.ptx", tactic.id()));
+    let mut b = Build {
+        tactic,
+        sm,
+        kernels: BTreeMap::new(),
+        cubin: rel(root, &cubin),
+        ptx: rel(root, &ptx),
+        compile_s: 0.0,
+        failures: Vec::new(),
+    };
+    let common = |c: &mut Command| {
+        c.arg(format!("-arch={}", sm.arch()))
+            .args(["-std=c++17", "-O3", "-lineinfo"])
+            .args(tactic.nvcc_defines())
+            .arg(&src);
+    };
+    let mut c = Command::new(&tc.nvcc);
+    c.args(["-cubin", "-Xptxas", "-v", "-o"]).arg(&cubin);
+    common(&mut c);
+    let res = match c.output() {
+        Ok(r) => r,
+        Err(e) => {
+            b.failures.push(format!("nvcc did not run: {e}"));
+            return b;
+        }
+    };
+    let log = String::from_utf8_lossy(&res.stderr).to_string();
+    if !res.status.success() {
+        b.failures.push(format!("nvcc -cubin failed:\n{log}"));
+        return b;
+    }
+    b.kernels = parse_ptxas(&log);
+    let mut c = Command::new(&tc.nvcc);
+    c.args(["-ptx", "-o"]).arg(&ptx);
+    common(&mut c);
+    match c.output() {
+        Ok(r) if r.status.success() => {}
+        Ok(r) => b.failures.push(format!(
+            "nvcc -ptx failed: {}",
+            String::from_utf8_lossy(&r.stderr)
+        )),
+        Err(e) => b.failures.push(format!("nvcc -ptx did not run: {e}")),
+    }
+    match Command::new(&tc.cuobjdump)
+        .arg("-sass")
+        .arg(&cubin)
+        .output()
+    {
+        Ok(r) if r.status.success() => {
+            count_sass(&String::from_utf8_lossy(&r.stdout), &mut b.kernels)
+        }
+        _ => b.failures.push("cuobjdump -sass failed".into()),
+    }
+    b.compile_s = start.elapsed().as_secs_f64();
+    check(&mut b);
+    b
+}
+
+fn check(b: &mut Build) {
+    let smem = b.tactic.smem();
+    let limit = b.sm.smem_optin_per_block();
+    let required = b.tactic.variant.required_sass();
+    for name in KERNELS {
+        let Some(k) = b.kernels.get(name) else {
+            b.failures.push(format!("{name}: missing from the cubin"));
+            continue;
+        };
+        if k.spill_stores > 0 || k.spill_loads > 0 {
+            b.failures.push(format!(
+                "{name}: spills ({} B stores, {} B loads)",
+                k.spill_stores, k.spill_loads
+            ));
+        }
+        let dynamic = if name == "moe_gate_up" {
+            smem.gate_up
+        } else {
+            smem.down
+        };
+        let total = dynamic + k.static_smem as usize;
+        if total > limit {
+            b.failures.push(format!(
+                "{name}: {total} B shared memory > {limit} B on {}",
+                b.sm
+            ));
+        }
+        let found: u32 = k
+            .sass
+            .iter()
+            .filter(|(op, _)| {
+                op.strip_prefix("op:")
+                    .is_some_and(|o| o.starts_with(required))
+            })
+            .map(|(_, n)| n)
+            .sum();
+        if found == 0 {
+            b.failures
+                .push(format!("{name}: no {required} in the SASS"));
+        }
+    }
+}
+
+fn rel(root: &Path, p: &Path) -> String {
+    p.strip_prefix(root).unwrap_or(p).display().to_string()
+}
+
+/// FNV-1a: enough to notice that the source changed since the manifest was written.
+fn fnv1a(bytes: &[u8]) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+fn manifest_entry(b: &Build) -> Value {
+    let t = &b.tactic;
+    let smem = t.smem();
+    let kernels: serde_json::Map<String, Value> = b
+        .kernels
+        .iter()
+        .map(|(name, k)| {
+            let sass: BTreeMap<&str, u32> = k
+                .sass
+                .iter()
+                .filter(|(op, _)| !op.starts_with("op:"))
+                .map(|(op, n)| (op.as_str(), *n))
+                .collect();
+            let dynamic = if name == "moe_gate_up" {
+                smem.gate_up
+            } else {
+                smem.down
+            };
+            (
+                name.clone(),
+                json!({
+                    "registers": k.regs,
+                    "stack_bytes": k.stack,
+                    "spill_store_bytes": k.spill_stores,
+                    "spill_load_bytes": k.spill_loads,
+                    "static_smem_bytes": k.static_smem,
+                    "dynamic_smem_bytes": dynamic,
+                    "sass_counts": sass,
+                }),
+            )
+        })
+        .collect();
+    json!({
+        "family": FAMILY,
+        "tactic": t.id(),
+        "sm": b.sm.arch(),
+        "variant": format!("{:?}", t.variant),
+        "threads": t.threads(),
+        "smem_limit_bytes": b.sm.smem_optin_per_block(),
+        "required_sass": t.variant.required_sass(),
+        "cubin": b.cubin,
+        "ptx": b.ptx,
+        "kernels": kernels,
+        "ok": b.failures.is_empty(),
+    })
+}
+
+fn main() -> ExitCode {
+    let mut args = std::env::args().skip(1);
+    let root = repo_root();
+    let mut out = root.join("ptx");
+    let mut jobs = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let mut check_fresh = false;
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--out" => out = PathBuf::from(args.next().expect("--out DIR")),
+            "--jobs" => jobs = args.next().and_then(|j| j.parse().ok()).expect("--jobs N"),
+            "--check" => check_fresh = true,
+            other => {
+                eprintln!("ptx-gate: unknown argument {other}");
+                return ExitCode::from(2);
+            }
+        }
+    }
+    let tc = match find_toolchain(&root) {
+        Ok(tc) => tc,
+        Err(e) => {
+            eprintln!("ptx-gate: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let work: Vec<(MoeGemmTactic, Sm)> = Sm::ALL
+        .into_iter()
+        .flat_map(|sm| {
+            MoeGemmTactic::enumerate(sm)
+                .into_iter()
+                .map(move |t| (t, sm))
+        })
+        .collect();
+    eprintln!(
+        "ptx-gate: {} builds on {jobs} jobs with {}",
+        work.len(),
+        tc.version
+    );
+    let start = Instant::now();
+    let queue = Mutex::new(work.into_iter().enumerate().collect::<Vec<_>>());
+    let results = Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for _ in 0..jobs.max(1) {
+            s.spawn(|| {
+                loop {
+                    let Some((i, (t, sm))) = queue.lock().unwrap().pop() else {
+                        break;
+                    };
+                    let b = build(&tc, &root, &out, t, sm);
+                    results.lock().unwrap().push((i, b));
+                }
+            });
+        }
+    });
+    let mut results = results.into_inner().unwrap();
+    results.sort_by_key(|(i, _)| *i);
+    let builds: Vec<Build> = results.into_iter().map(|(_, b)| b).collect();
+
+    println!(
+        "{:<42} {:<8} {:<12} {:>5} {:>7} {:>6} {:>6} {:>6}  {:<6} {:>6}",
+        "tactic", "sm", "kernel", "regs", "smem", "spill", "stack", "key", "status", "secs"
+    );
+    for b in &builds {
+        let smem = b.tactic.smem();
+        for name in KERNELS {
+            let k = b.kernels.get(name).cloned().unwrap_or_default();
+            let key: u32 = k
+                .sass
+                .iter()
+                .filter(|(op, _)| {
+                    op.strip_prefix("op:")
+                        .is_some_and(|o| o.starts_with(b.tactic.variant.required_sass()))
+                })
+                .map(|(_, n)| n)
+                .sum();
+            let dynamic = if name == "moe_gate_up" {
+                smem.gate_up
+            } else {
+                smem.down
+            };
+            println!(
+                "{:<42} {:<8} {:<12} {:>5} {:>7} {:>6} {:>6} {:>6}  {:<6} {:>6.1}",
+                b.tactic.id(),
+                b.sm.arch(),
+                name,
+                k.regs,
+                dynamic + k.static_smem as usize,
+                k.spill_stores + k.spill_loads,
+                k.stack,
+                key,
+                if b.failures.is_empty() { "ok" } else { "FAIL" },
+                b.compile_s
+            );
+        }
+    }
+    let failed: Vec<&Build> = builds.iter().filter(|b| !b.failures.is_empty()).collect();
+    for b in &failed {
+        for f in &b.failures {
+            eprintln!("FAIL {} {}: {f}", b.tactic.id(), b.sm.arch());
+        }
+    }
+    eprintln!(
+        "ptx-gate: {} builds, {} failed, {:.1} s wall",
+        builds.len(),
+        failed.len(),
+        start.elapsed().as_secs_f64()
+    );
+
+    let src = std::fs::read(root.join("kernels-rs/src/moe_gemm/moe_gemm.cu")).unwrap_or_default();
+    let manifest_path = out.join("manifest.json");
+    let previous: Option<Value> = std::fs::read_to_string(&manifest_path)
+        .ok()
+        .and_then(|s| serde_json::from_str(&s).ok());
+    // Other kernel families' entries are kept; this gate owns only its own.
+    let mut entries: Vec<Value> = previous
+        .as_ref()
+        .and_then(|m| m.get("entries"))
+        .and_then(Value::as_array)
+        .map(|e| {
+            e.iter()
+                .filter(|v| v.get("family").and_then(Value::as_str) != Some(FAMILY))
+                .cloned()
+                .collect()
+        })
+        .unwrap_or_default();
+    entries.extend(builds.iter().map(manifest_entry));
+    let mut sources = previous
+        .as_ref()
+        .and_then(|m| m.get("sources"))
+        .and_then(Value::as_object)
+        .cloned()
+        .unwrap_or_default();
+    sources.insert(
+        FAMILY.into(),
+        json!({"path": "kernels-rs/src/moe_gemm/moe_gemm.cu", "fnv1a64": fnv1a(&src)}),
+    );
+    let manifest = json!({
+        "toolchain": tc.version,
+        "sources": sources,
+        "entries": entries,
+    });
+    let text = serde_json::to_string_pretty(&manifest).expect("serialize manifest") + "\n";
+    let stale = check_fresh
+        && std::fs::read_to_string(&manifest_path).ok().as_deref() != Some(text.as_str());
+    if let Err(e) = std::fs::write(&manifest_path, &text) {
+        eprintln!("ptx-gate: cannot write {}: {e}", manifest_path.display());
+        return ExitCode::from(2);
+    }
+    if stale {
+        eprintln!(
+            "ptx-gate: {} was stale (now rewritten); commit the new manifest",
+            rel(&root, &manifest_path)
+        );
+    }
+    if failed.is_empty() && !stale {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_ptxas_resource_lines() {
+        let log = "ptxas info    : Compiling entry function 'moe_down' for 'sm_120a'\n\
+ptxas info    : Function properties for moe_down\n\
+    96 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads\n\
+ptxas info    : Used 80 registers, used 1 barriers, 1024 bytes smem, 96 bytes cumulative stack size\n\
+ptxas info    : Compiling entry function 'moe_gate_up' for 'sm_120a'\n\
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n\
+ptxas info    : Used 125 registers, used 1 barriers\n";
+        let r = parse_ptxas(log);
+        let d = &r["moe_down"];
+        assert_eq!(
+            (
+                d.regs,
+                d.stack,
+                d.spill_stores,
+                d.spill_loads,
+                d.static_smem
+            ),
+            (80, 96, 8, 12, 1024)
+        );
+        assert_eq!(
+            (r["moe_gate_up"].regs, r["moe_gate_up"].static_smem),
+            (125, 0)
+        );
+    }
+
+    #[test]
+    fn counts_sass_per_function() {
+        let sass = "\tFunction : moe_gate_up\n\
+        /*0100*/                   OMMA.SF.16864.F32.E2M1.E2M1.UE4M3.4X R12, R12, R4, R16, R0, R11, URZ ;\n\
+        /*0110*/               @P0 SHFL.IDX PT, R1, R2, R3, R4 ;\n\
+\tFunction : moe_down\n\
+        /*0100*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;\n";
+        let mut r = BTreeMap::new();
+        count_sass(sass, &mut r);
+        assert_eq!(r["moe_gate_up"].sass["OMMA"], 1);
+        assert_eq!(r["moe_gate_up"].sass["SHFL"], 1);
+        assert_eq!(
+            r["moe_gate_up"].sass["op:OMMA.SF.16864.F32.E2M1.E2M1.UE4M3.4X"],
+            1
+        );
+        assert_eq!(r["moe_down"].sass["HMMA"], 1);
+        assert!(!r["moe_down"].sass.contains_key("OMMA"));
+    }
+}

@@ -1,0 +1,537 @@
+//! The tactic space of the NVFP4 MoE grouped GEMM.
+//!
+//! A [`MoeGemmTactic`] fixes everything `moe_gemm.cu` is templated on. Its [`id`] is stable and
+//! [`parse`]s back, so manifests, autotune caches and logs name tactics the same way. The
+//! shared-memory footprint is computed here and passed to nvcc, where a `static_assert` checks
+//! it against the kernel's own layout: the two cannot drift apart silently.
+//!
+//! [`id`]: MoeGemmTactic::id
+//! [`parse`]: MoeGemmTactic::parse
+
+use std::fmt;
+use std::str::FromStr;
+
+/// SM120 (RTX PRO 6000 / RTX 5090): opt-in dynamic shared memory per block. Far below SM100's
+/// 232,448: stage counts that fit a B200 overflow here.
+pub const SM120_SMEM_OPTIN_PER_BLOCK: usize = 101_376;
+/// SM90 (H100/H200): opt-in dynamic shared memory per block.
+pub const SM90_SMEM_OPTIN_PER_BLOCK: usize = 232_448;
+/// Static `__shared__` arrays may not exceed this on any SM; larger tiles need the opt-in.
+pub const STATIC_SMEM_LIMIT: usize = 49_152;
+/// Architectural register ceiling per thread (ptxas never exceeds it; it spills instead).
+pub const MAX_REGS_PER_THREAD: u32 = 255;
+pub const MAX_THREADS_PER_BLOCK: u32 = 1024;
+pub const WARP_SIZE: u32 = 32;
+
+/// NVFP4 elements per block scale.
+const SF_VEC: usize = 16;
+/// cp.async chunk; every shared-memory region starts on one.
+const SMEM_ALIGN: usize = 16;
+
+/// A compile target of the gate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Sm {
+    Sm90,
+    Sm120,
+}
+
+impl Sm {
+    pub const ALL: [Sm; 2] = [Sm::Sm90, Sm::Sm120];
+
+    /// The `a` targets: the block-scaled MMA exists only for sm_120a, and sm_90a keeps the
+    /// compiled code off future SMs that would need a rebuild anyway.
+    pub fn arch(self) -> &'static str {
+        match self {
+            Sm::Sm90 => "sm_90a",
+            Sm::Sm120 => "sm_120a",
+        }
+    }
+
+    pub fn compute(self) -> &'static str {
+        match self {
+            Sm::Sm90 => "compute_90a",
+            Sm::Sm120 => "compute_120a",
+        }
+    }
+
+    pub fn smem_optin_per_block(self) -> usize {
+        match self {
+            Sm::Sm90 => SM90_SMEM_OPTIN_PER_BLOCK,
+            Sm::Sm120 => SM120_SMEM_OPTIN_PER_BLOCK,
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Sm> {
+        match s {
+            "sm_90a" | "sm90" | "90" => Some(Sm::Sm90),
+            "sm_120a" | "sm120" | "120" => Some(Sm::Sm120),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Sm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.arch())
+    }
+}
+
+/// How the MMA itself is executed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum KernelVariant {
+    /// Block-scaled FP4 `mma.sync` (OMMA) with activations quantized to NVFP4 in the kernel.
+    Sm120Native,
+    /// Exact e2m1×ue4m3 → BF16 dequantization and BF16 `mma.sync` (HMMA); for SMs without FP4
+    /// tensor cores. Same NVFP4 activation quantization, so it computes the same products.
+    Portable,
+    /// The native kernel built for sm_90a with only the MMA instruction replaced by a
+    /// shuffle-based emulation of the same register-level semantics: lets the native kernel's
+    /// loaders, quantizer and epilogue be tested on an H200.
+    Sm120EmulatedOnSm90,
+}
+
+impl KernelVariant {
+    pub const ALL: [KernelVariant; 3] = [
+        KernelVariant::Sm120Native,
+        KernelVariant::Portable,
+        KernelVariant::Sm120EmulatedOnSm90,
+    ];
+
+    fn token(self) -> &'static str {
+        match self {
+            KernelVariant::Sm120Native => "native",
+            KernelVariant::Portable => "portable",
+            KernelVariant::Sm120EmulatedOnSm90 => "emu90",
+        }
+    }
+
+    /// Value of `MOE_VARIANT` in `moe_gemm.cu`.
+    pub fn macro_value(self) -> u32 {
+        match self {
+            KernelVariant::Sm120Native => 0,
+            KernelVariant::Portable => 1,
+            KernelVariant::Sm120EmulatedOnSm90 => 2,
+        }
+    }
+
+    /// Whether this variant is built for `sm`.
+    pub fn runs_on(self, sm: Sm) -> bool {
+        match self {
+            KernelVariant::Sm120Native => sm == Sm::Sm120,
+            // Built for SM90 only: on SM120 the native variant is always preferable, and
+            // every extra (tactic, SM) pair costs gate compile time.
+            KernelVariant::Portable => sm == Sm::Sm90,
+            KernelVariant::Sm120EmulatedOnSm90 => sm == Sm::Sm90,
+        }
+    }
+
+    /// A SASS mnemonic prefix the compiled kernel must contain: proof that the intended
+    /// datapath was actually emitted rather than optimized away or lowered differently.
+    pub fn required_sass(self) -> &'static str {
+        match self {
+            KernelVariant::Sm120Native => "OMMA.SF.16864.F32.E2M1.E2M1.UE4M3.4X",
+            KernelVariant::Portable => "HMMA.16816.F32.BF16",
+            // The emulation gathers other lanes' fragments; without shuffles it is not
+            // emulating a warp-wide MMA.
+            KernelVariant::Sm120EmulatedOnSm90 => "SHFL.IDX",
+        }
+    }
+}
+
+/// Where the weights' block scales come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ScaleLoad {
+    /// The 128×4 swizzled layout (`formats::swizzle`), prepared once at load time.
+    Swizzled128x4,
+    /// The checkpoint's row-major `[rows, K/16]`, no preprocessing.
+    RowMajor,
+}
+
+impl ScaleLoad {
+    fn token(self) -> &'static str {
+        match self {
+            ScaleLoad::Swizzled128x4 => "sfsw",
+            ScaleLoad::RowMajor => "sfrm",
+        }
+    }
+
+    pub fn macro_value(self) -> u32 {
+        match self {
+            ScaleLoad::Swizzled128x4 => 0,
+            ScaleLoad::RowMajor => 1,
+        }
+    }
+}
+
+/// One point of the tactic space. Fields are public so tests and the autotuner can build any
+/// point; [`MoeGemmTactic::validate`] says whether the kernel template accepts it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MoeGemmTactic {
+    pub variant: KernelVariant,
+    /// Weight rows per CTA. In the gate+up GEMM half are gate rows, half the matching up rows,
+    /// so SiLU(gate)·up is formed without leaving the CTA.
+    pub tile_n: u32,
+    /// Tokens per CTA (of one expert's token list).
+    pub tile_m: u32,
+    /// K elements per pipeline stage.
+    pub tile_k: u32,
+    pub warps: u32,
+    pub stages: u32,
+    /// K splits of the down projection (its output is accumulated atomically anyway). The
+    /// gate+up GEMM never splits K: its epilogue needs complete sums.
+    pub split_k: u32,
+    /// Weights feed the MMA's 16-row A operand and tokens its 8-column B operand: the decode
+    /// shape, where an expert sees few tokens.
+    pub swap_ab: bool,
+    pub scale_load: ScaleLoad,
+}
+
+/// Shared memory of the two kernels of one tactic, in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SmemFootprint {
+    pub gate_up: usize,
+    pub down: usize,
+}
+
+impl SmemFootprint {
+    pub fn max(self) -> usize {
+        self.gate_up.max(self.down)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TacticError {
+    Parse(String),
+    Invalid(String),
+}
+
+impl fmt::Display for TacticError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TacticError::Parse(s) => write!(f, "cannot parse tactic id: {s}"),
+            TacticError::Invalid(s) => write!(f, "invalid tactic: {s}"),
+        }
+    }
+}
+
+impl std::error::Error for TacticError {}
+
+const fn align(n: usize) -> usize {
+    n.div_ceil(SMEM_ALIGN) * SMEM_ALIGN
+}
+
+impl MoeGemmTactic {
+    /// Rows of the MMA's A operand per instruction and columns of its B operand.
+    const MMA_M: u32 = 16;
+    const MMA_N: u32 = 8;
+    const MMA_K: u32 = 64;
+
+    pub fn threads(&self) -> u32 {
+        self.warps * WARP_SIZE
+    }
+
+    /// Weight rows and tokens each MMA instruction covers.
+    fn mma_weight_rows(&self) -> u32 {
+        if self.swap_ab {
+            Self::MMA_M
+        } else {
+            Self::MMA_N
+        }
+    }
+
+    fn mma_tokens(&self) -> u32 {
+        if self.swap_ab {
+            Self::MMA_N
+        } else {
+            Self::MMA_M
+        }
+    }
+
+    /// Stable identifier, e.g. `native_n128_m16_k256_w4_s3_sk1_wa_sfsw`.
+    pub fn id(&self) -> String {
+        format!(
+            "{}_n{}_m{}_k{}_w{}_s{}_sk{}_{}_{}",
+            self.variant.token(),
+            self.tile_n,
+            self.tile_m,
+            self.tile_k,
+            self.warps,
+            self.stages,
+            self.split_k,
+            if self.swap_ab { "wa" } else { "ta" },
+            self.scale_load.token()
+        )
+    }
+
+    /// Inverse of [`id`](Self::id); the result is also [`validate`](Self::validate)d.
+    pub fn parse(id: &str) -> Result<Self, TacticError> {
+        let err = || TacticError::Parse(id.to_string());
+        let parts: Vec<&str> = id.split('_').collect();
+        let [variant, n, m, k, w, s, sk, ab, sf] = parts.as_slice() else {
+            return Err(err());
+        };
+        let variant = KernelVariant::ALL
+            .into_iter()
+            .find(|v| v.token() == *variant)
+            .ok_or_else(err)?;
+        let num = |field: &str, prefix: &str| -> Result<u32, TacticError> {
+            field
+                .strip_prefix(prefix)
+                .and_then(|v| v.parse().ok())
+                .ok_or_else(err)
+        };
+        let swap_ab = match *ab {
+            "wa" => true,
+            "ta" => false,
+            _ => return Err(err()),
+        };
+        let scale_load = [ScaleLoad::Swizzled128x4, ScaleLoad::RowMajor]
+            .into_iter()
+            .find(|v| v.token() == *sf)
+            .ok_or_else(err)?;
+        let tactic = MoeGemmTactic {
+            variant,
+            tile_n: num(n, "n")?,
+            tile_m: num(m, "m")?,
+            tile_k: num(k, "k")?,
+            warps: num(w, "w")?,
+            stages: num(s, "s")?,
+            split_k: num(sk, "sk")?,
+            swap_ab,
+            scale_load,
+        };
+        tactic.validate()?;
+        Ok(tactic)
+    }
+
+    /// Constraints of the kernel template (the same ones `moe_gemm.cu` static_asserts).
+    pub fn validate(&self) -> Result<(), TacticError> {
+        let bad = |why: String| Err(TacticError::Invalid(format!("{}: {why}", self.id())));
+        if !(1..=16).contains(&self.warps) || self.threads() > MAX_THREADS_PER_BLOCK {
+            return bad(format!("{} warps", self.warps));
+        }
+        if !(2..=8).contains(&self.stages) {
+            return bad(format!("{} stages (2..=8)", self.stages));
+        }
+        if !(1..=8).contains(&self.split_k) {
+            return bad(format!("split-k {}", self.split_k));
+        }
+        if self.tile_k == 0 || !self.tile_k.is_multiple_of(Self::MMA_K) {
+            return bad(format!("tile_k {} is not a multiple of 64", self.tile_k));
+        }
+        // Each warp owns a slice of the weight rows of both halves (gate and up) with whole
+        // MMAs; the slice must also hold whole 16-element scale blocks of the intermediate,
+        // which the epilogue quantizes.
+        let per_warp = 2 * self.warps * self.mma_weight_rows().max(SF_VEC as u32 / 2);
+        if self.tile_n == 0 || !self.tile_n.is_multiple_of(per_warp) {
+            return bad(format!(
+                "tile_n {} is not a multiple of {per_warp} (2 halves × {} warps × MMA rows)",
+                self.tile_n, self.warps
+            ));
+        }
+        if self.tile_m == 0 || !self.tile_m.is_multiple_of(self.mma_tokens()) {
+            return bad(format!(
+                "tile_m {} is not a multiple of {}",
+                self.tile_m,
+                self.mma_tokens()
+            ));
+        }
+        Ok(())
+    }
+
+    /// Bytes of the per-stage and single buffers, mirrored by `moe_gemm.cu`'s `SmemLayout`.
+    pub fn smem(&self) -> SmemFootprint {
+        let (n, m, k, s) = (
+            self.tile_n as usize,
+            self.tile_m as usize,
+            self.tile_k as usize,
+            self.stages as usize,
+        );
+        let fp4 = |rows: usize| align(rows * k / 2) + align(rows * k / SF_VEC);
+        let weights = fp4(n);
+        // Gate+up reads BF16 activations and quantizes each stage into one NVFP4 buffer.
+        let act_bf16 = align(m * k * 2);
+        let gate_up_main = s * (weights + act_bf16) + fp4(m);
+        // Its epilogue stages SiLU(gate)·up in f32 so whole 16-blocks can be quantized; it
+        // reuses the pipeline buffers.
+        let gate_up_epilogue = align(m * (n / 2) * 4);
+        SmemFootprint {
+            gate_up: gate_up_main.max(gate_up_epilogue),
+            // The down projection's activations are already NVFP4.
+            down: s * (weights + fp4(m)),
+        }
+    }
+
+    /// Whether the tactic can be built and launched on `sm`.
+    pub fn fits(&self, sm: Sm) -> bool {
+        self.variant.runs_on(sm)
+            && self.validate().is_ok()
+            && self.smem().max() <= sm.smem_optin_per_block()
+    }
+
+    /// `-D` flags that instantiate this tactic in `moe_gemm.cu`.
+    pub fn nvcc_defines(&self) -> Vec<String> {
+        let smem = self.smem();
+        vec![
+            format!("-DMOE_VARIANT={}", self.variant.macro_value()),
+            format!("-DMOE_TILE_N={}", self.tile_n),
+            format!("-DMOE_TILE_M={}", self.tile_m),
+            format!("-DMOE_TILE_K={}", self.tile_k),
+            format!("-DMOE_WARPS={}", self.warps),
+            format!("-DMOE_STAGES={}", self.stages),
+            format!("-DMOE_SPLIT_K={}", self.split_k),
+            format!("-DMOE_SWAP_AB={}", u32::from(self.swap_ab)),
+            format!("-DMOE_SCALE_LOAD={}", self.scale_load.macro_value()),
+            format!("-DMOE_EXPECT_SMEM_GATE_UP={}", smem.gate_up),
+            format!("-DMOE_EXPECT_SMEM_DOWN={}", smem.down),
+        ]
+    }
+
+    /// The tactic space built for `sm`: every combination of the axes below that the template
+    /// accepts and whose shared memory fits the SM's opt-in limit. The axes are kept small so
+    /// the compile gate (one nvcc run per tactic) stays within minutes on two cores.
+    pub fn enumerate(sm: Sm) -> Vec<MoeGemmTactic> {
+        let mut out = Vec::new();
+        for variant in KernelVariant::ALL {
+            for (tile_n, warps) in [(128, 4), (256, 8)] {
+                for tile_m in [8, 16, 32] {
+                    for stages in [2, 4] {
+                        let t = MoeGemmTactic {
+                            variant,
+                            tile_n,
+                            tile_m,
+                            tile_k: 256,
+                            warps,
+                            stages,
+                            split_k: 1,
+                            swap_ab: true,
+                            scale_load: ScaleLoad::Swizzled128x4,
+                        };
+                        if t.fits(sm) {
+                            out.push(t);
+                        }
+                    }
+                }
+            }
+        }
+        // Prefill shape: tokens as the MMA's A operand, with the checkpoint's scales as-is.
+        let prefill = MoeGemmTactic {
+            variant: if sm == Sm::Sm120 {
+                KernelVariant::Sm120Native
+            } else {
+                KernelVariant::Portable
+            },
+            tile_n: 128,
+            tile_m: 64,
+            tile_k: 128,
+            warps: 4,
+            stages: 3,
+            split_k: 2,
+            swap_ab: false,
+            scale_load: ScaleLoad::RowMajor,
+        };
+        if prefill.fits(sm) {
+            out.push(prefill);
+        }
+        out
+    }
+}
+
+impl fmt::Display for MoeGemmTactic {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.id())
+    }
+}
+
+impl FromStr for MoeGemmTactic {
+    type Err = TacticError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::parse(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decode() -> MoeGemmTactic {
+        MoeGemmTactic {
+            variant: KernelVariant::Sm120Native,
+            tile_n: 128,
+            tile_m: 16,
+            tile_k: 256,
+            warps: 4,
+            stages: 3,
+            split_k: 1,
+            swap_ab: true,
+            scale_load: ScaleLoad::Swizzled128x4,
+        }
+    }
+
+    #[test]
+    fn id_is_stable_and_round_trips() {
+        let t = decode();
+        assert_eq!(t.id(), "native_n128_m16_k256_w4_s3_sk1_wa_sfsw");
+        assert_eq!(MoeGemmTactic::parse(&t.id()), Ok(t));
+        for sm in Sm::ALL {
+            for t in MoeGemmTactic::enumerate(sm) {
+                assert_eq!(t.id().parse::<MoeGemmTactic>(), Ok(t));
+            }
+        }
+        assert!(MoeGemmTactic::parse("native_n128_m16").is_err());
+        assert!(MoeGemmTactic::parse("native_n100_m16_k256_w4_s3_sk1_wa_sfsw").is_err());
+    }
+
+    #[test]
+    fn smem_matches_a_hand_count() {
+        // Weights: 128×256/2 + 128×256/16 = 16384 + 2048; BF16 activations 16×256×2 = 8192;
+        // one NVFP4 activation buffer 16×128 + 16×16 = 2304.
+        let t = decode();
+        assert_eq!(t.smem().gate_up, 3 * (18432 + 8192) + 2304);
+        assert_eq!(t.smem().down, 3 * (18432 + 2304));
+    }
+
+    #[test]
+    fn enumeration_respects_each_sms_limit() {
+        for sm in Sm::ALL {
+            let all = MoeGemmTactic::enumerate(sm);
+            assert!(!all.is_empty());
+            for t in &all {
+                assert!(t.smem().max() <= sm.smem_optin_per_block(), "{t} on {sm}");
+                assert!(t.variant.runs_on(sm));
+            }
+        }
+        // 4 stages of 256 weight rows fit an H200 but not an RTX PRO 6000.
+        let big = MoeGemmTactic {
+            tile_n: 256,
+            warps: 8,
+            stages: 4,
+            tile_m: 32,
+            ..decode()
+        };
+        assert!(big.smem().max() > SM120_SMEM_OPTIN_PER_BLOCK);
+        assert!(!big.fits(Sm::Sm120));
+        let big90 = MoeGemmTactic {
+            variant: KernelVariant::Portable,
+            ..big
+        };
+        assert!(big90.fits(Sm::Sm90));
+        assert!(MoeGemmTactic::enumerate(Sm::Sm90).contains(&big90));
+        assert!(!MoeGemmTactic::enumerate(Sm::Sm120).contains(&big));
+    }
+
+    #[test]
+    fn variants_are_built_only_where_they_run() {
+        assert!(
+            MoeGemmTactic::enumerate(Sm::Sm120)
+                .iter()
+                .all(|t| t.variant == KernelVariant::Sm120Native)
+        );
+        let sm90 = MoeGemmTactic::enumerate(Sm::Sm90);
+        assert!(sm90.iter().all(|t| t.variant != KernelVariant::Sm120Native));
+        assert!(
+            sm90.iter()
+                .any(|t| t.variant == KernelVariant::Sm120EmulatedOnSm90)
+        );
+    }
+}
