@@ -70,7 +70,7 @@ MODELS = {
         num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=8,
         q_lora_rank=32, kv_lora_rank=64, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
-        text_model_type="deepseek_v3", scale_shape=[1],
+        text_model_type="deepseek_v3", scale_shape=[1], bf16_source=True,
     ),
 }
 
@@ -646,6 +646,18 @@ def generate(name: str, spec: dict, root: Path) -> dict:
     write_json(out / "config.json", top_config(spec, tcfg))
     write_json(out / "hf_quant_config.json", hf_quant_config(spec, prefix))
     write_json(out / "generation_config.json", {"bos_token_id": 1, "eos_token_id": 2})
+    if spec.get("bf16_source"):
+        # The unquantized master weights, as the input of a quantizer: its NVFP4 expert bytes
+        # must equal the ModelOpt ones written above.
+        src = root / "models" / f"{name}-bf16"
+        if src.exists():
+            shutil.rmtree(src)
+        src.mkdir(parents=True)
+        write_checkpoint(src, spec, dict(w))
+        cfg = top_config(spec, tcfg)
+        cfg.pop("quantization_config", None)
+        write_json(src / "config.json", cfg)
+        write_json(src / "generation_config.json", {"bos_token_id": 1, "eos_token_id": 2})
 
     summary = {
         "model": name,

@@ -32,6 +32,7 @@ pub enum Preset {
     /// 64 experts: makes the CPU decode loop a meaningful benchmark.
     Mini,
     /// The real Kimi-K2.5 dimensions (1 T parameters): for `model plan` only.
+    #[value(name = "kimi-k2.5")]
     KimiK25,
 }
 

@@ -344,6 +344,7 @@ fn plan_command(args: PlanArgs) -> Result<()> {
         ],
         None => vec![KvCacheDtype::Bf16, KvCacheDtype::Fp8E4m3],
     };
+    let mut contexts = Vec::new();
     for kv_dtype in dtypes {
         let request = PlanRequest {
             gpus: args.gpus,
@@ -354,7 +355,15 @@ fn plan_command(args: PlanArgs) -> Result<()> {
             max_batched_tokens: args.max_batched_tokens,
             nvfp4_experts: nvfp4,
         };
-        println!("{}", plan(&config, &request).render(&request));
+        let result = plan(&config, &request);
+        println!("{}", result.render(&request));
+        contexts.push((kv_dtype, result.max_context_tokens));
+    }
+    if let [(_, bf16), (_, fp8)] = contexts.as_slice() {
+        println!(
+            "an FP8 latent cache holds {:.2}x the context of a BF16 one ({fp8} vs {bf16} tokens)",
+            *fp8 as f64 / *bf16 as f64
+        );
     }
     Ok(())
 }
