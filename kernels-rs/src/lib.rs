@@ -4,4 +4,5 @@
 //! source and its tactic type side by side. [`formats`] holds the number formats every family
 //! shares: E2M1, E4M3/UE4M3, NVFP4 two-level quantization and the scale-factor swizzle.
 
+pub mod allreduce;
 pub mod formats;

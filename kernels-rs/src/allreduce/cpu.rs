@@ -1,0 +1,962 @@
+//! The all-reduce protocol over POSIX shared memory, one rank per OS process (or thread).
+//!
+//! Segment layout (all offsets page aligned, flags one per 64-byte line so pollers do not
+//! false-share):
+//!
+//! ```text
+//! header   magic, world size, capacity, push enabled, abort word, per-rank {attached, pid}
+//! rank r   call descriptors [parity]
+//!          pull flags [phase]                       written by r, polled by consumers
+//!          push flags [phase][producer]             written by producer, polled by r
+//!          pull outbox [parity][phase]   capacity   written by r, read by consumers
+//!          push inbox [parity][phase][producer]     written by producer, read by r
+//! ```
+//!
+//! On the GPU each rank's region is its own CUDA IPC allocation; here they share one segment.
+//! Only untouched pages of the segment cost nothing (tmpfs allocates on first write), so the
+//! sparse push inboxes are cheap unless used.
+
+use std::ops::Range;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::algorithm::{Algorithm, Transfer, chunk_range, intersect};
+use super::element::Element;
+use super::shm::SharedSegment;
+use super::topology::Islands;
+use super::{AlgorithmPolicy, AllReduce, AllReduceError, ReduceData};
+
+const MAGIC: u64 = 0x616c_6c72_6564_7563; // "allreduc"
+const PAGE: usize = 4096;
+const LINE: usize = 64;
+const MAX_PHASES: usize = 3;
+/// Ranks per segment; bounded by the header page holding one line per rank.
+pub const MAX_WORLD: usize = 56;
+
+const HEADER_MAGIC: usize = 0;
+const HEADER_WORLD: usize = 8;
+const HEADER_CAPACITY: usize = 16;
+const HEADER_PUSH: usize = 24;
+const HEADER_ABORT: usize = LINE;
+const HEADER_RANKS: usize = 2 * LINE;
+
+/// Reasons written into the abort word, so survivors can say why.
+const ABORT_TIMEOUT: u64 = 1;
+const ABORT_PEER_DIED: u64 = 2;
+const ABORT_MISMATCH: u64 = 3;
+const ABORT_DROPPED: u64 = 4;
+
+fn abort_reason(code: u64) -> &'static str {
+    match code {
+        ABORT_TIMEOUT => "it timed out waiting for a peer",
+        ABORT_PEER_DIED => "it saw a peer process exit",
+        ABORT_MISMATCH => "it saw mismatched collectives",
+        ABORT_DROPPED => "it was dropped mid-collective",
+        _ => "unknown reason",
+    }
+}
+
+fn round_up(x: usize, to: usize) -> usize {
+    x.div_ceil(to) * to
+}
+
+/// Byte offsets of everything in the segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Layout {
+    world: usize,
+    capacity: usize,
+    push: bool,
+    flags_bytes: usize,
+    rank_stride: usize,
+}
+
+impl Layout {
+    fn new(world: usize, capacity_bytes: usize, push: bool) -> Self {
+        let capacity = round_up(capacity_bytes.max(1), PAGE);
+        let flags_bytes = round_up(
+            2 * LINE + MAX_PHASES * LINE + MAX_PHASES * world * LINE,
+            PAGE,
+        );
+        let slots = 2 * MAX_PHASES * (1 + if push { world } else { 0 });
+        Layout {
+            world,
+            capacity,
+            push,
+            flags_bytes,
+            rank_stride: flags_bytes + slots * capacity,
+        }
+    }
+    fn total(&self) -> usize {
+        PAGE + self.world * self.rank_stride
+    }
+    fn region(&self, rank: usize) -> usize {
+        PAGE + rank * self.rank_stride
+    }
+    fn attached(&self, rank: usize) -> usize {
+        HEADER_RANKS + rank * LINE
+    }
+    fn pid(&self, rank: usize) -> usize {
+        HEADER_RANKS + rank * LINE + 8
+    }
+    fn descriptor(&self, rank: usize, parity: usize) -> usize {
+        self.region(rank) + parity * LINE
+    }
+    fn pull_flag(&self, owner: usize, phase: usize) -> usize {
+        self.region(owner) + 2 * LINE + phase * LINE
+    }
+    fn push_flag(&self, consumer: usize, phase: usize, producer: usize) -> usize {
+        self.region(consumer)
+            + 2 * LINE
+            + MAX_PHASES * LINE
+            + (phase * self.world + producer) * LINE
+    }
+    fn outbox(&self, owner: usize, parity: usize, phase: usize) -> usize {
+        self.region(owner) + self.flags_bytes + (parity * MAX_PHASES + phase) * self.capacity
+    }
+    fn inbox(&self, consumer: usize, parity: usize, phase: usize, producer: usize) -> usize {
+        debug_assert!(self.push);
+        let first = 2 * MAX_PHASES;
+        self.region(consumer)
+            + self.flags_bytes
+            + (first + (parity * MAX_PHASES + phase) * self.world + producer) * self.capacity
+    }
+}
+
+/// How a CPU communicator is set up.
+#[derive(Debug, Clone)]
+pub struct CpuConfig {
+    /// Longest a rank waits for any one peer before failing the collective (and making every
+    /// other rank fail too, through the abort word).
+    pub timeout: Duration,
+    /// Largest message in bytes.
+    pub capacity_bytes: usize,
+    /// Allocate push inboxes (world × capacity per phase per rank, untouched pages are free).
+    pub enable_push: bool,
+    /// Islands for the hierarchical algorithm; `None` means two contiguous halves (or one
+    /// island for odd world sizes below 4).
+    pub islands: Option<Islands>,
+    /// Algorithm per message size when called through [`AllReduce`].
+    pub policy: AlgorithmPolicy,
+}
+
+impl Default for CpuConfig {
+    fn default() -> Self {
+        CpuConfig {
+            timeout: Duration::from_secs(10),
+            capacity_bytes: 1 << 20,
+            enable_push: true,
+            islands: None,
+            policy: AlgorithmPolicy::fixed(Algorithm::OneShot(Transfer::Pull)),
+        }
+    }
+}
+
+/// Default islands: two contiguous halves, as on a 4+4 two-socket host.
+pub fn default_islands(world: usize) -> Islands {
+    if world >= 2 {
+        Islands::contiguous(&[world / 2, world - world / 2]).expect("halves partition")
+    } else {
+        Islands::single(world)
+    }
+}
+
+/// One rank's handle on the shared segment.
+pub struct CpuCommunicator {
+    segment: SharedSegment,
+    layout: Layout,
+    rank: usize,
+    generation: u64,
+    config: CpuConfig,
+    islands: Islands,
+    pids: Vec<u32>,
+    /// f32 accumulator reused across calls.
+    acc: Vec<f32>,
+    poisoned: Option<String>,
+    in_collective: bool,
+}
+
+impl CpuCommunicator {
+    /// Joins (rank 0: creates) the segment `name` for `world` ranks.
+    ///
+    /// Rank 0 creates the segment, waits until every rank has mapped it, then unlinks the name,
+    /// so nothing is left in `/dev/shm` whatever happens to the ranks afterwards. Other ranks
+    /// retry opening until rank 0 has made it. Both sides give up after `config.timeout`.
+    pub fn new(
+        name: &str,
+        rank: usize,
+        world: usize,
+        config: CpuConfig,
+    ) -> Result<Self, AllReduceError> {
+        if world == 0 || world > MAX_WORLD || rank >= world {
+            return Err(AllReduceError::Setup(format!(
+                "rank {rank} of world {world} (1..={MAX_WORLD} ranks)"
+            )));
+        }
+        let islands = config
+            .islands
+            .clone()
+            .unwrap_or_else(|| default_islands(world));
+        if islands.world_size() != world {
+            return Err(AllReduceError::Setup(format!(
+                "islands {} do not cover world {world}",
+                islands.to_spec()
+            )));
+        }
+        let layout = Layout::new(world, config.capacity_bytes, config.enable_push);
+        let shm_err = |op, source| AllReduceError::Shm {
+            op,
+            name: name.to_string(),
+            source,
+        };
+        let deadline = Instant::now() + config.timeout;
+        let segment = if rank == 0 {
+            let s =
+                SharedSegment::create(name, layout.total()).map_err(|e| shm_err("create", e))?;
+            s.atomic(HEADER_WORLD)
+                .store(world as u64, Ordering::Relaxed);
+            s.atomic(HEADER_CAPACITY)
+                .store(layout.capacity as u64, Ordering::Relaxed);
+            s.atomic(HEADER_PUSH)
+                .store(u64::from(layout.push), Ordering::Relaxed);
+            // Magic last, with release: a joiner that sees it sees the fields above.
+            s.atomic(HEADER_MAGIC).store(MAGIC, Ordering::Release);
+            s
+        } else {
+            loop {
+                match SharedSegment::open(name) {
+                    Ok(s) if s.atomic(HEADER_MAGIC).load(Ordering::Acquire) == MAGIC => break s,
+                    Ok(_) => {}
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            std::io::ErrorKind::NotFound | std::io::ErrorKind::UnexpectedEof
+                        ) => {}
+                    Err(e) => return Err(shm_err("open", e)),
+                }
+                if Instant::now() > deadline {
+                    return Err(AllReduceError::Setup(format!(
+                        "rank {rank}: segment {name:?} did not appear within {:?}",
+                        config.timeout
+                    )));
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        };
+        let found = (
+            segment.atomic(HEADER_WORLD).load(Ordering::Relaxed),
+            segment.atomic(HEADER_CAPACITY).load(Ordering::Relaxed),
+            segment.atomic(HEADER_PUSH).load(Ordering::Relaxed),
+        );
+        let expected = (world as u64, layout.capacity as u64, u64::from(layout.push));
+        if found != expected || segment.len() < layout.total() {
+            return Err(AllReduceError::Setup(format!(
+                "rank {rank}: segment {name:?} has (world, capacity, push) = {found:?}, this rank expects {expected:?}"
+            )));
+        }
+        segment
+            .atomic(layout.pid(rank))
+            .store(u64::from(std::process::id()), Ordering::Relaxed);
+        segment
+            .atomic(layout.attached(rank))
+            .store(1, Ordering::Release);
+
+        let mut comm = CpuCommunicator {
+            segment,
+            layout,
+            rank,
+            generation: 0,
+            config,
+            islands,
+            pids: vec![0; world],
+            acc: Vec::new(),
+            poisoned: None,
+            in_collective: false,
+        };
+        if rank == 0 {
+            for peer in 1..world {
+                while comm
+                    .segment
+                    .atomic(layout.attached(peer))
+                    .load(Ordering::Acquire)
+                    == 0
+                {
+                    if Instant::now() > deadline {
+                        // Dropping the segment unlinks it.
+                        return Err(AllReduceError::Setup(format!(
+                            "rank 0: rank {peer} did not attach to {name:?} within {:?}",
+                            comm.config.timeout
+                        )));
+                    }
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+            }
+            comm.segment.unlink().map_err(|e| shm_err("unlink", e))?;
+        }
+        Ok(comm)
+    }
+
+    pub fn islands(&self) -> &Islands {
+        &self.islands
+    }
+
+    pub fn capacity_bytes(&self) -> usize {
+        self.layout.capacity
+    }
+
+    /// Runs `algorithm` on `data` in place (see [`super::reference_reduce`] for the order).
+    pub fn all_reduce_with<T: Element>(
+        &mut self,
+        algorithm: Algorithm,
+        data: &mut [T],
+        residual: Option<&[T]>,
+    ) -> Result<(), AllReduceError> {
+        if let Some(why) = &self.poisoned {
+            return Err(AllReduceError::Poisoned(why.clone()));
+        }
+        let bytes = std::mem::size_of_val(data);
+        if bytes > self.layout.capacity {
+            return Err(AllReduceError::TooLarge {
+                bytes,
+                capacity: self.layout.capacity,
+            });
+        }
+        if let Some(r) = residual
+            && r.len() != data.len()
+        {
+            return Err(AllReduceError::ResidualLength {
+                residual: r.len(),
+                data: data.len(),
+            });
+        }
+        if algorithm.transfer() == Transfer::Push && !self.layout.push {
+            return Err(AllReduceError::PushDisabled(algorithm));
+        }
+        self.generation += 1;
+        // The descriptor goes out before any flag of this call; the flags' release stores carry it.
+        let descriptor = describe::<T>(algorithm, data.len());
+        self.segment
+            .atomic(self.layout.descriptor(self.rank, self.parity()))
+            .store(descriptor, Ordering::Relaxed);
+        self.in_collective = true;
+        let result = match algorithm {
+            Algorithm::OneShot(t) => self.one_shot(t, data, residual),
+            Algorithm::TwoShot(t) => self.two_shot(t, data, residual),
+            Algorithm::IslandHierarchical(t) => self.hierarchical(t, data, residual),
+        };
+        self.in_collective = false;
+        if let Err(e) = &result {
+            self.poisoned = Some(e.to_string());
+        }
+        result
+    }
+
+    fn parity(&self) -> usize {
+        (self.generation % 2) as usize
+    }
+
+    fn others(&self) -> Vec<usize> {
+        (0..self.layout.world).filter(|&r| r != self.rank).collect()
+    }
+
+    /// Makes `src` (elements `range` of the logical message) available to `consumers`, each of
+    /// which will read its own sub-range. Pull writes once into this rank's outbox; push writes
+    /// each consumer's sub-range into that consumer's inbox.
+    fn publish<T: Element>(
+        &self,
+        transfer: Transfer,
+        phase: usize,
+        consumers: &[(usize, Range<usize>)],
+        range: Range<usize>,
+        src: &[T],
+    ) {
+        debug_assert_eq!(src.len(), range.len());
+        let size = std::mem::size_of::<T>();
+        let copy = |dst_offset: usize, sub: &Range<usize>| {
+            let from = &src[sub.start - range.start..sub.end - range.start];
+            // SAFETY: dst_offset + sub.end * size <= capacity (checked at call entry) inside this
+            // slot; the protocol guarantees no reader uses this slot (parity) until our flag.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    from.as_ptr().cast::<u8>(),
+                    self.segment.base().add(dst_offset + sub.start * size),
+                    from.len() * size,
+                );
+            }
+        };
+        match transfer {
+            Transfer::Pull => copy(self.layout.outbox(self.rank, self.parity(), phase), &range),
+            Transfer::Push => {
+                for (consumer, sub) in consumers {
+                    debug_assert!(sub.start >= range.start && sub.end <= range.end);
+                    copy(
+                        self.layout
+                            .inbox(*consumer, self.parity(), phase, self.rank),
+                        sub,
+                    );
+                }
+            }
+        }
+    }
+
+    /// Posts this call's generation for `phase` to `consumers` (release: the data written by
+    /// `publish` is visible to whoever acquires the flag).
+    fn signal(&self, transfer: Transfer, phase: usize, consumers: &[(usize, Range<usize>)]) {
+        match transfer {
+            Transfer::Pull => self
+                .segment
+                .atomic(self.layout.pull_flag(self.rank, phase))
+                .store(self.generation, Ordering::Release),
+            Transfer::Push => {
+                for (consumer, _) in consumers {
+                    self.segment
+                        .atomic(self.layout.push_flag(*consumer, phase, self.rank))
+                        .store(self.generation, Ordering::Release);
+                }
+            }
+        }
+    }
+
+    /// Waits until `producer` has signalled `phase` of this generation, or fails: on timeout,
+    /// on a peer's abort, or when the producer's process is gone.
+    fn wait(
+        &mut self,
+        transfer: Transfer,
+        phase: usize,
+        producer: usize,
+    ) -> Result<(), AllReduceError> {
+        let flag_offset = match transfer {
+            Transfer::Pull => self.layout.pull_flag(producer, phase),
+            Transfer::Push => self.layout.push_flag(self.rank, phase, producer),
+        };
+        let generation = self.generation;
+        let start = Instant::now();
+        let mut polls: u64 = 0;
+        loop {
+            // Flags only grow; a producer can be at most one generation ahead (it cannot start
+            // generation g + 2 before we post in g + 1), so ">=" is exact.
+            if self.segment.atomic(flag_offset).load(Ordering::Acquire) >= generation {
+                break;
+            }
+            polls += 1;
+            if polls < 128 {
+                std::hint::spin_loop();
+                continue;
+            }
+            // Oversubscribed hosts (8 ranks on 2 cores) need the producer to get the CPU.
+            std::thread::yield_now();
+            if polls % 16 == 0 {
+                let abort = self.segment.atomic(HEADER_ABORT).load(Ordering::Acquire);
+                if abort != 0 {
+                    return Err(AllReduceError::Aborted {
+                        rank: self.rank,
+                        aborted_by: (abort >> 8) as usize - 1,
+                        reason: abort_reason(abort & 0xff).into(),
+                    });
+                }
+                let waited = start.elapsed();
+                if waited > self.config.timeout {
+                    self.abort(ABORT_TIMEOUT);
+                    return Err(AllReduceError::Timeout {
+                        rank: self.rank,
+                        peer: producer,
+                        phase,
+                        generation,
+                        waited,
+                    });
+                }
+                if polls % 1024 == 0
+                    && let Some(pid) = self.peer_exited(producer)
+                {
+                    self.abort(ABORT_PEER_DIED);
+                    return Err(AllReduceError::PeerDied {
+                        rank: self.rank,
+                        peer: producer,
+                        pid,
+                        generation,
+                    });
+                }
+            }
+        }
+        let theirs = self
+            .segment
+            .atomic(self.layout.descriptor(producer, self.parity()))
+            .load(Ordering::Relaxed);
+        let ours = self
+            .segment
+            .atomic(self.layout.descriptor(self.rank, self.parity()))
+            .load(Ordering::Relaxed);
+        if theirs != ours {
+            self.abort(ABORT_MISMATCH);
+            return Err(AllReduceError::Mismatch {
+                rank: self.rank,
+                peer: producer,
+                generation,
+                theirs: explain(theirs),
+                ours: explain(ours),
+            });
+        }
+        Ok(())
+    }
+
+    /// The pid of `peer` if it lives in another process that no longer exists.
+    fn peer_exited(&mut self, peer: usize) -> Option<u32> {
+        if self.pids[peer] == 0 {
+            self.pids[peer] = self
+                .segment
+                .atomic(self.layout.pid(peer))
+                .load(Ordering::Relaxed) as u32;
+        }
+        let pid = self.pids[peer];
+        if pid == 0 || pid == std::process::id() {
+            return None;
+        }
+        // SAFETY: signal 0 only checks for existence.
+        let gone = unsafe { libc::kill(pid as libc::pid_t, 0) } != 0
+            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        gone.then_some(pid)
+    }
+
+    /// Tells every rank to stop: the first abort wins (a store, not a compare-exchange, to keep
+    /// to operations PCIe peers support; any non-zero value makes everyone stop).
+    fn abort(&self, reason: u64) {
+        let word = self.segment.atomic(HEADER_ABORT);
+        if word.load(Ordering::Acquire) == 0 {
+            word.store(((self.rank as u64 + 1) << 8) | reason, Ordering::Release);
+        }
+    }
+
+    /// Elements `range` that `producer` published for `phase` to this rank.
+    fn fetch<T: Element>(
+        &self,
+        transfer: Transfer,
+        phase: usize,
+        producer: usize,
+        range: Range<usize>,
+    ) -> &[T] {
+        let size = std::mem::size_of::<T>();
+        let slot = match transfer {
+            Transfer::Pull => self.layout.outbox(producer, self.parity(), phase),
+            Transfer::Push => self.layout.inbox(self.rank, self.parity(), phase, producer),
+        };
+        // SAFETY: in bounds (capacity checked at entry); slots are page aligned so aligned for T;
+        // the producer's release flag, acquired in `wait`, orders its writes before these reads,
+        // and it does not write this slot again before we signal in the next generation.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.segment
+                    .base()
+                    .add(slot + range.start * size)
+                    .cast::<T>(),
+                range.len(),
+            )
+        }
+    }
+
+    /// Adds `src` into `acc` (or sets it, for the first term of the fixed order).
+    fn accumulate<T: Element>(acc: &mut [f32], src: &[T], first: bool) {
+        if first {
+            acc.iter_mut().zip(src).for_each(|(a, s)| *a = s.to_acc());
+        } else {
+            acc.iter_mut().zip(src).for_each(|(a, s)| *a += s.to_acc());
+        }
+    }
+
+    fn finish<T: Element>(out: &mut [T], acc: &[f32], residual: Option<&[T]>) {
+        match residual {
+            Some(r) => out
+                .iter_mut()
+                .zip(acc)
+                .zip(r)
+                .for_each(|((o, a), r)| *o = T::from_acc(a + r.to_acc())),
+            None => out
+                .iter_mut()
+                .zip(acc)
+                .for_each(|(o, a)| *o = T::from_acc(*a)),
+        }
+    }
+
+    fn one_shot<T: Element>(
+        &mut self,
+        t: Transfer,
+        data: &mut [T],
+        residual: Option<&[T]>,
+    ) -> Result<(), AllReduceError> {
+        let n = data.len();
+        let consumers: Vec<_> = self.others().into_iter().map(|r| (r, 0..n)).collect();
+        self.publish(t, 0, &consumers, 0..n, data);
+        self.signal(t, 0, &consumers);
+        let mut acc = std::mem::take(&mut self.acc);
+        acc.resize(n, 0.0);
+        for r in 0..self.layout.world {
+            if r == self.rank {
+                Self::accumulate(&mut acc, data, r == 0);
+            } else {
+                self.wait(t, 0, r)
+                    .inspect_err(|_| self.acc = std::mem::take(&mut acc))?;
+                Self::accumulate(&mut acc, self.fetch::<T>(t, 0, r, 0..n), r == 0);
+            }
+        }
+        Self::finish(data, &acc, residual);
+        self.acc = acc;
+        Ok(())
+    }
+
+    fn two_shot<T: Element>(
+        &mut self,
+        t: Transfer,
+        data: &mut [T],
+        residual: Option<&[T]>,
+    ) -> Result<(), AllReduceError> {
+        let (n, world, me) = (data.len(), self.layout.world, self.rank);
+        let chunk = |r| chunk_range(n, world, r);
+        let mine = chunk(me);
+        // Reduce-scatter: rank r reduces chunk r.
+        let scatter: Vec<_> = self.others().into_iter().map(|r| (r, chunk(r))).collect();
+        self.publish(t, 0, &scatter, 0..n, data);
+        self.signal(t, 0, &scatter);
+        let mut acc = std::mem::take(&mut self.acc);
+        acc.resize(mine.len(), 0.0);
+        for r in 0..world {
+            if r == me {
+                Self::accumulate(&mut acc, &data[mine.clone()], r == 0);
+            } else {
+                self.wait(t, 0, r)
+                    .inspect_err(|_| self.acc = std::mem::take(&mut acc))?;
+                Self::accumulate(&mut acc, self.fetch::<T>(t, 0, r, mine.clone()), r == 0);
+            }
+        }
+        Self::finish(
+            &mut data[mine.clone()],
+            &acc,
+            residual.map(|x| &x[mine.clone()]),
+        );
+        self.acc = acc;
+        // All-gather: everyone copies chunk r from rank r.
+        let gather: Vec<_> = self
+            .others()
+            .into_iter()
+            .map(|r| (r, mine.clone()))
+            .collect();
+        self.publish(t, 1, &gather, mine.clone(), &data[mine.clone()]);
+        self.signal(t, 1, &gather);
+        for r in self.others() {
+            self.wait(t, 1, r)?;
+            data[chunk(r)].copy_from_slice(self.fetch(t, 1, r, chunk(r)));
+        }
+        Ok(())
+    }
+
+    fn hierarchical<T: Element>(
+        &mut self,
+        t: Transfer,
+        data: &mut [T],
+        residual: Option<&[T]>,
+    ) -> Result<(), AllReduceError> {
+        let (n, me) = (data.len(), self.rank);
+        let islands = self.islands.clone();
+        let my_island = islands.island_of(me);
+        // Each island splits the message into island_size parts; rank at position p owns part p.
+        let owned = |r: usize| {
+            chunk_range(
+                n,
+                islands.groups()[islands.island_of(r)].len(),
+                islands.position_of(r),
+            )
+        };
+        let mine = owned(me);
+        let island_peers: Vec<usize> = islands.groups()[my_island]
+            .iter()
+            .copied()
+            .filter(|&r| r != me)
+            .collect();
+        let remote: Vec<usize> = (0..self.layout.world)
+            .filter(|&r| islands.island_of(r) != my_island)
+            .collect();
+
+        // Phase 0: reduce-scatter inside the island.
+        let scatter: Vec<_> = island_peers.iter().map(|&q| (q, owned(q))).collect();
+        self.publish(t, 0, &scatter, 0..n, data);
+        self.signal(t, 0, &scatter);
+        let mut acc = std::mem::take(&mut self.acc);
+        acc.resize(mine.len(), 0.0);
+        for (i, &q) in islands.groups()[my_island].iter().enumerate() {
+            if q == me {
+                Self::accumulate(&mut acc, &data[mine.clone()], i == 0);
+            } else {
+                self.wait(t, 0, q)
+                    .inspect_err(|_| self.acc = std::mem::take(&mut acc))?;
+                Self::accumulate(&mut acc, self.fetch::<T>(t, 0, q, mine.clone()), i == 0);
+            }
+        }
+        // The island partial crosses the slow link in the element type (half the bytes for bf16).
+        let partial: Vec<T> = acc.iter().map(|&a| T::from_acc(a)).collect();
+
+        // Phase 1: exchange partials across islands. Every rank signals every remote rank, even
+        // where the ranges do not overlap (tiny messages): that keeps the invariant that each call
+        // waits on every rank, which double buffering relies on.
+        let exchange: Vec<_> = remote
+            .iter()
+            .map(|&u| (u, intersect(&owned(u), &mine)))
+            .collect();
+        self.publish(t, 1, &exchange, mine.clone(), &partial);
+        self.signal(t, 1, &exchange);
+        for &u in &remote {
+            self.wait(t, 1, u)
+                .inspect_err(|_| self.acc = std::mem::take(&mut acc))?;
+        }
+        for (k, group) in islands.groups().iter().enumerate() {
+            if k == my_island {
+                Self::accumulate(&mut acc, &partial, k == 0);
+                continue;
+            }
+            for &u in group {
+                let sub = intersect(&owned(u), &mine);
+                if sub.is_empty() {
+                    continue;
+                }
+                let local = sub.start - mine.start..sub.end - mine.start;
+                Self::accumulate(&mut acc[local], self.fetch::<T>(t, 1, u, sub), k == 0);
+            }
+        }
+        Self::finish(
+            &mut data[mine.clone()],
+            &acc,
+            residual.map(|x| &x[mine.clone()]),
+        );
+        self.acc = acc;
+
+        // Phase 2: all-gather inside the island.
+        let gather: Vec<_> = island_peers.iter().map(|&q| (q, mine.clone())).collect();
+        self.publish(t, 2, &gather, mine.clone(), &data[mine.clone()]);
+        self.signal(t, 2, &gather);
+        for &q in &island_peers {
+            self.wait(t, 2, q)?;
+            data[owned(q)].copy_from_slice(self.fetch(t, 2, q, owned(q)));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for CpuCommunicator {
+    fn drop(&mut self) {
+        // A rank unwinding out of a collective must not leave peers waiting out the timeout.
+        if self.in_collective {
+            self.abort(ABORT_DROPPED);
+        }
+    }
+}
+
+/// Packs (algorithm, dtype, length) so ranks can detect mismatched calls.
+fn describe<T: Element>(algorithm: Algorithm, len: usize) -> u64 {
+    (algorithm.code() << 56) | (T::DTYPE.code() << 48) | (len as u64 & ((1 << 48) - 1))
+}
+
+fn explain(descriptor: u64) -> String {
+    let algorithm = Algorithm::ALL
+        .get(((descriptor >> 56) as usize).wrapping_sub(1))
+        .map_or("?", |a| a.id());
+    let dtype = match (descriptor >> 48) & 0xff {
+        1 => "bf16",
+        2 => "f32",
+        _ => "?",
+    };
+    format!("{algorithm} {dtype} x {}", descriptor & ((1 << 48) - 1))
+}
+
+impl AllReduce for CpuCommunicator {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.layout.world
+    }
+    fn all_reduce(&mut self, data: ReduceData<'_>) -> Result<Algorithm, AllReduceError> {
+        let algorithm = self.config.policy.choose(data.bytes());
+        match data {
+            ReduceData::Bf16 { data, residual } => {
+                self.all_reduce_with(algorithm, data, residual)?
+            }
+            ReduceData::F32 { data, residual } => {
+                self.all_reduce_with(algorithm, data, residual)?
+            }
+        }
+        Ok(algorithm)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::allreduce::shm::{live_segments, unique_segment_name};
+    use half::bf16;
+
+    fn run_threads<F>(
+        world: usize,
+        config: CpuConfig,
+        body: F,
+    ) -> Vec<Result<Vec<f32>, AllReduceError>>
+    where
+        F: Fn(&mut CpuCommunicator) -> Result<Vec<f32>, AllReduceError> + Sync,
+    {
+        let name = unique_segment_name("unit");
+        let results = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..world)
+                .map(|rank| {
+                    let (name, config, body) = (&name, config.clone(), &body);
+                    s.spawn(move || {
+                        let mut comm = CpuCommunicator::new(name, rank, world, config)?;
+                        body(&mut comm)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("rank thread panicked"))
+                .collect()
+        });
+        assert!(live_segments(&name).is_empty(), "segment leaked");
+        results
+    }
+
+    #[test]
+    fn layout_regions_do_not_overlap() {
+        let l = Layout::new(8, 10_000, true);
+        assert_eq!(l.capacity, 12_288);
+        assert!(l.push_flag(0, 2, 7) + 8 <= l.outbox(0, 0, 0));
+        assert!(l.outbox(0, 1, 2) + l.capacity <= l.inbox(0, 0, 0, 0));
+        assert!(l.inbox(0, 1, 2, 7) + l.capacity <= l.region(1));
+        assert_eq!(l.total(), l.region(8));
+    }
+
+    #[test]
+    fn every_algorithm_sums_small_integers_exactly() {
+        let config = CpuConfig {
+            capacity_bytes: 4096,
+            timeout: Duration::from_secs(20),
+            ..CpuConfig::default()
+        };
+        let results = run_threads(4, config, |comm| {
+            let mut out = Vec::new();
+            for algorithm in Algorithm::ALL {
+                let mut data: Vec<f32> = (0..37).map(|i| (i * 10 + comm.rank()) as f32).collect();
+                comm.all_reduce_with(algorithm, &mut data, None)?;
+                out.extend(data);
+            }
+            Ok(out)
+        });
+        let expected: Vec<f32> = (0..6)
+            .flat_map(|_| (0..37).map(|i| (40 * i + 6) as f32))
+            .collect();
+        for r in results {
+            assert_eq!(r.unwrap(), expected);
+        }
+    }
+
+    #[test]
+    fn fused_residual_and_trait_dispatch() {
+        let config = CpuConfig {
+            capacity_bytes: 4096,
+            policy: AlgorithmPolicy::fixed(Algorithm::TwoShot(Transfer::Push)),
+            ..CpuConfig::default()
+        };
+        let results = run_threads(3, config, |comm| {
+            let mut data = vec![bf16::from_f32(1.0 + comm.rank() as f32); 10];
+            let residual = vec![bf16::from_f32(0.5); 10];
+            let used = comm.all_reduce(ReduceData::Bf16 {
+                data: &mut data,
+                residual: Some(&residual),
+            })?;
+            assert_eq!(used, Algorithm::TwoShot(Transfer::Push));
+            Ok(data.iter().map(|x| x.to_f32()).collect())
+        });
+        for r in results {
+            assert_eq!(r.unwrap(), vec![6.5; 10]);
+        }
+    }
+
+    #[test]
+    fn mismatched_calls_are_detected_not_summed() {
+        let config = CpuConfig {
+            capacity_bytes: 4096,
+            timeout: Duration::from_secs(5),
+            ..CpuConfig::default()
+        };
+        let results = run_threads(2, config, |comm| {
+            let len = if comm.rank() == 0 { 8 } else { 9 };
+            let mut data = vec![1.0f32; len];
+            comm.all_reduce_with(Algorithm::OneShot(Transfer::Pull), &mut data, None)?;
+            Ok(data)
+        });
+        for r in results {
+            let e = r.unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    AllReduceError::Mismatch { .. } | AllReduceError::Aborted { .. }
+                ),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_stalled_rank_times_out_everyone_and_poisons() {
+        let config = CpuConfig {
+            capacity_bytes: 4096,
+            timeout: Duration::from_millis(300),
+            ..CpuConfig::default()
+        };
+        let start = Instant::now();
+        let results = run_threads(3, config, |comm| {
+            let mut data = vec![1.0f32; 16];
+            comm.all_reduce_with(Algorithm::TwoShot(Transfer::Pull), &mut data, None)?;
+            if comm.rank() == 2 {
+                // Rank 2 never joins the second collective (stalls until after the others fail).
+                std::thread::sleep(Duration::from_millis(900));
+                return Ok(data);
+            }
+            let err = comm
+                .all_reduce_with(Algorithm::OneShot(Transfer::Push), &mut data, None)
+                .unwrap_err();
+            assert!(matches!(
+                comm.all_reduce_with(Algorithm::OneShot(Transfer::Push), &mut data, None),
+                Err(AllReduceError::Poisoned(_))
+            ));
+            Err(err)
+        });
+        assert!(start.elapsed() < Duration::from_secs(3));
+        for r in &results[..2] {
+            let e = r.as_ref().unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    AllReduceError::Timeout { peer: 2, .. } | AllReduceError::Aborted { .. }
+                ),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn rejects_oversized_messages_and_disabled_push() {
+        let config = CpuConfig {
+            capacity_bytes: 4096,
+            enable_push: false,
+            ..CpuConfig::default()
+        };
+        let results = run_threads(1, config, |comm| {
+            let mut big = vec![0f32; 2000];
+            assert!(matches!(
+                comm.all_reduce_with(Algorithm::OneShot(Transfer::Pull), &mut big, None),
+                Err(AllReduceError::TooLarge { .. })
+            ));
+            let mut small = vec![0f32; 4];
+            assert!(matches!(
+                comm.all_reduce_with(Algorithm::OneShot(Transfer::Push), &mut small, None),
+                Err(AllReduceError::PushDisabled(_))
+            ));
+            Ok(vec![])
+        });
+        assert!(results[0].is_ok());
+    }
+}
