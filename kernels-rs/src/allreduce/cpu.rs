@@ -386,7 +386,7 @@ impl CpuCommunicator {
         match transfer {
             Transfer::Pull => copy(self.layout.outbox(self.rank, self.parity(), phase), &range),
             Transfer::Push => {
-                for (consumer, sub) in consumers {
+                for (consumer, sub) in consumers.iter().filter(|(_, sub)| !sub.is_empty()) {
                     debug_assert!(sub.start >= range.start && sub.end <= range.end);
                     copy(
                         self.layout

@@ -28,6 +28,7 @@ pub mod cost;
 pub mod cpu;
 pub mod element;
 pub mod shm;
+pub mod testing;
 pub mod topology;
 
 pub use algorithm::{Algorithm, Transfer, reference_reduce};
