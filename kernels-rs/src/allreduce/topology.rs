@@ -54,15 +54,18 @@ impl LinkKind {
         matches!(self, LinkKind::Phb | LinkKind::Node | LinkKind::Sys)
     }
 
-    /// PCIe hops on the path, used by the cost model for latency. A hop is one traversal of a
-    /// switch or root complex; P2P latency is ~0.4 µs per hop on the target hosts.
-    pub fn hops(self) -> u32 {
+    /// One-way P2P latency of the path relative to one switch hop (~0.4 µs measured between GPUs
+    /// behind one switch). Used by the cost model; each root complex or socket crossing adds a
+    /// fraction of a hop, not a whole one, because the measured one-switch figure already
+    /// includes both GPUs' link and DMA latency.
+    pub fn latency_factor(self) -> f64 {
         match self {
-            LinkKind::SelfLink => 0,
-            LinkKind::NvLink(_) | LinkKind::Pix => 1,
-            LinkKind::Pxb | LinkKind::Phb => 2,
-            LinkKind::Node => 3,
-            LinkKind::Sys => 4,
+            LinkKind::SelfLink => 0.0,
+            LinkKind::NvLink(_) | LinkKind::Pix => 1.0,
+            LinkKind::Pxb => 1.25,
+            LinkKind::Phb => 1.5,
+            LinkKind::Node => 1.75,
+            LinkKind::Sys => 2.0,
         }
     }
 }
@@ -678,18 +681,49 @@ impl Islands {
     }
 }
 
+/// Captured-style host descriptions of 8-GPU PCIe hosts, for tests and the simulator.
+pub mod fixtures {
+    /// Two PCIe switches (4 GPUs each) under one socket, on different root complexes.
+    pub const TWO_SWITCHES_ONE_SOCKET: &str =
+        include_str!("fixtures/topo-two-switches-one-socket.txt");
+    /// One switch of 4 GPUs per socket, two sockets; a NIC on each switch.
+    pub const TWO_SOCKETS_4X4: &str = include_str!("fixtures/topo-two-sockets-4x4.txt");
+    /// No switches: every GPU on its own root complex, 4 per socket.
+    pub const NO_SWITCHES: &str = include_str!("fixtures/topo-no-switches.txt");
+    /// Socket 0: a switch of 3 GPUs plus one GPU on its own root complex; socket 1: a two-level
+    /// switch tree of 2 + 2.
+    pub const MIXED: &str = include_str!("fixtures/topo-mixed.txt");
+    pub const SYSFS_TWO_SOCKETS_4X4: &str = include_str!("fixtures/sysfs-two-sockets-4x4.txt");
+    pub const SYSFS_MIXED: &str = include_str!("fixtures/sysfs-mixed.txt");
+    pub const P2P_READ_TWO_SOCKETS_4X4: &str =
+        include_str!("fixtures/p2p-read-two-sockets-4x4.txt");
+    pub const P2P_ATOMICS_TWO_SOCKETS_4X4: &str =
+        include_str!("fixtures/p2p-atomics-two-sockets-4x4.txt");
+
+    /// The `nvidia-smi topo -m` fixtures by name.
+    pub const NAMED: [(&str, &str); 4] = [
+        ("two-sockets-4x4", TWO_SOCKETS_4X4),
+        ("two-switches-one-socket", TWO_SWITCHES_ONE_SOCKET),
+        ("no-switches", NO_SWITCHES),
+        ("mixed", MIXED),
+    ];
+
+    pub fn named(name: &str) -> Option<&'static str> {
+        NAMED
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, text)| *text)
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::fixtures::{
+        MIXED, NO_SWITCHES, P2P_ATOMICS_TWO_SOCKETS_4X4 as P2P_ATOMICS,
+        P2P_READ_TWO_SOCKETS_4X4 as P2P_READ, SYSFS_MIXED,
+        SYSFS_TWO_SOCKETS_4X4 as SYSFS_TWO_SOCKETS, TWO_SOCKETS_4X4, TWO_SWITCHES_ONE_SOCKET,
+    };
     use super::*;
-
-    const TWO_SWITCHES_ONE_SOCKET: &str = include_str!("fixtures/topo-two-switches-one-socket.txt");
-    const TWO_SOCKETS_4X4: &str = include_str!("fixtures/topo-two-sockets-4x4.txt");
-    const NO_SWITCHES: &str = include_str!("fixtures/topo-no-switches.txt");
-    const MIXED: &str = include_str!("fixtures/topo-mixed.txt");
-    const SYSFS_TWO_SOCKETS: &str = include_str!("fixtures/sysfs-two-sockets-4x4.txt");
-    const SYSFS_MIXED: &str = include_str!("fixtures/sysfs-mixed.txt");
-    const P2P_READ: &str = include_str!("fixtures/p2p-read-two-sockets-4x4.txt");
-    const P2P_ATOMICS: &str = include_str!("fixtures/p2p-atomics-two-sockets-4x4.txt");
 
     fn groups(t: &Topology, level: IslandLevel) -> Vec<Vec<usize>> {
         t.islands(level).groups().to_vec()
