@@ -114,6 +114,9 @@ struct Flow {
     bytes: f64,
 }
 
+/// One phase: its flows, and the (producer, consumer) pairs whose flags it waits on.
+type Phase = (Vec<Flow>, Vec<(usize, usize)>);
+
 /// Shared resources a flow uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum Resource {
@@ -213,7 +216,7 @@ impl Host {
             .flat_map(|a| (0..n).filter(move |&b| b != a).map(move |b| (a, b)))
             .collect();
         let t = algorithm.transfer();
-        let mut phases: Vec<(Vec<Flow>, Vec<(usize, usize)>)> = Vec::new();
+        let mut phases: Vec<Phase> = Vec::new();
         let flows_of =
             |pairs: &[(usize, usize)], size: &dyn Fn(usize, usize) -> usize| -> Vec<Flow> {
                 pairs
@@ -398,12 +401,14 @@ pub fn least_squares(rows: &[Vec<f64>], y: &[f64]) -> Result<Vec<f64>, FitError>
             return Err(FitError::Singular);
         }
         m.swap(col, pivot);
-        for r in 0..k {
+        let pivot_row = m[col].clone();
+        for (r, row) in m.iter_mut().enumerate() {
             if r != col {
-                let f = m[r][col] / m[col][col];
-                for c in col..=k {
-                    m[r][c] -= f * m[col][c];
-                }
+                let f = row[col] / pivot_row[col];
+                row.iter_mut()
+                    .zip(&pivot_row)
+                    .skip(col)
+                    .for_each(|(x, p)| *x -= f * p);
             }
         }
     }

@@ -171,6 +171,9 @@ pub struct CpuCommunicator {
     pids: Vec<u32>,
     /// f32 accumulator reused across calls.
     acc: Vec<f32>,
+    /// Island partials of the hierarchical algorithm, reused across calls (a fresh multi-MiB
+    /// allocation per call costs more in page faults than the reduction itself).
+    partial: Vec<f32>,
     poisoned: Option<String>,
     in_collective: bool,
 }
@@ -269,6 +272,7 @@ impl CpuCommunicator {
             islands,
             pids: vec![0; world],
             acc: Vec::new(),
+            partial: Vec::new(),
             poisoned: None,
             in_collective: false,
         };
@@ -379,7 +383,7 @@ impl CpuCommunicator {
                 std::ptr::copy_nonoverlapping(
                     from.as_ptr().cast::<u8>(),
                     self.segment.base().add(dst_offset + sub.start * size),
-                    from.len() * size,
+                    std::mem::size_of_val(from),
                 );
             }
         };
@@ -444,7 +448,7 @@ impl CpuCommunicator {
             }
             // Oversubscribed hosts (8 ranks on 2 cores) need the producer to get the CPU.
             std::thread::yield_now();
-            if polls % 16 == 0 {
+            if polls.is_multiple_of(16) {
                 let abort = self.segment.atomic(HEADER_ABORT).load(Ordering::Acquire);
                 if abort != 0 {
                     return Err(AllReduceError::Aborted {
@@ -464,7 +468,7 @@ impl CpuCommunicator {
                         waited,
                     });
                 }
-                if polls % 1024 == 0
+                if polls.is_multiple_of(1024)
                     && let Some(pid) = self.peer_exited(producer)
                 {
                     self.abort(ABORT_PEER_DIED);
@@ -689,7 +693,15 @@ impl CpuCommunicator {
             }
         }
         // The island partial crosses the slow link in the element type (half the bytes for bf16).
-        let partial: Vec<T> = acc.iter().map(|&a| T::from_acc(a)).collect();
+        // Stored in an f32-aligned scratch buffer; every Element is at most 4-byte aligned.
+        let mut partial_store = std::mem::take(&mut self.partial);
+        partial_store.resize((mine.len() * std::mem::size_of::<T>()).div_ceil(4), 0.0);
+        let partial: &mut [T] =
+            &mut bytemuck::cast_slice_mut::<f32, T>(&mut partial_store)[..mine.len()];
+        partial
+            .iter_mut()
+            .zip(&acc)
+            .for_each(|(p, &a)| *p = T::from_acc(a));
 
         // Phase 1: exchange partials across islands. Every rank signals every remote rank, even
         // where the ranges do not overlap (tiny messages): that keeps the invariant that each call
@@ -698,7 +710,7 @@ impl CpuCommunicator {
             .iter()
             .map(|&u| (u, intersect(&owned(u), &mine)))
             .collect();
-        self.publish(t, 1, &exchange, mine.clone(), &partial);
+        self.publish(t, 1, &exchange, mine.clone(), partial);
         self.signal(t, 1, &exchange);
         for &u in &remote {
             self.wait(t, 1, u)
@@ -706,7 +718,7 @@ impl CpuCommunicator {
         }
         for (k, group) in islands.groups().iter().enumerate() {
             if k == my_island {
-                Self::accumulate(&mut acc, &partial, k == 0);
+                Self::accumulate(&mut acc, partial, k == 0);
                 continue;
             }
             for &u in group {

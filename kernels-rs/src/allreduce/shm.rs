@@ -144,7 +144,7 @@ impl SharedSegment {
     /// The atomic u64 at byte `offset` (must be 8-aligned and in bounds).
     pub fn atomic(&self, offset: usize) -> &AtomicU64 {
         assert!(
-            offset % 8 == 0 && offset + 8 <= self.len(),
+            offset.is_multiple_of(8) && offset + 8 <= self.len(),
             "atomic at {offset} outside segment of {}",
             self.len()
         );
