@@ -169,11 +169,6 @@ pub struct CpuCommunicator {
     config: CpuConfig,
     islands: Islands,
     pids: Vec<u32>,
-    /// f32 accumulator reused across calls.
-    acc: Vec<f32>,
-    /// Island partials of the hierarchical algorithm, reused across calls (a fresh multi-MiB
-    /// allocation per call costs more in page faults than the reduction itself).
-    partial: Vec<f32>,
     poisoned: Option<String>,
     in_collective: bool,
 }
@@ -271,8 +266,6 @@ impl CpuCommunicator {
             config,
             islands,
             pids: vec![0; world],
-            acc: Vec::new(),
-            partial: Vec::new(),
             poisoned: None,
             in_collective: false,
         };
@@ -556,186 +549,103 @@ impl CpuCommunicator {
         }
     }
 
-    /// Adds `src` into `acc` (or sets it, for the first term of the fixed order).
-    fn accumulate<T: Element>(acc: &mut [f32], src: &[T], first: bool) {
-        if first {
-            acc.iter_mut().zip(src).for_each(|(a, s)| *a = s.to_acc());
-        } else {
-            acc.iter_mut().zip(src).for_each(|(a, s)| *a += s.to_acc());
-        }
+    /// Waits for `phase` from each of `producers` (in the given order).
+    fn wait_all(&mut self, transfer: Transfer, phase: usize, producers: &[usize]) -> Result<(), AllReduceError> {
+        producers.iter().try_for_each(|&p| self.wait(transfer, phase, p))
     }
 
-    fn finish<T: Element>(out: &mut [T], acc: &[f32], residual: Option<&[T]>) {
-        match residual {
-            Some(r) => out
-                .iter_mut()
-                .zip(acc)
-                .zip(r)
-                .for_each(|((o, a), r)| *o = T::from_acc(a + r.to_acc())),
-            None => out
-                .iter_mut()
-                .zip(acc)
-                .for_each(|(o, a)| *o = T::from_acc(*a)),
-        }
+    /// The fixed-order terms for `range`: `Local` for this rank (its value is in the output
+    /// buffer), the producer's published slice for everyone else. Call after `wait_all`.
+    fn terms<'a, T: Element>(&'a self, transfer: Transfer, phase: usize, order: &[usize], range: Range<usize>) -> Vec<Term<'a, T>> {
+        order
+            .iter()
+            .map(|&r| if r == self.rank { Term::Local } else { Term::Remote(self.fetch(transfer, phase, r, range.clone())) })
+            .collect()
     }
 
-    fn one_shot<T: Element>(
-        &mut self,
-        t: Transfer,
-        data: &mut [T],
-        residual: Option<&[T]>,
-    ) -> Result<(), AllReduceError> {
+    fn one_shot<T: Element>(&mut self, t: Transfer, data: &mut [T], residual: Option<&[T]>) -> Result<(), AllReduceError> {
         let n = data.len();
-        let consumers: Vec<_> = self.others().into_iter().map(|r| (r, 0..n)).collect();
+        let others = self.others();
+        let consumers: Vec<_> = others.iter().map(|&r| (r, 0..n)).collect();
         self.publish(t, 0, &consumers, 0..n, data);
         self.signal(t, 0, &consumers);
-        let mut acc = std::mem::take(&mut self.acc);
-        acc.resize(n, 0.0);
-        for r in 0..self.layout.world {
-            if r == self.rank {
-                Self::accumulate(&mut acc, data, r == 0);
-            } else {
-                self.wait(t, 0, r)
-                    .inspect_err(|_| self.acc = std::mem::take(&mut acc))?;
-                Self::accumulate(&mut acc, self.fetch::<T>(t, 0, r, 0..n), r == 0);
-            }
-        }
-        Self::finish(data, &acc, residual);
-        self.acc = acc;
+        self.wait_all(t, 0, &others)?;
+        let order: Vec<usize> = (0..self.layout.world).collect();
+        reduce_tiles(data, &self.terms(t, 0, &order, 0..n), residual);
         Ok(())
     }
 
-    fn two_shot<T: Element>(
-        &mut self,
-        t: Transfer,
-        data: &mut [T],
-        residual: Option<&[T]>,
-    ) -> Result<(), AllReduceError> {
+    fn two_shot<T: Element>(&mut self, t: Transfer, data: &mut [T], residual: Option<&[T]>) -> Result<(), AllReduceError> {
         let (n, world, me) = (data.len(), self.layout.world, self.rank);
         let chunk = |r| chunk_range(n, world, r);
         let mine = chunk(me);
+        let others = self.others();
         // Reduce-scatter: rank r reduces chunk r.
-        let scatter: Vec<_> = self.others().into_iter().map(|r| (r, chunk(r))).collect();
+        let scatter: Vec<_> = others.iter().map(|&r| (r, chunk(r))).collect();
         self.publish(t, 0, &scatter, 0..n, data);
         self.signal(t, 0, &scatter);
-        let mut acc = std::mem::take(&mut self.acc);
-        acc.resize(mine.len(), 0.0);
-        for r in 0..world {
-            if r == me {
-                Self::accumulate(&mut acc, &data[mine.clone()], r == 0);
-            } else {
-                self.wait(t, 0, r)
-                    .inspect_err(|_| self.acc = std::mem::take(&mut acc))?;
-                Self::accumulate(&mut acc, self.fetch::<T>(t, 0, r, mine.clone()), r == 0);
-            }
-        }
-        Self::finish(
-            &mut data[mine.clone()],
-            &acc,
-            residual.map(|x| &x[mine.clone()]),
-        );
-        self.acc = acc;
+        self.wait_all(t, 0, &others)?;
+        let order: Vec<usize> = (0..world).collect();
+        reduce_tiles(&mut data[mine.clone()], &self.terms(t, 0, &order, mine.clone()), residual.map(|x| &x[mine.clone()]));
         // All-gather: everyone copies chunk r from rank r.
-        let gather: Vec<_> = self
-            .others()
-            .into_iter()
-            .map(|r| (r, mine.clone()))
-            .collect();
+        let gather: Vec<_> = others.iter().map(|&r| (r, mine.clone())).collect();
         self.publish(t, 1, &gather, mine.clone(), &data[mine.clone()]);
         self.signal(t, 1, &gather);
-        for r in self.others() {
+        for &r in &others {
             self.wait(t, 1, r)?;
             data[chunk(r)].copy_from_slice(self.fetch(t, 1, r, chunk(r)));
         }
         Ok(())
     }
 
-    fn hierarchical<T: Element>(
-        &mut self,
-        t: Transfer,
-        data: &mut [T],
-        residual: Option<&[T]>,
-    ) -> Result<(), AllReduceError> {
+    fn hierarchical<T: Element>(&mut self, t: Transfer, data: &mut [T], residual: Option<&[T]>) -> Result<(), AllReduceError> {
         let (n, me) = (data.len(), self.rank);
         let islands = self.islands.clone();
         let my_island = islands.island_of(me);
         // Each island splits the message into island_size parts; rank at position p owns part p.
-        let owned = |r: usize| {
-            chunk_range(
-                n,
-                islands.groups()[islands.island_of(r)].len(),
-                islands.position_of(r),
-            )
-        };
+        let owned = |r: usize| chunk_range(n, islands.groups()[islands.island_of(r)].len(), islands.position_of(r));
         let mine = owned(me);
-        let island_peers: Vec<usize> = islands.groups()[my_island]
-            .iter()
-            .copied()
-            .filter(|&r| r != me)
-            .collect();
-        let remote: Vec<usize> = (0..self.layout.world)
-            .filter(|&r| islands.island_of(r) != my_island)
-            .collect();
+        let island = &islands.groups()[my_island];
+        let island_peers: Vec<usize> = island.iter().copied().filter(|&r| r != me).collect();
+        let remote: Vec<usize> = (0..self.layout.world).filter(|&r| islands.island_of(r) != my_island).collect();
 
-        // Phase 0: reduce-scatter inside the island.
+        // Phase 0: reduce-scatter inside the island. The island partial replaces this rank's
+        // input in data[mine], rounded to the element type: that is what crosses the slow link
+        // (half the bytes for bf16), and the reference rounds there too.
         let scatter: Vec<_> = island_peers.iter().map(|&q| (q, owned(q))).collect();
         self.publish(t, 0, &scatter, 0..n, data);
         self.signal(t, 0, &scatter);
-        let mut acc = std::mem::take(&mut self.acc);
-        acc.resize(mine.len(), 0.0);
-        for (i, &q) in islands.groups()[my_island].iter().enumerate() {
-            if q == me {
-                Self::accumulate(&mut acc, &data[mine.clone()], i == 0);
-            } else {
-                self.wait(t, 0, q)
-                    .inspect_err(|_| self.acc = std::mem::take(&mut acc))?;
-                Self::accumulate(&mut acc, self.fetch::<T>(t, 0, q, mine.clone()), i == 0);
-            }
-        }
-        // The island partial crosses the slow link in the element type (half the bytes for bf16).
-        // Stored in an f32-aligned scratch buffer; every Element is at most 4-byte aligned.
-        let mut partial_store = std::mem::take(&mut self.partial);
-        partial_store.resize((mine.len() * std::mem::size_of::<T>()).div_ceil(4), 0.0);
-        let partial: &mut [T] =
-            &mut bytemuck::cast_slice_mut::<f32, T>(&mut partial_store)[..mine.len()];
-        partial
-            .iter_mut()
-            .zip(&acc)
-            .for_each(|(p, &a)| *p = T::from_acc(a));
+        self.wait_all(t, 0, &island_peers)?;
+        reduce_tiles(&mut data[mine.clone()], &self.terms(t, 0, island, mine.clone()), None);
 
         // Phase 1: exchange partials across islands. Every rank signals every remote rank, even
         // where the ranges do not overlap (tiny messages): that keeps the invariant that each call
         // waits on every rank, which double buffering relies on.
-        let exchange: Vec<_> = remote
-            .iter()
-            .map(|&u| (u, intersect(&owned(u), &mine)))
-            .collect();
-        self.publish(t, 1, &exchange, mine.clone(), partial);
+        let exchange: Vec<_> = remote.iter().map(|&u| (u, intersect(&owned(u), &mine))).collect();
+        self.publish(t, 1, &exchange, mine.clone(), &data[mine.clone()]);
         self.signal(t, 1, &exchange);
-        for &u in &remote {
-            self.wait(t, 1, u)
-                .inspect_err(|_| self.acc = std::mem::take(&mut acc))?;
+        self.wait_all(t, 1, &remote)?;
+        // Within a segment between ownership boundaries, each island's partial comes from one
+        // rank; reduce segment by segment in island order.
+        let mut cuts: Vec<usize> = vec![mine.start, mine.end];
+        cuts.extend(remote.iter().flat_map(|&u| [owned(u).start, owned(u).end]).filter(|c| mine.contains(c)));
+        cuts.sort_unstable();
+        cuts.dedup();
+        for segment in cuts.windows(2).map(|w| w[0]..w[1]) {
+            let terms: Vec<Term<'_, T>> = islands
+                .groups()
+                .iter()
+                .enumerate()
+                .map(|(k, group)| {
+                    if k == my_island {
+                        return Term::Local;
+                    }
+                    let owner = *group.iter().find(|&&u| owned(u).contains(&segment.start)).expect("island parts cover the message");
+                    Term::Remote(self.fetch(t, 1, owner, segment.clone()))
+                })
+                .collect();
+            reduce_tiles(&mut data[segment.clone()], &terms, residual.map(|x| &x[segment.clone()]));
         }
-        for (k, group) in islands.groups().iter().enumerate() {
-            if k == my_island {
-                Self::accumulate(&mut acc, partial, k == 0);
-                continue;
-            }
-            for &u in group {
-                let sub = intersect(&owned(u), &mine);
-                if sub.is_empty() {
-                    continue;
-                }
-                let local = sub.start - mine.start..sub.end - mine.start;
-                Self::accumulate(&mut acc[local], self.fetch::<T>(t, 1, u, sub), k == 0);
-            }
-        }
-        Self::finish(
-            &mut data[mine.clone()],
-            &acc,
-            residual.map(|x| &x[mine.clone()]),
-        );
-        self.acc = acc;
 
         // Phase 2: all-gather inside the island.
         let gather: Vec<_> = island_peers.iter().map(|&q| (q, mine.clone())).collect();
@@ -746,6 +656,42 @@ impl CpuCommunicator {
             data[owned(q)].copy_from_slice(self.fetch(t, 2, q, owned(q)));
         }
         Ok(())
+    }
+}
+
+/// One term of a fixed-order sum.
+enum Term<'a, T> {
+    /// This rank's own value, read from the output buffer before it is overwritten.
+    Local,
+    /// A peer's published values for the same range.
+    Remote(&'a [T]),
+}
+
+/// `out = round(((t0 + t1) + ...) [+ residual])` in f32, element-wise, in tiles small enough for
+/// the accumulator to stay in L1 while every term streams through once.
+fn reduce_tiles<T: Element>(out: &mut [T], terms: &[Term<'_, T>], residual: Option<&[T]>) {
+    const TILE: usize = 1024;
+    let mut acc = [0f32; TILE];
+    for start in (0..out.len()).step_by(TILE) {
+        let end = (start + TILE).min(out.len());
+        let acc = &mut acc[..end - start];
+        for (i, term) in terms.iter().enumerate() {
+            let src = match term {
+                Term::Local => &out[start..end],
+                Term::Remote(values) => &values[start..end],
+            };
+            // Start from the first term rather than 0.0: 0.0 + -0.0 would lose the sign.
+            if i == 0 {
+                acc.iter_mut().zip(src).for_each(|(a, s)| *a = s.to_acc());
+            } else {
+                acc.iter_mut().zip(src).for_each(|(a, s)| *a += s.to_acc());
+            }
+        }
+        let out = &mut out[start..end];
+        match residual {
+            Some(r) => out.iter_mut().zip(acc.iter()).zip(&r[start..end]).for_each(|((o, a), r)| *o = T::from_acc(a + r.to_acc())),
+            None => out.iter_mut().zip(acc.iter()).for_each(|(o, a)| *o = T::from_acc(*a)),
+        }
     }
 }
 
