@@ -313,16 +313,36 @@ impl Host {
         }
     }
 
-    /// The fastest of our algorithms (ties go to the earlier one in [`Algorithm::ALL`]).
+    /// Whether every pair of GPUs supports the P2P accesses `algorithm` needs: reads for pull,
+    /// writes for push. Without a `-p2p` matrix, assumed yes.
+    pub fn supports(&self, algorithm: Algorithm) -> bool {
+        let Some(p2p) = &self.topology.p2p else {
+            return true;
+        };
+        let n = self.gpus();
+        (0..n).all(|a| {
+            (0..n)
+                .filter(|&b| b != a)
+                .all(|b| match algorithm.transfer() {
+                    Transfer::Pull => p2p[b][a].read,
+                    Transfer::Push => p2p[a][b].write,
+                })
+        })
+    }
+
+    /// The fastest of our algorithms the host supports (ties go to the earlier one in
+    /// [`Algorithm::ALL`]). If none is supported (no P2P at all), returns one-shot-pull with an
+    /// infinite latency, so [`Host::choose`] picks NCCL.
     pub fn best_custom(&self, bytes: usize, p: &LinkParams) -> (Algorithm, f64) {
         Algorithm::ALL
             .iter()
+            .filter(|&&a| self.supports(a))
             .map(|&a| (a, self.predict_us(a, bytes, p)))
             .fold(None, |best: Option<(Algorithm, f64)>, (a, t)| match best {
                 Some((_, bt)) if bt <= t => best,
                 _ => Some((a, t)),
             })
-            .expect("ALL is not empty")
+            .unwrap_or((Algorithm::OneShot(Transfer::Pull), f64::INFINITY))
     }
 
     /// A policy for the CPU/CUDA backends: our best algorithm per size, as thresholds over the
@@ -635,6 +655,42 @@ mod tests {
                 .prefix(4),
         );
         assert!(one_switch.predict_us(push, big, &p) < one_switch.predict_us(pull, big, &p));
+    }
+
+    #[test]
+    fn unsupported_p2p_rules_algorithms_out() {
+        let p = LinkParams {
+            writes_collapse: false,
+            ..LinkParams::default()
+        };
+        let mut topo = Topology::from_nvidia_smi(fixtures::TWO_SOCKETS_4X4).unwrap();
+        topo.merge_p2p(
+            fixtures::P2P_READ_TWO_SOCKETS_4X4,
+            crate::allreduce::topology::P2pKind::Read,
+        )
+        .unwrap();
+        // Reuse the all-"NS" matrix as the write matrix: no P2P writes on this host.
+        topo.merge_p2p(
+            fixtures::P2P_ATOMICS_TWO_SOCKETS_4X4,
+            crate::allreduce::topology::P2pKind::Write,
+        )
+        .unwrap();
+        let h = Host::new(topo.clone());
+        assert!(!h.supports(Algorithm::OneShot(Transfer::Push)));
+        for bytes in table_sizes() {
+            assert_eq!(
+                h.best_custom(bytes, &p).0.transfer(),
+                Transfer::Pull,
+                "{bytes}"
+            );
+        }
+        // Without reads either, nothing custom runs and NCCL is chosen.
+        topo.merge_p2p(
+            fixtures::P2P_ATOMICS_TWO_SOCKETS_4X4,
+            crate::allreduce::topology::P2pKind::Read,
+        )
+        .unwrap();
+        assert_eq!(Host::new(topo).choose(14_336, &p).0, Choice::Nccl);
     }
 
     #[test]

@@ -1,20 +1,8 @@
 //! The all-reduce protocol over POSIX shared memory, one rank per OS process (or thread).
 //!
-//! Segment layout (all offsets page aligned, flags one per 64-byte line so pollers do not
-//! false-share):
-//!
-//! ```text
-//! header   magic, world size, capacity, push enabled, abort word, per-rank {attached, pid}
-//! rank r   call descriptors [parity]
-//!          pull flags [phase]                       written by r, polled by consumers
-//!          push flags [phase][producer]             written by producer, polled by r
-//!          pull outbox [parity][phase]   capacity   written by r, read by consumers
-//!          push inbox [parity][phase][producer]     written by producer, read by r
-//! ```
-//!
-//! On the GPU each rank's region is its own CUDA IPC allocation; here they share one segment.
-//! Only untouched pages of the segment cost nothing (tmpfs allocates on first write), so the
-//! sparse push inboxes are cheap unless used.
+//! The segment layout is [`super::layout::SegmentLayout`]; on the GPU each rank's region is its
+//! own CUDA IPC allocation, here they share one segment. Untouched pages cost nothing (tmpfs
+//! allocates on first write), so the sparse push inboxes are cheap unless used.
 
 use std::ops::Range;
 use std::sync::atomic::Ordering;
@@ -22,23 +10,15 @@ use std::time::{Duration, Instant};
 
 use super::algorithm::{Algorithm, Transfer, chunk_range, intersect};
 use super::element::Element;
+use super::layout::{
+    HEADER_ABORT, HEADER_CAPACITY, HEADER_MAGIC, HEADER_PUSH, HEADER_WORLD, MAGIC,
+    SegmentLayout as Layout,
+};
 use super::shm::SharedSegment;
 use super::topology::Islands;
 use super::{AlgorithmPolicy, AllReduce, AllReduceError, ReduceData};
 
-const MAGIC: u64 = 0x616c_6c72_6564_7563; // "allreduc"
-const PAGE: usize = 4096;
-const LINE: usize = 64;
-const MAX_PHASES: usize = 3;
-/// Ranks per segment; bounded by the header page holding one line per rank.
-pub const MAX_WORLD: usize = 56;
-
-const HEADER_MAGIC: usize = 0;
-const HEADER_WORLD: usize = 8;
-const HEADER_CAPACITY: usize = 16;
-const HEADER_PUSH: usize = 24;
-const HEADER_ABORT: usize = LINE;
-const HEADER_RANKS: usize = 2 * LINE;
+pub use super::layout::MAX_WORLD;
 
 /// Reasons written into the abort word, so survivors can say why.
 const ABORT_TIMEOUT: u64 = 1;
@@ -53,72 +33,6 @@ fn abort_reason(code: u64) -> &'static str {
         ABORT_MISMATCH => "it saw mismatched collectives",
         ABORT_DROPPED => "it was dropped mid-collective",
         _ => "unknown reason",
-    }
-}
-
-fn round_up(x: usize, to: usize) -> usize {
-    x.div_ceil(to) * to
-}
-
-/// Byte offsets of everything in the segment.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Layout {
-    world: usize,
-    capacity: usize,
-    push: bool,
-    flags_bytes: usize,
-    rank_stride: usize,
-}
-
-impl Layout {
-    fn new(world: usize, capacity_bytes: usize, push: bool) -> Self {
-        let capacity = round_up(capacity_bytes.max(1), PAGE);
-        let flags_bytes = round_up(
-            2 * LINE + MAX_PHASES * LINE + MAX_PHASES * world * LINE,
-            PAGE,
-        );
-        let slots = 2 * MAX_PHASES * (1 + if push { world } else { 0 });
-        Layout {
-            world,
-            capacity,
-            push,
-            flags_bytes,
-            rank_stride: flags_bytes + slots * capacity,
-        }
-    }
-    fn total(&self) -> usize {
-        PAGE + self.world * self.rank_stride
-    }
-    fn region(&self, rank: usize) -> usize {
-        PAGE + rank * self.rank_stride
-    }
-    fn attached(&self, rank: usize) -> usize {
-        HEADER_RANKS + rank * LINE
-    }
-    fn pid(&self, rank: usize) -> usize {
-        HEADER_RANKS + rank * LINE + 8
-    }
-    fn descriptor(&self, rank: usize, parity: usize) -> usize {
-        self.region(rank) + parity * LINE
-    }
-    fn pull_flag(&self, owner: usize, phase: usize) -> usize {
-        self.region(owner) + 2 * LINE + phase * LINE
-    }
-    fn push_flag(&self, consumer: usize, phase: usize, producer: usize) -> usize {
-        self.region(consumer)
-            + 2 * LINE
-            + MAX_PHASES * LINE
-            + (phase * self.world + producer) * LINE
-    }
-    fn outbox(&self, owner: usize, parity: usize, phase: usize) -> usize {
-        self.region(owner) + self.flags_bytes + (parity * MAX_PHASES + phase) * self.capacity
-    }
-    fn inbox(&self, consumer: usize, parity: usize, phase: usize, producer: usize) -> usize {
-        debug_assert!(self.push);
-        let first = 2 * MAX_PHASES;
-        self.region(consumer)
-            + self.flags_bytes
-            + (first + (parity * MAX_PHASES + phase) * self.world + producer) * self.capacity
     }
 }
 
@@ -550,20 +464,44 @@ impl CpuCommunicator {
     }
 
     /// Waits for `phase` from each of `producers` (in the given order).
-    fn wait_all(&mut self, transfer: Transfer, phase: usize, producers: &[usize]) -> Result<(), AllReduceError> {
-        producers.iter().try_for_each(|&p| self.wait(transfer, phase, p))
+    fn wait_all(
+        &mut self,
+        transfer: Transfer,
+        phase: usize,
+        producers: &[usize],
+    ) -> Result<(), AllReduceError> {
+        producers
+            .iter()
+            .try_for_each(|&p| self.wait(transfer, phase, p))
     }
 
     /// The fixed-order terms for `range`: `Local` for this rank (its value is in the output
     /// buffer), the producer's published slice for everyone else. Call after `wait_all`.
-    fn terms<'a, T: Element>(&'a self, transfer: Transfer, phase: usize, order: &[usize], range: Range<usize>) -> Vec<Term<'a, T>> {
+    fn terms<'a, T: Element>(
+        &'a self,
+        transfer: Transfer,
+        phase: usize,
+        order: &[usize],
+        range: Range<usize>,
+    ) -> Vec<Term<'a, T>> {
         order
             .iter()
-            .map(|&r| if r == self.rank { Term::Local } else { Term::Remote(self.fetch(transfer, phase, r, range.clone())) })
+            .map(|&r| {
+                if r == self.rank {
+                    Term::Local
+                } else {
+                    Term::Remote(self.fetch(transfer, phase, r, range.clone()))
+                }
+            })
             .collect()
     }
 
-    fn one_shot<T: Element>(&mut self, t: Transfer, data: &mut [T], residual: Option<&[T]>) -> Result<(), AllReduceError> {
+    fn one_shot<T: Element>(
+        &mut self,
+        t: Transfer,
+        data: &mut [T],
+        residual: Option<&[T]>,
+    ) -> Result<(), AllReduceError> {
         let n = data.len();
         let others = self.others();
         let consumers: Vec<_> = others.iter().map(|&r| (r, 0..n)).collect();
@@ -575,7 +513,12 @@ impl CpuCommunicator {
         Ok(())
     }
 
-    fn two_shot<T: Element>(&mut self, t: Transfer, data: &mut [T], residual: Option<&[T]>) -> Result<(), AllReduceError> {
+    fn two_shot<T: Element>(
+        &mut self,
+        t: Transfer,
+        data: &mut [T],
+        residual: Option<&[T]>,
+    ) -> Result<(), AllReduceError> {
         let (n, world, me) = (data.len(), self.layout.world, self.rank);
         let chunk = |r| chunk_range(n, world, r);
         let mine = chunk(me);
@@ -586,7 +529,11 @@ impl CpuCommunicator {
         self.signal(t, 0, &scatter);
         self.wait_all(t, 0, &others)?;
         let order: Vec<usize> = (0..world).collect();
-        reduce_tiles(&mut data[mine.clone()], &self.terms(t, 0, &order, mine.clone()), residual.map(|x| &x[mine.clone()]));
+        reduce_tiles(
+            &mut data[mine.clone()],
+            &self.terms(t, 0, &order, mine.clone()),
+            residual.map(|x| &x[mine.clone()]),
+        );
         // All-gather: everyone copies chunk r from rank r.
         let gather: Vec<_> = others.iter().map(|&r| (r, mine.clone())).collect();
         self.publish(t, 1, &gather, mine.clone(), &data[mine.clone()]);
@@ -598,16 +545,29 @@ impl CpuCommunicator {
         Ok(())
     }
 
-    fn hierarchical<T: Element>(&mut self, t: Transfer, data: &mut [T], residual: Option<&[T]>) -> Result<(), AllReduceError> {
+    fn hierarchical<T: Element>(
+        &mut self,
+        t: Transfer,
+        data: &mut [T],
+        residual: Option<&[T]>,
+    ) -> Result<(), AllReduceError> {
         let (n, me) = (data.len(), self.rank);
         let islands = self.islands.clone();
         let my_island = islands.island_of(me);
         // Each island splits the message into island_size parts; rank at position p owns part p.
-        let owned = |r: usize| chunk_range(n, islands.groups()[islands.island_of(r)].len(), islands.position_of(r));
+        let owned = |r: usize| {
+            chunk_range(
+                n,
+                islands.groups()[islands.island_of(r)].len(),
+                islands.position_of(r),
+            )
+        };
         let mine = owned(me);
         let island = &islands.groups()[my_island];
         let island_peers: Vec<usize> = island.iter().copied().filter(|&r| r != me).collect();
-        let remote: Vec<usize> = (0..self.layout.world).filter(|&r| islands.island_of(r) != my_island).collect();
+        let remote: Vec<usize> = (0..self.layout.world)
+            .filter(|&r| islands.island_of(r) != my_island)
+            .collect();
 
         // Phase 0: reduce-scatter inside the island. The island partial replaces this rank's
         // input in data[mine], rounded to the element type: that is what crosses the slow link
@@ -616,19 +576,31 @@ impl CpuCommunicator {
         self.publish(t, 0, &scatter, 0..n, data);
         self.signal(t, 0, &scatter);
         self.wait_all(t, 0, &island_peers)?;
-        reduce_tiles(&mut data[mine.clone()], &self.terms(t, 0, island, mine.clone()), None);
+        reduce_tiles(
+            &mut data[mine.clone()],
+            &self.terms(t, 0, island, mine.clone()),
+            None,
+        );
 
         // Phase 1: exchange partials across islands. Every rank signals every remote rank, even
         // where the ranges do not overlap (tiny messages): that keeps the invariant that each call
         // waits on every rank, which double buffering relies on.
-        let exchange: Vec<_> = remote.iter().map(|&u| (u, intersect(&owned(u), &mine))).collect();
+        let exchange: Vec<_> = remote
+            .iter()
+            .map(|&u| (u, intersect(&owned(u), &mine)))
+            .collect();
         self.publish(t, 1, &exchange, mine.clone(), &data[mine.clone()]);
         self.signal(t, 1, &exchange);
         self.wait_all(t, 1, &remote)?;
         // Within a segment between ownership boundaries, each island's partial comes from one
         // rank; reduce segment by segment in island order.
         let mut cuts: Vec<usize> = vec![mine.start, mine.end];
-        cuts.extend(remote.iter().flat_map(|&u| [owned(u).start, owned(u).end]).filter(|c| mine.contains(c)));
+        cuts.extend(
+            remote
+                .iter()
+                .flat_map(|&u| [owned(u).start, owned(u).end])
+                .filter(|c| mine.contains(c)),
+        );
         cuts.sort_unstable();
         cuts.dedup();
         for segment in cuts.windows(2).map(|w| w[0]..w[1]) {
@@ -640,11 +612,18 @@ impl CpuCommunicator {
                     if k == my_island {
                         return Term::Local;
                     }
-                    let owner = *group.iter().find(|&&u| owned(u).contains(&segment.start)).expect("island parts cover the message");
+                    let owner = *group
+                        .iter()
+                        .find(|&&u| owned(u).contains(&segment.start))
+                        .expect("island parts cover the message");
                     Term::Remote(self.fetch(t, 1, owner, segment.clone()))
                 })
                 .collect();
-            reduce_tiles(&mut data[segment.clone()], &terms, residual.map(|x| &x[segment.clone()]));
+            reduce_tiles(
+                &mut data[segment.clone()],
+                &terms,
+                residual.map(|x| &x[segment.clone()]),
+            );
         }
 
         // Phase 2: all-gather inside the island.
@@ -689,8 +668,15 @@ fn reduce_tiles<T: Element>(out: &mut [T], terms: &[Term<'_, T>], residual: Opti
         }
         let out = &mut out[start..end];
         match residual {
-            Some(r) => out.iter_mut().zip(acc.iter()).zip(&r[start..end]).for_each(|((o, a), r)| *o = T::from_acc(a + r.to_acc())),
-            None => out.iter_mut().zip(acc.iter()).for_each(|(o, a)| *o = T::from_acc(*a)),
+            Some(r) => out
+                .iter_mut()
+                .zip(acc.iter())
+                .zip(&r[start..end])
+                .for_each(|((o, a), r)| *o = T::from_acc(a + r.to_acc())),
+            None => out
+                .iter_mut()
+                .zip(acc.iter())
+                .for_each(|(o, a)| *o = T::from_acc(*a)),
         }
     }
 }
@@ -774,16 +760,6 @@ mod tests {
         });
         assert!(live_segments(&name).is_empty(), "segment leaked");
         results
-    }
-
-    #[test]
-    fn layout_regions_do_not_overlap() {
-        let l = Layout::new(8, 10_000, true);
-        assert_eq!(l.capacity, 12_288);
-        assert!(l.push_flag(0, 2, 7) + 8 <= l.outbox(0, 0, 0));
-        assert!(l.outbox(0, 1, 2) + l.capacity <= l.inbox(0, 0, 0, 0));
-        assert!(l.inbox(0, 1, 2, 7) + l.capacity <= l.region(1));
-        assert_eq!(l.total(), l.region(8));
     }
 
     #[test]

@@ -27,6 +27,7 @@ pub mod algorithm;
 pub mod cost;
 pub mod cpu;
 pub mod element;
+pub mod layout;
 pub mod shm;
 pub mod testing;
 pub mod topology;
