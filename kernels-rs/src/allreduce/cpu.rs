@@ -801,6 +801,11 @@ mod tests {
                 residual: Some(&residual),
             })?;
             assert_eq!(used, Algorithm::TwoShot(Transfer::Push));
+            // The model holds the backend as a trait object.
+            let as_trait: &mut dyn AllReduce = comm;
+            let mut ones = vec![1.0f32; 4];
+            as_trait.all_reduce_f32(&mut ones, None)?;
+            assert_eq!(ones, vec![3.0; 4]);
             Ok(data.iter().map(|x| x.to_f32()).collect())
         });
         for r in results {

@@ -14,6 +14,11 @@
 //!
 //! The model crate calls collectives through the small [`AllReduce`] trait.
 //!
+//! Binaries: `allreduce-sim` (cost-model table per size and host, writes
+//! `bench/results/allreduce-sim.txt`), `allreduce-cpu-bench` (CPU processes, writes
+//! `bench/results/allreduce-cpu.txt`), and `allreduce-rank` (one rank process, used by both the
+//! multi-process tests and the benchmark).
+//!
 //! ## Protocol invariants
 //!
 //! Each call has a generation `g` (1, 2, ...); buffers are double-buffered by `g % 2` and flags
@@ -127,6 +132,24 @@ pub trait AllReduce {
     /// Sums `data` across all ranks in place; every rank gets identical bits. Returns the
     /// algorithm that ran (chosen by the backend's [`AlgorithmPolicy`]).
     fn all_reduce(&mut self, data: ReduceData<'_>) -> Result<Algorithm, AllReduceError>;
+
+    /// `all_reduce` on bf16 activations, with the residual add fused when given.
+    fn all_reduce_bf16(
+        &mut self,
+        data: &mut [bf16],
+        residual: Option<&[bf16]>,
+    ) -> Result<Algorithm, AllReduceError> {
+        self.all_reduce(ReduceData::Bf16 { data, residual })
+    }
+
+    /// `all_reduce` on f32 values.
+    fn all_reduce_f32(
+        &mut self,
+        data: &mut [f32],
+        residual: Option<&[f32]>,
+    ) -> Result<Algorithm, AllReduceError> {
+        self.all_reduce(ReduceData::F32 { data, residual })
+    }
 }
 
 /// Which algorithm to run for a message size: the cost model's choices, as size thresholds.

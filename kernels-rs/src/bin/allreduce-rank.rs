@@ -161,10 +161,13 @@ fn bench<T: Element>(
     for &algorithm in algorithms {
         for &bytes in &sizes {
             let len = (bytes / std::mem::size_of::<T>()).max(1);
-            let mut data: Vec<T> = rank_input(3, rank, len);
+            let input: Vec<T> = rank_input(3, rank, len);
+            let mut data = input.clone();
             let iters = iterations(bytes).min(200);
             let mut times = Vec::with_capacity(iters);
             for i in 0..iters + 3 {
+                // Fresh input every time (untimed), so repeated sums never drift into inf/NaN.
+                data.copy_from_slice(&input);
                 let start = Instant::now();
                 comm.all_reduce_with(algorithm, &mut data, None)
                     .map_err(|e| e.to_string())?;
