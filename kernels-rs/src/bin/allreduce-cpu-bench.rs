@@ -85,7 +85,9 @@ fn run() -> Result<(), String> {
     report += "# waiting ranks yield, so latency there measures the scheduler (context switches), not the protocol.\n";
     report += "# latency = median µs per collective on rank 0 (min in parentheses); busbw = bytes/latency x 2(n-1)/n (NCCL convention).\n";
     report += "# copy = single-thread memcpy GB/s at that size measured in this run; busbw/copy is the comparable ratio.\n";
-    report += "# These are CPU numbers for the protocol's correctness-under-load and relative costs, not GPU predictions.\n\n";
+    report += "# These are CPU numbers for the protocol's correctness-under-load and relative costs, not GPU predictions.\n";
+    report += "# One run on a shared 2-core machine: medians move by up to ~2-4x between runs where the min is far below\n";
+    report += "# the median (scheduler-bound cases); compare algorithms within one table, not across runs.\n\n";
     let copy: Vec<(usize, f64)> = sizes
         .split(',')
         .filter_map(|s| s.parse().ok())
