@@ -4,11 +4,13 @@
 //! source and its tactic type side by side:
 //! - [`moe_gemm`]: the NVFP4 grouped GEMM of the routed experts;
 //! - [`mla`]: MLA decode attention over the paged latent cache;
-//! - [`dense`]: BF16/NVFP4 dense products for everything else.
+//! - [`dense`]: BF16/NVFP4 dense products for everything else;
+//! - [`allreduce`]: the PCIe-aware all-reduce of tensor parallelism.
 //!
 //! [`formats`] holds the number formats every family shares: E2M1, E4M3/UE4M3, NVFP4
 //! two-level quantization and the scale-factor swizzle; [`matrix`] the borrowed weight views.
 
+pub mod allreduce;
 pub mod dense;
 pub mod formats;
 pub mod matrix;
