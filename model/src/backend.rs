@@ -32,6 +32,12 @@ pub trait Backend: Send + Sync {
         out: &mut [f32],
         lse: &mut [f32],
     ) -> Result<(), CacheError>;
+
+    /// Sums a tensor-parallel partial result across ranks in place (identical bits on every
+    /// rank). A single-rank backend has nothing to do.
+    fn all_reduce_sum(&self, _data: &mut [f32]) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// The CPU backend: rayon-parallel kernels from the `kernels` crate.

@@ -23,6 +23,8 @@ pub enum ForwardError {
     TokenOutOfRange { token: u32, vocab: usize },
     #[error("position {pos} exceeds max_position_embeddings {max}")]
     ContextTooLong { pos: usize, max: usize },
+    #[error("tensor-parallel all-reduce failed: {0}")]
+    AllReduce(String),
 }
 
 /// New tokens of one sequence, appended after what the cache already holds for it.
@@ -138,10 +140,13 @@ impl Model {
         let mut moe_layer = 0;
         for (layer, weights) in self.weights.layers.iter().enumerate() {
             let h = rms_norm_rows(&x, hidden, &weights.input_norm, c.rms_norm_eps);
-            let attn = self.attention(backend, cache, layer, &weights.attention, &h, &rows)?;
+            let mut attn = self.attention(backend, cache, layer, &weights.attention, &h, &rows)?;
+            backend
+                .all_reduce_sum(&mut attn)
+                .map_err(ForwardError::AllReduce)?;
             add_in_place(&mut x, &attn);
             let h = rms_norm_rows(&x, hidden, &weights.post_attention_norm, c.rms_norm_eps);
-            let mlp = match &weights.mlp {
+            let mut mlp = match &weights.mlp {
                 MlpWeights::Dense(dense) => dense_mlp(backend, dense, &h, n),
                 MlpWeights::Moe(moe) => {
                     let amax = calibration.as_deref_mut().map(|cal| {
@@ -154,6 +159,9 @@ impl Model {
                     self.moe(backend, moe, &h, n, amax)
                 }
             };
+            backend
+                .all_reduce_sum(&mut mlp)
+                .map_err(ForwardError::AllReduce)?;
             add_in_place(&mut x, &mlp);
         }
         for input in inputs {
@@ -203,13 +211,14 @@ impl Model {
     ) -> Result<Vec<f32>, ForwardError> {
         let c = &self.config;
         let n = rows.len();
-        let (heads, nope, rope_dim, v_dim, latent) = (
-            c.num_attention_heads,
+        let (nope, rope_dim, v_dim, latent) = (
             c.qk_nope_head_dim,
             c.qk_rope_head_dim,
             c.v_head_dim,
             c.kv_lora_rank,
         );
+        // This rank's heads: all of them, or its tensor-parallel share.
+        let heads = w.kv_b.rows / (nope + v_dim);
         let qk = nope + rope_dim;
 
         let mut q = vec![0.0f32; n * heads * qk];

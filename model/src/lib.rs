@@ -21,4 +21,5 @@ pub mod quantize;
 pub mod rope;
 pub mod sampler;
 pub mod tensor_file;
+pub mod tp;
 pub mod weights;

@@ -7,8 +7,8 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use kernels::formats::NVFP4_BLOCK;
 use kernels::formats::nvfp4::Nvfp4Matrix;
-use kernels::mla::cache::KvCacheDtype;
-use model::backend::CpuBackend;
+use kernels::mla::cache::{KvCacheDtype, PAGE_TOKENS};
+use model::backend::{Backend, CpuBackend};
 use model::checkpoint::Checkpoint;
 use model::checkpoint_writer::OwnedTensor;
 use model::config::KvCacheQuant;
@@ -20,6 +20,8 @@ use model::plan::{PlanRequest, plan};
 use model::quantize::{quantize_checkpoint, random_tokens};
 use model::sampler::SamplingParams;
 use model::tensor_file::TensorFile;
+use model::tp::{self, TpCpuBackend};
+use model::weights::TpShard;
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 
@@ -49,17 +51,7 @@ enum Command {
     /// Run the decode loop on CPU (default: the generated `mini` model, made once and cached).
     Run(RunArgs),
     /// Score a prompt: logits for every position from one prefill, as float32 `[T, vocab]`.
-    Logits {
-        #[arg(long)]
-        checkpoint: PathBuf,
-        /// Comma-separated token ids.
-        #[arg(long, value_delimiter = ',', required = true)]
-        tokens: Vec<u32>,
-        #[arg(long)]
-        out: PathBuf,
-        #[arg(long, value_enum, default_value = "bf16")]
-        kv_dtype: KvDtypeArg,
-    },
+    Logits(LogitsArgs),
     /// Write a random-weight model in the Kimi-K2.5-NVFP4 layout.
     GenerateCheckpoint {
         #[arg(long, value_enum)]
@@ -86,6 +78,36 @@ enum Command {
     Plan(PlanArgs),
     /// Summarize a checkpoint directory or one safetensors file.
     Inspect { path: PathBuf },
+}
+
+/// Tensor parallelism: N rank processes on CPU with the shared-memory all-reduce.
+#[derive(clap::Args, Clone)]
+struct TpArgs {
+    /// Ranks (1 = no tensor parallelism).
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
+    /// Seconds a rank waits for its peers in a collective before failing.
+    #[arg(long, default_value_t = 300)]
+    tp_timeout_secs: u64,
+    #[arg(long, hide = true)]
+    tp_rank: Option<usize>,
+    #[arg(long, hide = true)]
+    tp_segment: Option<String>,
+}
+
+#[derive(clap::Args, Clone)]
+struct LogitsArgs {
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// Comma-separated token ids.
+    #[arg(long, value_delimiter = ',', required = true)]
+    tokens: Vec<u32>,
+    #[arg(long)]
+    out: PathBuf,
+    #[arg(long, value_enum, default_value = "bf16")]
+    kv_dtype: KvDtypeArg,
+    #[command(flatten)]
+    tp: TpArgs,
 }
 
 #[derive(clap::Args, Clone)]
@@ -116,6 +138,8 @@ struct RunArgs {
     seed: u64,
     #[arg(long, value_enum, default_value = "auto")]
     kv_dtype: KvDtypeArg,
+    #[command(flatten)]
+    tp: TpArgs,
 }
 
 #[derive(clap::Args)]
@@ -151,12 +175,7 @@ fn main() -> Result<()> {
     };
     match command {
         Command::Run(args) => run(args),
-        Command::Logits {
-            checkpoint,
-            tokens,
-            out,
-            kv_dtype,
-        } => logits(&checkpoint, &tokens, &out, kv_dtype),
+        Command::Logits(args) => logits(args),
         Command::GenerateCheckpoint { preset, out, seed } => {
             generate_checkpoint(preset, &out, seed, &CpuBackend)?;
             println!("wrote the {} preset to {}", preset.id(), out.display());
@@ -229,13 +248,51 @@ fn default_checkpoint(cache_dir: Option<PathBuf>) -> Result<PathBuf> {
     Ok(dir)
 }
 
-fn load(dir: &Path) -> Result<(Checkpoint, Model)> {
+fn load(dir: &Path, shard: TpShard) -> Result<(Checkpoint, Model)> {
     let checkpoint = Checkpoint::open(dir)?;
-    let model = Model::new(
-        checkpoint.model_config().clone(),
-        checkpoint.load_weights()?,
-    );
-    Ok((checkpoint, model))
+    let config = checkpoint.model_config().clone();
+    let weights = checkpoint
+        .load_weights()?
+        .shard(&config, shard)
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "{}: tensor parallelism over {} ranks: {e}",
+                dir.display(),
+                shard.world
+            )
+        })?;
+    Ok((checkpoint, Model::new(config, weights)))
+}
+
+impl TpArgs {
+    fn shard(&self) -> TpShard {
+        TpShard {
+            rank: self.tp_rank.unwrap_or(0),
+            world: self.tp,
+        }
+    }
+}
+
+/// The backend of this process as one rank (the single rank when `--tp 1`).
+fn rank_backend(tp: &TpArgs, max_elements: usize) -> Result<(TpShard, Box<dyn Backend>)> {
+    if tp.tp == 1 {
+        return Ok((TpShard::SINGLE, Box::new(CpuBackend)));
+    }
+    let rank = tp
+        .tp_rank
+        .context("a tensor-parallel rank needs --tp-rank")?;
+    let segment = tp
+        .tp_segment
+        .as_deref()
+        .context("--tp-rank needs --tp-segment")?;
+    let timeout = std::time::Duration::from_secs(tp.tp_timeout_secs);
+    let backend = TpCpuBackend::join(segment, rank, tp.tp, max_elements, timeout)?;
+    Ok((tp.shard(), Box::new(backend)))
+}
+
+/// This invocation's arguments, for re-running it as each rank.
+fn own_args() -> Vec<String> {
+    std::env::args().skip(1).collect()
 }
 
 fn run(args: RunArgs) -> Result<()> {
@@ -244,19 +301,35 @@ fn run(args: RunArgs) -> Result<()> {
         None => default_checkpoint(args.cache_dir.clone())?,
     };
     let started = std::time::Instant::now();
-    let (checkpoint, model) = load(&dir)?;
+    let max_rows = args.prompt_len.max(args.prompt.len()).max(args.batch);
+    let hidden = Checkpoint::open(&dir)?.model_config().hidden_size;
+    if args.tp.tp > 1 && args.tp.tp_rank.is_none() {
+        let mut rank_args = own_args();
+        if args.checkpoint.is_none() {
+            // The ranks must not race to generate the default model: pass the one made.
+            rank_args.extend(["--checkpoint".to_string(), dir.display().to_string()]);
+        }
+        return tp::launch_ranks(args.tp.tp, &rank_args);
+    }
+    let (checkpoint, model) = load(&dir, args.tp.shard())?;
+    let (shard, backend) = rank_backend(&args.tp, max_rows * hidden)?;
+    let quiet = shard.rank != 0;
     let kv_dtype = resolve_kv_dtype(args.kv_dtype, &checkpoint);
     let c = &model.config;
-    println!(
-        "model {} ({} layers, hidden {}, {} experts top-{}), loaded in {:.2} s; KV cache {}",
-        dir.display(),
-        c.num_hidden_layers,
-        c.hidden_size,
-        c.n_routed_experts,
-        c.num_experts_per_tok,
-        started.elapsed().as_secs_f64(),
-        kv_dtype.id()
-    );
+    if !quiet {
+        println!(
+            "model {} ({} layers, hidden {}, {} experts top-{}), loaded in {:.2} s; KV cache {}; backend {} (TP {})",
+            dir.display(),
+            c.num_hidden_layers,
+            c.hidden_size,
+            c.n_routed_experts,
+            c.num_experts_per_tok,
+            started.elapsed().as_secs_f64(),
+            kv_dtype.id(),
+            backend.name(),
+            shard.world
+        );
+    }
     let requests: Vec<GenerationRequest> = (0..args.batch.max(1))
         .map(|i| GenerationRequest {
             prompt: if args.prompt.is_empty() {
@@ -273,12 +346,16 @@ fn run(args: RunArgs) -> Result<()> {
             },
         })
         .collect();
+    // Pages are per sequence: round each sequence up to whole pages.
     let total_tokens: usize = requests
         .iter()
-        .map(|r| r.prompt.len() + r.max_new_tokens)
+        .map(|r| (r.prompt.len() + r.max_new_tokens).div_ceil(PAGE_TOKENS) * PAGE_TOKENS)
         .sum();
     let mut cache = model.new_cache(kv_dtype, total_tokens);
-    let (results, timing) = generate(&model, &CpuBackend, &mut cache, &requests, |_, _| {})?;
+    let (results, timing) = generate(&model, backend.as_ref(), &mut cache, &requests, |_, _| {})?;
+    if quiet {
+        return Ok(());
+    }
     for (i, r) in results.iter().enumerate() {
         println!(
             "sequence {i}: {:?} ({} tokens): {:?}",
@@ -303,17 +380,28 @@ fn run(args: RunArgs) -> Result<()> {
     Ok(())
 }
 
-fn logits(dir: &Path, tokens: &[u32], out: &Path, kv: KvDtypeArg) -> Result<()> {
-    let (checkpoint, model) = load(dir)?;
-    let mut cache = model.new_cache(resolve_kv_dtype(kv, &checkpoint), tokens.len());
+fn logits(args: LogitsArgs) -> Result<()> {
+    let (dir, tokens, out) = (&args.checkpoint, &args.tokens, &args.out);
+    let hidden = Checkpoint::open(dir)?.model_config().hidden_size;
+    if args.tp.tp > 1 && args.tp.tp_rank.is_none() {
+        return tp::launch_ranks(args.tp.tp, &own_args());
+    }
+    // Load (and shard) before joining the collective, so a model that cannot be split fails
+    // alone instead of leaving its peers waiting.
+    let (checkpoint, model) = load(dir, args.tp.shard())?;
+    let (shard, backend) = rank_backend(&args.tp, tokens.len() * hidden)?;
+    let mut cache = model.new_cache(resolve_kv_dtype(args.kv_dtype, &checkpoint), tokens.len());
     let seq = cache.add_sequence();
     let logits = model.forward(
-        &CpuBackend,
+        backend.as_ref(),
         &mut cache,
         &[SeqInput { seq, tokens }],
         LogitRows::All,
         None,
     )?;
+    if shard.rank != 0 {
+        return Ok(());
+    }
     let bytes: &[u8] = bytemuck::cast_slice(&logits.values);
     let view = TensorView::new(Dtype::F32, vec![logits.rows, logits.vocab], bytes)?;
     safetensors::serialize_to_file([("logits", view)], None, out)

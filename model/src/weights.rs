@@ -218,3 +218,233 @@ pub struct ModelWeights {
     pub norm: Vec<f32>,
     pub lm_head: Bf16Weight,
 }
+
+impl Bf16Weight {
+    /// Rows `start..end`, still borrowed from the mapping where it was.
+    pub fn rows_slice(&self, start: usize, end: usize) -> Self {
+        let data = match &self.data {
+            Bf16Data::Mapped { file, range } => Bf16Data::Mapped {
+                file: file.clone(),
+                range: range.start + start * self.cols * 2..range.start + end * self.cols * 2,
+            },
+            Bf16Data::Owned(values) => Bf16Data::Owned(Arc::new(
+                values[start * self.cols..end * self.cols].to_vec(),
+            )),
+        };
+        Self {
+            rows: end - start,
+            cols: self.cols,
+            data,
+        }
+    }
+
+    /// Columns `start..end` (a copy: the columns are not contiguous).
+    pub fn cols_slice(&self, start: usize, end: usize) -> Self {
+        let values = self.data.as_slice();
+        let sliced = (0..self.rows)
+            .flat_map(|r| {
+                values[r * self.cols + start..r * self.cols + end]
+                    .iter()
+                    .copied()
+            })
+            .collect();
+        Self::owned(self.rows, end - start, sliced)
+    }
+}
+
+impl ByteData {
+    fn sub(&self, range: Range<usize>) -> Self {
+        match self {
+            Self::Mapped { file, range: whole } => Self::Mapped {
+                file: file.clone(),
+                range: whole.start + range.start..whole.start + range.end,
+            },
+            Self::Owned(bytes) => Self::Owned(Arc::new(bytes[range].to_vec())),
+        }
+    }
+}
+
+impl Nvfp4Weight {
+    /// Rows `start..end`.
+    pub fn rows_slice(&self, start: usize, end: usize) -> Self {
+        let (packed_row, scale_row) = (self.cols / 2, self.cols / kernels::formats::NVFP4_BLOCK);
+        Self {
+            rows: end - start,
+            packed: self.packed.sub(start * packed_row..end * packed_row),
+            block_scales: self.block_scales.sub(start * scale_row..end * scale_row),
+            ..self.clone()
+        }
+    }
+
+    /// Columns `start..end`, both multiples of the 16-element block (a copy).
+    pub fn cols_slice(&self, start: usize, end: usize) -> Self {
+        let block = kernels::formats::NVFP4_BLOCK;
+        assert!(
+            start % block == 0 && end % block == 0,
+            "NVFP4 column slice {start}..{end} is not block aligned"
+        );
+        let (packed, scales) = (self.packed.as_slice(), self.block_scales.as_slice());
+        let (packed_row, scale_row) = (self.cols / 2, self.cols / block);
+        let mut new_packed = Vec::with_capacity(self.rows * (end - start) / 2);
+        let mut new_scales = Vec::with_capacity(self.rows * (end - start) / block);
+        for r in 0..self.rows {
+            new_packed
+                .extend_from_slice(&packed[r * packed_row + start / 2..r * packed_row + end / 2]);
+            new_scales.extend_from_slice(
+                &scales[r * scale_row + start / block..r * scale_row + end / block],
+            );
+        }
+        Self {
+            cols: end - start,
+            packed: ByteData::Owned(Arc::new(new_packed)),
+            block_scales: ByteData::Owned(Arc::new(new_scales)),
+            ..self.clone()
+        }
+    }
+}
+
+impl ExpertMatrix {
+    pub fn rows_slice(&self, start: usize, end: usize) -> Self {
+        match self {
+            Self::Bf16(w) => Self::Bf16(w.rows_slice(start, end)),
+            Self::Nvfp4(w) => Self::Nvfp4(w.rows_slice(start, end)),
+        }
+    }
+
+    pub fn cols_slice(&self, start: usize, end: usize) -> Self {
+        match self {
+            Self::Bf16(w) => Self::Bf16(w.cols_slice(start, end)),
+            Self::Nvfp4(w) => Self::Nvfp4(w.cols_slice(start, end)),
+        }
+    }
+}
+
+/// One rank's part of a tensor-parallel model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TpShard {
+    pub rank: usize,
+    pub world: usize,
+}
+
+impl TpShard {
+    pub const SINGLE: Self = Self { rank: 0, world: 1 };
+
+    /// This rank's `start..end` of `total` items split evenly.
+    pub fn range(&self, total: usize) -> (usize, usize) {
+        let per = total / self.world;
+        (self.rank * per, (self.rank + 1) * per)
+    }
+}
+
+impl DenseMlpWeights {
+    /// The intermediate rows `start..end`: gate/up rows, down columns.
+    fn shard(&self, start: usize, end: usize) -> Self {
+        Self {
+            gate: self.gate.rows_slice(start, end),
+            up: self.up.rows_slice(start, end),
+            down: self.down.cols_slice(start, end),
+        }
+    }
+}
+
+impl ModelWeights {
+    /// This rank's shard: attention heads and every MLP's intermediate dimension split across
+    /// ranks (outputs become partial sums for the all-reduce); embeddings, `lm_head`, norms,
+    /// the router and the latent projections (`q_a`, `kv_a`) replicated.
+    pub fn shard(
+        &self,
+        config: &crate::config::ModelConfig,
+        shard: TpShard,
+    ) -> Result<Self, String> {
+        if shard.world == 1 {
+            return Ok(self.clone());
+        }
+        let w = shard.world;
+        let heads = config.num_attention_heads;
+        let check = |what: &str, total: usize, align: usize| -> Result<(usize, usize), String> {
+            if total % w != 0 || (total / w) % align != 0 {
+                return Err(format!(
+                    "{what} = {total} cannot be split over {w} ranks in multiples of {align}"
+                ));
+            }
+            Ok(shard.range(total))
+        };
+        let (h0, h1) = check("num_attention_heads", heads, 1)?;
+        let (qk, kv_rows, v) = (
+            config.qk_head_dim(),
+            config.qk_nope_head_dim + config.v_head_dim,
+            config.v_head_dim,
+        );
+        let layers = self
+            .layers
+            .iter()
+            .map(|layer| {
+                let a = &layer.attention;
+                let q = match &a.q {
+                    QueryProjection::LowRank { a: qa, norm, b } => QueryProjection::LowRank {
+                        a: qa.clone(),
+                        norm: norm.clone(),
+                        b: b.rows_slice(h0 * qk, h1 * qk),
+                    },
+                    QueryProjection::Full(wq) => {
+                        QueryProjection::Full(wq.rows_slice(h0 * qk, h1 * qk))
+                    }
+                };
+                let attention = AttentionWeights {
+                    q,
+                    kv_a: a.kv_a.clone(),
+                    kv_a_norm: a.kv_a_norm.clone(),
+                    kv_b: a.kv_b.rows_slice(h0 * kv_rows, h1 * kv_rows),
+                    o: a.o.cols_slice(h0 * v, h1 * v),
+                };
+                let mlp = match &layer.mlp {
+                    MlpWeights::Dense(d) => {
+                        let (s, e) = check("intermediate_size", d.gate.rows, 1)?;
+                        MlpWeights::Dense(d.shard(s, e))
+                    }
+                    MlpWeights::Moe(m) => {
+                        let (s, e) = check(
+                            "moe_intermediate_size",
+                            config.moe_intermediate_size,
+                            kernels::formats::NVFP4_BLOCK,
+                        )?;
+                        let experts = m
+                            .experts
+                            .iter()
+                            .map(|x| ExpertWeights {
+                                gate: x.gate.rows_slice(s, e),
+                                up: x.up.rows_slice(s, e),
+                                down: x.down.cols_slice(s, e),
+                            })
+                            .collect();
+                        let shared = match &m.shared {
+                            Some(d) => {
+                                let (s, e) = check("shared expert intermediate", d.gate.rows, 1)?;
+                                Some(d.shard(s, e))
+                            }
+                            None => None,
+                        };
+                        MlpWeights::Moe(MoeWeights {
+                            router: m.router.clone(),
+                            correction_bias: m.correction_bias.clone(),
+                            experts,
+                            shared,
+                        })
+                    }
+                };
+                Ok(LayerWeights {
+                    input_norm: layer.input_norm.clone(),
+                    attention,
+                    post_attention_norm: layer.post_attention_norm.clone(),
+                    mlp,
+                })
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        Ok(Self {
+            embed: self.embed.clone(),
+            layers,
+            norm: self.norm.clone(),
+            lm_head: self.lm_head.clone(),
+        })
+    }
+}

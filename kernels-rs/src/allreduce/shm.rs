@@ -29,6 +29,20 @@ pub fn unique_segment_name(tag: &str) -> String {
     )
 }
 
+/// Removes `name` from `/dev/shm` if it is there: for a launcher cleaning up after rank
+/// processes it had to kill, whatever state they died in.
+pub fn remove_segment(name: &str) -> io::Result<()> {
+    let cname = c_name(name)?;
+    // SAFETY: valid C string.
+    if unsafe { libc::shm_unlink(cname.as_ptr()) } != 0 {
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::NotFound {
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
 /// A mapped shared-memory segment.
 pub struct SharedSegment {
     name: String,
