@@ -277,32 +277,32 @@ fn token_ids(v: Option<&Value>) -> Vec<u32> {
 }
 
 fn parse_text_config(t: &Value, root: &Value) -> Result<ModelConfig, String> {
-    if let Some(func) = t.get("scoring_func").and_then(Value::as_str) {
-        if func != "sigmoid" {
-            return Err(format!(
-                "scoring_func `{func}` is not supported (only `sigmoid`)"
-            ));
-        }
+    if let Some(func) = t.get("scoring_func").and_then(Value::as_str)
+        && func != "sigmoid"
+    {
+        return Err(format!(
+            "scoring_func `{func}` is not supported (only `sigmoid`)"
+        ));
     }
-    if let Some(method) = t.get("topk_method").and_then(Value::as_str) {
-        if method != "noaux_tc" {
-            return Err(format!(
-                "topk_method `{method}` is not supported (only `noaux_tc`)"
-            ));
-        }
+    if let Some(method) = t.get("topk_method").and_then(Value::as_str)
+        && method != "noaux_tc"
+    {
+        return Err(format!(
+            "topk_method `{method}` is not supported (only `noaux_tc`)"
+        ));
     }
-    if let Some(act) = t.get("hidden_act").and_then(Value::as_str) {
-        if act != "silu" {
-            return Err(format!("hidden_act `{act}` is not supported (only `silu`)"));
-        }
+    if let Some(act) = t.get("hidden_act").and_then(Value::as_str)
+        && act != "silu"
+    {
+        return Err(format!("hidden_act `{act}` is not supported (only `silu`)"));
     }
     let heads = get_usize(t, "num_attention_heads")?;
-    if let Some(kv_heads) = t.get("num_key_value_heads").and_then(Value::as_u64) {
-        if kv_heads as usize != heads {
-            return Err(format!(
-                "num_key_value_heads {kv_heads} != num_attention_heads {heads}: MLA expects them equal"
-            ));
-        }
+    if let Some(kv_heads) = t.get("num_key_value_heads").and_then(Value::as_u64)
+        && kv_heads as usize != heads
+    {
+        return Err(format!(
+            "num_key_value_heads {kv_heads} != num_attention_heads {heads}: MLA expects them equal"
+        ));
     }
     let rope_scaling = match t.get("rope_scaling") {
         None | Some(Value::Null) => None,
@@ -411,7 +411,7 @@ fn parse_text_config(t: &Value, root: &Value) -> Result<ModelConfig, String> {
             .and_then(Value::as_bool)
             .unwrap_or(false),
     };
-    if config.qk_rope_head_dim % 2 != 0 {
+    if !config.qk_rope_head_dim.is_multiple_of(2) {
         return Err(format!(
             "qk_rope_head_dim {} must be even",
             config.qk_rope_head_dim
@@ -427,12 +427,12 @@ fn parse_text_config(t: &Value, root: &Value) -> Result<ModelConfig, String> {
 }
 
 fn parse_quant(q: &Value, producer: Option<String>) -> Result<QuantConfig, String> {
-    if let Some(method) = q.get("quant_method").and_then(Value::as_str) {
-        if method != "modelopt" {
-            return Err(format!(
-                "quant_method `{method}` is not supported (only ModelOpt NVFP4)"
-            ));
-        }
+    if let Some(method) = q.get("quant_method").and_then(Value::as_str)
+        && method != "modelopt"
+    {
+        return Err(format!(
+            "quant_method `{method}` is not supported (only ModelOpt NVFP4)"
+        ));
     }
     let algo = q
         .get("quant_algo")
@@ -513,11 +513,11 @@ impl ModelConfig {
     /// Softmax scale `qk_head_dim^-0.5 · mscale²` (YaRN's `mscale_all_dim` correction).
     pub fn softmax_scale(&self) -> f32 {
         let mut scale = (self.qk_head_dim() as f64).powf(-0.5);
-        if let Some(y) = &self.rope_scaling {
-            if y.mscale_all_dim != 0.0 {
-                let m = yarn_mscale(y.factor, y.mscale_all_dim);
-                scale *= m * m;
-            }
+        if let Some(y) = &self.rope_scaling
+            && y.mscale_all_dim != 0.0
+        {
+            let m = yarn_mscale(y.factor, y.mscale_all_dim);
+            scale *= m * m;
         }
         scale as f32
     }

@@ -280,7 +280,7 @@ impl Nvfp4Weight {
     pub fn cols_slice(&self, start: usize, end: usize) -> Self {
         let block = kernels::formats::NVFP4_BLOCK;
         assert!(
-            start % block == 0 && end % block == 0,
+            start.is_multiple_of(block) && end.is_multiple_of(block),
             "NVFP4 column slice {start}..{end} is not block aligned"
         );
         let (packed, scales) = (self.packed.as_slice(), self.block_scales.as_slice());
@@ -362,7 +362,7 @@ impl ModelWeights {
         let w = shard.world;
         let heads = config.num_attention_heads;
         let check = |what: &str, total: usize, align: usize| -> Result<(usize, usize), String> {
-            if total % w != 0 || (total / w) % align != 0 {
+            if !total.is_multiple_of(w) || !(total / w).is_multiple_of(align) {
                 return Err(format!(
                     "{what} = {total} cannot be split over {w} ranks in multiples of {align}"
                 ));
