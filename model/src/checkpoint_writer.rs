@@ -59,6 +59,21 @@ impl OwnedTensor {
     }
 }
 
+/// Writes `tensors` as one safetensors file.
+pub fn write_file(path: &Path, tensors: &[OwnedTensor]) -> Result<()> {
+    let views = tensors
+        .iter()
+        .map(|t| {
+            Ok((
+                t.name.clone(),
+                TensorView::new(t.dtype, t.shape.clone(), &t.bytes)?,
+            ))
+        })
+        .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
+    safetensors::serialize_to_file(views, None, path)
+        .with_context(|| format!("writing {}", path.display()))
+}
+
 /// Splits `tensors` into shards of at most `max_shard_bytes` (in the given order) and writes
 /// them with their index into `dir`.
 pub fn write_sharded(dir: &Path, tensors: Vec<OwnedTensor>, max_shard_bytes: usize) -> Result<()> {
@@ -79,18 +94,8 @@ pub fn write_sharded(dir: &Path, tensors: Vec<OwnedTensor>, max_shard_bytes: usi
     let progress = crate::checkpoint::progress_bar(count as u64, "writing shards");
     for (i, shard) in shards.iter().enumerate() {
         let file_name = format!("model-{:05}-of-{:05}.safetensors", i + 1, count);
-        let views = shard
-            .iter()
-            .map(|t| {
-                Ok((
-                    t.name.clone(),
-                    TensorView::new(t.dtype, t.shape.clone(), &t.bytes)?,
-                ))
-            })
-            .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
         let path = dir.join(&file_name);
-        safetensors::serialize_to_file(views, None, &path)
-            .with_context(|| format!("writing {}", path.display()))?;
+        write_file(&path, shard)?;
         for t in shard {
             total_size += t.bytes.len();
             weight_map.insert(t.name.clone(), file_name.clone());

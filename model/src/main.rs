@@ -10,7 +10,7 @@ use kernels::formats::nvfp4::Nvfp4Matrix;
 use kernels::mla::cache::{KvCacheDtype, PAGE_TOKENS};
 use model::backend::{Backend, CpuBackend};
 use model::checkpoint::Checkpoint;
-use model::checkpoint_writer::OwnedTensor;
+use model::checkpoint_writer::{OwnedTensor, write_file};
 use model::config::KvCacheQuant;
 use model::forward::{LogitRows, Model, SeqInput};
 use model::generate::{GenerationRequest, generate};
@@ -590,17 +590,7 @@ fn quantize_file(input: &Path, output: &Path) -> Result<()> {
             input.display()
         );
     }
-    let views = out
-        .iter()
-        .map(|t| {
-            Ok((
-                t.name.clone(),
-                TensorView::new(t.dtype, t.shape.clone(), &t.bytes)?,
-            ))
-        })
-        .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
-    safetensors::serialize_to_file(views, None, output)
-        .with_context(|| format!("writing {}", output.display()))?;
+    write_file(output, &out)?;
     println!("wrote {}", output.display());
     Ok(())
 }

@@ -216,25 +216,19 @@ fn batched_decode_of_several_sequences_equals_separate_runs() {
     let prompts: [&[u32]; 3] = [&g.tokens[..5], &g.tokens[3..12], &g.tokens[7..9]];
     let mut cache = g.model.new_cache(KvCacheDtype::Bf16, 3 * 64);
     let seqs: Vec<_> = prompts.iter().map(|_| cache.add_sequence()).collect();
-    let inputs: Vec<SeqInput> = prompts
-        .iter()
-        .zip(&seqs)
-        .map(|(p, &seq)| SeqInput { seq, tokens: p })
-        .collect();
-    let batched = g
-        .model
-        .forward(&CpuBackend, &mut cache, &inputs, LogitRows::Last, None)
-        .unwrap();
+    let mut step_all = |tokens: Vec<&[u32]>| {
+        let inputs: Vec<SeqInput> = tokens
+            .iter()
+            .zip(&seqs)
+            .map(|(t, &seq)| SeqInput { seq, tokens: t })
+            .collect();
+        g.model
+            .forward(&CpuBackend, &mut cache, &inputs, LogitRows::Last, None)
+            .unwrap()
+    };
+    let batched = step_all(prompts.to_vec());
     let step: Vec<[u32; 1]> = (0..3).map(|i| [g.tokens[15 + i]]).collect();
-    let inputs: Vec<SeqInput> = step
-        .iter()
-        .zip(&seqs)
-        .map(|(t, &seq)| SeqInput { seq, tokens: t })
-        .collect();
-    let batched_step = g
-        .model
-        .forward(&CpuBackend, &mut cache, &inputs, LogitRows::Last, None)
-        .unwrap();
+    let batched_step = step_all(step.iter().map(|t| t.as_slice()).collect());
     for (i, prompt) in prompts.iter().enumerate() {
         let mut whole = prompt.to_vec();
         whole.push(step[i][0]);
