@@ -133,10 +133,7 @@ fn dot_bf16_lanes<const LANES: usize>(x: &[f32], w: &[bf16]) -> f32 {
             }
         }
     }
-    let mut sum = 0.0f32;
-    for k in 0..LANES {
-        sum += acc[0][k] + acc[1][k];
-    }
+    let mut sum: f32 = acc[0].iter().zip(&acc[1]).map(|(a, b)| a + b).sum();
     for (a, b) in x[full..].iter().zip(&w[full..]) {
         sum += a * b.to_f32();
     }
