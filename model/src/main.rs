@@ -104,7 +104,9 @@ struct LogitsArgs {
     tokens: Vec<u32>,
     #[arg(long)]
     out: PathBuf,
-    #[arg(long, value_enum, default_value = "bf16")]
+    /// Latent cache dtype. Scoring defaults to FP32, the reference; `bf16`/`fp8` (or `auto`,
+    /// what the checkpoint asks for) show what a deployment's cache costs.
+    #[arg(long, value_enum, default_value = "f32")]
     kv_dtype: KvDtypeArg,
     #[command(flatten)]
     tp: TpArgs,
