@@ -5,12 +5,16 @@
 //! - [`moe_gemm`]: the NVFP4 grouped GEMM of the routed experts;
 //! - [`mla`]: MLA decode attention over the paged latent cache;
 //! - [`dense`]: BF16/NVFP4 dense products for everything else;
-//! - [`allreduce`]: the PCIe-aware all-reduce of tensor parallelism.
+//! - [`allreduce`]: the PCIe-aware all-reduce of tensor parallelism;
+//! - `cuda` (cargo feature `cuda`): the CUDA driver runtime that loads the compiled kernels
+//!   and launches them.
 //!
 //! [`formats`] holds the number formats every family shares: E2M1, E4M3/UE4M3, NVFP4
 //! two-level quantization and the scale-factor swizzle; [`matrix`] the borrowed weight views.
 
 pub mod allreduce;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod dense;
 pub mod formats;
 pub mod matrix;

@@ -1,0 +1,414 @@
+//! CUDA runtime for the kernel families (cargo feature `cuda`).
+//!
+//! Built on `cudarc`'s driver API with **dynamic loading**: the crate compiles and links with no
+//! CUDA toolkit and no driver, and `libcuda` is opened the first time a [`GpuContext`] is made.
+//! cudarc panics when the library is missing, so [`GpuContext::new`] checks for it first and
+//! returns [`CudaError::NoDriver`]; everything else a driver can refuse comes back as a
+//! [`CudaError`] naming the kernel image, kernel and tactic involved.
+//!
+//! Kernels are not compiled at run time. The compile gate (`scripts/compile-gates.sh`) writes
+//! one cubin per (tactic, SM) to `ptx/<family>/<sm>/<tactic>.cubin`, with the PTX beside it;
+//! [`kernel_image_candidates`] says which files are tried, in order, for a device.
+//!
+//! - [`moe`]: the NVFP4 MoE grouped GEMM (`moe_gate_up`, `moe_down`): host-side layout of
+//!   weights and routing, device buffers, launches.
+
+pub mod moe;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DriverError};
+
+use crate::moe_gemm::Sm;
+
+/// Environment variable that overrides where kernel images are looked for.
+pub const PTX_DIR_ENV: &str = "KIMI_PTX_DIR";
+
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    /// `libcuda.so` (the driver library) could not be opened.
+    #[error(
+        "no CUDA driver: the driver library (libcuda.so.1) could not be opened; install the \
+         NVIDIA driver or put its folder on LD_LIBRARY_PATH"
+    )]
+    NoDriver,
+    /// The driver is there but has no usable device (or refused to initialize).
+    #[error("no CUDA device {ordinal}: {detail}")]
+    NoDevice { ordinal: usize, detail: String },
+    /// The driver panicked inside cudarc (for example a symbol missing from an old driver).
+    #[error("CUDA driver library is unusable during {what}: {detail}")]
+    DriverPanic { what: String, detail: String },
+    #[error("CUDA error during {what}: {err}")]
+    Driver { what: String, err: DriverError },
+    /// No kernel family was built for this compute capability.
+    #[error(
+        "device '{name}' has compute capability {major}.{minor}; kernels are built for sm_90a \
+         (9.0) and sm_120a (12.0) only"
+    )]
+    UnsupportedDevice {
+        name: String,
+        major: i32,
+        minor: i32,
+    },
+    #[error("no kernel image for {what}: tried {}", list_paths(tried))]
+    MissingImage { what: String, tried: Vec<PathBuf> },
+    #[error("cannot load kernel image {}: {detail}", path.display())]
+    LoadImage { path: PathBuf, detail: String },
+    #[error("tactic {tactic} cannot run on {sm}: {why}")]
+    TacticNotRunnable {
+        tactic: String,
+        sm: String,
+        why: String,
+    },
+    #[error("invalid problem for tactic {tactic}: {why}")]
+    Shape { tactic: String, why: String },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+fn list_paths(paths: &[PathBuf]) -> String {
+    paths
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+pub type Result<T> = std::result::Result<T, CudaError>;
+
+/// Attaches a description of the operation to a driver error.
+pub(crate) trait Context<T> {
+    fn during(self, what: impl FnOnce() -> String) -> Result<T>;
+}
+
+impl<T> Context<T> for std::result::Result<T, DriverError> {
+    fn during(self, what: impl FnOnce() -> String) -> Result<T> {
+        self.map_err(|err| CudaError::Driver { what: what(), err })
+    }
+}
+
+/// Whether the driver library can be opened. Cheap; never panics.
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen the library candidates and drops them again.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// Runs `f`, turning a panic inside cudarc (missing library or symbol) into an error, so a
+/// broken driver installation is reported instead of aborting the caller.
+fn no_panic<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(payload) => {
+            let detail = payload
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown panic".into());
+            Err(CudaError::DriverPanic {
+                what: what.into(),
+                detail,
+            })
+        }
+    }
+}
+
+/// The SM whose cubins a device of compute capability `major.minor` runs. The `a` targets
+/// (sm_90a, sm_120a) are not forward compatible, so only the exact capabilities match:
+/// 12.1 (GB10) cannot run sm_120a code, and 10.x cannot run either.
+pub fn sm_for_compute_capability(major: i32, minor: i32) -> Option<Sm> {
+    match (major, minor) {
+        (9, 0) => Some(Sm::Sm90),
+        (12, 0) => Some(Sm::Sm120),
+        _ => None,
+    }
+}
+
+/// The files tried for a kernel image, in order: the gate's cubin (machine code for exactly
+/// this SM), then its PTX. The PTX is a fallback only: it is PTX ISA 9.5 from CUDA 13.5, which
+/// a driver older than 13.5 cannot JIT, whereas the cubin loads on any 13.x driver.
+pub fn kernel_image_candidates(ptx_dir: &Path, family: &str, sm: Sm, tactic: &str) -> [PathBuf; 2] {
+    let dir = ptx_dir.join(family).join(sm.arch());
+    [
+        dir.join(format!("{tactic}.cubin")),
+        dir.join(format!("{tactic}.ptx")),
+    ]
+}
+
+/// The first existing candidate of [`kernel_image_candidates`], or an error listing them.
+pub fn find_kernel_image(ptx_dir: &Path, family: &str, sm: Sm, tactic: &str) -> Result<PathBuf> {
+    let tried = kernel_image_candidates(ptx_dir, family, sm, tactic);
+    tried
+        .iter()
+        .find(|p| p.is_file())
+        .cloned()
+        .ok_or_else(|| CudaError::MissingImage {
+            what: format!("{family} tactic {tactic} on {sm} (run scripts/compile-gates.sh)"),
+            tried: tried.to_vec(),
+        })
+}
+
+/// Where kernel images are looked for: `$KIMI_PTX_DIR`, else `./ptx` if it exists, else the
+/// `ptx/` of the source tree this crate was built from.
+pub fn default_ptx_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os(PTX_DIR_ENV) {
+        return PathBuf::from(dir);
+    }
+    let local = PathBuf::from("ptx");
+    if local.is_dir() {
+        return local;
+    }
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../ptx")
+}
+
+/// What the check and the launchers need to know about the device.
+#[derive(Clone, Debug)]
+pub struct DeviceInfo {
+    pub ordinal: usize,
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    /// `None` when no kernels are built for this device.
+    pub sm: Option<Sm>,
+    pub multiprocessors: usize,
+    pub l2_bytes: usize,
+    pub smem_optin_per_block: usize,
+    pub total_mem: usize,
+    pub driver_version: i32,
+}
+
+/// One device, its primary context and a stream; kernels are loaded per tactic from
+/// [`ptx_dir`](GpuContext::ptx_dir).
+pub struct GpuContext {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    info: DeviceInfo,
+    ptx_dir: PathBuf,
+}
+
+impl GpuContext {
+    /// Opens device `ordinal`. Returns [`CudaError::NoDriver`] (never panics) when the driver
+    /// library is missing.
+    pub fn new(ordinal: usize, ptx_dir: impl Into<PathBuf>) -> Result<Self> {
+        if !driver_present() {
+            return Err(CudaError::NoDriver);
+        }
+        let ptx_dir = ptx_dir.into();
+        no_panic("context creation", || {
+            let ctx = CudaContext::new(ordinal).map_err(|e| CudaError::NoDevice {
+                ordinal,
+                detail: e.to_string(),
+            })?;
+            // One stream, in-order: every ordering the launches need is stream order. cudarc's
+            // per-slice event tracking would add an event record per argument per launch,
+            // which would also sit inside the timed regions.
+            // SAFETY: no other stream of this context is used by this crate.
+            unsafe { ctx.disable_event_tracking() };
+            let stream = ctx.default_stream();
+            let attr = |a: CUdevice_attribute| -> Result<usize> {
+                Ok(ctx
+                    .attribute(a)
+                    .during(|| format!("device attribute {a:?}"))? as usize)
+            };
+            let compute_capability = ctx
+                .compute_capability()
+                .during(|| "cuDeviceGetAttribute(compute capability)".into())?;
+            let mut driver_version = 0i32;
+            // SAFETY: plain out-parameter call.
+            unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver_version) }
+                .result()
+                .during(|| "cuDriverGetVersion".into())?;
+            let info = DeviceInfo {
+                ordinal,
+                name: ctx.name().during(|| "cuDeviceGetName".into())?,
+                compute_capability,
+                sm: sm_for_compute_capability(compute_capability.0, compute_capability.1),
+                multiprocessors: attr(
+                    CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                )?,
+                l2_bytes: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?,
+                smem_optin_per_block: attr(
+                    CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                )?,
+                total_mem: ctx.total_mem().during(|| "cuDeviceTotalMem".into())?,
+                driver_version,
+            };
+            Ok(Self {
+                ctx,
+                stream,
+                info,
+                ptx_dir,
+            })
+        })
+    }
+
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    pub fn ptx_dir(&self) -> &Path {
+        &self.ptx_dir
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The SM kernels are built for, or [`CudaError::UnsupportedDevice`].
+    pub fn sm(&self) -> Result<Sm> {
+        self.info.sm.ok_or_else(|| CudaError::UnsupportedDevice {
+            name: self.info.name.clone(),
+            major: self.info.compute_capability.0,
+            minor: self.info.compute_capability.1,
+        })
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .during(|| "stream synchronize".into())
+    }
+
+    /// An event that records timestamps (cudarc's default event has timing disabled).
+    pub fn timing_event(&self) -> Result<CudaEvent> {
+        self.ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .during(|| "cuEventCreate".into())
+    }
+
+    pub fn record(&self, event: &CudaEvent) -> Result<()> {
+        event.record(&self.stream).during(|| "cuEventRecord".into())
+    }
+
+    /// Device copy bandwidth: median over `iters` of a `bytes`-sized device-to-device copy,
+    /// counting bytes read plus bytes written, in bytes per second. The ceiling the MoE
+    /// kernels' weight bandwidth is compared with.
+    pub fn copy_bandwidth(&self, bytes: usize, warmup: usize, iters: usize) -> Result<f64> {
+        let n = bytes / 4;
+        let src: CudaSlice<u32> = self
+            .stream
+            .alloc_zeros(n)
+            .during(|| format!("alloc {bytes} B"))?;
+        let mut dst: CudaSlice<u32> = self
+            .stream
+            .alloc_zeros(n)
+            .during(|| format!("alloc {bytes} B"))?;
+        let (start, end) = (self.timing_event()?, self.timing_event()?);
+        let mut times = Vec::with_capacity(iters);
+        for i in 0..warmup + iters {
+            self.record(&start)?;
+            self.stream
+                .memcpy_dtod(&src, &mut dst)
+                .during(|| "cuMemcpyDtoDAsync".into())?;
+            self.record(&end)?;
+            end.synchronize().during(|| "event synchronize".into())?;
+            if i >= warmup {
+                times.push(
+                    start
+                        .elapsed_ms(&end)
+                        .during(|| "cuEventElapsedTime".into())? as f64,
+                );
+            }
+        }
+        let ms = median(&mut times);
+        Ok(2.0 * (n * 4) as f64 / (ms * 1e-3))
+    }
+}
+
+/// Median of the values (sorted in place); NaN for an empty slice.
+pub fn median(values: &mut [f64]) -> f64 {
+    if values.is_empty() {
+        return f64::NAN;
+    }
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        0.5 * (values[n / 2 - 1] + values[n / 2])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_exact_capabilities_select_an_sm() {
+        assert_eq!(sm_for_compute_capability(9, 0), Some(Sm::Sm90));
+        assert_eq!(sm_for_compute_capability(12, 0), Some(Sm::Sm120));
+        // sm_90a / sm_120a code is not forward compatible.
+        assert_eq!(sm_for_compute_capability(12, 1), None);
+        assert_eq!(sm_for_compute_capability(10, 0), None);
+        assert_eq!(sm_for_compute_capability(8, 9), None);
+    }
+
+    #[test]
+    fn kernel_image_paths_follow_the_gate_layout() {
+        let [cubin, ptx] = kernel_image_candidates(
+            Path::new("ptx"),
+            "moe_gemm",
+            Sm::Sm90,
+            "portable_n128_m8_k256_w4_s2_sk1_wa_sfsw",
+        );
+        assert_eq!(
+            cubin,
+            Path::new("ptx/moe_gemm/sm_90a/portable_n128_m8_k256_w4_s2_sk1_wa_sfsw.cubin")
+        );
+        assert_eq!(
+            ptx,
+            Path::new("ptx/moe_gemm/sm_90a/portable_n128_m8_k256_w4_s2_sk1_wa_sfsw.ptx")
+        );
+    }
+
+    #[test]
+    fn cubin_is_preferred_and_ptx_is_the_fallback() {
+        let dir = std::env::temp_dir().join(format!("kimi-cuda-test-{}", std::process::id()));
+        let sub = dir.join("moe_gemm/sm_120a");
+        std::fs::create_dir_all(&sub).unwrap();
+        let id = "native_n128_m8_k256_w4_s2_sk1_wa_sfsw";
+        let err = find_kernel_image(&dir, "moe_gemm", Sm::Sm120, id).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains(&format!("{id}.cubin")), "{msg}");
+        assert!(msg.contains(&format!("{id}.ptx")), "{msg}");
+        assert!(msg.contains("sm_120a"), "{msg}");
+        std::fs::write(sub.join(format!("{id}.ptx")), "// ptx").unwrap();
+        assert_eq!(
+            find_kernel_image(&dir, "moe_gemm", Sm::Sm120, id).unwrap(),
+            sub.join(format!("{id}.ptx"))
+        );
+        std::fs::write(sub.join(format!("{id}.cubin")), [0x7f, b'E', b'L', b'F']).unwrap();
+        assert_eq!(
+            find_kernel_image(&dir, "moe_gemm", Sm::Sm120, id).unwrap(),
+            sub.join(format!("{id}.cubin"))
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn missing_driver_is_an_error_not_a_panic() {
+        // Without a driver (CI, this build machine) the error must name the cause; with one,
+        // creating the context may succeed or fail for a device reason, but must not panic.
+        match GpuContext::new(0, "ptx") {
+            Err(CudaError::NoDriver) => {
+                assert!(!driver_present());
+                let msg = CudaError::NoDriver.to_string();
+                assert!(msg.starts_with("no CUDA driver"), "{msg}");
+                assert!(msg.contains("libcuda"), "{msg}");
+            }
+            Ok(gpu) => assert!(driver_present() && !gpu.info().name.is_empty()),
+            Err(other) => assert!(driver_present(), "{other}"),
+        }
+    }
+
+    #[test]
+    fn median_of_even_and_odd_counts() {
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&mut [4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert!(median(&mut []).is_nan());
+    }
+}

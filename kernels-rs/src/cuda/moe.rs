@@ -1,0 +1,921 @@
+//! Host side of the NVFP4 MoE grouped GEMM (`moe_gemm.cu`): weights and routing in the
+//! kernels' layout, device buffers, and the launches of `moe_gate_up` and `moe_down`.
+//!
+//! Layouts (all read from `moe_gemm.cu`; the `MoeArgs` comments there are the contract):
+//! - `w13`: `[E, 2I, H/2]` packed E2M1 (low nibble = even element), gate rows `0..I` then up
+//!   rows `I..2I` of each expert; `w2`: `[E, H, I/2]`.
+//! - Block scales (UE4M3 bytes) per expert, either row-major `[rows, K/16]`
+//!   ([`ScaleLoad::RowMajor`]) or the 128×4 swizzle of `formats::swizzle` padded to
+//!   `[pad128(rows), pad4(K/16)]` ([`ScaleLoad::Swizzled128x4`]); the tactic decides which.
+//! - Per expert f32: `w13_gs` (`weight_scale_2` shared by gate and up), `a13_gs` (gate/up
+//!   `input_scale`), `w2_gs`, `a2_gs` (down `input_scale`, also the global scale `h` is
+//!   quantized with).
+//! - Routing: `expert_offsets [E+1]` (prefix sums), `sorted_token_ids [A]` and
+//!   `sorted_weights [A]` grouped by expert, tokens in increasing order within an expert
+//!   (the order of `Routing::assignments`).
+//! - `x`: `[T, H]` BF16; `h_q [A, I/2]`, `h_sf [A, I/16]` the NVFP4 intermediate; `out [T, H]`
+//!   f32, **accumulated atomically** by `moe_down`, so it must be zeroed before each run.
+
+use std::path::PathBuf;
+
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::{
+    CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+
+use super::{Context, CudaError, GpuContext, Result, find_kernel_image, kernel_image_candidates};
+use crate::formats::nvfp4::Nvfp4View;
+use crate::formats::swizzle::SwizzledScales;
+use crate::moe_gemm::reference::Routing;
+use crate::moe_gemm::{MoeGemmTactic, ScaleLoad, SmemFootprint};
+
+pub const FAMILY: &str = "moe_gemm";
+pub const GATE_UP_KERNEL: &str = "moe_gate_up";
+pub const DOWN_KERNEL: &str = "moe_down";
+/// Poison byte for the NVFP4 intermediate: 0xFF is E4M3 NaN, which the kernels' scale
+/// encoder (clamped to [2⁻⁹, 448]) never produces, so an unwritten `h_sf` byte is detectable.
+pub const H_POISON: u8 = 0xFF;
+
+/// The kernels' single parameter, passed by value. Field order and types mirror
+/// `struct MoeArgs` in `moe_gemm.cu` (device pointers are 8 bytes, `int` 4), so the layouts
+/// agree without padding; the asserts below pin the offsets.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MoeArgs {
+    pub expert_offsets: u64,
+    pub sorted_token_ids: u64,
+    pub sorted_weights: u64,
+    pub hidden: i32,
+    pub inter: i32,
+    pub x: u64,
+    pub w13: u64,
+    pub w13_sf: u64,
+    pub w13_gs: u64,
+    pub a13_gs: u64,
+    pub h_q: u64,
+    pub h_sf: u64,
+    pub w2: u64,
+    pub w2_sf: u64,
+    pub w2_gs: u64,
+    pub a2_gs: u64,
+    pub out: u64,
+}
+
+const _: () = {
+    assert!(std::mem::size_of::<MoeArgs>() == 128);
+    assert!(std::mem::align_of::<MoeArgs>() == 8);
+    assert!(std::mem::offset_of!(MoeArgs, hidden) == 24);
+    assert!(std::mem::offset_of!(MoeArgs, inter) == 28);
+    assert!(std::mem::offset_of!(MoeArgs, x) == 32);
+    assert!(std::mem::offset_of!(MoeArgs, out) == 120);
+};
+
+// SAFETY: plain-old-data, layout identical to the CUDA struct (see the asserts above).
+unsafe impl DeviceRepr for MoeArgs {}
+
+/// One expert's weights as a checkpoint holds them (row-major scales).
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertWeights<'a> {
+    /// `[I, H]`
+    pub gate: Nvfp4View<'a>,
+    /// `[I, H]`; must share `gate`'s global scale (the kernel has one `w13_gs` per expert).
+    pub up: Nvfp4View<'a>,
+    /// `[H, I]`
+    pub down: Nvfp4View<'a>,
+    pub gate_up_input_scale: f32,
+    pub down_input_scale: f32,
+}
+
+/// All experts' weights in the kernels' layout, on the host, with row-major scales (the
+/// swizzled ones are derived per upload).
+#[derive(Clone, Debug, Default)]
+pub struct MoeWeightsHost {
+    pub experts: usize,
+    pub hidden: usize,
+    pub inter: usize,
+    /// `[E, 2I, H/2]`
+    pub w13: Vec<u8>,
+    /// `[E, 2I, H/16]` row-major
+    pub w13_sf: Vec<u8>,
+    /// `[E, H, I/2]`
+    pub w2: Vec<u8>,
+    /// `[E, H, I/16]` row-major
+    pub w2_sf: Vec<u8>,
+    pub w13_gs: Vec<f32>,
+    pub a13_gs: Vec<f32>,
+    pub w2_gs: Vec<f32>,
+    pub a2_gs: Vec<f32>,
+}
+
+impl MoeWeightsHost {
+    /// Packs checkpoint-layout experts into the kernel layout.
+    pub fn from_experts(experts: &[ExpertWeights<'_>]) -> Result<Self> {
+        let first = experts
+            .first()
+            .ok_or_else(|| CudaError::Invalid("no experts".into()))?;
+        let (inter, hidden) = (first.gate.rows, first.gate.cols);
+        let mut w = MoeWeightsHost {
+            experts: experts.len(),
+            hidden,
+            inter,
+            ..Default::default()
+        };
+        for (e, x) in experts.iter().enumerate() {
+            let shapes = [
+                ("gate", x.gate.rows, x.gate.cols, inter, hidden),
+                ("up", x.up.rows, x.up.cols, inter, hidden),
+                ("down", x.down.rows, x.down.cols, hidden, inter),
+            ];
+            for (name, r, c, er, ec) in shapes {
+                if (r, c) != (er, ec) {
+                    return Err(CudaError::Invalid(format!(
+                        "expert {e} {name}_proj is [{r}, {c}], expected [{er}, {ec}]"
+                    )));
+                }
+            }
+            if x.gate.global_scale != x.up.global_scale {
+                return Err(CudaError::Invalid(format!(
+                    "expert {e}: gate_proj and up_proj weight_scale_2 differ ({} vs {}); the \
+                     fused gate/up kernel takes one per expert",
+                    x.gate.global_scale, x.up.global_scale
+                )));
+            }
+            w.w13.extend_from_slice(x.gate.packed);
+            w.w13.extend_from_slice(x.up.packed);
+            w.w13_sf.extend_from_slice(x.gate.block_scales);
+            w.w13_sf.extend_from_slice(x.up.block_scales);
+            w.w2.extend_from_slice(x.down.packed);
+            w.w2_sf.extend_from_slice(x.down.block_scales);
+            w.w13_gs.push(x.gate.global_scale);
+            w.a13_gs.push(x.gate_up_input_scale);
+            w.w2_gs.push(x.down.global_scale);
+            w.a2_gs.push(x.down_input_scale);
+        }
+        w.check()?;
+        Ok(w)
+    }
+
+    /// Checks that every buffer has the size its shape implies.
+    pub fn check(&self) -> Result<()> {
+        let (e, h, i) = (self.experts, self.hidden, self.inter);
+        if !h.is_multiple_of(16) || !i.is_multiple_of(16) || e == 0 {
+            return Err(CudaError::Invalid(format!(
+                "experts {e}, hidden {h}, inter {i}: need ≥ 1 expert and multiples of 16"
+            )));
+        }
+        let sizes = [
+            ("w13", self.w13.len(), e * 2 * i * h / 2),
+            ("w13_sf", self.w13_sf.len(), e * 2 * i * h / 16),
+            ("w2", self.w2.len(), e * h * i / 2),
+            ("w2_sf", self.w2_sf.len(), e * h * i / 16),
+            ("w13_gs", self.w13_gs.len(), e),
+            ("a13_gs", self.a13_gs.len(), e),
+            ("w2_gs", self.w2_gs.len(), e),
+            ("a2_gs", self.a2_gs.len(), e),
+        ];
+        for (name, got, want) in sizes {
+            if got != want {
+                return Err(CudaError::Invalid(format!(
+                    "{name} has {got} elements, expected {want}"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes one expert's weights and scales occupy as a kernel reads them (row-major scales):
+    /// the unique weight traffic of one active expert.
+    pub fn bytes_per_expert(&self) -> usize {
+        3 * self.hidden * self.inter / 2 + 3 * self.hidden * self.inter / 16
+    }
+
+    /// `(w13_sf, w2_sf)` of all experts in `layout`.
+    pub fn scales(&self, layout: ScaleLoad) -> (Vec<u8>, Vec<u8>) {
+        match layout {
+            ScaleLoad::RowMajor => (self.w13_sf.clone(), self.w2_sf.clone()),
+            ScaleLoad::Swizzled128x4 => {
+                let (h, i) = (self.hidden, self.inter);
+                let swizzle = |all: &[u8], rows: usize, cols: usize| -> Vec<u8> {
+                    all.chunks_exact(rows * cols)
+                        .flat_map(|one| SwizzledScales::from_row_major(one, rows, cols).data)
+                        .collect()
+                };
+                (
+                    swizzle(&self.w13_sf, 2 * i, h / 16),
+                    swizzle(&self.w2_sf, h, i / 16),
+                )
+            }
+        }
+    }
+}
+
+/// Routing grouped by expert, as the kernels read it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GroupedRouting {
+    pub tokens: usize,
+    pub top_k: usize,
+    pub experts: usize,
+    /// `[E + 1]`
+    pub expert_offsets: Vec<i32>,
+    /// `[A]`
+    pub sorted_token_ids: Vec<i32>,
+    /// `[A]`
+    pub sorted_weights: Vec<f32>,
+    /// Largest number of tokens any expert received: sizes the grid's z dimension.
+    pub max_per_expert: usize,
+}
+
+impl GroupedRouting {
+    pub fn new(routing: &Routing, experts: usize) -> Result<Self> {
+        if routing.top_k == 0 || routing.experts.len() != routing.weights.len() {
+            return Err(CudaError::Invalid(format!(
+                "routing: top_k {}, {} expert ids, {} weights",
+                routing.top_k,
+                routing.experts.len(),
+                routing.weights.len()
+            )));
+        }
+        if let Some(bad) = routing.experts.iter().find(|&&e| e as usize >= experts) {
+            return Err(CudaError::Invalid(format!(
+                "routing names expert {bad}, but there are {experts}"
+            )));
+        }
+        if routing.experts.len() >= i32::MAX as usize {
+            return Err(CudaError::Invalid(
+                "too many assignments for i32 offsets".into(),
+            ));
+        }
+        let per_expert = routing.assignments(experts);
+        let mut g = GroupedRouting {
+            tokens: routing.tokens(),
+            top_k: routing.top_k,
+            experts,
+            expert_offsets: Vec::with_capacity(experts + 1),
+            sorted_token_ids: Vec::with_capacity(routing.experts.len()),
+            sorted_weights: Vec::with_capacity(routing.experts.len()),
+            max_per_expert: 0,
+        };
+        g.expert_offsets.push(0);
+        for list in &per_expert {
+            for &(t, k) in list {
+                g.sorted_token_ids.push(t as i32);
+                g.sorted_weights
+                    .push(routing.weights[t * routing.top_k + k]);
+            }
+            g.expert_offsets.push(g.sorted_token_ids.len() as i32);
+            g.max_per_expert = g.max_per_expert.max(list.len());
+        }
+        Ok(g)
+    }
+
+    pub fn assignments(&self) -> usize {
+        self.sorted_token_ids.len()
+    }
+
+    /// Experts that received at least one token.
+    pub fn active_experts(&self) -> usize {
+        self.expert_offsets
+            .windows(2)
+            .filter(|w| w[1] > w[0])
+            .count()
+    }
+}
+
+/// Shape constraints of `moe_gemm.cu` that it does not check itself: violating one makes the
+/// kernels skip rows or K tails, or issue misaligned `cp.async`, silently.
+pub fn check_problem(tactic: &MoeGemmTactic, hidden: usize, inter: usize) -> Result<()> {
+    let bad = |why: String| {
+        Err(CudaError::Shape {
+            tactic: tactic.id(),
+            why,
+        })
+    };
+    let (tn, tk, sk) = (
+        tactic.tile_n as usize,
+        tactic.tile_k as usize,
+        tactic.split_k as usize,
+    );
+    if !hidden.is_multiple_of(tk) {
+        return bad(format!("hidden {hidden} is not a multiple of tile_k {tk}"));
+    }
+    if !hidden.is_multiple_of(tn) {
+        return bad(format!(
+            "hidden {hidden} is not a multiple of tile_n {tn} (moe_down grid)"
+        ));
+    }
+    if !inter.is_multiple_of(tn / 2) {
+        return bad(format!(
+            "inter {inter} is not a multiple of tile_n/2 = {} (moe_gate_up grid)",
+            tn / 2
+        ));
+    }
+    if !inter.is_multiple_of(sk) || !(inter / sk).is_multiple_of(tk) {
+        return bad(format!(
+            "inter {inter} / split_k {sk} is not a multiple of tile_k {tk}"
+        ));
+    }
+    // Rows of h_q (I/2 bytes) are read in 16-byte cp.async chunks and rows of h_sf (I/16
+    // bytes) and of row-major weight scales (K/16 bytes) in 4-byte ones.
+    if !inter.is_multiple_of(64) || !hidden.is_multiple_of(64) {
+        return bad(format!(
+            "hidden {hidden} and inter {inter} must be multiples of 64"
+        ));
+    }
+    Ok(())
+}
+
+/// Weights on the device; scales in each layout that was asked for.
+pub struct MoeDeviceWeights {
+    pub experts: usize,
+    pub hidden: usize,
+    pub inter: usize,
+    pub bytes_per_expert: usize,
+    w13: CudaSlice<u8>,
+    w2: CudaSlice<u8>,
+    w13_gs: CudaSlice<f32>,
+    a13_gs: CudaSlice<f32>,
+    w2_gs: CudaSlice<f32>,
+    a2_gs: CudaSlice<f32>,
+    /// `(w13_sf, w2_sf)`, indexed by `ScaleLoad::macro_value`.
+    scales: [Option<(CudaSlice<u8>, CudaSlice<u8>)>; 2],
+}
+
+impl MoeDeviceWeights {
+    pub fn upload(gpu: &GpuContext, host: &MoeWeightsHost, layouts: &[ScaleLoad]) -> Result<Self> {
+        host.check()?;
+        let s = gpu.stream();
+        let up_u8 = |v: &[u8], what: &str| s.clone_htod(v).during(|| format!("upload {what}"));
+        let up_f32 = |v: &[f32], what: &str| s.clone_htod(v).during(|| format!("upload {what}"));
+        let mut scales = [None, None];
+        for &layout in layouts {
+            let (a, b) = host.scales(layout);
+            scales[layout.macro_value() as usize] =
+                Some((up_u8(&a, "w13 scales")?, up_u8(&b, "w2 scales")?));
+        }
+        Ok(Self {
+            experts: host.experts,
+            hidden: host.hidden,
+            inter: host.inter,
+            bytes_per_expert: host.bytes_per_expert(),
+            w13: up_u8(&host.w13, "w13")?,
+            w2: up_u8(&host.w2, "w2")?,
+            w13_gs: up_f32(&host.w13_gs, "w13_gs")?,
+            a13_gs: up_f32(&host.a13_gs, "a13_gs")?,
+            w2_gs: up_f32(&host.w2_gs, "w2_gs")?,
+            a2_gs: up_f32(&host.a2_gs, "a2_gs")?,
+            scales,
+        })
+    }
+
+    pub fn device_bytes(&self) -> usize {
+        let sf: usize = self
+            .scales
+            .iter()
+            .flatten()
+            .map(|(a, b)| a.len() + b.len())
+            .sum();
+        self.w13.len() + self.w2.len() + sf
+    }
+}
+
+/// A grouped routing on the device.
+pub struct MoeDeviceRouting {
+    pub host: GroupedRouting,
+    expert_offsets: CudaSlice<i32>,
+    sorted_token_ids: CudaSlice<i32>,
+    sorted_weights: CudaSlice<f32>,
+}
+
+impl MoeDeviceRouting {
+    pub fn upload(gpu: &GpuContext, routing: GroupedRouting) -> Result<Self> {
+        let s = gpu.stream();
+        // A zero-length allocation is refused by some drivers; an empty routing keeps one
+        // dummy element that no kernel reads (offsets are all 0).
+        let ids = if routing.sorted_token_ids.is_empty() {
+            vec![0]
+        } else {
+            routing.sorted_token_ids.clone()
+        };
+        let ws = if routing.sorted_weights.is_empty() {
+            vec![0.0]
+        } else {
+            routing.sorted_weights.clone()
+        };
+        Ok(Self {
+            expert_offsets: s
+                .clone_htod(&routing.expert_offsets)
+                .during(|| "upload expert_offsets".into())?,
+            sorted_token_ids: s
+                .clone_htod(&ids)
+                .during(|| "upload sorted_token_ids".into())?,
+            sorted_weights: s
+                .clone_htod(&ws)
+                .during(|| "upload sorted_weights".into())?,
+            host: routing,
+        })
+    }
+}
+
+/// Activations, the NVFP4 intermediate and the output of one batch.
+pub struct MoeDeviceActivations {
+    pub tokens: usize,
+    pub hidden: usize,
+    pub inter: usize,
+    /// Assignments (`tokens · top_k`) the intermediate has rows for.
+    pub assignments: usize,
+    x: CudaSlice<u16>,
+    h_q: CudaSlice<u8>,
+    h_sf: CudaSlice<u8>,
+    out: CudaSlice<f32>,
+}
+
+impl MoeDeviceActivations {
+    /// `x_bf16`: `[tokens, hidden]` BF16 bit patterns.
+    pub fn new(
+        gpu: &GpuContext,
+        x_bf16: &[u16],
+        tokens: usize,
+        hidden: usize,
+        inter: usize,
+        assignments: usize,
+    ) -> Result<Self> {
+        if x_bf16.len() != tokens * hidden {
+            return Err(CudaError::Invalid(format!(
+                "x has {} values, expected {tokens}×{hidden}",
+                x_bf16.len()
+            )));
+        }
+        let s = gpu.stream();
+        let rows = assignments.max(1);
+        let mut a = Self {
+            tokens,
+            hidden,
+            inter,
+            assignments,
+            x: s.clone_htod(x_bf16).during(|| "upload x".into())?,
+            h_q: s
+                .alloc_zeros(rows * inter / 2)
+                .during(|| "alloc h_q".into())?,
+            h_sf: s
+                .alloc_zeros(rows * inter / 16)
+                .during(|| "alloc h_sf".into())?,
+            out: s
+                .alloc_zeros(tokens.max(1) * hidden)
+                .during(|| "alloc out".into())?,
+        };
+        a.poison(gpu)?;
+        Ok(a)
+    }
+
+    /// Fills the intermediate with [`H_POISON`] and zeroes `out` (it is accumulated into, so
+    /// it cannot be poisoned; an unwritten output stays 0 where the reference is not).
+    pub fn poison(&mut self, gpu: &GpuContext) -> Result<()> {
+        let s = gpu.stream();
+        for (buf, what) in [(&mut self.h_q, "h_q"), (&mut self.h_sf, "h_sf")] {
+            let n = buf.len();
+            let (ptr, _sync) = buf.device_ptr_mut(s);
+            // SAFETY: ptr is a live allocation of n bytes on this stream's context.
+            unsafe { cudarc::driver::result::memset_d8_async(ptr, H_POISON, n, s.cu_stream()) }
+                .during(|| format!("poison {what}"))?;
+        }
+        self.zero_out(gpu)
+    }
+
+    pub fn zero_out(&mut self, gpu: &GpuContext) -> Result<()> {
+        gpu.stream()
+            .memset_zeros(&mut self.out)
+            .during(|| "zero out".into())
+    }
+
+    pub fn read_out(&self, gpu: &GpuContext) -> Result<Vec<f32>> {
+        let mut v = gpu
+            .stream()
+            .clone_dtoh(&self.out)
+            .during(|| "download out".into())?;
+        v.truncate(self.tokens * self.hidden);
+        Ok(v)
+    }
+
+    /// `(h_q, h_sf)` of the assignments.
+    pub fn read_h(&self, gpu: &GpuContext) -> Result<(Vec<u8>, Vec<u8>)> {
+        let s = gpu.stream();
+        let mut q = s.clone_dtoh(&self.h_q).during(|| "download h_q".into())?;
+        let mut sf = s.clone_dtoh(&self.h_sf).during(|| "download h_sf".into())?;
+        q.truncate(self.assignments * self.inter / 2);
+        sf.truncate(self.assignments * self.inter / 16);
+        Ok((q, sf))
+    }
+}
+
+/// The two kernels of one tactic, loaded and configured for launch.
+pub struct MoeKernels {
+    pub tactic: MoeGemmTactic,
+    /// The image the kernels came from (cubin, or PTX as a fallback).
+    pub image: PathBuf,
+    pub smem: SmemFootprint,
+    /// Registers per thread of `(moe_gate_up, moe_down)` as the driver reports them.
+    pub registers: (i32, i32),
+    gate_up: CudaFunction,
+    down: CudaFunction,
+}
+
+impl MoeKernels {
+    /// Loads the tactic's image for the device's SM, looks up both kernels and raises their
+    /// dynamic shared-memory limit to what the tactic needs.
+    pub fn load(gpu: &GpuContext, tactic: MoeGemmTactic) -> Result<Self> {
+        let sm = gpu.sm()?;
+        let id = tactic.id();
+        let not_runnable = |why: String| CudaError::TacticNotRunnable {
+            tactic: id.clone(),
+            sm: sm.to_string(),
+            why,
+        };
+        tactic.validate().map_err(|e| not_runnable(e.to_string()))?;
+        if !tactic.variant.runs_on(sm) {
+            return Err(not_runnable(format!(
+                "variant {:?} is not built for {sm}",
+                tactic.variant
+            )));
+        }
+        let smem = tactic.smem();
+        let limit = gpu.info().smem_optin_per_block;
+        if smem.max() > limit {
+            return Err(not_runnable(format!(
+                "needs {} B of shared memory, the device allows {limit} B per block",
+                smem.max()
+            )));
+        }
+        let image = find_kernel_image(gpu.ptx_dir(), FAMILY, sm, &id)?;
+        let module = match load_module(gpu, &image) {
+            Ok(m) => m,
+            // A cubin the driver rejects (e.g. built for another SM revision): try the PTX.
+            Err(first) => {
+                let [_, ptx] = kernel_image_candidates(gpu.ptx_dir(), FAMILY, sm, &id);
+                if image != ptx && ptx.is_file() {
+                    load_module(gpu, &ptx).map_err(|second| CudaError::LoadImage {
+                        path: image.clone(),
+                        detail: format!("{first}; PTX fallback failed too: {second}"),
+                    })?
+                } else {
+                    return Err(first);
+                }
+            }
+        };
+        let function = |name: &str, dyn_smem: usize| -> Result<CudaFunction> {
+            let f = module
+                .load_function(name)
+                .map_err(|e| CudaError::LoadImage {
+                    path: image.clone(),
+                    detail: format!("kernel {name} of tactic {id}: {e}"),
+                })?;
+            let static_smem = f
+                .shared_size_bytes()
+                .during(|| format!("{name} ({id}): static shared memory"))?
+                as usize;
+            if static_smem + dyn_smem > limit {
+                return Err(not_runnable(format!(
+                    "{name}: {static_smem} B static + {dyn_smem} B dynamic shared memory > {limit} B"
+                )));
+            }
+            // Above 48 KiB the dynamic size must be opted into per function.
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                dyn_smem as i32,
+            )
+            .during(|| format!("{name} ({id}): set max dynamic shared memory {dyn_smem} B"))?;
+            let max_threads = f
+                .max_threads_per_block()
+                .during(|| format!("{name} ({id}): max threads per block"))?;
+            if (max_threads as u32) < tactic.threads() {
+                return Err(not_runnable(format!(
+                    "{name}: the driver allows {max_threads} threads per block, the tactic \
+                     launches {}",
+                    tactic.threads()
+                )));
+            }
+            Ok(f)
+        };
+        let gate_up = function(GATE_UP_KERNEL, smem.gate_up)?;
+        let down = function(DOWN_KERNEL, smem.down)?;
+        let registers = (
+            gate_up.num_regs().during(|| "num_regs".into())?,
+            down.num_regs().during(|| "num_regs".into())?,
+        );
+        Ok(Self {
+            tactic,
+            image,
+            smem,
+            registers,
+            gate_up,
+            down,
+        })
+    }
+
+    fn check(
+        &self,
+        w: &MoeDeviceWeights,
+        r: &MoeDeviceRouting,
+        a: &MoeDeviceActivations,
+    ) -> Result<()> {
+        let t = &self.tactic;
+        check_problem(t, w.hidden, w.inter)?;
+        let bad = |why: String| {
+            Err(CudaError::Shape {
+                tactic: t.id(),
+                why,
+            })
+        };
+        if (a.hidden, a.inter) != (w.hidden, w.inter) {
+            return bad(format!(
+                "activations are for hidden {} / inter {}, weights for {} / {}",
+                a.hidden, a.inter, w.hidden, w.inter
+            ));
+        }
+        if r.host.experts != w.experts {
+            return bad(format!(
+                "routing over {} experts, weights have {}",
+                r.host.experts, w.experts
+            ));
+        }
+        if r.host.tokens != a.tokens || r.host.assignments() > a.assignments {
+            return bad(format!(
+                "routing has {} tokens / {} assignments, buffers {} / {}",
+                r.host.tokens,
+                r.host.assignments(),
+                a.tokens,
+                a.assignments
+            ));
+        }
+        if w.experts > 65_535 || r.host.max_per_expert.div_ceil(t.tile_m as usize) > 65_535 {
+            return bad("grid y/z beyond 65535".into());
+        }
+        if w.scales[t.scale_load.macro_value() as usize].is_none() {
+            return bad(format!(
+                "weights were uploaded without {:?} scales",
+                t.scale_load
+            ));
+        }
+        Ok(())
+    }
+
+    fn args(
+        &self,
+        gpu: &GpuContext,
+        w: &MoeDeviceWeights,
+        r: &MoeDeviceRouting,
+        a: &mut MoeDeviceActivations,
+    ) -> MoeArgs {
+        let s = gpu.stream();
+        // Event tracking is off (GpuContext::new), so the guards record nothing.
+        let (w13_sf, w2_sf) = w.scales[self.tactic.scale_load.macro_value() as usize]
+            .as_ref()
+            .expect("checked by check()");
+        MoeArgs {
+            expert_offsets: r.expert_offsets.device_ptr(s).0,
+            sorted_token_ids: r.sorted_token_ids.device_ptr(s).0,
+            sorted_weights: r.sorted_weights.device_ptr(s).0,
+            hidden: w.hidden as i32,
+            inter: w.inter as i32,
+            x: a.x.device_ptr(s).0,
+            w13: w.w13.device_ptr(s).0,
+            w13_sf: w13_sf.device_ptr(s).0,
+            w13_gs: w.w13_gs.device_ptr(s).0,
+            a13_gs: w.a13_gs.device_ptr(s).0,
+            h_q: a.h_q.device_ptr_mut(s).0,
+            h_sf: a.h_sf.device_ptr_mut(s).0,
+            w2: w.w2.device_ptr(s).0,
+            w2_sf: w2_sf.device_ptr(s).0,
+            w2_gs: w.w2_gs.device_ptr(s).0,
+            a2_gs: w.a2_gs.device_ptr(s).0,
+            out: a.out.device_ptr_mut(s).0,
+        }
+    }
+
+    /// Launch configurations `(moe_gate_up, moe_down)`; `None` when no expert has a token
+    /// (a zero grid dimension is invalid).
+    pub fn launch_configs(
+        &self,
+        hidden: usize,
+        inter: usize,
+        experts: usize,
+        max_per_expert: usize,
+    ) -> Option<(LaunchConfig, LaunchConfig)> {
+        if max_per_expert == 0 {
+            return None;
+        }
+        let t = &self.tactic;
+        let m_tiles = max_per_expert.div_ceil(t.tile_m as usize) as u32;
+        let block = (t.threads(), 1, 1);
+        Some((
+            // grid: (inter / (TN/2), experts, ceil(max tokens per expert / TM))
+            LaunchConfig {
+                grid_dim: (
+                    (inter / (t.tile_n as usize / 2)) as u32,
+                    experts as u32,
+                    m_tiles,
+                ),
+                block_dim: block,
+                shared_mem_bytes: self.smem.gate_up as u32,
+            },
+            // grid: (hidden / TN, experts, ceil(max tokens per expert / TM) · SPLIT_K)
+            LaunchConfig {
+                grid_dim: (
+                    (hidden / t.tile_n as usize) as u32,
+                    experts as u32,
+                    m_tiles * t.split_k,
+                ),
+                block_dim: block,
+                shared_mem_bytes: self.smem.down as u32,
+            },
+        ))
+    }
+
+    /// Launches `moe_gate_up`: `x` → `h_q`, `h_sf`.
+    pub fn launch_gate_up(
+        &self,
+        gpu: &GpuContext,
+        w: &MoeDeviceWeights,
+        r: &MoeDeviceRouting,
+        a: &mut MoeDeviceActivations,
+    ) -> Result<()> {
+        self.launch(gpu, w, r, a, true)
+    }
+
+    /// Launches `moe_down`: `h` → `out` (accumulated: zero `out` first).
+    pub fn launch_down(
+        &self,
+        gpu: &GpuContext,
+        w: &MoeDeviceWeights,
+        r: &MoeDeviceRouting,
+        a: &mut MoeDeviceActivations,
+    ) -> Result<()> {
+        self.launch(gpu, w, r, a, false)
+    }
+
+    /// Zeroes `out`, then runs both kernels.
+    pub fn run(
+        &self,
+        gpu: &GpuContext,
+        w: &MoeDeviceWeights,
+        r: &MoeDeviceRouting,
+        a: &mut MoeDeviceActivations,
+    ) -> Result<()> {
+        a.zero_out(gpu)?;
+        self.launch_gate_up(gpu, w, r, a)?;
+        self.launch_down(gpu, w, r, a)
+    }
+
+    fn launch(
+        &self,
+        gpu: &GpuContext,
+        w: &MoeDeviceWeights,
+        r: &MoeDeviceRouting,
+        a: &mut MoeDeviceActivations,
+        gate_up: bool,
+    ) -> Result<()> {
+        self.check(w, r, a)?;
+        let Some((cfg_gu, cfg_down)) =
+            self.launch_configs(w.hidden, w.inter, w.experts, r.host.max_per_expert)
+        else {
+            return Ok(());
+        };
+        let args = self.args(gpu, w, r, a);
+        let (f, cfg, name) = if gate_up {
+            (&self.gate_up, cfg_gu, GATE_UP_KERNEL)
+        } else {
+            (&self.down, cfg_down, DOWN_KERNEL)
+        };
+        let mut builder = gpu.stream().launch_builder(f);
+        builder.arg(&args);
+        // SAFETY: `args` matches the kernel's single by-value parameter (`MoeArgs`), every
+        // pointer in it is a live allocation sized by `check` for this launch's grid, and the
+        // dynamic shared memory was opted into at load.
+        unsafe { builder.launch(cfg) }.during(|| {
+            format!(
+                "launch {name} of tactic {} (grid {:?}, block {:?}, smem {} B)",
+                self.tactic, cfg.grid_dim, cfg.block_dim, cfg.shared_mem_bytes
+            )
+        })?;
+        Ok(())
+    }
+}
+
+fn load_module(
+    gpu: &GpuContext,
+    path: &std::path::Path,
+) -> Result<std::sync::Arc<cudarc::driver::CudaModule>> {
+    let bytes = std::fs::read(path).map_err(|e| CudaError::LoadImage {
+        path: path.to_path_buf(),
+        detail: e.to_string(),
+    })?;
+    let image = if path.extension().is_some_and(|e| e == "ptx") {
+        // PTX text is handed to cuModuleLoadData NUL-terminated (from_src adds the NUL).
+        Ptx::from_src(String::from_utf8(bytes).map_err(|e| CudaError::LoadImage {
+            path: path.to_path_buf(),
+            detail: format!("PTX is not UTF-8: {e}"),
+        })?)
+    } else {
+        Ptx::from_binary(bytes)
+    };
+    gpu.context()
+        .load_module(image)
+        .map_err(|e| CudaError::LoadImage {
+            path: path.to_path_buf(),
+            detail: format!(
+                "cuModuleLoadData: {e}{}",
+                if path.extension().is_some_and(|e| e == "ptx") {
+                    " (the PTX is ISA 9.5 from CUDA 13.5; older drivers cannot JIT it)"
+                } else {
+                    ""
+                }
+            ),
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::moe_gemm::{KernelVariant, Sm};
+
+    fn routing() -> Routing {
+        Routing {
+            top_k: 2,
+            experts: vec![2, 0, 0, 2, 2, 1],
+            weights: vec![0.1, 0.2, 0.3, 0.4, 0.5, 0.6],
+        }
+    }
+
+    #[test]
+    fn grouping_follows_expert_then_token_order() {
+        let g = GroupedRouting::new(&routing(), 4).unwrap();
+        assert_eq!(g.expert_offsets, vec![0, 2, 3, 6, 6]);
+        assert_eq!(g.sorted_token_ids, vec![0, 1, 2, 0, 1, 2]);
+        assert_eq!(g.sorted_weights, vec![0.2, 0.3, 0.6, 0.1, 0.4, 0.5]);
+        assert_eq!(g.max_per_expert, 3);
+        assert_eq!(g.active_experts(), 3);
+        assert!(GroupedRouting::new(&routing(), 2).is_err());
+    }
+
+    #[test]
+    fn problem_shapes_are_checked_against_the_tactic() {
+        for t in MoeGemmTactic::enumerate(Sm::Sm90)
+            .into_iter()
+            .chain(MoeGemmTactic::enumerate(Sm::Sm120))
+        {
+            // Kimi-K2.5 at TP8 and at TP4, and the full expert.
+            for inter in [256, 512, 2048] {
+                check_problem(&t, 7168, inter).unwrap();
+            }
+        }
+        let t = MoeGemmTactic::enumerate(Sm::Sm90)
+            .into_iter()
+            .find(|t| t.tile_n == 256 && t.variant == KernelVariant::Portable)
+            .unwrap();
+        let msg = check_problem(&t, 7168, 192).unwrap_err().to_string();
+        assert!(msg.contains(&t.id()) && msg.contains("inter 192"), "{msg}");
+        assert!(check_problem(&t, 7168 + 64, 256).is_err());
+    }
+
+    #[test]
+    fn swizzled_scales_match_the_kernel_offsets() {
+        // moe_gemm.cu weight_sf_offset: ((rt·cols4 + col4)·32 + r%32)·16 + (r/32)·4 (+ j).
+        let (e, h, i) = (2, 128, 64);
+        let mut w = MoeWeightsHost {
+            experts: e,
+            hidden: h,
+            inter: i,
+            w13: vec![0; e * 2 * i * h / 2],
+            w13_sf: (0..e * 2 * i * h / 16).map(|v| (v % 251) as u8).collect(),
+            w2: vec![0; e * h * i / 2],
+            w2_sf: vec![0; e * h * i / 16],
+            ..Default::default()
+        };
+        for v in [&mut w.w13_gs, &mut w.a13_gs, &mut w.w2_gs, &mut w.a2_gs] {
+            *v = vec![1.0; e];
+        }
+        w.check().unwrap();
+        let (sw, _) = w.scales(ScaleLoad::Swizzled128x4);
+        let (rows, kb) = (2 * i, h / 16);
+        let (prow, pcols) = (rows.div_ceil(128) * 128, kb.div_ceil(4) * 4);
+        assert_eq!(sw.len(), e * prow * pcols);
+        for ex in 0..e {
+            for r in 0..rows {
+                for c in 0..kb {
+                    let off = (((r / 128) * (pcols / 4) + c / 4) * 32 + r % 32) * 16
+                        + (r % 128 / 32) * 4
+                        + c % 4;
+                    assert_eq!(
+                        sw[ex * prow * pcols + off],
+                        w.w13_sf[ex * rows * kb + r * kb + c]
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn moe_args_is_a_flat_128_byte_block() {
+        assert_eq!(std::mem::size_of::<MoeArgs>(), 128);
+    }
+}
