@@ -1,1 +1,1033 @@
-fn main() {}
+//! GPU check of the NVFP4 MoE grouped GEMM: for every tactic built for the present GPU,
+//! correctness against the CPU reference (and the committed MoE goldens, when there are any),
+//! then timing with CUDA events against the device's copy bandwidth measured in the same run.
+//!
+//! Meant for a machine with an NVIDIA GPU and driver but no Rust: build here with
+//! `cargo build --release --features cuda -p kernels --bin gpu-check`, carry the binary with
+//! `ptx/` (the gate's cubins) and `golden/data/`; see `scripts/gpu-check.sh` and
+//! `scripts/build-gpu-bundle.sh`.
+//!
+//! Correctness: fresh random inputs every run (the seed is printed and recorded); the NVFP4
+//! intermediate is poisoned with 0xFF (E4M3 NaN, never produced by the kernel's encoder) and
+//! the output zeroed (`moe_down` accumulates into it), so an unwritten row fails. A tactic
+//! passes when no output is NaN/inf, no intermediate scale is left unwritten, and
+//! `‖out − ref‖₂ / ‖ref‖₂ ≤ 1e-3` and `max|out − ref| ≤ 1e-2 · max|ref|`. The kernel and the
+//! reference quantize the same activations the same way and differ only in f32 summation
+//! order, so a correct kernel lands near 1e-6; a layout or indexing bug lands near 1.
+//!
+//! Timing: weights of all 384 experts of one layer at the TP8 shard (1.2 GB, far above L2),
+//! and per scenario a set of routings rotated between launches so successive launches read
+//! other experts' weights from HBM. Reported: median µs of `moe_gate_up` and `moe_down`,
+//! unique weight bytes read per launch over that time (TB/s, and as a fraction of the copy
+//! bandwidth), and TFLOPS over the useful FLOPs `6·A·H·I`.
+//!
+//! Exit status: 0 when every tactic passed, 1 when any failed, 2 when no check could run
+//! (no driver, no device, unsupported GPU, bad arguments).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use cudarc::driver::CudaEvent;
+use half::bf16;
+use kernels::cuda::moe::{
+    ExpertWeights, GroupedRouting, H_POISON, MoeDeviceActivations, MoeDeviceRouting,
+    MoeDeviceWeights, MoeKernels, MoeWeightsHost, check_problem,
+};
+use kernels::cuda::{GpuContext, default_ptx_dir, median};
+use kernels::formats::nvfp4::{Nvfp4Matrix, amax, global_scale_for_amax};
+use kernels::matrix::MatrixView;
+use kernels::moe_gemm::reference::{ExpertInputAmax, ExpertView, Routing, moe_reference};
+use kernels::moe_gemm::{KernelVariant, MoeGemmTactic, ScaleLoad};
+use serde_json::{Value, json};
+
+const REL_L2_TOL: f64 = 1e-3;
+const MAX_ABS_TOL: f64 = 1e-2;
+
+const USAGE: &str = "usage: gpu-check [--ptx-dir DIR] [--golden-dir DIR] [--out DIR] [--device N]
+                 [--seed N] [--tactics SUBSTRING] [--iters N] [--no-timing]
+                 [--time-budget SECONDS]
+  --ptx-dir      kernel images (default: $KIMI_PTX_DIR, else ./ptx)
+  --golden-dir   MoE goldens, optional (default: golden/data/moe)
+  --out          results folder (default: $OUT, else bench/results/gpu)
+  --tactics      only tactics whose id contains SUBSTRING
+  --iters        timed iterations per (tactic, scenario) (default 30)
+  --time-budget  stop timing new tactics after this many seconds (default 300)";
+
+struct Args {
+    ptx_dir: PathBuf,
+    golden_dir: PathBuf,
+    out: PathBuf,
+    device: usize,
+    seed: u64,
+    filter: Option<String>,
+    iters: usize,
+    timing: bool,
+    time_budget_s: f64,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut a = Args {
+        ptx_dir: default_ptx_dir(),
+        golden_dir: PathBuf::from("golden/data/moe"),
+        out: std::env::var_os("OUT")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("bench/results/gpu")),
+        device: 0,
+        // Fresh inputs every run; the seed is printed so a failure can be replayed.
+        seed: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1),
+        filter: None,
+        iters: 30,
+        timing: true,
+        time_budget_s: 300.0,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
+        let num = |s: String| s.parse::<u64>().map_err(|e| format!("{flag}: {e}"));
+        match flag.as_str() {
+            "--ptx-dir" => a.ptx_dir = value()?.into(),
+            "--golden-dir" => a.golden_dir = value()?.into(),
+            "--out" => a.out = value()?.into(),
+            "--device" => a.device = num(value()?)? as usize,
+            "--seed" => a.seed = num(value()?)?,
+            "--tactics" => a.filter = Some(value()?),
+            "--iters" => a.iters = num(value()?)?.max(1) as usize,
+            "--time-budget" => a.time_budget_s = num(value()?)? as f64,
+            "--no-timing" => a.timing = false,
+            "-h" | "--help" => return Err(String::new()),
+            other => return Err(format!("unknown argument {other}")),
+        }
+    }
+    Ok(a)
+}
+
+/// SplitMix64: a dependency-free generator, good enough for test data.
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [-1, 1).
+    fn sym(&mut self) -> f32 {
+        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+    fn fill_bytes(&mut self, out: &mut [u8]) {
+        for chunk in out.chunks_mut(8) {
+            let v = self.next_u64().to_le_bytes();
+            chunk.copy_from_slice(&v[..chunk.len()]);
+        }
+    }
+}
+
+/// A correctness case: NVFP4 experts, BF16 activations, routing and the reference output.
+struct Case {
+    name: String,
+    hidden: usize,
+    inter: usize,
+    weights: MoeWeightsHost,
+    routing: Routing,
+    x_bf16: Vec<u16>,
+    reference: Vec<f32>,
+}
+
+impl Case {
+    fn experts(&self) -> usize {
+        self.weights.experts
+    }
+}
+
+/// Random weights with per-row gains spanning a few binades, so block scales differ; x with
+/// per-token gains and a few outliers; random routing with expert `0` taking every token
+/// (more tokens than any tile_m: several token tiles) and the last expert none.
+fn random_case(
+    name: &str,
+    rng: &mut Rng,
+    tokens: usize,
+    top_k: usize,
+    experts: usize,
+    hidden: usize,
+    inter: usize,
+) -> Case {
+    let matrix = |rng: &mut Rng, rows: usize, cols: usize| -> Vec<f32> {
+        let mut v = vec![0.0f32; rows * cols];
+        for row in v.chunks_exact_mut(cols) {
+            let gain = 0.02 * (1 << rng.below(4)) as f32;
+            for x in row.iter_mut() {
+                *x = rng.sym() * gain;
+            }
+        }
+        v
+    };
+    let mut mats: Vec<[Nvfp4Matrix; 3]> = Vec::with_capacity(experts);
+    for _ in 0..experts {
+        let (g, u, d) = (
+            matrix(rng, inter, hidden),
+            matrix(rng, inter, hidden),
+            matrix(rng, hidden, inter),
+        );
+        // The fused gate/up kernel has one weight_scale_2 per expert, as ModelOpt exports
+        // the pair: quantize both with the scale of their joint amax.
+        let gs = global_scale_for_amax(amax(&g).max(amax(&u)));
+        let q = |v: &[f32], r, c, s| Nvfp4Matrix::quantize_with_global_scale(v, r, c, s).unwrap();
+        mats.push([
+            q(&g, inter, hidden, gs),
+            q(&u, inter, hidden, gs),
+            Nvfp4Matrix::quantize_weight(&d, hidden, inter).unwrap(),
+        ]);
+    }
+    let mut x = vec![0.0f32; tokens * hidden];
+    for row in x.chunks_exact_mut(hidden) {
+        let gain = 0.5 + rng.below(8) as f32;
+        for v in row.iter_mut() {
+            *v = rng.sym() * gain;
+        }
+        row[rng.below(hidden)] *= 20.0;
+    }
+    // The kernel reads BF16: the reference gets the same rounded values.
+    let x_bf16: Vec<u16> = x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+    let x: Vec<f32> = x_bf16
+        .iter()
+        .map(|&b| bf16::from_bits(b).to_f32())
+        .collect();
+    let mut ids = Vec::with_capacity(tokens * top_k);
+    let mut ws = Vec::with_capacity(tokens * top_k);
+    for _ in 0..tokens {
+        let mut chosen = vec![0u32];
+        while chosen.len() < top_k {
+            let e = 1 + rng.below(experts - 2) as u32;
+            if !chosen.contains(&e) {
+                chosen.push(e);
+            }
+        }
+        for e in chosen {
+            ids.push(e);
+            ws.push(0.05 + 0.3 * rng.sym().abs());
+        }
+    }
+    let routing = Routing {
+        top_k,
+        experts: ids,
+        weights: ws,
+    };
+    let a13 = global_scale_for_amax(amax(&x));
+    let views = |a2: &[f32]| -> Vec<ExpertView<'_>> {
+        mats.iter()
+            .zip(a2)
+            .map(|([g, u, d], &a2)| ExpertView {
+                gate: MatrixView::Nvfp4(g.view()),
+                up: MatrixView::Nvfp4(u.view()),
+                down: MatrixView::Nvfp4(d.view()),
+                gate_up_input_scale: Some(a13),
+                down_input_scale: Some(a2),
+            })
+            .collect()
+    };
+    // Calibrate the down projection's input_scale as ModelOpt does (max of h per expert):
+    // h is computed before its quantization, so the first pass's a2 does not matter.
+    let mut out = vec![0.0f32; tokens * hidden];
+    let mut cal = ExpertInputAmax::default();
+    moe_reference(
+        &x,
+        hidden,
+        &routing,
+        &views(&vec![1.0; experts]),
+        &mut out,
+        Some(&mut cal),
+    );
+    let a2: Vec<f32> = cal
+        .down
+        .iter()
+        .map(|&m| {
+            if m > 0.0 {
+                global_scale_for_amax(m)
+            } else {
+                1.0
+            }
+        })
+        .collect();
+    moe_reference(&x, hidden, &routing, &views(&a2), &mut out, None);
+    let experts_w: Vec<ExpertWeights<'_>> = mats
+        .iter()
+        .zip(&a2)
+        .map(|([g, u, d], &a2)| ExpertWeights {
+            gate: g.view(),
+            up: u.view(),
+            down: d.view(),
+            gate_up_input_scale: a13,
+            down_input_scale: a2,
+        })
+        .collect();
+    Case {
+        name: name.into(),
+        hidden,
+        inter,
+        weights: MoeWeightsHost::from_experts(&experts_w).unwrap(),
+        routing,
+        x_bf16,
+        reference: out,
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+struct Compare {
+    rel_l2: f64,
+    max_abs_rel: f64,
+    non_finite: usize,
+    unwritten_h: usize,
+}
+
+impl Compare {
+    fn passed(&self) -> bool {
+        self.non_finite == 0
+            && self.unwritten_h == 0
+            && self.rel_l2 <= REL_L2_TOL
+            && self.max_abs_rel <= MAX_ABS_TOL
+    }
+    fn json(&self) -> Value {
+        json!({"rel_l2": self.rel_l2, "max_abs_over_max_ref": self.max_abs_rel,
+               "non_finite": self.non_finite, "unwritten_h_scales": self.unwritten_h,
+               "passed": self.passed()})
+    }
+}
+
+fn compare(out: &[f32], reference: &[f32], h_sf: &[u8]) -> Compare {
+    let (mut d2, mut r2, mut dmax, mut rmax) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
+    let mut non_finite = 0;
+    for (&o, &r) in out.iter().zip(reference) {
+        if !o.is_finite() {
+            non_finite += 1;
+            continue;
+        }
+        let d = (o as f64 - r as f64).abs();
+        d2 += d * d;
+        r2 += (r as f64).powi(2);
+        dmax = dmax.max(d);
+        rmax = rmax.max((r as f64).abs());
+    }
+    Compare {
+        rel_l2: if r2 > 0.0 {
+            (d2 / r2).sqrt()
+        } else {
+            d2.sqrt()
+        },
+        max_abs_rel: if rmax > 0.0 { dmax / rmax } else { dmax },
+        non_finite,
+        unwritten_h: h_sf.iter().filter(|&&b| b == H_POISON).count(),
+    }
+}
+
+/// Runs `kernels` on a case with poisoned buffers and compares with its reference.
+fn check_case(
+    gpu: &GpuContext,
+    kernels: &MoeKernels,
+    dev: &(MoeDeviceWeights, MoeDeviceRouting),
+    case: &Case,
+) -> Result<Compare, String> {
+    let (w, r) = dev;
+    let a = r.host.assignments();
+    let mut acts = MoeDeviceActivations::new(
+        gpu,
+        &case.x_bf16,
+        case.routing.tokens(),
+        case.hidden,
+        case.inter,
+        a,
+    )
+    .map_err(|e| e.to_string())?;
+    kernels
+        .run(gpu, w, r, &mut acts)
+        .map_err(|e| e.to_string())?;
+    gpu.synchronize()
+        .map_err(|e| format!("{} (kernel fault?)", e))?;
+    let out = acts.read_out(gpu).map_err(|e| e.to_string())?;
+    let (_, h_sf) = acts.read_h(gpu).map_err(|e| e.to_string())?;
+    Ok(compare(&out, &case.reference, &h_sf))
+}
+
+// ---------------------------------------------------------------- goldens (optional)
+
+/// Reads a MoE golden file. Expected schema (safetensors), tolerated names in brackets:
+/// `x` [`hidden_states`] `[T, H]` f32/bf16; `topk_ids` [`expert_ids`] `[T, K]` i32/i64;
+/// `topk_weights` [`routing_weights`] `[T, K]` f32/bf16; `out` [`output`] `[T, H]` f32/bf16;
+/// per expert `e`, under any common prefix: `experts.{e}.{gate,up,down}_proj.weight` u8,
+/// `.weight_scale` f8_e4m3/u8 (row-major), `.weight_scale_2` and `.input_scale` f32 scalars.
+fn load_golden(path: &Path) -> Result<Case, String> {
+    use safetensors::{Dtype, SafeTensors};
+    let bytes = std::fs::read(path).map_err(|e| e.to_string())?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| e.to_string())?;
+    let names: Vec<String> = st.names().into_iter().map(|s| s.to_string()).collect();
+    let find = |alts: &[&str]| -> Result<safetensors::tensor::TensorView<'_>, String> {
+        for a in alts {
+            if let Some(n) = names
+                .iter()
+                .find(|n| n == a || n.ends_with(&format!(".{a}")))
+            {
+                return st.tensor(n).map_err(|e| e.to_string());
+            }
+        }
+        Err(format!("no tensor named {}", alts.join(" / ")))
+    };
+    let floats = |t: &safetensors::tensor::TensorView<'_>| -> Result<Vec<f32>, String> {
+        let d = t.data();
+        match t.dtype() {
+            Dtype::F32 => Ok(d
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()),
+            Dtype::BF16 => Ok(d
+                .chunks_exact(2)
+                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect()),
+            other => Err(format!("unsupported float dtype {other:?}")),
+        }
+    };
+    let ints = |t: &safetensors::tensor::TensorView<'_>| -> Result<Vec<u32>, String> {
+        let d = t.data();
+        match t.dtype() {
+            Dtype::I32 => Ok(d
+                .chunks_exact(4)
+                .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as u32)
+                .collect()),
+            Dtype::I64 => Ok(d
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+                .collect()),
+            other => Err(format!("unsupported index dtype {other:?}")),
+        }
+    };
+    let x_t = find(&["x", "hidden_states"])?;
+    let (tokens, hidden) = match x_t.shape() {
+        [t, h] => (*t, *h),
+        s => return Err(format!("x has shape {s:?}")),
+    };
+    let x = floats(&x_t)?;
+    let ids = ints(&find(&["topk_ids", "expert_ids"])?)?;
+    let ws = floats(&find(&["topk_weights", "routing_weights"])?)?;
+    let reference = floats(&find(&["out", "output"])?)?;
+    if tokens == 0 || ids.len() % tokens != 0 || ids.len() != ws.len() {
+        return Err("routing tensors disagree with x".into());
+    }
+    let top_k = ids.len() / tokens;
+    let mut experts = 0;
+    while names
+        .iter()
+        .any(|n| n.ends_with(&format!("experts.{experts}.gate_proj.weight")))
+    {
+        experts += 1;
+    }
+    if experts == 0 {
+        return Err("no experts.0.gate_proj.weight".into());
+    }
+    let mut mats = Vec::with_capacity(experts);
+    let mut scales = Vec::with_capacity(experts);
+    for e in 0..experts {
+        let mut three = Vec::with_capacity(3);
+        let mut input_scales = [0.0f32; 3];
+        for (j, p) in ["gate_proj", "up_proj", "down_proj"].iter().enumerate() {
+            let base = format!("experts.{e}.{p}");
+            let w = find(&[&format!("{base}.weight")])?;
+            let sf = find(&[&format!("{base}.weight_scale")])?;
+            let gs = floats(&find(&[&format!("{base}.weight_scale_2")])?)?;
+            let is = floats(&find(&[&format!("{base}.input_scale")])?)?;
+            let (rows, cols) = match w.shape() {
+                [r, c] => (*r, *c * 2),
+                s => return Err(format!("{base}.weight has shape {s:?}")),
+            };
+            let m = Nvfp4Matrix::from_parts(
+                rows,
+                cols,
+                w.data().to_vec(),
+                sf.data().to_vec(),
+                *gs.first().ok_or("empty weight_scale_2")?,
+            )
+            .map_err(|e| format!("{base}: {e}"))?;
+            input_scales[j] = *is.first().ok_or("empty input_scale")?;
+            three.push(m);
+        }
+        if input_scales[0] != input_scales[1] {
+            return Err(format!("expert {e}: gate and up input_scale differ"));
+        }
+        scales.push((input_scales[0], input_scales[2]));
+        mats.push(three);
+    }
+    let inter = mats[0][0].rows;
+    let ew: Vec<ExpertWeights<'_>> = mats
+        .iter()
+        .zip(&scales)
+        .map(|(m, &(a13, a2))| ExpertWeights {
+            gate: m[0].view(),
+            up: m[1].view(),
+            down: m[2].view(),
+            gate_up_input_scale: a13,
+            down_input_scale: a2,
+        })
+        .collect();
+    let weights = MoeWeightsHost::from_experts(&ew).map_err(|e| e.to_string())?;
+    Ok(Case {
+        name: format!(
+            "golden:{}",
+            path.file_name().unwrap_or_default().to_string_lossy()
+        ),
+        hidden,
+        inter,
+        weights,
+        routing: Routing {
+            top_k,
+            experts: ids,
+            weights: ws,
+        },
+        x_bf16: x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect(),
+        reference,
+    })
+}
+
+fn golden_cases(dir: &Path, notes: &mut Vec<String>) -> Vec<Case> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        notes.push(format!("goldens: skipped, no folder {}", dir.display()));
+        return Vec::new();
+    };
+    let mut files: Vec<PathBuf> = entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        notes.push(format!(
+            "goldens: skipped, no .safetensors in {}",
+            dir.display()
+        ));
+    }
+    let mut out = Vec::new();
+    for f in files {
+        match load_golden(&f) {
+            Ok(c) => out.push(c),
+            Err(e) => notes.push(format!("goldens: skipped {}: {e}", f.display())),
+        }
+    }
+    out
+}
+
+// ---------------------------------------------------------------- timing
+
+struct Scenario {
+    tokens: usize,
+    top_k: usize,
+    routings: Vec<MoeDeviceRouting>,
+    acts: MoeDeviceActivations,
+}
+
+/// All experts' weights of one layer with random NVFP4 codes and valid scales: timing needs
+/// real-looking bytes (no zeros, no NaN scales), not meaningful values.
+fn timing_weights(rng: &mut Rng, experts: usize, hidden: usize, inter: usize) -> MoeWeightsHost {
+    let mut w = MoeWeightsHost {
+        experts,
+        hidden,
+        inter,
+        w13: vec![0; experts * 2 * inter * hidden / 2],
+        w13_sf: vec![0; experts * 2 * inter * hidden / 16],
+        w2: vec![0; experts * hidden * inter / 2],
+        w2_sf: vec![0; experts * hidden * inter / 16],
+        ..Default::default()
+    };
+    rng.fill_bytes(&mut w.w13);
+    rng.fill_bytes(&mut w.w2);
+    // UE4M3 codes 0x28..0x47: 2^-2 .. 2^1, far from NaN (0x7F) and subnormals.
+    for b in w.w13_sf.iter_mut().chain(w.w2_sf.iter_mut()) {
+        *b = 0x28 + (rng.next_u64() % 32) as u8;
+    }
+    w.w13_gs = vec![1e-3; experts];
+    w.a13_gs = vec![1e-3; experts];
+    w.w2_gs = vec![1e-3; experts];
+    w.a2_gs = vec![1e-3; experts];
+    w
+}
+
+/// Routings that cycle through all experts: each token's `top_k` experts are consecutive in
+/// a random permutation, and successive routings continue where the last one stopped, so a
+/// cycle of launches touches every expert (the whole 1.2 GB) once.
+fn rotating_routings(rng: &mut Rng, tokens: usize, top_k: usize, experts: usize) -> Vec<Routing> {
+    let mut perm: Vec<u32> = (0..experts as u32).collect();
+    for i in (1..experts).rev() {
+        perm.swap(i, rng.below(i + 1));
+    }
+    let per_launch = tokens * top_k;
+    let count = experts.div_ceil(per_launch).clamp(1, 64);
+    (0..count)
+        .map(|r| {
+            let ids: Vec<u32> = (0..per_launch)
+                .map(|i| perm[(r * per_launch + i) % experts])
+                .collect();
+            Routing {
+                top_k,
+                weights: (0..per_launch).map(|_| 0.125).collect(),
+                experts: ids,
+            }
+        })
+        .collect()
+}
+
+#[derive(Clone, Debug)]
+struct Timing {
+    tokens: usize,
+    iters: usize,
+    gate_up_us: f64,
+    down_us: f64,
+    total_us: f64,
+    weight_bytes: f64,
+    tb_s: f64,
+    copy_fraction: f64,
+    tflops: f64,
+}
+
+fn time_tactic(
+    gpu: &GpuContext,
+    k: &MoeKernels,
+    w: &MoeDeviceWeights,
+    sc: &mut Scenario,
+    warmup: usize,
+    iters: usize,
+    copy_bw: f64,
+) -> Result<Timing, String> {
+    let err = |e: kernels::cuda::CudaError| e.to_string();
+    let n = warmup + iters;
+    let mut events = Vec::with_capacity(4 * n);
+    for _ in 0..4 * n {
+        events.push(gpu.timing_event().map_err(err)?);
+    }
+    for i in 0..n {
+        let r = &sc.routings[i % sc.routings.len()];
+        let ev = &events[4 * i..4 * i + 4];
+        gpu.record(&ev[0]).map_err(err)?;
+        k.launch_gate_up(gpu, w, r, &mut sc.acts).map_err(err)?;
+        gpu.record(&ev[1]).map_err(err)?;
+        sc.acts.zero_out(gpu).map_err(err)?;
+        gpu.record(&ev[2]).map_err(err)?;
+        k.launch_down(gpu, w, r, &mut sc.acts).map_err(err)?;
+        gpu.record(&ev[3]).map_err(err)?;
+    }
+    gpu.synchronize()
+        .map_err(|e| format!("{e} (kernel fault?)"))?;
+    let ms = |a: &CudaEvent, b: &CudaEvent| a.elapsed_ms(b).map(|v| v as f64);
+    let (mut gu, mut dn, mut tot, mut bw) = (vec![], vec![], vec![], vec![]);
+    let mut bytes_sum = 0.0;
+    for i in warmup..n {
+        let ev = &events[4 * i..4 * i + 4];
+        let g = ms(&ev[0], &ev[1]).map_err(|e| e.to_string())?;
+        let d = ms(&ev[2], &ev[3]).map_err(|e| e.to_string())?;
+        let r = &sc.routings[i % sc.routings.len()];
+        let bytes = (r.host.active_experts() * w.bytes_per_expert) as f64;
+        bytes_sum += bytes;
+        gu.push(g * 1e3);
+        dn.push(d * 1e3);
+        tot.push((g + d) * 1e3);
+        bw.push(bytes / ((g + d) * 1e-3));
+    }
+    let total_us = median(&mut tot);
+    let flops = 6.0 * (sc.tokens * sc.top_k) as f64 * w.hidden as f64 * w.inter as f64;
+    let tb_s = median(&mut bw) / 1e12;
+    Ok(Timing {
+        tokens: sc.tokens,
+        iters,
+        gate_up_us: median(&mut gu),
+        down_us: median(&mut dn),
+        total_us,
+        weight_bytes: bytes_sum / iters as f64,
+        tb_s,
+        copy_fraction: tb_s * 1e12 / copy_bw,
+        tflops: flops / (total_us * 1e-6) / 1e12,
+    })
+}
+
+// ---------------------------------------------------------------- main
+
+struct TacticResult {
+    tactic: MoeGemmTactic,
+    image: Option<PathBuf>,
+    registers: Option<(i32, i32)>,
+    checks: Vec<(String, Result<Compare, String>)>,
+    timings: Vec<Result<Timing, String>>,
+}
+
+impl TacticResult {
+    fn passed(&self) -> bool {
+        !self.checks.is_empty()
+            && self
+                .checks
+                .iter()
+                .all(|(_, c)| c.as_ref().is_ok_and(Compare::passed))
+    }
+}
+
+fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            if !e.is_empty() {
+                eprintln!("gpu-check: {e}");
+            }
+            eprintln!("{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    let started = Instant::now();
+    let gpu = match GpuContext::new(args.device, &args.ptx_dir) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("gpu-check: skipped: no GPU ({e})");
+            return ExitCode::from(2);
+        }
+    };
+    let info = gpu.info().clone();
+    println!(
+        "gpu-check: device {} '{}' cc {}.{}, {} SMs, L2 {} MB, smem opt-in {} B, {:.1} GB, \
+         driver {}.{}",
+        info.ordinal,
+        info.name,
+        info.compute_capability.0,
+        info.compute_capability.1,
+        info.multiprocessors,
+        info.l2_bytes >> 20,
+        info.smem_optin_per_block,
+        info.total_mem as f64 / 1e9,
+        info.driver_version / 1000,
+        info.driver_version % 1000 / 10
+    );
+    let sm = match gpu.sm() {
+        Ok(sm) => sm,
+        Err(e) => {
+            eprintln!("gpu-check: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let tactics: Vec<MoeGemmTactic> = MoeGemmTactic::enumerate(sm)
+        .into_iter()
+        .filter(|t| args.filter.as_ref().is_none_or(|f| t.id().contains(f)))
+        .collect();
+    println!(
+        "gpu-check: {} tactics for {sm} from {}, seed {}",
+        tactics.len(),
+        args.ptx_dir.display(),
+        args.seed
+    );
+    if tactics.is_empty() {
+        eprintln!("gpu-check: no tactic matches");
+        return ExitCode::from(2);
+    }
+
+    // Correctness cases (Kimi-K2.5 hidden size; TP8 and TP4 intermediate shards).
+    let mut rng = Rng(args.seed);
+    let t0 = Instant::now();
+    let mut cases = vec![
+        random_case("decode_t4_e16_i256", &mut rng, 4, 8, 16, 7168, 256),
+        random_case("grouped_t80_e16_i512", &mut rng, 80, 8, 16, 7168, 512),
+    ];
+    let mut notes = Vec::new();
+    cases.extend(golden_cases(&args.golden_dir, &mut notes));
+    for n in &notes {
+        println!("gpu-check: {n}");
+    }
+    println!(
+        "gpu-check: {} correctness cases ready in {:.1} s (CPU reference)",
+        cases.len(),
+        t0.elapsed().as_secs_f64()
+    );
+    let layouts = [ScaleLoad::Swizzled128x4, ScaleLoad::RowMajor];
+    let mut dev_cases = Vec::new();
+    for c in &cases {
+        let up = MoeDeviceWeights::upload(&gpu, &c.weights, &layouts).and_then(|w| {
+            let g = GroupedRouting::new(&c.routing, c.experts())?;
+            Ok((w, MoeDeviceRouting::upload(&gpu, g)?))
+        });
+        dev_cases.push(up.map_err(|e| e.to_string()));
+    }
+
+    let mut results: Vec<TacticResult> = Vec::new();
+    for &t in &tactics {
+        let mut r = TacticResult {
+            tactic: t,
+            image: None,
+            registers: None,
+            checks: Vec::new(),
+            timings: Vec::new(),
+        };
+        match MoeKernels::load(&gpu, t) {
+            Err(e) => r.checks.push(("load".into(), Err(e.to_string()))),
+            Ok(k) => {
+                r.image = Some(k.image.clone());
+                r.registers = Some(k.registers);
+                for (c, dev) in cases.iter().zip(&dev_cases) {
+                    // A golden may have shapes a tactic cannot take (the tiny test models);
+                    // the random cases are Kimi's shapes, which every tactic must take.
+                    if let Err(e) = check_problem(&t, c.hidden, c.inter)
+                        && c.name.starts_with("golden:")
+                    {
+                        println!("gpu-check: {t}: {} skipped: {e}", c.name);
+                        continue;
+                    }
+                    let res = match dev {
+                        Ok(dev) => check_case(&gpu, &k, dev, c),
+                        Err(e) => Err(e.clone()),
+                    };
+                    r.checks.push((c.name.clone(), res));
+                }
+            }
+        }
+        let status = if r.passed() { "PASS" } else { "FAIL" };
+        let detail: Vec<String> = r
+            .checks
+            .iter()
+            .map(|(n, c)| match c {
+                Ok(c) => format!(
+                    "{n}: rel_l2 {:.1e} max {:.1e}{}{}",
+                    c.rel_l2,
+                    c.max_abs_rel,
+                    if c.non_finite > 0 {
+                        format!(" nonfinite {}", c.non_finite)
+                    } else {
+                        String::new()
+                    },
+                    if c.unwritten_h > 0 {
+                        format!(" unwritten-h {}", c.unwritten_h)
+                    } else {
+                        String::new()
+                    }
+                ),
+                Err(e) => format!("{n}: ERROR {e}"),
+            })
+            .collect();
+        println!("{status} {t}  {}", detail.join("; "));
+        results.push(r);
+    }
+    drop(dev_cases);
+
+    // Timing.
+    let mut copy_bw = f64::NAN;
+    let mut timing_notes = Vec::new();
+    if args.timing && results.iter().any(TacticResult::passed) {
+        match gpu.copy_bandwidth(1 << 30, 3, 10) {
+            Ok(bw) => copy_bw = bw,
+            Err(e) => timing_notes.push(format!("copy bandwidth failed: {e}")),
+        }
+        println!(
+            "gpu-check: device copy bandwidth {:.2} TB/s (1 GiB cuMemcpyDtoD, read + write)",
+            copy_bw / 1e12
+        );
+        let (experts, hidden, inter) = (384, 7168, 256);
+        let t0 = Instant::now();
+        let host = timing_weights(&mut rng, experts, hidden, inter);
+        let setup = MoeDeviceWeights::upload(&gpu, &host, &layouts).and_then(|w| {
+            let mut scenarios = Vec::new();
+            for tokens in [1usize, 16, 128] {
+                let top_k = 8;
+                let routings = rotating_routings(&mut rng, tokens, top_k, experts)
+                    .iter()
+                    .map(|r| MoeDeviceRouting::upload(&gpu, GroupedRouting::new(r, experts)?))
+                    .collect::<kernels::cuda::Result<Vec<_>>>()?;
+                let x: Vec<u16> = (0..tokens * hidden)
+                    .map(|_| bf16::from_f32(rng.sym() * 4.0).to_bits())
+                    .collect();
+                let acts =
+                    MoeDeviceActivations::new(&gpu, &x, tokens, hidden, inter, tokens * top_k)?;
+                scenarios.push(Scenario {
+                    tokens,
+                    top_k,
+                    routings,
+                    acts,
+                });
+            }
+            Ok((w, scenarios))
+        });
+        drop(host);
+        match setup {
+            Err(e) => timing_notes.push(format!("timing setup failed: {e}")),
+            Ok((w, mut scenarios)) => {
+                println!(
+                    "gpu-check: timing weights: {experts} experts × {:.2} MB = {:.2} GB on \
+                     device, ready in {:.1} s",
+                    w.bytes_per_expert as f64 / 1e6,
+                    w.device_bytes() as f64 / 1e9,
+                    t0.elapsed().as_secs_f64()
+                );
+                for r in results.iter_mut().filter(|r| r.passed()) {
+                    if started.elapsed().as_secs_f64() > args.time_budget_s {
+                        timing_notes.push(format!("{}: not timed (time budget)", r.tactic));
+                        continue;
+                    }
+                    let k = match MoeKernels::load(&gpu, r.tactic) {
+                        Ok(k) => k,
+                        Err(e) => {
+                            r.timings.push(Err(e.to_string()));
+                            continue;
+                        }
+                    };
+                    // The emulated MMA runs in f64 (for correctness, not speed): time it
+                    // only at batch 1, briefly.
+                    let emulated = r.tactic.variant == KernelVariant::Sm120EmulatedOnSm90;
+                    for sc in scenarios.iter_mut() {
+                        if emulated && sc.tokens > 1 {
+                            continue;
+                        }
+                        let iters = if emulated { 5 } else { args.iters };
+                        let t = time_tactic(&gpu, &k, &w, sc, 3, iters, copy_bw);
+                        r.timings.push(t);
+                    }
+                    let line: Vec<String> = r
+                        .timings
+                        .iter()
+                        .map(|t| match t {
+                            Ok(t) => format!(
+                                "T={}: {:.1} µs ({:.1}+{:.1}) {:.2} TB/s {:.0}% copy {:.2} TFLOPS",
+                                t.tokens,
+                                t.total_us,
+                                t.gate_up_us,
+                                t.down_us,
+                                t.tb_s,
+                                100.0 * t.copy_fraction,
+                                t.tflops
+                            ),
+                            Err(e) => format!("ERROR {e}"),
+                        })
+                        .collect();
+                    println!("TIME {}  {}", r.tactic, line.join("; "));
+                }
+            }
+        }
+    } else if !args.timing {
+        timing_notes.push("timing disabled (--no-timing)".into());
+    }
+    for n in &timing_notes {
+        println!("gpu-check: {n}");
+    }
+
+    // Report.
+    let passed = results.iter().filter(|r| r.passed()).count();
+    let failed = results.len() - passed;
+    let report = json!({
+        "device": {"name": info.name, "compute_capability": [info.compute_capability.0, info.compute_capability.1],
+                   "sm": sm.arch(), "multiprocessors": info.multiprocessors, "l2_bytes": info.l2_bytes,
+                   "smem_optin_per_block": info.smem_optin_per_block, "total_mem": info.total_mem,
+                   "driver_version": info.driver_version},
+        "seed": args.seed,
+        "ptx_dir": args.ptx_dir.display().to_string(),
+        "tolerance": {"rel_l2": REL_L2_TOL, "max_abs_over_max_ref": MAX_ABS_TOL},
+        "cases": cases.iter().map(|c| json!({"name": c.name, "tokens": c.routing.tokens(),
+            "top_k": c.routing.top_k, "experts": c.experts(), "hidden": c.hidden, "inter": c.inter})).collect::<Vec<_>>(),
+        "copy_bandwidth_bytes_per_s": if copy_bw.is_finite() { json!(copy_bw) } else { Value::Null },
+        "notes": notes.iter().chain(&timing_notes).collect::<Vec<_>>(),
+        "tactics": results.iter().map(|r| {
+            let checks: BTreeMap<String, Value> = r.checks.iter().map(|(n, c)| (n.clone(), match c {
+                Ok(c) => c.json(),
+                Err(e) => json!({"error": e, "passed": false}),
+            })).collect();
+            json!({
+                "tactic": r.tactic.id(),
+                "variant": format!("{:?}", r.tactic.variant),
+                "image": r.image.as_ref().map(|p| p.display().to_string()),
+                "registers": r.registers.map(|(a, b)| json!({"moe_gate_up": a, "moe_down": b})),
+                "smem": {"moe_gate_up": r.tactic.smem().gate_up, "moe_down": r.tactic.smem().down},
+                "passed": r.passed(),
+                "checks": checks,
+                "timings": r.timings.iter().map(|t| match t {
+                    Ok(t) => json!({"tokens": t.tokens, "iters": t.iters, "gate_up_us": t.gate_up_us,
+                        "down_us": t.down_us, "total_us": t.total_us, "weight_bytes": t.weight_bytes,
+                        "weight_tb_per_s": t.tb_s, "fraction_of_copy": t.copy_fraction, "tflops": t.tflops}),
+                    Err(e) => json!({"error": e}),
+                }).collect::<Vec<_>>(),
+            })
+        }).collect::<Vec<_>>(),
+        "passed": passed,
+        "failed": failed,
+        "wall_s": started.elapsed().as_secs_f64(),
+    });
+    let table = text_table(&results, copy_bw);
+    if let Err(e) = write_outputs(&args.out, &report, &table) {
+        eprintln!(
+            "gpu-check: cannot write results to {}: {e}",
+            args.out.display()
+        );
+    } else {
+        println!("gpu-check: results in {}", args.out.display());
+    }
+    println!("{table}");
+    println!("{passed} passed, {failed} failed");
+    if failed == 0 && passed > 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+fn text_table(results: &[TacticResult], copy_bw: f64) -> String {
+    let mut s = format!(
+        "{:<44} {:>4} {:>9} {:>5} {:>10} {:>10} {:>10} {:>8} {:>6} {:>8}\n",
+        "tactic",
+        "ok",
+        "rel_l2",
+        "T",
+        "gate_up µs",
+        "down µs",
+        "total µs",
+        "TB/s",
+        "%copy",
+        "TFLOPS"
+    );
+    for r in results {
+        let worst = r
+            .checks
+            .iter()
+            .filter_map(|(_, c)| c.as_ref().ok().map(|c| c.rel_l2))
+            .fold(f64::NAN, f64::max);
+        let ok = if r.passed() { "PASS" } else { "FAIL" };
+        let timings: Vec<&Timing> = r.timings.iter().filter_map(|t| t.as_ref().ok()).collect();
+        if timings.is_empty() {
+            s += &format!("{:<44} {:>4} {:>9.1e}\n", r.tactic.id(), ok, worst);
+        }
+        for (i, t) in timings.iter().enumerate() {
+            let (name, ok, rel) = if i == 0 {
+                (r.tactic.id(), ok, format!("{worst:.1e}"))
+            } else {
+                (String::new(), "", String::new())
+            };
+            s += &format!(
+                "{:<44} {:>4} {:>9} {:>5} {:>10.1} {:>10.1} {:>10.1} {:>8.3} {:>6.1} {:>8.2}\n",
+                name,
+                ok,
+                rel,
+                t.tokens,
+                t.gate_up_us,
+                t.down_us,
+                t.total_us,
+                t.tb_s,
+                100.0 * t.copy_fraction,
+                t.tflops
+            );
+        }
+    }
+    if copy_bw.is_finite() {
+        s += &format!("device copy bandwidth: {:.3} TB/s\n", copy_bw / 1e12);
+    }
+    s
+}
+
+fn write_outputs(dir: &Path, report: &Value, table: &str) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    std::fs::write(
+        dir.join("gpu-check.json"),
+        serde_json::to_string_pretty(report).unwrap_or_default() + "\n",
+    )?;
+    std::fs::write(dir.join("gpu-check.txt"), table)
+}
