@@ -13,6 +13,7 @@
 //! - [`moe`]: the NVFP4 MoE grouped GEMM (`moe_gate_up`, `moe_down`): host-side layout of
 //!   weights and routing, device buffers, launches.
 
+pub mod check;
 pub mod moe;
 
 use std::path::{Path, PathBuf};

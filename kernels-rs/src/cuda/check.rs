@@ -1,0 +1,279 @@
+//! Correctness checking of the MoE kernels on a GPU, shared by the `gpu-check` binary and the
+//! GPU tests: random Kimi-shaped problems with their CPU reference, poisoned buffers, and the
+//! comparison with its tolerance.
+
+use half::bf16;
+use serde_json::{Value, json};
+
+use super::GpuContext;
+use super::moe::{
+    ExpertWeights, H_POISON, MoeDeviceActivations, MoeDeviceRouting, MoeDeviceWeights, MoeKernels,
+    MoeWeightsHost,
+};
+use crate::formats::nvfp4::{Nvfp4Matrix, amax, global_scale_for_amax};
+use crate::matrix::MatrixView;
+use crate::moe_gemm::reference::{ExpertInputAmax, ExpertView, Routing, moe_reference};
+
+/// Largest accepted `‖out − ref‖₂ / ‖ref‖₂`. The kernels and the reference quantize the same
+/// activations the same way and differ only in f32 summation order (a correct kernel lands
+/// near 1e-6; a rare flipped E2M1 rounding of the intermediate adds one quantization step of
+/// one element); a layout or indexing bug lands near 1.
+pub const REL_L2_TOL: f64 = 1e-3;
+/// Largest accepted `max|out − ref| / max|ref|`.
+pub const MAX_ABS_TOL: f64 = 1e-2;
+
+/// SplitMix64: a dependency-free generator, good enough for test data.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [-1, 1).
+    pub fn sym(&mut self) -> f32 {
+        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+    pub fn fill_bytes(&mut self, out: &mut [u8]) {
+        for chunk in out.chunks_mut(8) {
+            let v = self.next_u64().to_le_bytes();
+            chunk.copy_from_slice(&v[..chunk.len()]);
+        }
+    }
+}
+
+/// A correctness case: NVFP4 experts, BF16 activations, routing and the reference output.
+pub struct Case {
+    pub name: String,
+    pub hidden: usize,
+    pub inter: usize,
+    pub weights: MoeWeightsHost,
+    pub routing: Routing,
+    pub x_bf16: Vec<u16>,
+    pub reference: Vec<f32>,
+}
+
+impl Case {
+    pub fn experts(&self) -> usize {
+        self.weights.experts
+    }
+}
+
+/// Random weights with per-row gains spanning a few binades, so block scales differ; x with
+/// per-token gains and a few outliers; random routing with expert `0` taking every token
+/// (more tokens than any tile_m: several token tiles) and the last expert none.
+pub fn random_case(
+    name: &str,
+    rng: &mut Rng,
+    tokens: usize,
+    top_k: usize,
+    experts: usize,
+    hidden: usize,
+    inter: usize,
+) -> Case {
+    let matrix = |rng: &mut Rng, rows: usize, cols: usize| -> Vec<f32> {
+        let mut v = vec![0.0f32; rows * cols];
+        for row in v.chunks_exact_mut(cols) {
+            let gain = 0.02 * (1 << rng.below(4)) as f32;
+            for x in row.iter_mut() {
+                *x = rng.sym() * gain;
+            }
+        }
+        v
+    };
+    let mut mats: Vec<[Nvfp4Matrix; 3]> = Vec::with_capacity(experts);
+    for _ in 0..experts {
+        let (g, u, d) = (
+            matrix(rng, inter, hidden),
+            matrix(rng, inter, hidden),
+            matrix(rng, hidden, inter),
+        );
+        // The fused gate/up kernel has one weight_scale_2 per expert, as ModelOpt exports
+        // the pair: quantize both with the scale of their joint amax.
+        let gs = global_scale_for_amax(amax(&g).max(amax(&u)));
+        let q = |v: &[f32], r, c, s| Nvfp4Matrix::quantize_with_global_scale(v, r, c, s).unwrap();
+        mats.push([
+            q(&g, inter, hidden, gs),
+            q(&u, inter, hidden, gs),
+            Nvfp4Matrix::quantize_weight(&d, hidden, inter).unwrap(),
+        ]);
+    }
+    let mut x = vec![0.0f32; tokens * hidden];
+    for row in x.chunks_exact_mut(hidden) {
+        let gain = 0.5 + rng.below(8) as f32;
+        for v in row.iter_mut() {
+            *v = rng.sym() * gain;
+        }
+        row[rng.below(hidden)] *= 20.0;
+    }
+    // The kernel reads BF16: the reference gets the same rounded values.
+    let x_bf16: Vec<u16> = x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+    let x: Vec<f32> = x_bf16
+        .iter()
+        .map(|&b| bf16::from_bits(b).to_f32())
+        .collect();
+    assert!(
+        top_k >= 1 && experts > top_k,
+        "random_case: top_k {top_k} needs at least {} experts",
+        top_k + 1
+    );
+    let mut ids = Vec::with_capacity(tokens * top_k);
+    let mut ws = Vec::with_capacity(tokens * top_k);
+    for _ in 0..tokens {
+        let mut chosen = vec![0u32];
+        while chosen.len() < top_k {
+            let e = 1 + rng.below(experts - 2) as u32;
+            if !chosen.contains(&e) {
+                chosen.push(e);
+            }
+        }
+        for e in chosen {
+            ids.push(e);
+            ws.push(0.05 + 0.3 * rng.sym().abs());
+        }
+    }
+    let routing = Routing {
+        top_k,
+        experts: ids,
+        weights: ws,
+    };
+    let a13 = global_scale_for_amax(amax(&x));
+    let views = |a2: &[f32]| -> Vec<ExpertView<'_>> {
+        mats.iter()
+            .zip(a2)
+            .map(|([g, u, d], &a2)| ExpertView {
+                gate: MatrixView::Nvfp4(g.view()),
+                up: MatrixView::Nvfp4(u.view()),
+                down: MatrixView::Nvfp4(d.view()),
+                gate_up_input_scale: Some(a13),
+                down_input_scale: Some(a2),
+            })
+            .collect()
+    };
+    // Calibrate the down projection's input_scale as ModelOpt does (max of h per expert):
+    // h is computed before its quantization, so the first pass's a2 does not matter.
+    let mut out = vec![0.0f32; tokens * hidden];
+    let mut cal = ExpertInputAmax::default();
+    moe_reference(
+        &x,
+        hidden,
+        &routing,
+        &views(&vec![1.0; experts]),
+        &mut out,
+        Some(&mut cal),
+    );
+    let a2: Vec<f32> = cal
+        .down
+        .iter()
+        .map(|&m| {
+            if m > 0.0 {
+                global_scale_for_amax(m)
+            } else {
+                1.0
+            }
+        })
+        .collect();
+    moe_reference(&x, hidden, &routing, &views(&a2), &mut out, None);
+    let experts_w: Vec<ExpertWeights<'_>> = mats
+        .iter()
+        .zip(&a2)
+        .map(|([g, u, d], &a2)| ExpertWeights {
+            gate: g.view(),
+            up: u.view(),
+            down: d.view(),
+            gate_up_input_scale: a13,
+            down_input_scale: a2,
+        })
+        .collect();
+    Case {
+        name: name.into(),
+        hidden,
+        inter,
+        weights: MoeWeightsHost::from_experts(&experts_w).unwrap(),
+        routing,
+        x_bf16,
+        reference: out,
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct Compare {
+    pub rel_l2: f64,
+    pub max_abs_rel: f64,
+    pub non_finite: usize,
+    pub unwritten_h: usize,
+}
+
+impl Compare {
+    pub fn passed(&self) -> bool {
+        self.non_finite == 0
+            && self.unwritten_h == 0
+            && self.rel_l2 <= REL_L2_TOL
+            && self.max_abs_rel <= MAX_ABS_TOL
+    }
+    pub fn json(&self) -> Value {
+        json!({"rel_l2": self.rel_l2, "max_abs_over_max_ref": self.max_abs_rel,
+               "non_finite": self.non_finite, "unwritten_h_scales": self.unwritten_h,
+               "passed": self.passed()})
+    }
+}
+
+pub fn compare(out: &[f32], reference: &[f32], h_sf: &[u8]) -> Compare {
+    let (mut d2, mut r2, mut dmax, mut rmax) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
+    let mut non_finite = 0;
+    for (&o, &r) in out.iter().zip(reference) {
+        if !o.is_finite() {
+            non_finite += 1;
+            continue;
+        }
+        let d = (o as f64 - r as f64).abs();
+        d2 += d * d;
+        r2 += (r as f64).powi(2);
+        dmax = dmax.max(d);
+        rmax = rmax.max((r as f64).abs());
+    }
+    Compare {
+        rel_l2: if r2 > 0.0 {
+            (d2 / r2).sqrt()
+        } else {
+            d2.sqrt()
+        },
+        max_abs_rel: if rmax > 0.0 { dmax / rmax } else { dmax },
+        non_finite,
+        unwritten_h: h_sf.iter().filter(|&&b| b == H_POISON).count(),
+    }
+}
+
+/// Runs `kernels` on a case with poisoned buffers and compares with its reference.
+pub fn check_case(
+    gpu: &GpuContext,
+    kernels: &MoeKernels,
+    dev: &(MoeDeviceWeights, MoeDeviceRouting),
+    case: &Case,
+) -> Result<Compare, String> {
+    let (w, r) = dev;
+    let a = r.host.assignments();
+    let mut acts = MoeDeviceActivations::new(
+        gpu,
+        &case.x_bf16,
+        case.routing.tokens(),
+        case.hidden,
+        case.inter,
+        a,
+    )
+    .map_err(|e| e.to_string())?;
+    kernels
+        .run(gpu, w, r, &mut acts)
+        .map_err(|e| e.to_string())?;
+    gpu.synchronize()
+        .map_err(|e| format!("{} (kernel fault?)", e))?;
+    let out = acts.read_out(gpu).map_err(|e| e.to_string())?;
+    let (_, h_sf) = acts.read_h(gpu).map_err(|e| e.to_string())?;
+    Ok(compare(&out, &case.reference, &h_sf))
+}

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Builds the GPU check here (no GPU, no system CUDA) and stages what a GPU machine without
+# Rust needs into one folder:
+#   BUNDLE/gpu-check                 release binary, feature `cuda` (driver opened at run time)
+#   BUNDLE/ptx/moe_gemm/<sm>/*.cubin the compile gate's kernels (+ .ptx fallbacks, manifest)
+#   BUNDLE/golden/data/moe/          MoE goldens, if the repository has them
+#   BUNDLE/scripts/gpu-check.sh      the runner (see its header for how to run)
+#
+# Usage: scripts/build-gpu-bundle.sh [BUNDLE_DIR]   (default .gpu-bundle, git-ignored)
+# Env:   SKIP_GATES=1  reuse the cubins already under ptx/ instead of running the gate
+#        NO_PTX=1      leave the .ptx fallbacks out (smaller bundle)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+BUNDLE="${1:-$ROOT/.gpu-bundle}"
+
+if [[ "${SKIP_GATES:-0}" != 1 ]]; then
+  # Installs the pinned nvcc wheels if needed, builds every (tactic, SM) into ptx/moe_gemm/.
+  # Without --check: a stale manifest is rewritten (and shows in git status) rather than
+  # stopping the bundle.
+  scripts/cuda-toolchain.sh
+  cargo run --release --quiet -p kernels --bin ptx-gate
+fi
+n=$(find ptx/moe_gemm -name '*.cubin' 2>/dev/null | wc -l)
+[[ "$n" -gt 0 ]] || { echo "build-gpu-bundle: no cubins under ptx/moe_gemm (run the gate)" >&2; exit 1; }
+
+cargo build --release --features cuda -p kernels --bin gpu-check
+BIN="$ROOT/target/release/gpu-check"
+
+rm -rf "$BUNDLE"
+mkdir -p "$BUNDLE/scripts" "$BUNDLE/ptx"
+# Debug info (profile.release debug = 1) is most of the binary's size; the bundle must stay
+# well under the device tool's 64 MiB.
+if command -v strip >/dev/null; then
+  strip -o "$BUNDLE/gpu-check" "$BIN"
+else
+  cp "$BIN" "$BUNDLE/gpu-check"
+fi
+cp scripts/gpu-check.sh "$BUNDLE/scripts/"
+cp ptx/manifest.json "$BUNDLE/ptx/"
+if [[ "${NO_PTX:-0}" == 1 ]]; then
+  (cd ptx && find moe_gemm -name '*.cubin' -exec cp --parents {} "$BUNDLE/ptx/" \;)
+else
+  cp -r ptx/moe_gemm "$BUNDLE/ptx/"
+fi
+if [[ -d golden/data/moe ]]; then
+  mkdir -p "$BUNDLE/golden/data"
+  cp -r golden/data/moe "$BUNDLE/golden/data/"
+fi
+(cd "$BUNDLE" && find . -type f | sort | sed 's/^/  /')
+du -sh "$BUNDLE"
+echo "build-gpu-bundle: run on the GPU machine: cd $(basename "$BUNDLE") && scripts/gpu-check.sh"
