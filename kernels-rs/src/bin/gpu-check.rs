@@ -44,13 +44,14 @@ use serde_json::{Value, json};
 
 const USAGE: &str = "usage: gpu-check [--ptx-dir DIR] [--golden-dir DIR] [--out DIR] [--device N]
                  [--seed N] [--tactics SUBSTRING] [--iters N] [--no-timing]
-                 [--time-budget SECONDS]
+                 [--time-budget SECONDS] [--prepare-only]
   --ptx-dir      kernel images (default: $KIMI_PTX_DIR, else ./ptx)
   --golden-dir   MoE goldens, optional (default: golden/data/moe)
   --out          results folder (default: $OUT, else bench/results/gpu)
   --tactics      only tactics whose id contains SUBSTRING
   --iters        timed iterations per (tactic, scenario) (default 30)
-  --time-budget  stop timing new tactics after this many seconds (default 300)";
+  --time-budget  stop timing new tactics after this many seconds (default 300)
+  --prepare-only build the inputs and CPU references only (no GPU needed) and exit";
 
 struct Args {
     ptx_dir: PathBuf,
@@ -62,6 +63,7 @@ struct Args {
     iters: usize,
     timing: bool,
     time_budget_s: f64,
+    prepare_only: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -81,6 +83,7 @@ fn parse_args() -> Result<Args, String> {
         iters: 30,
         timing: true,
         time_budget_s: 300.0,
+        prepare_only: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -96,6 +99,7 @@ fn parse_args() -> Result<Args, String> {
             "--iters" => a.iters = num(value()?)?.max(1) as usize,
             "--time-budget" => a.time_budget_s = num(value()?)? as f64,
             "--no-timing" => a.timing = false,
+            "--prepare-only" => a.prepare_only = true,
             "-h" | "--help" => return Err(String::new()),
             other => return Err(format!("unknown argument {other}")),
         }
@@ -326,6 +330,91 @@ fn rotating_routings(rng: &mut Rng, tokens: usize, top_k: usize, experts: usize)
         .collect()
 }
 
+/// Host side of the timing setup: the weights of one layer's 384 experts at the TP8 shard
+/// (inter 256 of 2048), and per batch size a set of rotating routings and activations.
+struct TimingInputs {
+    weights: MoeWeightsHost,
+    /// `(tokens, top_k, routings, x as BF16 bits)`
+    scenarios: Vec<(usize, usize, Vec<GroupedRouting>, Vec<u16>)>,
+}
+
+fn timing_inputs(rng: &mut Rng) -> TimingInputs {
+    let (experts, hidden, inter, top_k) = (384, 7168, 256, 8);
+    let weights = timing_weights(rng, experts, hidden, inter);
+    let scenarios = [1usize, 16, 128]
+        .into_iter()
+        .map(|tokens| {
+            let routings = rotating_routings(rng, tokens, top_k, experts)
+                .iter()
+                .map(|r| GroupedRouting::new(r, experts).expect("routing within the experts"))
+                .collect();
+            let x = (0..tokens * hidden)
+                .map(|_| bf16::from_f32(rng.sym() * 4.0).to_bits())
+                .collect();
+            (tokens, top_k, routings, x)
+        })
+        .collect();
+    TimingInputs { weights, scenarios }
+}
+
+/// The correctness cases: Kimi-K2.5's hidden size at the TP8 and TP4 intermediate shards,
+/// a decode-sized batch and one where an expert gets more tokens than any tile_m, plus the
+/// goldens found in `golden_dir`.
+fn correctness_cases(rng: &mut Rng, golden_dir: &Path, notes: &mut Vec<String>) -> Vec<Case> {
+    let mut cases = vec![
+        random_case("decode_t4_e16_i256", rng, 4, 8, 16, 7168, 256),
+        random_case("grouped_t80_e16_i512", rng, 80, 8, 16, 7168, 512),
+    ];
+    cases.extend(golden_cases(golden_dir, notes));
+    cases
+}
+
+/// `--prepare-only`: everything the check does on the host, without a GPU: shows that the
+/// inputs build (no panic) and how long that takes on this machine.
+fn prepare_only(args: &Args) -> ExitCode {
+    let mut rng = Rng(args.seed);
+    let t0 = Instant::now();
+    let mut notes = Vec::new();
+    let cases = correctness_cases(&mut rng, &args.golden_dir, &mut notes);
+    for n in &notes {
+        println!("gpu-check: {n}");
+    }
+    for c in &cases {
+        let g = GroupedRouting::new(&c.routing, c.experts()).expect("case routing");
+        let _ = c.weights.scales(ScaleLoad::Swizzled128x4);
+        println!(
+            "gpu-check: case {}: {} tokens, {} assignments, max {} per expert,              reference |out|max {:.3e}",
+            c.name,
+            c.routing.tokens(),
+            g.assignments(),
+            g.max_per_expert,
+            c.reference.iter().fold(0.0f32, |m, v| m.max(v.abs()))
+        );
+    }
+    println!(
+        "gpu-check: cases built in {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
+    if args.timing {
+        let t0 = Instant::now();
+        let inputs = timing_inputs(&mut rng);
+        let _ = inputs.weights.scales(ScaleLoad::Swizzled128x4);
+        for (tokens, _, routings, _) in &inputs.scenarios {
+            println!(
+                "gpu-check: timing T={tokens}: {} rotating routings, {} active experts each",
+                routings.len(),
+                routings[0].active_experts()
+            );
+        }
+        println!(
+            "gpu-check: timing inputs ({:.2} GB of weights) built in {:.1} s",
+            (inputs.weights.w13.len() + inputs.weights.w2.len()) as f64 / 1e9,
+            t0.elapsed().as_secs_f64()
+        );
+    }
+    ExitCode::SUCCESS
+}
+
 #[derive(Clone, Debug)]
 struct Timing {
     tokens: usize,
@@ -429,6 +518,9 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if args.prepare_only {
+        return prepare_only(&args);
+    }
     let started = Instant::now();
     let gpu = match GpuContext::new(args.device, &args.ptx_dir) {
         Ok(g) => g,
@@ -477,12 +569,8 @@ fn main() -> ExitCode {
     // Correctness cases (Kimi-K2.5 hidden size; TP8 and TP4 intermediate shards).
     let mut rng = Rng(args.seed);
     let t0 = Instant::now();
-    let mut cases = vec![
-        random_case("decode_t4_e16_i256", &mut rng, 4, 8, 16, 7168, 256),
-        random_case("grouped_t80_e16_i512", &mut rng, 80, 8, 16, 7168, 512),
-    ];
     let mut notes = Vec::new();
-    cases.extend(golden_cases(&args.golden_dir, &mut notes));
+    let cases = correctness_cases(&mut rng, &args.golden_dir, &mut notes);
     for n in &notes {
         println!("gpu-check: {n}");
     }
@@ -572,32 +660,32 @@ fn main() -> ExitCode {
             "gpu-check: device copy bandwidth {:.2} TB/s (1 GiB cuMemcpyDtoD, read + write)",
             copy_bw / 1e12
         );
-        let (experts, hidden, inter) = (384, 7168, 256);
         let t0 = Instant::now();
-        let host = timing_weights(&mut rng, experts, hidden, inter);
-        let setup = MoeDeviceWeights::upload(&gpu, &host, &layouts).and_then(|w| {
+        let inputs = timing_inputs(&mut rng);
+        let (experts, hidden, inter) = (
+            inputs.weights.experts,
+            inputs.weights.hidden,
+            inputs.weights.inter,
+        );
+        let setup = MoeDeviceWeights::upload(&gpu, &inputs.weights, &layouts).and_then(|w| {
             let mut scenarios = Vec::new();
-            for tokens in [1usize, 16, 128] {
-                let top_k = 8;
-                let routings = rotating_routings(&mut rng, tokens, top_k, experts)
+            for (tokens, top_k, routings, x) in &inputs.scenarios {
+                let routings = routings
                     .iter()
-                    .map(|r| MoeDeviceRouting::upload(&gpu, GroupedRouting::new(r, experts)?))
+                    .map(|g| MoeDeviceRouting::upload(&gpu, g.clone()))
                     .collect::<kernels::cuda::Result<Vec<_>>>()?;
-                let x: Vec<u16> = (0..tokens * hidden)
-                    .map(|_| bf16::from_f32(rng.sym() * 4.0).to_bits())
-                    .collect();
                 let acts =
-                    MoeDeviceActivations::new(&gpu, &x, tokens, hidden, inter, tokens * top_k)?;
+                    MoeDeviceActivations::new(&gpu, x, *tokens, hidden, inter, tokens * top_k)?;
                 scenarios.push(Scenario {
-                    tokens,
-                    top_k,
+                    tokens: *tokens,
+                    top_k: *top_k,
                     routings,
                     acts,
                 });
             }
             Ok((w, scenarios))
         });
-        drop(host);
+        drop(inputs);
         match setup {
             Err(e) => timing_notes.push(format!("timing setup failed: {e}")),
             Ok((w, mut scenarios)) => {

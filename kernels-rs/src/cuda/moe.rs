@@ -447,7 +447,15 @@ impl MoeDeviceActivations {
             )));
         }
         let s = gpu.stream();
+        // Zero-byte allocations are invalid: empty batches keep one unread element.
         let rows = assignments.max(1);
+        let x_padded;
+        let x_bf16 = if x_bf16.is_empty() {
+            x_padded = [0u16; 8];
+            &x_padded[..]
+        } else {
+            x_bf16
+        };
         let mut a = Self {
             tokens,
             hidden,
@@ -488,20 +496,27 @@ impl MoeDeviceActivations {
             .during(|| "zero out".into())
     }
 
+    /// Copies `out` to the host (waits for the stream first, so every launch has finished).
     pub fn read_out(&self, gpu: &GpuContext) -> Result<Vec<f32>> {
+        gpu.synchronize()?;
         let mut v = gpu
             .stream()
             .clone_dtoh(&self.out)
             .during(|| "download out".into())?;
+        gpu.synchronize()?;
         v.truncate(self.tokens * self.hidden);
         Ok(v)
     }
 
     /// `(h_q, h_sf)` of the assignments.
     pub fn read_h(&self, gpu: &GpuContext) -> Result<(Vec<u8>, Vec<u8>)> {
+        gpu.synchronize()?;
         let s = gpu.stream();
         let mut q = s.clone_dtoh(&self.h_q).during(|| "download h_q".into())?;
         let mut sf = s.clone_dtoh(&self.h_sf).during(|| "download h_sf".into())?;
+        // cuMemcpyDtoHAsync into pageable memory returns when the copy is done, but that is
+        // the driver's documented behaviour, not cudarc's contract: wait explicitly.
+        gpu.synchronize()?;
         q.truncate(self.assignments * self.inter / 2);
         sf.truncate(self.assignments * self.inter / 16);
         Ok((q, sf))
@@ -942,15 +957,30 @@ mod tests {
         };
         let weight = |q: &[u8], qbase: usize, row: usize, k: usize, cols: usize| -> f32 {
             let byte = q[qbase + row * (cols / 2) + k / 2];
-            e2m1_to_f32(if k % 2 == 0 { byte } else { byte >> 4 })
+            e2m1_to_f32(if k.is_multiple_of(2) { byte } else { byte >> 4 })
         };
-        let sf_rows13 = if swizzled { (2 * i).div_ceil(128) * 128 } else { 2 * i };
-        let sf_cols13 = if swizzled { (h / 16).div_ceil(4) * 4 } else { h / 16 };
+        let sf_rows13 = if swizzled {
+            (2 * i).div_ceil(128) * 128
+        } else {
+            2 * i
+        };
+        let sf_cols13 = if swizzled {
+            (h / 16).div_ceil(4) * 4
+        } else {
+            h / 16
+        };
         let sf_rows2 = if swizzled { h.div_ceil(128) * 128 } else { h };
-        let sf_cols2 = if swizzled { (i / 16).div_ceil(4) * 4 } else { i / 16 };
+        let sf_cols2 = if swizzled {
+            (i / 16).div_ceil(4) * 4
+        } else {
+            i / 16
+        };
         let mut out = vec![0.0f32; g.tokens * h];
         for e in 0..g.experts {
-            let (begin, end) = (g.expert_offsets[e] as usize, g.expert_offsets[e + 1] as usize);
+            let (begin, end) = (
+                g.expert_offsets[e] as usize,
+                g.expert_offsets[e + 1] as usize,
+            );
             for a in begin..end {
                 let tok = g.sorted_token_ids[a] as usize;
                 let mut xq = vec![0.0f32; h];
