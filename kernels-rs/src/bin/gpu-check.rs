@@ -383,7 +383,7 @@ fn prepare_only(args: &Args) -> ExitCode {
         let g = GroupedRouting::new(&c.routing, c.experts()).expect("case routing");
         let _ = c.weights.scales(ScaleLoad::Swizzled128x4);
         println!(
-            "gpu-check: case {}: {} tokens, {} assignments, max {} per expert,              reference |out|max {:.3e}",
+            "gpu-check: case {}: {} tokens, {} assignments, max {} per expert, reference |out|max {:.3e}",
             c.name,
             c.routing.tokens(),
             g.assignments(),
