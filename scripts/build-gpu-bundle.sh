@@ -2,13 +2,15 @@
 # Builds the GPU check here (no GPU, no system CUDA) and stages what a GPU machine without
 # Rust needs into one folder:
 #   BUNDLE/gpu-check                 release binary, feature `cuda` (driver opened at run time)
-#   BUNDLE/ptx/moe_gemm/<sm>/*.cubin the compile gate's kernels (+ .ptx fallbacks, manifest)
+#   BUNDLE/ptx/moe_gemm/<sm>/*.cubin the compile gate's kernels (+ manifest; .ptx on request)
 #   BUNDLE/golden/data/moe/          MoE goldens, if the repository has them
 #   BUNDLE/scripts/gpu-check.sh      the runner (see its header for how to run)
 #
 # Usage: scripts/build-gpu-bundle.sh [BUNDLE_DIR]   (default .gpu-bundle, git-ignored)
 # Env:   SKIP_GATES=1  reuse the cubins already under ptx/ instead of running the gate
-#        NO_PTX=1      leave the .ptx fallbacks out (smaller bundle)
+#        WITH_PTX=1    add the .ptx fallbacks (+22 MB). Off by default: they are PTX ISA 9.5,
+#                      which only a CUDA >= 13.5 driver can JIT, and the device machines seen
+#                      run driver 580 (CUDA 13.0), which loads the cubins but not that PTX.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -38,10 +40,10 @@ else
 fi
 cp scripts/gpu-check.sh "$BUNDLE/scripts/"
 cp ptx/manifest.json "$BUNDLE/ptx/"
-if [[ "${NO_PTX:-0}" == 1 ]]; then
-  (cd ptx && find moe_gemm -name '*.cubin' -exec cp --parents {} "$BUNDLE/ptx/" \;)
-else
+if [[ "${WITH_PTX:-0}" == 1 ]]; then
   cp -r ptx/moe_gemm "$BUNDLE/ptx/"
+else
+  (cd ptx && find moe_gemm -name '*.cubin' -exec cp --parents {} "$BUNDLE/ptx/" \;)
 fi
 if [[ -d golden/data/moe ]]; then
   mkdir -p "$BUNDLE/golden/data"

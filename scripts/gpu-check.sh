@@ -9,8 +9,8 @@
 #
 # Carry to the GPU machine (the bundle holds exactly this):
 #   gpu-check                 the binary (x86-64 Linux, glibc; links no CUDA library)
-#   ptx/moe_gemm/<sm>/*.cubin the gate's kernel images (+ .ptx fallbacks, which need a driver
-#                             that knows PTX ISA 9.5, i.e. CUDA >= 13.5)
+#   ptx/moe_gemm/<sm>/*.cubin the gate's kernel images (.ptx fallbacks only with WITH_PTX=1:
+#                             they need a driver that knows PTX ISA 9.5, i.e. CUDA >= 13.5)
 #   golden/data/moe/          optional MoE goldens; absent → that part is skipped and says so
 #   scripts/gpu-check.sh      this script
 #
