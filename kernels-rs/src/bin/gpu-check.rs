@@ -31,13 +31,15 @@ use std::time::Instant;
 
 use cudarc::driver::CudaEvent;
 use half::bf16;
-use kernels::cuda::check::{Case, Compare, MAX_ABS_TOL, REL_L2_TOL, Rng, check_case, random_case};
+use kernels::cuda::check::{
+    Case, Compare, MAX_ABS_TOL, REL_L2_TOL, Rng, check_case, compare, kernel_model, random_case,
+};
 use kernels::cuda::moe::{
     ExpertWeights, GroupedRouting, MoeDeviceActivations, MoeDeviceRouting, MoeDeviceWeights,
     MoeKernels, MoeWeightsHost, check_problem,
 };
 use kernels::cuda::{GpuContext, default_ptx_dir, median};
-use kernels::formats::nvfp4::Nvfp4Matrix;
+use kernels::formats::nvfp4::{Nvfp4Matrix, amax, global_scale_for_amax};
 use kernels::moe_gemm::reference::Routing;
 use kernels::moe_gemm::{KernelVariant, MoeGemmTactic, ScaleLoad};
 use serde_json::{Value, json};
@@ -109,112 +111,197 @@ fn parse_args() -> Result<Args, String> {
 
 // ---------------------------------------------------------------- goldens (optional)
 
-/// Reads a MoE golden file. Expected schema (safetensors), tolerated names in brackets:
-/// `x` [`hidden_states`] `[T, H]` f32/bf16; `topk_ids` [`expert_ids`] `[T, K]` i32/i64;
-/// `topk_weights` [`routing_weights`] `[T, K]` f32/bf16; `out` [`output`] `[T, H]` f32/bf16;
-/// per expert `e`, under any common prefix: `experts.{e}.{gate,up,down}_proj.weight` u8,
-/// `.weight_scale` f8_e4m3/u8 (row-major), `.weight_scale_2` and `.input_scale` f32 scalars.
-fn load_golden(path: &Path) -> Result<Case, String> {
-    use safetensors::{Dtype, SafeTensors};
-    let bytes = std::fs::read(path).map_err(|e| e.to_string())?;
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| e.to_string())?;
-    let names: Vec<String> = st.names().into_iter().map(|s| s.to_string()).collect();
-    let find = |alts: &[&str]| -> Result<safetensors::tensor::TensorView<'_>, String> {
-        for a in alts {
-            if let Some(n) = names
-                .iter()
-                .find(|n| n == a || n.ends_with(&format!(".{a}")))
-            {
-                return st.tensor(n).map_err(|e| e.to_string());
-            }
-        }
-        Err(format!("no tensor named {}", alts.join(" / ")))
-    };
-    let floats = |t: &safetensors::tensor::TensorView<'_>| -> Result<Vec<f32>, String> {
-        let d = t.data();
-        match t.dtype() {
-            Dtype::F32 => Ok(d
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect()),
-            Dtype::BF16 => Ok(d
-                .chunks_exact(2)
-                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect()),
-            other => Err(format!("unsupported float dtype {other:?}")),
-        }
-    };
-    let ints = |t: &safetensors::tensor::TensorView<'_>| -> Result<Vec<u32>, String> {
-        let d = t.data();
-        match t.dtype() {
-            Dtype::I32 => Ok(d
-                .chunks_exact(4)
-                .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as u32)
-                .collect()),
-            Dtype::I64 => Ok(d
-                .chunks_exact(8)
-                .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
-                .collect()),
-            other => Err(format!("unsupported index dtype {other:?}")),
-        }
-    };
-    let x_t = find(&["x", "hidden_states"])?;
-    let (tokens, hidden) = match x_t.shape() {
-        [t, h] => (*t, *h),
-        s => return Err(format!("x has shape {s:?}")),
-    };
-    let x = floats(&x_t)?;
-    let ids = ints(&find(&["topk_ids", "expert_ids"])?)?;
-    let ws = floats(&find(&["topk_weights", "routing_weights"])?)?;
-    let reference = floats(&find(&["out", "output"])?)?;
-    if tokens == 0 || ids.len() % tokens != 0 || ids.len() != ws.len() {
-        return Err("routing tensors disagree with x".into());
-    }
-    let top_k = ids.len() / tokens;
-    let mut experts = 0;
-    while names
+// The MoE goldens of `golden/gen_moe.py` (branch moe-cpu; read as its test
+// `tests/tests/moe_golden.rs` does). One file holds several cases, each named by the prefix of
+// its tensors: `{case}.x` f32 `[T, H]` (exact in bf16), `{case}.routing` i64 `[T, K]`,
+// `{case}.weights` f32 `[T, K]`, `{case}.out` f32 `[T, H]`, and per expert `e`
+// `{case}.experts.{e}.{gate_up_proj,down_proj}.input_scale` plus, per projection, either the
+// stored NVFP4 weight (`.weight` u8, `.weight_scale` e4m3, `.weight_scale_2`) or, for the
+// Kimi-shaped cases, only `.weight_scale_2` and `.weight_checksum`: the weights are then
+// regenerated from gen_moe.py's closed-form hash and checked against both.
+
+/// gen_moe.py's `hash_u32`: murmur3's 32-bit finalizer on `index · φ + stream · c + 1`.
+fn hash_u32(index: u32, stream: u32) -> u32 {
+    let mut h = index
+        .wrapping_mul(0x9E37_79B1)
+        .wrapping_add(stream.wrapping_mul(0x85EB_CA77))
+        .wrapping_add(1);
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85EB_CA6B);
+    h ^= h >> 13;
+    h = h.wrapping_mul(0xC2B2_AE35);
+    h ^ (h >> 16)
+}
+
+/// gen_moe.py's `hashed_values`: `(h mod 255 − 127) · 2^−(exponent + (h >> 8) mod 4)`, exact.
+fn hashed_values(n: usize, stream: u32, exponent: i32) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            let h = hash_u32(i as u32, stream);
+            let k = (h % 255) as i32 - 127;
+            let e = exponent + ((h >> 8) % 4) as i32;
+            k as f32 * f32::from_bits(((127 - e) as u32) << 23)
+        })
+        .collect()
+}
+
+/// gen_moe.py's `checksum`: Σ byte[i] · (i mod 65521 + 1).
+fn checksum(bytes: &[u8]) -> i64 {
+    bytes
         .iter()
-        .any(|n| n.ends_with(&format!("experts.{experts}.gate_proj.weight")))
-    {
-        experts += 1;
+        .enumerate()
+        .map(|(i, &b)| b as i64 * ((i % 65521) as i64 + 1))
+        .sum()
+}
+
+struct GoldenFile<'a> {
+    st: safetensors::SafeTensors<'a>,
+}
+
+impl GoldenFile<'_> {
+    fn tensor(&self, name: &str) -> Result<safetensors::tensor::TensorView<'_>, String> {
+        self.st.tensor(name).map_err(|e| format!("{name}: {e}"))
     }
-    if experts == 0 {
-        return Err("no experts.0.gate_proj.weight".into());
+    fn has(&self, name: &str) -> bool {
+        self.st.tensor(name).is_ok()
     }
+    fn f32s(&self, name: &str) -> Result<Vec<f32>, String> {
+        let t = self.tensor(name)?;
+        if t.dtype() != safetensors::Dtype::F32 {
+            return Err(format!("{name}: dtype {:?}, expected F32", t.dtype()));
+        }
+        Ok(t.data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+    fn i64s(&self, name: &str) -> Result<Vec<i64>, String> {
+        let t = self.tensor(name)?;
+        if t.dtype() != safetensors::Dtype::I64 {
+            return Err(format!("{name}: dtype {:?}, expected I64", t.dtype()));
+        }
+        Ok(t.data()
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+            .collect())
+    }
+    fn scalar(&self, name: &str) -> Result<f32, String> {
+        self.f32s(name)?
+            .first()
+            .copied()
+            .ok_or_else(|| format!("{name}: empty"))
+    }
+    fn shape2(&self, name: &str) -> Result<(usize, usize), String> {
+        match self.tensor(name)?.shape() {
+            [a, b] => Ok((*a, *b)),
+            s => Err(format!("{name}: shape {s:?} is not 2-D")),
+        }
+    }
+}
+
+/// Expert `e` of a hashed case, quantized as ModelOpt's fused export does (gate and up share
+/// `weight_scale_2`), and checked against the file's `weight_scale_2` and checksums.
+fn hashed_expert(
+    f: &GoldenFile<'_>,
+    prefix: &str,
+    stream: u32,
+    e: usize,
+    hidden: usize,
+    inter: usize,
+) -> Result<[Nvfp4Matrix; 3], String> {
+    let base = stream + 1000 * (e as u32 + 1);
+    let gate = hashed_values(inter * hidden, base + 1, 12);
+    let up = hashed_values(inter * hidden, base + 2, 12);
+    let down = hashed_values(hidden * inter, base + 3, 10);
+    let shared = global_scale_for_amax(amax(&gate).max(amax(&up)));
+    let q = |v: &[f32], r, c, g| {
+        Nvfp4Matrix::quantize_with_global_scale(v, r, c, g).map_err(|e| e.to_string())
+    };
+    let mats = [
+        q(&gate, inter, hidden, shared)?,
+        q(&up, inter, hidden, shared)?,
+        q(&down, hidden, inter, global_scale_for_amax(amax(&down)))?,
+    ];
+    for (p, m) in ["gate_proj", "up_proj", "down_proj"].iter().zip(&mats) {
+        let golden = f.scalar(&format!("{prefix}.{p}.weight_scale_2"))?;
+        if golden.to_bits() != m.global_scale.to_bits() {
+            return Err(format!(
+                "{prefix}.{p}: regenerated weight_scale_2 {} vs the file's {golden}",
+                m.global_scale
+            ));
+        }
+        let sums = f.i64s(&format!("{prefix}.{p}.weight_checksum"))?;
+        let ours = [checksum(&m.packed), checksum(&m.block_scales)];
+        if sums != ours {
+            return Err(format!(
+                "{prefix}.{p}: regenerated checksums {ours:?} vs the file's {sums:?}"
+            ));
+        }
+    }
+    Ok(mats)
+}
+
+fn load_golden_case(f: &GoldenFile<'_>, file: &str, name: &str) -> Result<Case, String> {
+    let (tokens, top_k) = f.shape2(&format!("{name}.routing"))?;
+    let (x_tokens, hidden) = f.shape2(&format!("{name}.x"))?;
+    if x_tokens != tokens {
+        return Err(format!("x has {x_tokens} tokens, routing {tokens}"));
+    }
+    let x = f.f32s(&format!("{name}.x"))?;
+    // The kernels read BF16 activations: a golden whose x is not exact in BF16 would be
+    // compared against a different input.
+    if let Some(v) = x.iter().find(|&&v| bf16::from_f32(v).to_f32() != v) {
+        return Err(format!("x value {v} is not exact in bf16"));
+    }
+    let experts = (0..)
+        .take_while(|e| f.has(&format!("{name}.experts.{e}.gate_up_proj.input_scale")))
+        .count();
+    let ids = f
+        .i64s(&format!("{name}.routing"))?
+        .into_iter()
+        .map(|e| {
+            u32::try_from(e)
+                .ok()
+                .filter(|&e| (e as usize) < experts)
+                .ok_or_else(|| format!("routing names expert {e} of {experts}"))
+        })
+        .collect::<Result<Vec<u32>, String>>()?;
     let mut mats = Vec::with_capacity(experts);
     let mut scales = Vec::with_capacity(experts);
     for e in 0..experts {
-        let mut three = Vec::with_capacity(3);
-        let mut input_scales = [0.0f32; 3];
-        for (j, p) in ["gate_proj", "up_proj", "down_proj"].iter().enumerate() {
-            let base = format!("experts.{e}.{p}");
-            let w = find(&[&format!("{base}.weight")])?;
-            let sf = find(&[&format!("{base}.weight_scale")])?;
-            let gs = floats(&find(&[&format!("{base}.weight_scale_2")])?)?;
-            let is = floats(&find(&[&format!("{base}.input_scale")])?)?;
-            let (rows, cols) = match w.shape() {
-                [r, c] => (*r, *c * 2),
-                s => return Err(format!("{base}.weight has shape {s:?}")),
+        let prefix = format!("{name}.experts.{e}");
+        let m = if f.has(&format!("{prefix}.gate_proj.weight")) {
+            let read = |p: &str| -> Result<Nvfp4Matrix, String> {
+                let base = format!("{prefix}.{p}");
+                let (rows, half_cols) = f.shape2(&format!("{base}.weight"))?;
+                Nvfp4Matrix::from_parts(
+                    rows,
+                    half_cols * 2,
+                    f.tensor(&format!("{base}.weight"))?.data().to_vec(),
+                    f.tensor(&format!("{base}.weight_scale"))?.data().to_vec(),
+                    f.scalar(&format!("{base}.weight_scale_2"))?,
+                )
+                .map_err(|err| format!("{base}: {err}"))
             };
-            let m = Nvfp4Matrix::from_parts(
-                rows,
-                cols,
-                w.data().to_vec(),
-                sf.data().to_vec(),
-                *gs.first().ok_or("empty weight_scale_2")?,
-            )
-            .map_err(|e| format!("{base}: {e}"))?;
-            input_scales[j] = *is.first().ok_or("empty input_scale")?;
-            three.push(m);
-        }
-        if input_scales[0] != input_scales[1] {
-            return Err(format!("expert {e}: gate and up input_scale differ"));
-        }
-        scales.push((input_scales[0], input_scales[2]));
-        mats.push(three);
+            [read("gate_proj")?, read("up_proj")?, read("down_proj")?]
+        } else {
+            // Kimi-shaped cases: `…_i256` / `…_i2048` name the intermediate size; gen_moe.py
+            // uses stream 100000 for the i2048 case and 0 otherwise.
+            let inter: usize = name
+                .rsplit_once("_i")
+                .and_then(|(_, i)| i.parse().ok())
+                .ok_or_else(|| format!("{name}: no stored weights and no _i<inter> in the name"))?;
+            let stream = if name.ends_with("_i2048") { 100_000 } else { 0 };
+            hashed_expert(f, &prefix, stream, e, hidden, inter)?
+        };
+        scales.push((
+            f.scalar(&format!("{prefix}.gate_up_proj.input_scale"))?,
+            f.scalar(&format!("{prefix}.down_proj.input_scale"))?,
+        ));
+        mats.push(m);
     }
-    let inter = mats[0][0].rows;
-    let ew: Vec<ExpertWeights<'_>> = mats
+    let inter = mats.first().map(|m| m[0].rows).ok_or("no experts")?;
+    let views: Vec<ExpertWeights<'_>> = mats
         .iter()
         .zip(&scales)
         .map(|(m, &(a13, a2))| ExpertWeights {
@@ -225,25 +312,23 @@ fn load_golden(path: &Path) -> Result<Case, String> {
             down_input_scale: a2,
         })
         .collect();
-    let weights = MoeWeightsHost::from_experts(&ew).map_err(|e| e.to_string())?;
     Ok(Case {
-        name: format!(
-            "golden:{}",
-            path.file_name().unwrap_or_default().to_string_lossy()
-        ),
+        name: format!("golden:{file}:{name}"),
         hidden,
         inter,
-        weights,
+        weights: MoeWeightsHost::from_experts(&views).map_err(|e| e.to_string())?,
         routing: Routing {
             top_k,
             experts: ids,
-            weights: ws,
+            weights: f.f32s(&format!("{name}.weights"))?,
         },
         x_bf16: x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect(),
-        reference,
+        reference: f.f32s(&format!("{name}.out"))?,
     })
 }
 
+/// Every case of every `.safetensors` in `dir` whose shapes the kernels take; the others, and
+/// a missing folder, are notes (the goldens are optional here; their own tests are strict).
 fn golden_cases(dir: &Path, notes: &mut Vec<String>) -> Vec<Case> {
     let Ok(entries) = std::fs::read_dir(dir) else {
         notes.push(format!("goldens: skipped, no folder {}", dir.display()));
@@ -262,10 +347,57 @@ fn golden_cases(dir: &Path, notes: &mut Vec<String>) -> Vec<Case> {
         ));
     }
     let mut out = Vec::new();
-    for f in files {
-        match load_golden(&f) {
-            Ok(c) => out.push(c),
-            Err(e) => notes.push(format!("goldens: skipped {}: {e}", f.display())),
+    for path in files {
+        let file = path
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .to_string();
+        let bytes = match std::fs::read(&path) {
+            Ok(b) => b,
+            Err(e) => {
+                notes.push(format!("goldens: skipped {file}: {e}"));
+                continue;
+            }
+        };
+        let st = match safetensors::SafeTensors::deserialize(&bytes) {
+            Ok(st) => st,
+            Err(e) => {
+                notes.push(format!("goldens: skipped {file}: {e}"));
+                continue;
+            }
+        };
+        let f = GoldenFile { st };
+        let mut names: Vec<String> =
+            f.st.names()
+                .into_iter()
+                .filter_map(|n| n.strip_suffix(".routing").map(str::to_string))
+                .collect();
+        names.sort();
+        if names.is_empty() {
+            notes.push(format!(
+                "goldens: skipped {file}: no `<case>.routing` tensor"
+            ));
+        }
+        for name in names {
+            // Shapes no tactic takes (hidden not a multiple of 256, inter of 128) are skipped
+            // before their weights are regenerated.
+            if let Ok((_, hidden)) = f.shape2(&format!("{name}.x"))
+                && !hidden.is_multiple_of(256)
+            {
+                notes.push(format!(
+                    "goldens: {file}:{name} not used: hidden {hidden} is not a multiple of 256"
+                ));
+                continue;
+            }
+            match load_golden_case(&f, &file, &name) {
+                Ok(c) if c.inter.is_multiple_of(128) => out.push(c),
+                Ok(c) => notes.push(format!(
+                    "goldens: {file}:{name} not used: inter {} is not a multiple of 128",
+                    c.inter
+                )),
+                Err(e) => notes.push(format!("goldens: skipped {file}:{name}: {e}")),
+            }
         }
     }
     out
@@ -370,7 +502,8 @@ fn correctness_cases(rng: &mut Rng, golden_dir: &Path, notes: &mut Vec<String>) 
 }
 
 /// `--prepare-only`: everything the check does on the host, without a GPU: shows that the
-/// inputs build (no panic) and how long that takes on this machine.
+/// inputs build (no panic), how long that takes on this machine, and that the host layouts,
+/// read as `moe_gemm.cu` addresses them, reproduce each case's reference (the small ones).
 fn prepare_only(args: &Args) -> ExitCode {
     let mut rng = Rng(args.seed);
     let t0 = Instant::now();
@@ -395,6 +528,31 @@ fn prepare_only(args: &Args) -> ExitCode {
         "gpu-check: cases built in {:.1} s",
         t0.elapsed().as_secs_f64()
     );
+    // The host layouts read the way the kernels address them (a serial CPU model of
+    // moe_gemm.cu) must reproduce each case's reference: checks everything up to the launch.
+    let mut failed = 0;
+    for c in &cases {
+        let g = GroupedRouting::new(&c.routing, c.experts()).expect("case routing");
+        if g.assignments() * c.hidden * c.inter > 200_000_000 {
+            continue;
+        }
+        let x: Vec<f32> = c
+            .x_bf16
+            .iter()
+            .map(|&b| bf16::from_bits(b).to_f32())
+            .collect();
+        for layout in [ScaleLoad::Swizzled128x4, ScaleLoad::RowMajor] {
+            let cmp = compare(&kernel_model(&c.weights, layout, &g, &x), &c.reference, &[]);
+            println!(
+                "{} kernel-model {} {layout:?}: rel_l2 {:.1e} max {:.1e}",
+                if cmp.passed() { "PASS" } else { "FAIL" },
+                c.name,
+                cmp.rel_l2,
+                cmp.max_abs_rel
+            );
+            failed += usize::from(!cmp.passed());
+        }
+    }
     if args.timing {
         let t0 = Instant::now();
         let inputs = timing_inputs(&mut rng);
@@ -412,7 +570,11 @@ fn prepare_only(args: &Args) -> ExitCode {
             t0.elapsed().as_secs_f64()
         );
     }
-    ExitCode::SUCCESS
+    if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
 }
 
 #[derive(Clone, Debug)]

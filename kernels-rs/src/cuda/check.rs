@@ -7,11 +7,12 @@ use serde_json::{Value, json};
 
 use super::GpuContext;
 use super::moe::{
-    ExpertWeights, H_POISON, MoeDeviceActivations, MoeDeviceRouting, MoeDeviceWeights, MoeKernels,
-    MoeWeightsHost,
+    ExpertWeights, GroupedRouting, H_POISON, MoeDeviceActivations, MoeDeviceRouting,
+    MoeDeviceWeights, MoeKernels, MoeWeightsHost,
 };
 use crate::formats::nvfp4::{Nvfp4Matrix, amax, global_scale_for_amax};
 use crate::matrix::MatrixView;
+use crate::moe_gemm::ScaleLoad;
 use crate::moe_gemm::reference::{ExpertInputAmax, ExpertView, Routing, moe_reference};
 
 /// Largest accepted `‖out − ref‖₂ / ‖ref‖₂`. The kernels and the reference quantize the same
@@ -276,4 +277,95 @@ pub fn check_case(
     let out = acts.read_out(gpu).map_err(|e| e.to_string())?;
     let (_, h_sf) = acts.read_h(gpu).map_err(|e| e.to_string())?;
     Ok(compare(&out, &case.reference, &h_sf))
+}
+
+/// A CPU model of what `moe_gate_up` + `moe_down` compute, written from the addressing in
+/// `moe_gemm.cu` (`weight_sf_offset`, the w13 gate/up row map, the h_q/h_sf row strides,
+/// `expert_offsets`/`sorted_token_ids`/`sorted_weights`), reading the buffers exactly as
+/// the host side prepares them. Ignores tiling, which cannot change what is read where.
+/// Serial f64 sums: for small problems and for checking the host layouts without a GPU.
+pub fn kernel_model(
+    w: &MoeWeightsHost,
+    layout: ScaleLoad,
+    g: &GroupedRouting,
+    x: &[f32],
+) -> Vec<f32> {
+    use crate::formats::e2m1::e2m1_to_f32;
+    use crate::formats::e4m3::ue4m3_to_f32;
+    use crate::formats::nvfp4::fake_quantize_row;
+    let (h, i) = (w.hidden, w.inter);
+    let (w13_sf, w2_sf) = w.scales(layout);
+    let swizzled = layout == ScaleLoad::Swizzled128x4;
+    // moe_gemm.cu weight_sf_offset(row, col4, k_blocks) + the scale's index in the u32.
+    let sf_at = |all: &[u8], base: usize, row: usize, kb: usize, k_blocks: usize| -> f32 {
+        let off = if swizzled {
+            let cols4 = k_blocks.div_ceil(4);
+            (((row / 128) * cols4 + kb / 4) * 32 + row % 32) * 16 + (row % 128 / 32) * 4
+        } else {
+            row * k_blocks + (kb / 4) * 4
+        };
+        ue4m3_to_f32(all[base + off + kb % 4])
+    };
+    let weight = |q: &[u8], qbase: usize, row: usize, k: usize, cols: usize| -> f32 {
+        let byte = q[qbase + row * (cols / 2) + k / 2];
+        e2m1_to_f32(if k.is_multiple_of(2) { byte } else { byte >> 4 })
+    };
+    let sf_rows13 = if swizzled {
+        (2 * i).div_ceil(128) * 128
+    } else {
+        2 * i
+    };
+    let sf_cols13 = if swizzled {
+        (h / 16).div_ceil(4) * 4
+    } else {
+        h / 16
+    };
+    let sf_rows2 = if swizzled { h.div_ceil(128) * 128 } else { h };
+    let sf_cols2 = if swizzled {
+        (i / 16).div_ceil(4) * 4
+    } else {
+        i / 16
+    };
+    let mut out = vec![0.0f32; g.tokens * h];
+    for e in 0..g.experts {
+        let (begin, end) = (
+            g.expert_offsets[e] as usize,
+            g.expert_offsets[e + 1] as usize,
+        );
+        for a in begin..end {
+            let tok = g.sorted_token_ids[a] as usize;
+            let mut xq = vec![0.0f32; h];
+            fake_quantize_row(&x[tok * h..(tok + 1) * h], w.a13_gs[e], &mut xq);
+            let dot13 = |row: usize| -> f64 {
+                (0..h)
+                    .map(|k| {
+                        let wv = weight(&w.w13, e * 2 * i * (h / 2), row, k, h)
+                            * sf_at(&w13_sf, e * sf_rows13 * sf_cols13, row, k / 16, h / 16);
+                        xq[k] as f64 * wv as f64
+                    })
+                    .sum::<f64>()
+                    * w.w13_gs[e] as f64
+            };
+            let hv: Vec<f32> = (0..i)
+                .map(|j| {
+                    let (gate, up) = (dot13(j) as f32, dot13(i + j) as f32);
+                    gate / (1.0 + (-gate).exp()) * up
+                })
+                .collect();
+            let mut hq = vec![0.0f32; i];
+            fake_quantize_row(&hv, w.a2_gs[e], &mut hq);
+            for r in 0..h {
+                let acc: f64 = (0..i)
+                    .map(|k| {
+                        let wv = weight(&w.w2, e * h * (i / 2), r, k, i)
+                            * sf_at(&w2_sf, e * sf_rows2 * sf_cols2, r, k / 16, i / 16);
+                        hq[k] as f64 * wv as f64
+                    })
+                    .sum::<f64>()
+                    * w.w2_gs[e] as f64;
+                out[tok * h + r] += (acc * g.sorted_weights[a] as f64) as f32;
+            }
+        }
+    }
+    out
 }
