@@ -11,9 +11,12 @@
 //! intermediate is poisoned with 0xFF (E4M3 NaN, never produced by the kernel's encoder) and
 //! the output zeroed (`moe_down` accumulates into it), so an unwritten row fails. A tactic
 //! passes when no output is NaN/inf, no intermediate scale is left unwritten, and
-//! `‖out − ref‖₂ / ‖ref‖₂ ≤ 1e-3` and `max|out − ref| ≤ 1e-2 · max|ref|`. The kernel and the
-//! reference quantize the same activations the same way and differ only in f32 summation
-//! order, so a correct kernel lands near 1e-6; a layout or indexing bug lands near 1.
+//! `‖out − ref‖₂ / ‖ref‖₂ ≤ 1e-3` and `max|out − ref| ≤ 1e-2 · max|ref|` in each of two runs,
+//! and the two runs differ by at most 1e-5 (relative L2; only the order of the atomic adds
+//! may differ, so more is a race). The kernel and the reference quantize the same activations
+//! the same way and differ only in f32 summation order, so a correct kernel lands near 1e-6;
+//! a layout or indexing bug lands near 1. The goldens (`golden/data/moe/`, from
+//! `golden/gen_moe.py`: PyTorch + ModelOpt) are compared with the same tolerance.
 //!
 //! Timing: weights of all 384 experts of one layer at the TP8 shard (1.2 GB, far above L2),
 //! and per scenario a set of routings rotated between launches so successive launches read
@@ -788,9 +791,10 @@ fn main() -> ExitCode {
             .iter()
             .map(|(n, c)| match c {
                 Ok(c) => format!(
-                    "{n}: rel_l2 {:.1e} max {:.1e}{}{}",
+                    "{n}: rel_l2 {:.1e} max {:.1e} rerun {:.0e}{}{}",
                     c.rel_l2,
                     c.max_abs_rel,
+                    c.run_to_run,
                     if c.non_finite > 0 {
                         format!(" nonfinite {}", c.non_finite)
                     } else {
