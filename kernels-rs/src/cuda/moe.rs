@@ -159,7 +159,7 @@ impl MoeWeightsHost {
     /// Checks that every buffer has the size its shape implies.
     pub fn check(&self) -> Result<()> {
         let (e, h, i) = (self.experts, self.hidden, self.inter);
-        if !h.is_multiple_of(16) || !i.is_multiple_of(16) || e == 0 {
+        if h == 0 || i == 0 || !h.is_multiple_of(16) || !i.is_multiple_of(16) || e == 0 {
             return Err(CudaError::Invalid(format!(
                 "experts {e}, hidden {h}, inter {i}: need ≥ 1 expert and multiples of 16"
             )));
