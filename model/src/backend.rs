@@ -3,7 +3,7 @@
 
 use kernels::matrix::MatrixView;
 use kernels::mla::cache::{CacheError, PagedLatentCache};
-use kernels::mla::reference::{MlaProblem, mla_attention_reference};
+use kernels::mla::reference::MlaProblem;
 use kernels::moe_gemm::reference::{ExpertInputAmax, ExpertView, Routing, moe_reference};
 
 pub trait Backend: Send + Sync {
@@ -72,6 +72,6 @@ impl Backend for CpuBackend {
         out: &mut [f32],
         lse: &mut [f32],
     ) -> Result<(), CacheError> {
-        mla_attention_reference(cache, problem, out, lse)
+        kernels::mla::cpu::mla_attention(cache, problem, out, lse)
     }
 }

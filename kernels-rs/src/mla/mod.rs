@@ -7,9 +7,16 @@
 //! `softmax_t((q_abs·c_t + q_pe·kpe_t) · scale) · c_t`, leaving the output in latent space.
 //!
 //! - [`cache`]: pages of 64 tokens, block tables, BF16 or FP8 E4M3 storage.
-//! - [`reference`]: the CPU reference of the attention.
+//! - [`reference`]: the CPU reference of the attention (FP32, two passes).
+//! - [`cpu`]: the fast CPU path (one pass, online softmax, split-KV with an exact LSE merge).
+//! - [`tactic`]: the typed tactic space of the CUDA kernel and its shared-memory layout.
+//! - `mla_decode.cu` (beside this file): split-KV decode, LSE combine and cache append kernels
+//!   for sm_120a and sm_90a; `gpu_check.md` describes the on-GPU check.
 
 pub mod cache;
+pub mod cpu;
 pub mod reference;
+pub mod tactic;
 
 pub use cache::{CacheError, KvCacheDtype, LatentCacheShape, PAGE_TOKENS, PagedLatentCache, SeqId};
+pub use tactic::{MlaKind, MlaSmem, MlaTactic};

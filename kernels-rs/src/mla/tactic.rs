@@ -1,0 +1,348 @@
+//! The tactic space of the MLA decode kernel (`mla_decode.cu`).
+//!
+//! An [`MlaTactic`] fixes everything the kernel is templated on; its [`id`](MlaTactic::id) is
+//! stable and [`parse`](MlaTactic::parse)s back. The shared-memory footprint is computed here,
+//! passed to nvcc and `static_assert`ed against the kernel's own layout, as for the MoE GEMM.
+//!
+//! The split count of flash-decoding is a launch-time choice ([`MlaTactic::plan_splits`]): it
+//! depends on the batch, the lengths and the SM count, not on the compiled code. The tactic
+//! only caps it (`max_splits`), which sizes the partial-result workspace.
+
+use std::fmt;
+
+use crate::moe_gemm::Sm;
+use crate::moe_gemm::tactic::{MAX_THREADS_PER_BLOCK, TacticError, WARP_SIZE};
+
+/// Latent values per cached token (`kv_lora_rank`); the kernel is specialized to it.
+pub const LATENT: usize = 512;
+/// RoPE values per cached token (`qk_rope_head_dim`).
+pub const ROPE: usize = 64;
+/// Every shared-memory row is padded by 16 bytes: row strides that are multiples of 128 B would
+/// put the 8 rows one `ldmatrix` reads into the same banks (8-way conflicts).
+const ROW_PAD: usize = 16;
+
+/// How the cache is stored and how the kernel multiplies it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum MlaKind {
+    /// BF16 cache (latent + RoPE), BF16 `mma.sync` for both products.
+    Bf16,
+    /// FP8 E4M3 latent (per-token FP32 scale) + BF16 RoPE. The codes are widened to BF16 in the
+    /// shared-memory → register path (exact: E4M3's 3 mantissa bits fit BF16's 7) and both
+    /// products run as BF16 `mma.sync`; the token scale is applied to the score column and
+    /// folded into P. No precision is lost beyond the cache's own quantization.
+    Fp8,
+    /// As [`MlaKind::Fp8`], but `q_abs·c` runs on the FP8 tensor cores
+    /// (`mma.sync.m16n8k32.e4m3`): the kernel quantizes `q_abs` to E4M3 with one scale per
+    /// head. Costs the query's E4M3 rounding (≈2⁻⁴ relative per element); P·C stays BF16
+    /// because P in E4M3 would lose the small weights that long contexts sum over.
+    Fp8QkMma,
+}
+
+impl MlaKind {
+    pub const ALL: [MlaKind; 3] = [MlaKind::Bf16, MlaKind::Fp8, MlaKind::Fp8QkMma];
+
+    pub fn token(self) -> &'static str {
+        match self {
+            MlaKind::Bf16 => "bf16",
+            MlaKind::Fp8 => "fp8",
+            MlaKind::Fp8QkMma => "fp8qk",
+        }
+    }
+
+    /// Value of `MLA_KIND` in `mla_decode.cu`.
+    pub fn macro_value(self) -> u32 {
+        match self {
+            MlaKind::Bf16 => 0,
+            MlaKind::Fp8 => 1,
+            MlaKind::Fp8QkMma => 2,
+        }
+    }
+
+    pub fn is_fp8(self) -> bool {
+        self != MlaKind::Bf16
+    }
+
+    /// SASS mnemonic prefixes `mla_decode` must contain: proof that the intended tensor-core
+    /// datapath was emitted. `HMMA.16816.F32.BF16` is the BF16 `mma.sync`; the E4M3 one is
+    /// assembled differently per SM, so it is looked up per SM.
+    pub fn required_sass(self, sm: Sm) -> Vec<&'static str> {
+        match (self, sm) {
+            (MlaKind::Fp8QkMma, Sm::Sm120) => {
+                vec!["HMMA.16816.F32.BF16", "QMMA.16832.F32.E4M3.E4M3"]
+            }
+            // sm_90 has no FP8 mma.sync in hardware: ptxas lowers the e4m3 MMA to conversions
+            // plus FP16 HMMAs, which the gate records and requires.
+            (MlaKind::Fp8QkMma, Sm::Sm90) => vec!["HMMA.16816.F32.BF16", "HMMA.16816.F32 "],
+            _ => vec!["HMMA.16816.F32.BF16"],
+        }
+    }
+}
+
+/// One point of the tactic space.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MlaTactic {
+    pub kind: MlaKind,
+    /// Query heads per CTA: the MMA's M dimension (multiples of 16). With 8 heads per GPU
+    /// (TP8) half of the 16 rows are padding; the kernel is bandwidth-bound, so idle MMA rows
+    /// cost nothing, while more heads per CTA mean fewer re-reads of the same cache tile.
+    pub heads_per_block: u32,
+    /// Tokens per pipeline stage (the N dimension of `q·Kᵀ`, the K dimension of `P·C`).
+    pub tile_tokens: u32,
+    pub warps: u32,
+    /// cp.async stages of cache tiles in flight.
+    pub stages: u32,
+    /// Upper bound of the KV splits a launch may use (sizes the partial-output workspace).
+    pub max_splits: u32,
+}
+
+/// Shared memory of `mla_decode`, by region, in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MlaSmem {
+    pub q: usize,
+    pub stage: usize,
+    pub scores: usize,
+    pub probs: usize,
+    pub stats: usize,
+    pub total: usize,
+}
+
+const fn align16(n: usize) -> usize {
+    n.div_ceil(16) * 16
+}
+
+impl MlaTactic {
+    pub fn threads(&self) -> u32 {
+        self.warps * WARP_SIZE
+    }
+
+    pub fn id(&self) -> String {
+        format!(
+            "{}_h{}_t{}_w{}_s{}_sp{}",
+            self.kind.token(),
+            self.heads_per_block,
+            self.tile_tokens,
+            self.warps,
+            self.stages,
+            self.max_splits
+        )
+    }
+
+    pub fn parse(id: &str) -> Result<Self, TacticError> {
+        let err = || TacticError::Parse(id.to_string());
+        let parts: Vec<&str> = id.split('_').collect();
+        let [kind, h, t, w, s, sp] = parts.as_slice() else {
+            return Err(err());
+        };
+        let kind = MlaKind::ALL
+            .into_iter()
+            .find(|k| k.token() == *kind)
+            .ok_or_else(err)?;
+        let num = |field: &str, prefix: &str| -> Result<u32, TacticError> {
+            field
+                .strip_prefix(prefix)
+                .and_then(|v| v.parse().ok())
+                .ok_or_else(err)
+        };
+        let tactic = MlaTactic {
+            kind,
+            heads_per_block: num(h, "h")?,
+            tile_tokens: num(t, "t")?,
+            warps: num(w, "w")?,
+            stages: num(s, "s")?,
+            max_splits: num(sp, "sp")?,
+        };
+        tactic.validate()?;
+        Ok(tactic)
+    }
+
+    pub fn validate(&self) -> Result<(), TacticError> {
+        let bad = |why: String| Err(TacticError::Invalid(format!("{}: {why}", self.id())));
+        let m_tiles = self.heads_per_block / 16;
+        if self.heads_per_block == 0 || !self.heads_per_block.is_multiple_of(16) || m_tiles > 4 {
+            return bad(format!(
+                "heads_per_block {} (16, 32, 48, 64)",
+                self.heads_per_block
+            ));
+        }
+        if ![16, 32, 64].contains(&self.tile_tokens) {
+            return bad(format!("tile_tokens {} (16, 32, 64)", self.tile_tokens));
+        }
+        if !(1..=16).contains(&self.warps) || self.threads() > MAX_THREADS_PER_BLOCK {
+            return bad(format!("{} warps", self.warps));
+        }
+        // P·C: each warp owns 512/warps latent columns of every M tile; 64 f32 accumulators
+        // per thread is the most that leaves room for the fragments without spilling.
+        if !(LATENT as u32).is_multiple_of(16 * self.warps) || m_tiles * 256 / self.warps > 64 {
+            return bad(format!(
+                "{} warps for {} heads: P·C needs ≥ {} warps",
+                self.warps,
+                self.heads_per_block,
+                4 * m_tiles
+            ));
+        }
+        // Softmax: each head's row is handled by a power-of-two group of lanes in one warp.
+        let per_row = self.threads() / self.heads_per_block;
+        if !self.threads().is_multiple_of(self.heads_per_block)
+            || !per_row.is_power_of_two()
+            || per_row > WARP_SIZE
+            || !self.tile_tokens.is_multiple_of(per_row)
+        {
+            return bad(format!("{per_row} softmax lanes per head"));
+        }
+        if !(1..=4).contains(&self.stages) {
+            return bad(format!("{} stages (1..=4)", self.stages));
+        }
+        if !(1..=256).contains(&self.max_splits) {
+            return bad(format!("max_splits {}", self.max_splits));
+        }
+        Ok(())
+    }
+
+    /// Mirrors `SmemLayout` in `mla_decode.cu`.
+    pub fn smem(&self) -> MlaSmem {
+        let h = self.heads_per_block as usize;
+        let t = self.tile_tokens as usize;
+        let q = match self.kind {
+            MlaKind::Bf16 | MlaKind::Fp8 => h * (2 * (LATENT + ROPE) + ROW_PAD),
+            // E4M3 latent codes, BF16 RoPE part, one FP32 scale per head.
+            MlaKind::Fp8QkMma => h * (LATENT + ROW_PAD) + h * (2 * ROPE + ROW_PAD) + align16(4 * h),
+        };
+        let stage = if self.kind.is_fp8() {
+            t * (LATENT + ROW_PAD) + t * (2 * ROPE + ROW_PAD) + align16(4 * t)
+        } else {
+            t * (2 * (LATENT + ROPE) + ROW_PAD)
+        };
+        let scores = h * (4 * t + ROW_PAD);
+        let probs = h * (2 * t + ROW_PAD);
+        // Running max, running sum, and this tile's rescale factor per head.
+        let stats = align16(3 * 4 * h);
+        let total = q + self.stages as usize * stage + scores + probs + stats;
+        MlaSmem {
+            q,
+            stage,
+            scores,
+            probs,
+            stats,
+            total,
+        }
+    }
+
+    pub fn fits(&self, sm: Sm) -> bool {
+        self.validate().is_ok() && self.smem().total <= sm.smem_optin_per_block()
+    }
+
+    pub fn nvcc_defines(&self) -> Vec<String> {
+        vec![
+            format!("-DMLA_KIND={}", self.kind.macro_value()),
+            format!("-DMLA_HEADS={}", self.heads_per_block),
+            format!("-DMLA_TILE={}", self.tile_tokens),
+            format!("-DMLA_WARPS={}", self.warps),
+            format!("-DMLA_STAGES={}", self.stages),
+            format!("-DMLA_EXPECT_SMEM={}", self.smem().total),
+        ]
+    }
+
+    /// Splits for a launch: enough CTAs to give every SM about two, never more than
+    /// `max_splits`, and never a split shorter than one tile of the longest request.
+    pub fn plan_splits(&self, batch: usize, heads: usize, max_len: usize, num_sms: usize) -> u32 {
+        let groups = heads.div_ceil(self.heads_per_block as usize).max(1);
+        let ctas = (batch * groups).max(1);
+        let want = (2 * num_sms).div_ceil(ctas);
+        let tiles = max_len.div_ceil(self.tile_tokens as usize).max(1);
+        want.min(tiles).clamp(1, self.max_splits as usize) as u32
+    }
+
+    /// The tactics the compile gate builds for `sm`.
+    pub fn enumerate(sm: Sm) -> Vec<MlaTactic> {
+        let t = |kind, heads_per_block, tile_tokens, warps, stages| MlaTactic {
+            kind,
+            heads_per_block,
+            tile_tokens,
+            warps,
+            stages,
+            max_splits: 64,
+        };
+        let list = match sm {
+            // 99 KiB: one M tile of heads, and 2–3 stages of 32 tokens (16 for BF16 at 3).
+            Sm::Sm120 => vec![
+                t(MlaKind::Bf16, 16, 32, 4, 2),
+                t(MlaKind::Bf16, 16, 16, 4, 3),
+                t(MlaKind::Fp8, 16, 32, 4, 2),
+                t(MlaKind::Fp8, 16, 32, 4, 3),
+                t(MlaKind::Fp8QkMma, 16, 32, 4, 2),
+                t(MlaKind::Fp8QkMma, 16, 32, 4, 3),
+            ],
+            // 227 KiB: also 32 heads per CTA (H200 runs all 64 heads of one GPU's model).
+            Sm::Sm90 => vec![
+                t(MlaKind::Bf16, 16, 32, 4, 2),
+                t(MlaKind::Bf16, 32, 32, 8, 3),
+                t(MlaKind::Fp8, 16, 32, 4, 2),
+                t(MlaKind::Fp8, 32, 64, 8, 2),
+                t(MlaKind::Fp8QkMma, 16, 32, 4, 2),
+            ],
+        };
+        list.into_iter().filter(|t| t.fits(sm)).collect()
+    }
+}
+
+impl fmt::Display for MlaTactic {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.id())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_round_trip_and_reject_garbage() {
+        for sm in Sm::ALL {
+            for t in MlaTactic::enumerate(sm) {
+                assert_eq!(MlaTactic::parse(&t.id()).unwrap(), t);
+            }
+        }
+        assert!(MlaTactic::parse("bf16_h16_t32_w4_s2").is_err());
+        assert!(MlaTactic::parse("int8_h16_t32_w4_s2_sp64").is_err());
+        // 64 heads need 16 warps for P·C's accumulators; 4 are rejected.
+        assert!(matches!(
+            MlaTactic::parse("bf16_h64_t32_w4_s2_sp64"),
+            Err(TacticError::Invalid(_))
+        ));
+    }
+
+    #[test]
+    fn every_gated_tactic_fits_its_sm_and_the_sm120_list_is_not_empty() {
+        for sm in Sm::ALL {
+            let list = MlaTactic::enumerate(sm);
+            assert!(list.len() >= 5, "{sm}: {list:?}");
+            for t in list {
+                assert!(t.smem().total <= sm.smem_optin_per_block(), "{t} on {sm}");
+            }
+        }
+        // The FP8 kinds need both on SM120 to have a tactic.
+        let sm120 = MlaTactic::enumerate(Sm::Sm120);
+        for kind in MlaKind::ALL {
+            assert!(sm120.iter().any(|t| t.kind == kind), "{kind:?}");
+        }
+    }
+
+    #[test]
+    fn bf16_tiles_that_overflow_sm120_are_rejected_there_only() {
+        let t = MlaTactic::parse("bf16_h32_t32_w8_s3_sp64").unwrap();
+        assert!(t.smem().total > Sm::Sm120.smem_optin_per_block());
+        assert!(!t.fits(Sm::Sm120));
+        assert!(t.fits(Sm::Sm90));
+    }
+
+    #[test]
+    fn split_planning_fills_the_gpu_for_batch_one() {
+        let t = MlaTactic::parse("fp8_h16_t32_w4_s2_sp64").unwrap();
+        // Batch 1, 8 heads per GPU, 8K context on 188 SMs: capped at 64 splits.
+        assert_eq!(t.plan_splits(1, 8, 8192, 188), 64);
+        // A 40-token context never gets an empty second-tile split beyond its 2 tiles.
+        assert_eq!(t.plan_splits(1, 8, 40, 188), 2);
+        // A big batch needs no splitting.
+        assert_eq!(t.plan_splits(512, 64, 8192, 188), 1);
+    }
+}
