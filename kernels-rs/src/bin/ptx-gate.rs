@@ -1,13 +1,17 @@
-//! Compile gate for the NVFP4 MoE GEMM: builds every (tactic, SM) of
-//! `MoeGemmTactic::enumerate` with the pinned toolchain (`scripts/cuda-toolchain.sh`), reads
-//! ptxas's resource report and the SASS, writes `ptx/manifest.json` and the cubins/PTX under
-//! `ptx/moe_gemm/`, prints a table, and exits non-zero if any kernel spills, exceeds its SM's
-//! shared memory, or lacks the instruction its variant exists for.
+//! Compile gate for the kernel families: builds every (tactic, SM) of
+//! `MoeGemmTactic::enumerate` (NVFP4 MoE GEMM) and `MlaTactic::enumerate` (MLA decode) with the
+//! pinned toolchain (`scripts/cuda-toolchain.sh`), reads ptxas's resource report and the SASS,
+//! writes `ptx/manifest.json` and the cubins/PTX under `ptx/<family>/`, prints a table, and
+//! exits non-zero if any kernel spills, exceeds its SM's shared memory, or lacks the
+//! instructions its variant exists for.
 //!
-//! Usage: `cargo run --release -p kernels --bin ptx-gate -- [--out DIR] [--jobs N] [--check]`
+//! Usage: `cargo run --release -p kernels --bin ptx-gate -- [--out DIR] [--jobs N] [--check]
+//! [--family moe_gemm|mla]...` (`--family` restricts the build; other families' manifest entries
+//! are kept as they are).
 //! `--check` additionally fails if the committed manifest differs from the one just built,
 //! so a change to the kernel or the tactic space cannot land without its new numbers.
 
+use kernels::mla::MlaTactic;
 use kernels::moe_gemm::{MoeGemmTactic, Sm};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
@@ -16,11 +20,94 @@ use std::process::{Command, ExitCode};
 use std::sync::Mutex;
 use std::time::Instant;
 
-const FAMILY: &str = "moe_gemm";
-const KERNELS: [&str; 2] = ["moe_gate_up", "moe_down"];
-/// SASS mnemonics counted for every kernel (the manifest records them all; the gate checks
-/// the variant's required one).
-const COUNTED: [&str; 6] = ["OMMA", "HMMA", "SHFL", "LDGSTS", "LDS", "RED"];
+const FAMILIES: [&str; 2] = ["moe_gemm", "mla"];
+/// SASS mnemonics counted for every kernel of a family (the manifest records them all; the
+/// gate checks the variant's required ones).
+const MOE_COUNTED: [&str; 6] = ["OMMA", "HMMA", "SHFL", "LDGSTS", "LDS", "RED"];
+const MLA_COUNTED: [&str; 8] = [
+    "HMMA", "QMMA", "HMUL2", "LDSM", "LDGSTS", "F2FP", "MUFU", "SHFL",
+];
+
+/// One (tactic, SM) build of one family.
+#[derive(Clone, Copy, Debug)]
+enum Job {
+    Moe(MoeGemmTactic, Sm),
+    Mla(MlaTactic, Sm),
+}
+
+impl Job {
+    fn family(&self) -> &'static str {
+        match self {
+            Job::Moe(..) => "moe_gemm",
+            Job::Mla(..) => "mla",
+        }
+    }
+
+    fn sm(&self) -> Sm {
+        match self {
+            Job::Moe(_, sm) | Job::Mla(_, sm) => *sm,
+        }
+    }
+
+    fn id(&self) -> String {
+        match self {
+            Job::Moe(t, _) => t.id(),
+            Job::Mla(t, _) => t.id(),
+        }
+    }
+
+    fn source(&self) -> &'static str {
+        source_of(self.family())
+    }
+
+    fn defines(&self) -> Vec<String> {
+        match self {
+            Job::Moe(t, _) => t.nvcc_defines(),
+            Job::Mla(t, _) => t.nvcc_defines(),
+        }
+    }
+
+    fn kernels(&self) -> &'static [&'static str] {
+        match self {
+            Job::Moe(..) => &["moe_gate_up", "moe_down"],
+            Job::Mla(..) => &["mla_decode", "mla_combine", "mla_append"],
+        }
+    }
+
+    fn counted(&self) -> &'static [&'static str] {
+        match self {
+            Job::Moe(..) => &MOE_COUNTED,
+            Job::Mla(..) => &MLA_COUNTED,
+        }
+    }
+
+    /// Dynamic shared memory the launcher requests for `kernel`.
+    fn dynamic_smem(&self, kernel: &str) -> usize {
+        match self {
+            Job::Moe(t, _) if kernel == "moe_gate_up" => t.smem().gate_up,
+            Job::Moe(t, _) => t.smem().down,
+            Job::Mla(t, _) if kernel == "mla_decode" => t.smem().total,
+            // Combine and append use only their small static arrays.
+            Job::Mla(..) => 0,
+        }
+    }
+
+    /// SASS mnemonic prefixes `kernel` must contain.
+    fn required(&self, kernel: &str) -> Vec<&'static str> {
+        match self {
+            Job::Moe(t, _) => vec![t.variant.required_sass()],
+            Job::Mla(t, sm) if kernel == "mla_decode" => t.kind.required_sass(*sm),
+            Job::Mla(..) => Vec::new(),
+        }
+    }
+}
+
+fn source_of(family: &str) -> &'static str {
+    match family {
+        "moe_gemm" => "kernels-rs/src/moe_gemm/moe_gemm.cu",
+        _ => "kernels-rs/src/mla/mla_decode.cu",
+    }
+}
 
 struct Toolchain {
     nvcc: PathBuf,
@@ -75,8 +162,7 @@ struct KernelReport {
 }
 
 struct Build {
-    tactic: MoeGemmTactic,
-    sm: Sm,
+    job: Job,
     kernels: BTreeMap<String, KernelReport>,
     cubin: String,
     ptx: String,
@@ -118,7 +204,7 @@ fn parse_ptxas(log: &str) -> BTreeMap<String, KernelReport> {
 }
 
 /// Counts instruction mnemonics per function in `cuobjdump -sass` output.
-fn count_sass(sass: &str, reports: &mut BTreeMap<String, KernelReport>) {
+fn count_sass(sass: &str, counted: &[&str], reports: &mut BTreeMap<String, KernelReport>) {
     let mut current: Option<String> = None;
     for line in sass.lines() {
         if let Some(name) = line.trim().strip_prefix("Function : ") {
@@ -137,7 +223,7 @@ fn count_sass(sass: &str, reports: &mut BTreeMap<String, KernelReport>) {
         }
         let report = reports.entry(name.clone()).or_default();
         let base = op.split('.').next().unwrap_or("");
-        if COUNTED.contains(&base) {
+        if counted.contains(&base) {
             *report.sass.entry(base.to_string()).or_default() += 1;
         }
         // The full mnemonic of the variant's key instruction is recorded too.
@@ -145,16 +231,16 @@ fn count_sass(sass: &str, reports: &mut BTreeMap<String, KernelReport>) {
     }
 }
 
-fn build(tc: &Toolchain, root: &Path, out: &Path, tactic: MoeGemmTactic, sm: Sm) -> Build {
+fn build(tc: &Toolchain, root: &Path, out: &Path, job: Job) -> Build {
     let start = Instant::now();
-    let src = root.join("kernels-rs/src/moe_gemm/moe_gemm.cu");
-    let dir = out.join(FAMILY).join(sm.arch());
+    let sm = job.sm();
+    let src = root.join(job.source());
+    let dir = out.join(job.family()).join(sm.arch());
     std::fs::create_dir_all(&dir).expect("create output dir");
-    let cubin = dir.join(format!("{}.cubin", tactic.id()));
-    let ptx = dir.join(format!("{}.ptx", tactic.id()));
+    let cubin = dir.join(format!("{}.cubin", job.id()));
+    let ptx = dir.join(format!("{}.ptx", job.id()));
     let mut b = Build {
-        tactic,
-        sm,
+        job,
         kernels: BTreeMap::new(),
         cubin: rel(root, &cubin),
         ptx: rel(root, &ptx),
@@ -164,7 +250,7 @@ fn build(tc: &Toolchain, root: &Path, out: &Path, tactic: MoeGemmTactic, sm: Sm)
     let common = |c: &mut Command| {
         c.arg(format!("-arch={}", sm.arch()))
             .args(["-std=c++17", "-O3", "-lineinfo"])
-            .args(tactic.nvcc_defines())
+            .args(job.defines())
             .arg(&src);
     };
     let mut c = Command::new(&tc.nvcc);
@@ -199,9 +285,11 @@ fn build(tc: &Toolchain, root: &Path, out: &Path, tactic: MoeGemmTactic, sm: Sm)
         .arg(&cubin)
         .output()
     {
-        Ok(r) if r.status.success() => {
-            count_sass(&String::from_utf8_lossy(&r.stdout), &mut b.kernels)
-        }
+        Ok(r) if r.status.success() => count_sass(
+            &String::from_utf8_lossy(&r.stdout),
+            job.counted(),
+            &mut b.kernels,
+        ),
         _ => b.failures.push("cuobjdump -sass failed".into()),
     }
     b.compile_s = start.elapsed().as_secs_f64();
@@ -209,11 +297,22 @@ fn build(tc: &Toolchain, root: &Path, out: &Path, tactic: MoeGemmTactic, sm: Sm)
     b
 }
 
+/// Static count of the instructions in `k` whose full mnemonic starts with `prefix`.
+fn key_count(k: &KernelReport, prefix: &str) -> u32 {
+    k.sass
+        .iter()
+        .filter(|(op, _)| {
+            op.strip_prefix("op:")
+                .is_some_and(|o| o.starts_with(prefix))
+        })
+        .map(|(_, n)| n)
+        .sum()
+}
+
 fn check(b: &mut Build) {
-    let smem = b.tactic.smem();
-    let limit = b.sm.smem_optin_per_block();
-    let required = b.tactic.variant.required_sass();
-    for name in KERNELS {
+    let sm = b.job.sm();
+    let limit = sm.smem_optin_per_block();
+    for &name in b.job.kernels() {
         let Some(k) = b.kernels.get(name) else {
             b.failures.push(format!("{name}: missing from the cubin"));
             continue;
@@ -224,30 +323,17 @@ fn check(b: &mut Build) {
                 k.spill_stores, k.spill_loads
             ));
         }
-        let dynamic = if name == "moe_gate_up" {
-            smem.gate_up
-        } else {
-            smem.down
-        };
-        let total = dynamic + k.static_smem as usize;
+        let total = b.job.dynamic_smem(name) + k.static_smem as usize;
         if total > limit {
             b.failures.push(format!(
-                "{name}: {total} B shared memory > {limit} B on {}",
-                b.sm
+                "{name}: {total} B shared memory > {limit} B on {sm}"
             ));
         }
-        let found: u32 = k
-            .sass
-            .iter()
-            .filter(|(op, _)| {
-                op.strip_prefix("op:")
-                    .is_some_and(|o| o.starts_with(required))
-            })
-            .map(|(_, n)| n)
-            .sum();
-        if found == 0 {
-            b.failures
-                .push(format!("{name}: no {required} in the SASS"));
+        for required in b.job.required(name) {
+            if key_count(k, required) == 0 {
+                b.failures
+                    .push(format!("{name}: no {required} in the SASS"));
+            }
         }
     }
 }
@@ -267,8 +353,6 @@ fn fnv1a(bytes: &[u8]) -> String {
 }
 
 fn manifest_entry(b: &Build) -> Value {
-    let t = &b.tactic;
-    let smem = t.smem();
     let kernels: serde_json::Map<String, Value> = b
         .kernels
         .iter()
@@ -279,38 +363,56 @@ fn manifest_entry(b: &Build) -> Value {
                 .filter(|(op, _)| !op.starts_with("op:"))
                 .map(|(op, n)| (op.as_str(), *n))
                 .collect();
-            let dynamic = if name == "moe_gate_up" {
-                smem.gate_up
-            } else {
-                smem.down
-            };
-            (
-                name.clone(),
-                json!({
-                    "registers": k.regs,
-                    "stack_bytes": k.stack,
-                    "spill_store_bytes": k.spill_stores,
-                    "spill_load_bytes": k.spill_loads,
-                    "static_smem_bytes": k.static_smem,
-                    "dynamic_smem_bytes": dynamic,
-                    "sass_counts": sass,
-                }),
-            )
+            let mut entry = json!({
+                "registers": k.regs,
+                "stack_bytes": k.stack,
+                "spill_store_bytes": k.spill_stores,
+                "spill_load_bytes": k.spill_loads,
+                "static_smem_bytes": k.static_smem,
+                "dynamic_smem_bytes": b.job.dynamic_smem(name),
+                "sass_counts": sass,
+            });
+            // MLA records its required instructions per kernel, with their static counts.
+            if let Job::Mla(..) = b.job {
+                let required: BTreeMap<&str, u32> = b
+                    .job
+                    .required(name)
+                    .into_iter()
+                    .map(|r| (r, key_count(k, r)))
+                    .collect();
+                entry["required_sass"] = json!(required);
+            }
+            (name.clone(), entry)
         })
         .collect();
-    json!({
-        "family": FAMILY,
-        "tactic": t.id(),
-        "sm": b.sm.arch(),
-        "variant": format!("{:?}", t.variant),
-        "threads": t.threads(),
-        "smem_limit_bytes": b.sm.smem_optin_per_block(),
-        "required_sass": t.variant.required_sass(),
-        "cubin": b.cubin,
-        "ptx": b.ptx,
-        "kernels": kernels,
-        "ok": b.failures.is_empty(),
-    })
+    let sm = b.job.sm();
+    match b.job {
+        Job::Moe(t, _) => json!({
+            "family": "moe_gemm",
+            "tactic": t.id(),
+            "sm": sm.arch(),
+            "variant": format!("{:?}", t.variant),
+            "threads": t.threads(),
+            "smem_limit_bytes": sm.smem_optin_per_block(),
+            "required_sass": t.variant.required_sass(),
+            "cubin": b.cubin,
+            "ptx": b.ptx,
+            "kernels": kernels,
+            "ok": b.failures.is_empty(),
+        }),
+        Job::Mla(t, _) => json!({
+            "family": "mla",
+            "tactic": t.id(),
+            "sm": sm.arch(),
+            "variant": format!("{:?}", t.kind),
+            "threads": t.threads(),
+            "smem_limit_bytes": sm.smem_optin_per_block(),
+            "cubin": b.cubin,
+            "ptx": b.ptx,
+            "kernels": kernels,
+            "ok": b.failures.is_empty(),
+        }),
+    }
 }
 
 fn main() -> ExitCode {
@@ -319,16 +421,28 @@ fn main() -> ExitCode {
     let mut out = root.join("ptx");
     let mut jobs = std::thread::available_parallelism().map_or(2, |n| n.get());
     let mut check_fresh = false;
+    let mut families: Vec<&'static str> = Vec::new();
     while let Some(a) = args.next() {
         match a.as_str() {
             "--out" => out = PathBuf::from(args.next().expect("--out DIR")),
             "--jobs" => jobs = args.next().and_then(|j| j.parse().ok()).expect("--jobs N"),
             "--check" => check_fresh = true,
+            "--family" => {
+                let f = args.next().unwrap_or_default();
+                let Some(f) = FAMILIES.into_iter().find(|k| *k == f) else {
+                    eprintln!("ptx-gate: unknown family {f} (one of {FAMILIES:?})");
+                    return ExitCode::from(2);
+                };
+                families.push(f);
+            }
             other => {
                 eprintln!("ptx-gate: unknown argument {other}");
                 return ExitCode::from(2);
             }
         }
+    }
+    if families.is_empty() {
+        families = FAMILIES.to_vec();
     }
     let tc = match find_toolchain(&root) {
         Ok(tc) => tc,
@@ -337,17 +451,29 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let work: Vec<(MoeGemmTactic, Sm)> = Sm::ALL
-        .into_iter()
-        .flat_map(|sm| {
-            MoeGemmTactic::enumerate(sm)
-                .into_iter()
-                .map(move |t| (t, sm))
-        })
-        .collect();
+    let mut work: Vec<Job> = Vec::new();
+    if families.contains(&"moe_gemm") {
+        for sm in Sm::ALL {
+            work.extend(
+                MoeGemmTactic::enumerate(sm)
+                    .into_iter()
+                    .map(|t| Job::Moe(t, sm)),
+            );
+        }
+    }
+    if families.contains(&"mla") {
+        for sm in Sm::ALL {
+            work.extend(
+                MlaTactic::enumerate(sm)
+                    .into_iter()
+                    .map(|t| Job::Mla(t, sm)),
+            );
+        }
+    }
     eprintln!(
-        "ptx-gate: {} builds on {jobs} jobs with {}",
+        "ptx-gate: {} builds ({}) on {jobs} jobs with {}",
         work.len(),
+        families.join(", "),
         tc.version
     );
     let start = Instant::now();
@@ -357,10 +483,10 @@ fn main() -> ExitCode {
         for _ in 0..jobs.max(1) {
             s.spawn(|| {
                 loop {
-                    let Some((i, (t, sm))) = queue.lock().unwrap().pop() else {
+                    let Some((i, job)) = queue.lock().unwrap().pop() else {
                         break;
                     };
-                    let b = build(&tc, &root, &out, t, sm);
+                    let b = build(&tc, &root, &out, job);
                     results.lock().unwrap().push((i, b));
                 }
             });
@@ -375,33 +501,20 @@ fn main() -> ExitCode {
         "tactic", "sm", "kernel", "regs", "smem", "spill", "stack", "key", "status", "secs"
     );
     for b in &builds {
-        let smem = b.tactic.smem();
-        for name in KERNELS {
+        for &name in b.job.kernels() {
             let k = b.kernels.get(name).cloned().unwrap_or_default();
-            let key: u32 = k
-                .sass
-                .iter()
-                .filter(|(op, _)| {
-                    op.strip_prefix("op:")
-                        .is_some_and(|o| o.starts_with(b.tactic.variant.required_sass()))
-                })
-                .map(|(_, n)| n)
-                .sum();
-            let dynamic = if name == "moe_gate_up" {
-                smem.gate_up
-            } else {
-                smem.down
-            };
+            // The scarcest required instruction: 0 means one is missing.
+            let key = b.job.required(name).iter().map(|r| key_count(&k, r)).min();
             println!(
                 "{:<42} {:<8} {:<12} {:>5} {:>7} {:>6} {:>6} {:>6}  {:<6} {:>6.1}",
-                b.tactic.id(),
-                b.sm.arch(),
+                b.job.id(),
+                b.job.sm().arch(),
                 name,
                 k.regs,
-                dynamic + k.static_smem as usize,
+                b.job.dynamic_smem(name) + k.static_smem as usize,
                 k.spill_stores + k.spill_loads,
                 k.stack,
-                key,
+                key.map_or("-".to_string(), |n| n.to_string()),
                 if b.failures.is_empty() { "ok" } else { "FAIL" },
                 b.compile_s
             );
@@ -410,7 +523,7 @@ fn main() -> ExitCode {
     let failed: Vec<&Build> = builds.iter().filter(|b| !b.failures.is_empty()).collect();
     for b in &failed {
         for f in &b.failures {
-            eprintln!("FAIL {} {}: {f}", b.tactic.id(), b.sm.arch());
+            eprintln!("FAIL {} {}: {f}", b.job.id(), b.job.sm().arch());
         }
     }
     eprintln!(
@@ -420,19 +533,22 @@ fn main() -> ExitCode {
         start.elapsed().as_secs_f64()
     );
 
-    let src = std::fs::read(root.join("kernels-rs/src/moe_gemm/moe_gemm.cu")).unwrap_or_default();
     let manifest_path = out.join("manifest.json");
     let previous: Option<Value> = std::fs::read_to_string(&manifest_path)
         .ok()
         .and_then(|s| serde_json::from_str(&s).ok());
-    // Other kernel families' entries are kept; this gate owns only its own.
+    // Entries of families not built in this run are kept; built families are replaced.
     let mut entries: Vec<Value> = previous
         .as_ref()
         .and_then(|m| m.get("entries"))
         .and_then(Value::as_array)
         .map(|e| {
             e.iter()
-                .filter(|v| v.get("family").and_then(Value::as_str) != Some(FAMILY))
+                .filter(|v| {
+                    v.get("family")
+                        .and_then(Value::as_str)
+                        .is_none_or(|f| !families.contains(&f))
+                })
                 .cloned()
                 .collect()
         })
@@ -444,10 +560,14 @@ fn main() -> ExitCode {
         .and_then(Value::as_object)
         .cloned()
         .unwrap_or_default();
-    sources.insert(
-        FAMILY.into(),
-        json!({"path": "kernels-rs/src/moe_gemm/moe_gemm.cu", "fnv1a64": fnv1a(&src)}),
-    );
+    for family in &families {
+        let path = source_of(family);
+        let src = std::fs::read(root.join(path)).unwrap_or_default();
+        sources.insert(
+            family.to_string(),
+            json!({"path": path, "fnv1a64": fnv1a(&src)}),
+        );
+    }
     let manifest = json!({
         "toolchain": tc.version,
         "sources": sources,
@@ -512,7 +632,7 @@ ptxas info    : Used 125 registers, used 1 barriers\n";
 \tFunction : moe_down\n\
         /*0100*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;\n";
         let mut r = BTreeMap::new();
-        count_sass(sass, &mut r);
+        count_sass(sass, &MOE_COUNTED, &mut r);
         assert_eq!(r["moe_gate_up"].sass["OMMA"], 1);
         assert_eq!(r["moe_gate_up"].sass["SHFL"], 1);
         assert_eq!(

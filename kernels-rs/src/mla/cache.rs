@@ -7,6 +7,14 @@
 //!   (`amax / 448`, so every token uses the full E4M3 range), plus the 64 RoPE values in BF16:
 //!   512 + 4 + 128 = 644 bytes. The RoPE part stays BF16 because its rotation spreads values
 //!   across magnitudes that one scale would crush, and it is only 11% of the bytes.
+//!
+//! FP8 scale scheme (shared bit for bit by `mla_append` in `mla_decode.cu` and the goldens):
+//! `scale = amax(latent) / 448` in f32 (1 for an all-zero latent), `code = e4m3(x / scale)`
+//! rounded to nearest even and saturating at ±448, `value = e4m3_to_f32(code) · scale`.
+//! A per-token scale follows each token's own range, which a static scale cannot (RMSNorm'd
+//! latents differ in range from token to token). A checkpoint's per-tensor `k_scale` is
+//! supported as [`PagedLatentCache::set_fp8_static_scale`]: every token then stores that scale,
+//! values beyond `448 · k_scale` saturate, and readers (CPU and GPU) need no second format.
 
 use half::bf16;
 use thiserror::Error;
@@ -118,6 +126,8 @@ pub struct PagedLatentCache {
     free_pages: Vec<u32>,
     sequences: std::collections::BTreeMap<SeqId, BlockTable>,
     next_seq: u32,
+    /// Per-tensor FP8 scale (a checkpoint's `k_scale`) instead of per-token amax scales.
+    fp8_static_scale: Option<f32>,
 }
 
 impl PagedLatentCache {
@@ -147,6 +157,7 @@ impl PagedLatentCache {
             free_pages: (0..num_pages as u32).rev().collect(),
             sequences: Default::default(),
             next_seq: 0,
+            fp8_static_scale: None,
         }
     }
 
@@ -165,6 +176,25 @@ impl PagedLatentCache {
 
     pub fn dtype(&self) -> KvCacheDtype {
         self.dtype
+    }
+
+    /// Uses one per-tensor scale for every FP8 token written from now on (`None`: per-token
+    /// amax scales, the default). Ignored by the other dtypes.
+    ///
+    /// # Panics
+    /// If the scale is not finite and positive.
+    pub fn set_fp8_static_scale(&mut self, scale: Option<f32>) {
+        if let Some(s) = scale {
+            assert!(
+                s.is_finite() && s > 0.0,
+                "FP8 k_scale must be finite and > 0: {s}"
+            );
+        }
+        self.fp8_static_scale = scale;
+    }
+
+    pub fn fp8_static_scale(&self) -> Option<f32> {
+        self.fp8_static_scale
     }
 
     pub fn free_pages(&self) -> usize {
@@ -282,6 +312,7 @@ impl PagedLatentCache {
             "cache write: latent/rope lengths"
         );
         let slot = self.slot(seq, pos)?;
+        let static_scale = self.fp8_static_scale;
         match &mut self.layers[layer] {
             LayerStorage::F32 { values } => {
                 let entry = &mut values[slot * (l + r)..(slot + 1) * (l + r)];
@@ -299,7 +330,7 @@ impl PagedLatentCache {
                 scales,
                 rope: rope_store,
             } => {
-                let scale = fp8_token_scale(latent);
+                let scale = static_scale.unwrap_or_else(|| fp8_token_scale(latent));
                 scales[slot] = scale;
                 for (dst, &src) in codes[slot * l..(slot + 1) * l].iter_mut().zip(latent) {
                     *dst = f32_to_e4m3(src / scale, Overflow::Saturate);
@@ -452,6 +483,26 @@ mod tests {
                 assert!((a - b).abs() <= 0.3 / 256.0 + 1e-6, "{dtype:?}: {a} vs {b}");
             }
         }
+    }
+
+    #[test]
+    fn a_static_fp8_scale_is_stored_for_every_token_and_saturates() {
+        let mut cache = PagedLatentCache::new(SHAPE, KvCacheDtype::Fp8E4m3, 1);
+        let seq = cache.add_sequence();
+        cache.reserve(seq, 2).unwrap();
+        cache.set_fp8_static_scale(Some(0.01));
+        let latent: Vec<f32> = (0..32).map(|i| i as f32 * 0.2 - 3.0).collect();
+        cache.write(0, seq, 0, &latent, &[0.0; 8]).unwrap();
+        let (mut l, mut r) = (vec![0.0; 32], vec![0.0; 8]);
+        cache.read_slot(0, 0, &mut l, &mut r);
+        for (a, b) in latent.iter().zip(&l) {
+            // 448 · 0.01 = 4.48 covers the range; E4M3 keeps 4 significant bits.
+            assert!((a - b).abs() <= a.abs() / 16.0 + 0.01 / 512.0, "{a} vs {b}");
+        }
+        // Beyond 448 · k_scale the codes saturate.
+        cache.write(0, seq, 1, &[100.0; 32], &[0.0; 8]).unwrap();
+        cache.read_slot(0, 1, &mut l, &mut r);
+        assert!(l.iter().all(|&v| (v - 4.48).abs() < 1e-5), "{l:?}");
     }
 
     #[test]

@@ -63,17 +63,19 @@ impl MlaKind {
     }
 
     /// SASS mnemonic prefixes `mla_decode` must contain: proof that the intended tensor-core
-    /// datapath was emitted. `HMMA.16816.F32.BF16` is the BF16 `mma.sync`; the E4M3 one is
-    /// assembled differently per SM, so it is looked up per SM.
+    /// datapath was emitted rather than lowered differently.
     pub fn required_sass(self, sm: Sm) -> Vec<&'static str> {
+        const BF16_MMA: &str = "HMMA.16816.F32.BF16";
         match (self, sm) {
-            (MlaKind::Fp8QkMma, Sm::Sm120) => {
-                vec!["HMMA.16816.F32.BF16", "QMMA.16832.F32.E4M3.E4M3"]
-            }
-            // sm_90 has no FP8 mma.sync in hardware: ptxas lowers the e4m3 MMA to conversions
-            // plus FP16 HMMAs, which the gate records and requires.
-            (MlaKind::Fp8QkMma, Sm::Sm90) => vec!["HMMA.16816.F32.BF16", "HMMA.16816.F32 "],
-            _ => vec!["HMMA.16816.F32.BF16"],
+            // SM120 has E4M3 `mma.sync` in hardware: ptxas emits QMMA.
+            (MlaKind::Fp8QkMma, Sm::Sm120) => vec![BF16_MMA, "QMMA.16832.F32.E4M3.E4M3"],
+            // SM90 has FP8 only in wgmma: ptxas lowers the E4M3 `mma.sync` to E4M3→F16
+            // unpacking plus F16 HMMAs. It still runs (the H200 check covers the kernel's
+            // logic), just without the FP8 speed-up.
+            (MlaKind::Fp8QkMma, Sm::Sm90) => vec![BF16_MMA, "F2FP.F16.E4M3.UNPACK_B"],
+            // The exact E4M3 → BF16 widening (HMUL2 by 2^120) must be there for FP8 caches.
+            (MlaKind::Fp8, _) => vec![BF16_MMA, "HMUL2.BF16_V2"],
+            (MlaKind::Bf16, _) => vec![BF16_MMA, "LDSM.16.MT88.4"],
         }
     }
 }
