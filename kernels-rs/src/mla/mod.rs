@@ -9,12 +9,14 @@
 //! - [`cache`]: pages of 64 tokens, block tables, BF16 or FP8 E4M3 storage.
 //! - [`reference`]: the CPU reference of the attention (FP32, two passes).
 //! - [`cpu`]: the fast CPU path (one pass, online softmax, split-KV with an exact LSE merge).
+//! - [`kernel_model`]: a lane-level CPU model of the CUDA kernel that checks its index math.
 //! - [`tactic`]: the typed tactic space of the CUDA kernel and its shared-memory layout.
 //! - `mla_decode.cu` (beside this file): split-KV decode, LSE combine and cache append kernels
 //!   for sm_120a and sm_90a; `gpu_check.md` describes the on-GPU check.
 
 pub mod cache;
 pub mod cpu;
+pub mod kernel_model;
 pub mod reference;
 pub mod tactic;
 
