@@ -254,6 +254,12 @@ impl MlaTactic {
         want.min(tiles).clamp(1, self.max_splits as usize) as u32
     }
 
+    /// Bytes of the split-KV workspace (`part_out` + `part_lse`, f32) a launch of up to
+    /// `batch` requests and `heads` heads needs: sized by `max_splits`, allocated once.
+    pub fn workspace_bytes(&self, batch: usize, heads: usize) -> usize {
+        4 * batch * heads * self.max_splits as usize * (LATENT + 1)
+    }
+
     /// The tactics the compile gate builds for `sm`.
     pub fn enumerate(sm: Sm) -> Vec<MlaTactic> {
         let t = |kind, heads_per_block, tile_tokens, warps, stages| MlaTactic {
@@ -346,5 +352,7 @@ mod tests {
         assert_eq!(t.plan_splits(1, 8, 40, 188), 2);
         // A big batch needs no splitting.
         assert_eq!(t.plan_splits(512, 64, 8192, 188), 1);
+        // 64 splits × 8 heads × 513 f32 for one request.
+        assert_eq!(t.workspace_bytes(1, 8), 4 * 64 * 8 * 513);
     }
 }
