@@ -642,4 +642,24 @@ ptxas info    : Used 125 registers, used 1 barriers\n";
         assert_eq!(r["moe_down"].sass["HMMA"], 1);
         assert!(!r["moe_down"].sass.contains_key("OMMA"));
     }
+
+    #[test]
+    fn mla_jobs_gate_the_decode_kernel_on_its_datapath() {
+        use kernels::mla::MlaKind;
+        for sm in Sm::ALL {
+            for t in MlaTactic::enumerate(sm) {
+                let job = Job::Mla(t, sm);
+                assert_eq!(job.kernels(), ["mla_decode", "mla_combine", "mla_append"]);
+                assert_eq!(job.dynamic_smem("mla_decode"), t.smem().total);
+                assert_eq!(job.dynamic_smem("mla_append"), 0);
+                assert!(job.required("mla_combine").is_empty());
+                let required = job.required("mla_decode");
+                assert!(required.contains(&"HMMA.16816.F32.BF16"));
+                if t.kind == MlaKind::Fp8QkMma && sm == Sm::Sm120 {
+                    assert!(required.contains(&"QMMA.16832.F32.E4M3.E4M3"));
+                }
+                assert_eq!(job.source(), "kernels-rs/src/mla/mla_decode.cu");
+            }
+        }
+    }
 }
