@@ -18,6 +18,7 @@
 use kernels::mla::PAGE_TOKENS;
 use kernels::mla::cache::{CacheError, KvCacheDtype, LatentCacheShape, PagedLatentCache, SeqId};
 use kernels::mla::cpu::mla_attention;
+use kernels::mla::golden_hash::token_values;
 use kernels::mla::reference::{AttentionQuery, MlaProblem, mla_attention_reference};
 use model::tensor_file::TensorFile;
 use project_tests::golden_path;
@@ -31,29 +32,6 @@ const IMPLEMENTATIONS: [(&str, Attention); 2] = [
 
 const L: usize = 512;
 const R: usize = 64;
-
-fn splitmix64(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
-}
-
-fn hash_u(seed: u64, t: usize, j: usize) -> f32 {
-    let idx = seed << 40 | (t as u64) << 10 | j as u64;
-    ((splitmix64(idx) >> 11) % 2001) as f32 - 1000.0
-}
-
-/// Token `t` of the request with `seed`, as the generator defines it (exact in f32).
-fn cache_values(seed: u64, t: usize, latent: &mut [f32], rope: &mut [f32]) {
-    let tok = (1 + t % 5) as f32 / 4.0;
-    for (j, v) in latent.iter_mut().enumerate() {
-        *v = hash_u(seed, t, j) / 256.0 * tok;
-    }
-    for (j, v) in rope.iter_mut().enumerate() {
-        *v = hash_u(seed, t, L + j) / 512.0;
-    }
-}
 
 /// Per-row relative error: max over rows of ‖a − b‖∞ / ‖b‖∞.
 fn rel_err(a: &[f32], b: &[f32], row: usize) -> f32 {
@@ -139,7 +117,7 @@ fn check_case(case: &Case) {
     let (mut latent, mut rope) = (vec![0.0f32; L], vec![0.0f32; R]);
     for (i, &n) in lens.iter().enumerate() {
         for t in 0..n {
-            cache_values(seeds[i] as u64, t, &mut latent, &mut rope);
+            token_values(seeds[i] as u64, t, &mut latent, &mut rope);
             // Layer 1: layer 0 stays zero, so a layer mix-up cannot pass.
             cache.write(1, seqs[i], t, &latent, &rope).unwrap();
         }

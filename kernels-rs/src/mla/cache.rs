@@ -112,6 +112,21 @@ enum LayerStorage {
     },
 }
 
+/// One layer's storage as it sits in memory: the layout the GPU kernels read (`mla_decode.cu`),
+/// so a device copy is a plain upload. Slot `s` = page · 64 + token in page.
+pub enum RawLayer<'a> {
+    /// `[slots][latent + rope]`
+    F32 { values: &'a [f32] },
+    /// `[slots][latent + rope]`
+    Bf16 { values: &'a [bf16] },
+    /// `latent [slots][latent]` E4M3 codes, `scales [slots]`, `rope [slots][rope]`.
+    Fp8 {
+        latent: &'a [u8],
+        scales: &'a [f32],
+        rope: &'a [bf16],
+    },
+}
+
 /// One token's cached entry, widened to `f32`.
 pub struct TokenEntry<'a> {
     pub latent: &'a mut [f32],
@@ -388,6 +403,23 @@ impl PagedLatentCache {
                     *dst = src.to_f32();
                 }
             }
+        }
+    }
+
+    /// The storage of `layer`, for uploading to a device.
+    pub fn raw_layer(&self, layer: usize) -> RawLayer<'_> {
+        match &self.layers[layer] {
+            LayerStorage::F32 { values } => RawLayer::F32 { values },
+            LayerStorage::Bf16 { values } => RawLayer::Bf16 { values },
+            LayerStorage::Fp8 {
+                latent,
+                scales,
+                rope,
+            } => RawLayer::Fp8 {
+                latent,
+                scales,
+                rope,
+            },
         }
     }
 

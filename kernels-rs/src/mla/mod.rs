@@ -12,10 +12,15 @@
 //! - [`kernel_model`]: a lane-level CPU model of the CUDA kernel that checks its index math.
 //! - [`tactic`]: the typed tactic space of the CUDA kernel and its shared-memory layout.
 //! - `mla_decode.cu` (beside this file): split-KV decode, LSE combine and cache append kernels
-//!   for sm_120a and sm_90a; `gpu_check.md` describes the on-GPU check.
+//!   for sm_120a and sm_90a; [`gpu`] (feature `cuda`) launches them, and `gpu_check.md`
+//!   describes the on-GPU check (`bin/mla-gpu-check.rs`).
+//! - [`golden_hash`]: the closed-form cache contents of the MLA goldens.
 
 pub mod cache;
 pub mod cpu;
+pub mod golden_hash;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod kernel_model;
 pub mod reference;
 pub mod tactic;
