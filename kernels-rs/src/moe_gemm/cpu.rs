@@ -17,10 +17,11 @@
 
 use rayon::prelude::*;
 
-use super::cpu_simd::{Isa, Nvfp4Row, nvfp4_row_dots};
+use std::ops::Range;
+
+use super::cpu_simd::{Isa, fake_quantize_row_fast, nvfp4_rows_dots};
 use super::reference::{ExpertInputAmax, ExpertView, Routing, silu};
 use crate::dense::dot;
-use crate::formats::nvfp4::{NVFP4_BLOCK, fake_quantize_row};
 use crate::matrix::MatrixView;
 
 /// Weight bytes one work item streams: large enough that rayon's per-item cost (~1 µs) is a few
@@ -94,7 +95,7 @@ pub fn moe_cpu_with(
                 let row = &x[t * hidden..(t + 1) * hidden];
                 *am = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
                 match experts[plan.row_expert[r]].gate_up_input_scale {
-                    Some(scale) => fake_quantize_row(row, scale, dst),
+                    Some(scale) => fake_quantize_row_fast(isa, row, scale, dst),
                     None => dst.copy_from_slice(row),
                 }
             });
@@ -105,26 +106,19 @@ pub fn moe_cpu_with(
     // Bytes of one gate row plus one up row: what a tile row streams.
     let gate_up_bytes = |e: usize| 2 * (experts[e].gate.bytes() / inters[e].max(1));
     let gate_up_items = plan.items(&mut h, |e| inters[e], gate_up_bytes);
-    gate_up_items.into_par_iter().for_each(|item| {
-        let e = item.expert;
-        let (n, ex) = (plan.count(e), &experts[e]);
-        let xe = &xq[plan.row_start[e] * hidden..plan.row_start[e + 1] * hidden];
-        let mut gate = [0.0f32; super::cpu_simd::MAX_GROUP];
-        let mut up = [0.0f32; super::cpu_simd::MAX_GROUP];
-        let mut scratch = Vec::new();
-        let tile = item.rows.len();
-        for (j, row) in item.rows.clone().enumerate() {
-            for g0 in (0..n).step_by(isa.group()) {
-                let g = isa.group().min(n - g0);
-                let xg = &xe[g0 * hidden..(g0 + g) * hidden];
-                row_dots(isa, &ex.gate, row, xg, &mut gate[..g], &mut scratch);
-                row_dots(isa, &ex.up, row, xg, &mut up[..g], &mut scratch);
-                for i in 0..g {
-                    item.out[(g0 + i) * tile + j] = silu(gate[i]) * up[i];
-                }
+    gate_up_items
+        .into_par_iter()
+        .for_each_init(Vec::new, |up, item| {
+            let e = item.expert;
+            let (n, ex, tile) = (plan.count(e), &experts[e], item.rows.len());
+            let xe = &xq[plan.row_start[e] * hidden..plan.row_start[e + 1] * hidden];
+            up.resize(n * tile, 0.0);
+            tile_dots(isa, &ex.gate, item.rows.clone(), xe, n, item.out, tile);
+            tile_dots(isa, &ex.up, item.rows.clone(), xe, n, up, tile);
+            for (g, &u) in item.out.iter_mut().zip(up.iter()) {
+                *g = silu(*g) * u;
             }
-        }
-    });
+        });
 
     // Phase 2b: gather each (token, slot)'s h from its tiles and fake-quantize it.
     let mut act = vec![0.0f32; h.len()];
@@ -134,26 +128,21 @@ pub fn moe_cpu_with(
         .into_par_iter()
         .zip(down_amax.par_iter_mut())
         .enumerate()
-        .for_each(|(r, (dst, am))| {
+        .for_each_init(Vec::new, |row, (r, (dst, am))| {
             let e = plan.row_expert[r];
             let (n, inter, i) = (plan.count(e), inters[e], r - plan.row_start[e]);
             let tile_rows = plan.tile_rows(e, gate_up_bytes);
             let base = plan.inter_offset[e];
-            let mut block = [0.0f32; NVFP4_BLOCK];
-            let scale = experts[e].down_input_scale;
-            for (c, chunk) in dst.chunks_mut(NVFP4_BLOCK).enumerate() {
-                for (k, v) in block.iter_mut().enumerate().take(chunk.len()) {
-                    let col = c * NVFP4_BLOCK + k;
-                    let (tile, within) = (col / tile_rows, col % tile_rows);
-                    let len = tile_rows.min(inter - tile * tile_rows);
-                    *v = h[base + tile * tile_rows * n + i * len + within];
-                }
-                let block = &block[..chunk.len()];
-                *am = block.iter().fold(*am, |m, v| m.max(v.abs()));
-                match scale {
-                    Some(s) => fake_quantize_row(block, s, chunk),
-                    None => chunk.copy_from_slice(block),
-                }
+            row.clear();
+            for (tile, c0) in (0..inter).step_by(tile_rows).enumerate() {
+                let len = tile_rows.min(inter - c0);
+                let start = base + tile * tile_rows * n + i * len;
+                row.extend_from_slice(&h[start..start + len]);
+            }
+            *am = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            match experts[e].down_input_scale {
+                Some(s) => fake_quantize_row_fast(isa, row, s, dst),
+                None => dst.copy_from_slice(row),
             }
         });
 
@@ -163,21 +152,17 @@ pub fn moe_cpu_with(
     let down_items = plan.items(&mut y, |_| hidden, down_bytes);
     down_items.into_par_iter().for_each(|item| {
         let e = item.expert;
-        let (n, ex, inter) = (plan.count(e), &experts[e], inters[e]);
         let ae = &act[plan.inter_offset[e]..plan.inter_offset[e + 1]];
-        let mut vals = [0.0f32; super::cpu_simd::MAX_GROUP];
-        let mut scratch = Vec::new();
         let tile = item.rows.len();
-        for (j, row) in item.rows.clone().enumerate() {
-            for g0 in (0..n).step_by(isa.group()) {
-                let g = isa.group().min(n - g0);
-                let ag = &ae[g0 * inter..(g0 + g) * inter];
-                row_dots(isa, &ex.down, row, ag, &mut vals[..g], &mut scratch);
-                for i in 0..g {
-                    item.out[(g0 + i) * tile + j] = vals[i];
-                }
-            }
-        }
+        tile_dots(
+            isa,
+            &experts[e].down,
+            item.rows,
+            ae,
+            plan.count(e),
+            item.out,
+            tile,
+        );
     });
 
     // Combine in slot order, exactly as the reference: out = Σ_k (w · y).
@@ -215,32 +200,26 @@ pub fn moe_cpu_with(
     }
 }
 
-/// Products of one weight row with `out.len()` activation rows: NVFP4 rows go through the SIMD
-/// kernel; BF16 rows (unquantized checkpoints) are widened into `scratch` and dotted.
-#[inline]
-fn row_dots(
+/// `out[t · stride + j] = x[t] · w[rows.start + j]` for `t < n`: NVFP4 tiles go through the
+/// SIMD kernels; BF16 weights (unquantized checkpoints) are widened row by row and dotted.
+fn tile_dots(
     isa: Isa,
-    m: &MatrixView<'_>,
-    row: usize,
+    w: &MatrixView<'_>,
+    rows: Range<usize>,
     x: &[f32],
+    n: usize,
     out: &mut [f32],
-    scratch: &mut Vec<f32>,
+    stride: usize,
 ) {
-    let cols = m.cols();
-    match m {
-        MatrixView::Nvfp4(v) => {
-            let row = Nvfp4Row {
-                packed: &v.packed[row * cols / 2..(row + 1) * cols / 2],
-                scales: &v.block_scales[row * cols / NVFP4_BLOCK..(row + 1) * cols / NVFP4_BLOCK],
-                global: v.global_scale,
-            };
-            nvfp4_row_dots(isa, row, x, cols, out);
-        }
-        MatrixView::Bf16 { .. } => {
-            scratch.resize(cols, 0.0);
-            m.row_into(row, scratch);
-            for (t, o) in out.iter_mut().enumerate() {
-                *o = dot(&x[t * cols..(t + 1) * cols], scratch);
+    match w {
+        MatrixView::Nvfp4(v) => nvfp4_rows_dots(isa, v, rows, x, n, out, stride),
+        MatrixView::Bf16 { cols, .. } => {
+            let mut row = vec![0.0f32; *cols];
+            for (j, r) in rows.enumerate() {
+                w.row_into(r, &mut row);
+                for t in 0..n {
+                    out[t * stride + j] = dot(&x[t * cols..(t + 1) * cols], &row);
+                }
             }
         }
     }
@@ -265,7 +244,7 @@ struct Plan {
 /// tokens; `out` is `[count, rows.len()]`.
 struct Item<'a> {
     expert: usize,
-    rows: std::ops::Range<usize>,
+    rows: Range<usize>,
     out: &'a mut [f32],
 }
 

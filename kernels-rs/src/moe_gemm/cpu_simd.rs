@@ -16,7 +16,9 @@
 
 use crate::formats::e2m1::E2M1_VALUES;
 use crate::formats::e4m3::e4m3_to_f32;
-use crate::formats::nvfp4::NVFP4_BLOCK;
+use std::ops::Range;
+
+use crate::formats::nvfp4::{NVFP4_BLOCK, Nvfp4View, block_dequant_factor, block_scale_code};
 
 /// Most tokens one kernel call accumulates at once: 8 tokens × 2 accumulators fill half of the
 /// 32 `zmm` registers, leaving room for the decoded weights and the table.
@@ -82,35 +84,73 @@ pub struct Nvfp4Row<'a> {
     pub global: f32,
 }
 
-/// `out[t] = Σ_c x[t·cols + c] · row[c]` for `t < out.len()`.
+/// `out[t · stride + (r − rows.start)] = Σ_c x[t · cols + c] · w[r, c]` for every token
+/// `t < n` and weight row `r` in `rows`: one tile of a grouped GEMM. Tokens are taken in groups
+/// of `isa.group()`, so each weight row is decoded once per group (once in all at decode).
 ///
-/// `isa` must be supported by this CPU (the caller checks it once per GEMM: see
-/// [`super::cpu::moe_cpu_with`]); `out.len()` must be at most `isa.group()`.
-pub fn nvfp4_row_dots(isa: Isa, row: Nvfp4Row<'_>, x: &[f32], cols: usize, out: &mut [f32]) {
-    let n = out.len();
+/// # Panics
+/// If this CPU does not support `isa`, or if the slices are too short for the shapes.
+pub fn nvfp4_rows_dots(
+    isa: Isa,
+    w: &Nvfp4View<'_>,
+    rows: Range<usize>,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
+    let cols = w.cols;
     // These bounds are what the SIMD kernels rely on for their unchecked loads.
     assert!(
         cols.is_multiple_of(NVFP4_BLOCK),
         "cols {cols} not block-aligned"
     );
-    assert!(row.packed.len() >= cols / 2 && row.scales.len() >= cols / NVFP4_BLOCK);
+    assert!(
+        rows.start <= rows.end && rows.end <= w.rows,
+        "rows {rows:?} of {}",
+        w.rows
+    );
+    assert!(w.packed.len() >= w.rows * cols / 2);
+    assert!(w.block_scales.len() >= w.rows * cols / NVFP4_BLOCK);
     assert!(x.len() >= n * cols, "x holds fewer than {n} rows of {cols}");
-    assert!(n <= isa.group(), "{n} tokens exceed the {isa:?} group");
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => {
-            assert!(Isa::Avx512.is_supported());
-            // SAFETY: the CPU supports AVX-512F/BW (checked above; the check is a cached
-            // atomic load), and the slice lengths asserted above cover every load.
-            unsafe { x86::dots_avx512(row, x, cols, out) }
+    if n == 0 || rows.is_empty() {
+        return;
+    }
+    assert!(stride >= rows.len() && out.len() >= (n - 1) * stride + rows.len());
+    assert!(isa.is_supported(), "{isa:?} is not supported by this CPU");
+    let group = isa.group();
+    for g0 in (0..n).step_by(group) {
+        let g = group.min(n - g0);
+        let (x, out) = (&x[g0 * cols..], &mut out[g0 * stride..]);
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the CPU supports AVX-512F/BW (checked above), and the lengths asserted
+            // above cover every load: rows < w.rows, g ≤ 8 rows of x, g rows of out.
+            Isa::Avx512 => unsafe { x86::rows_avx512(w, rows.clone(), x, g, out, stride) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above, for AVX2 and FMA, with g ≤ 4.
+            Isa::Avx2Fma => unsafe { x86::rows_avx2(w, rows.clone(), x, g, out, stride) },
+            _ => {
+                let mut acc = [0.0f32; MAX_GROUP];
+                for (j, r) in rows.clone().enumerate() {
+                    dots_scalar(row_of(w, r), x, cols, &mut acc[..g]);
+                    for (t, &v) in acc[..g].iter().enumerate() {
+                        out[t * stride + j] = v;
+                    }
+                }
+            }
         }
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2Fma => {
-            assert!(Isa::Avx2Fma.is_supported());
-            // SAFETY: as above, for AVX2 and FMA.
-            unsafe { x86::dots_avx2(row, x, cols, out) }
-        }
-        _ => dots_scalar(row, x, cols, out),
+    }
+}
+
+/// Row `r` of `w`.
+#[inline]
+fn row_of<'a>(w: &Nvfp4View<'a>, r: usize) -> Nvfp4Row<'a> {
+    let cols = w.cols;
+    Nvfp4Row {
+        packed: &w.packed[r * cols / 2..(r + 1) * cols / 2],
+        scales: &w.block_scales[r * cols / NVFP4_BLOCK..(r + 1) * cols / NVFP4_BLOCK],
+        global: w.global_scale,
     }
 }
 
@@ -143,37 +183,124 @@ fn dots_scalar(row: Nvfp4Row<'_>, x: &[f32], cols: usize, out: &mut [f32]) {
     }
 }
 
+/// [`fake_quantize_row`](crate::formats::nvfp4::fake_quantize_row), bit for bit, written
+/// branch-free so that it vectorizes: the E2M1 rounding counts the midpoints below the magnitude
+/// (plus one at the three midpoints that round up to the even code) instead of searching a
+/// table. Every activation the grouped GEMM multiplies passes through here, twice.
+pub fn fake_quantize_row_fast(isa: Isa, row: &[f32], input_scale: f32, out: &mut [f32]) {
+    assert_eq!(row.len(), out.len());
+    assert!(row.len().is_multiple_of(NVFP4_BLOCK));
+    assert!(isa.is_supported(), "{isa:?} is not supported by this CPU");
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU supports the features (checked above); the function only touches the
+        // slices it is given.
+        Isa::Avx512 => unsafe { x86::fake_quantize_avx512(row, input_scale, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2Fma => unsafe { x86::fake_quantize_avx2(row, input_scale, out) },
+        _ => fake_quantize_body(row, input_scale, out),
+    }
+}
+
+/// E2M1 rounding midpoints; see [`crate::formats::e2m1::f32_to_e2m1`].
+const MIDPOINTS: [f32; 7] = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0];
+
+#[inline(always)]
+fn fake_quantize_body(row: &[f32], input_scale: f32, out: &mut [f32]) {
+    for (block, out) in row
+        .chunks_exact(NVFP4_BLOCK)
+        .zip(out.chunks_exact_mut(NVFP4_BLOCK))
+    {
+        // torch's max propagates NaN; f32::max would drop it.
+        let block_amax = if block.iter().any(|v| v.is_nan()) {
+            f32::NAN
+        } else {
+            block.iter().fold(0.0f32, |m, v| m.max(v.abs()))
+        };
+        let factor = block_dequant_factor(block_scale_code(block_amax, input_scale), input_scale);
+        for (o, &x) in out.iter_mut().zip(block) {
+            let q = x / factor;
+            let m = q.abs();
+            let mut ordinal = 0u32;
+            for bound in MIDPOINTS {
+                ordinal += u32::from(bound < m);
+            }
+            ordinal += u32::from((m == 0.75) | (m == 1.75) | (m == 3.5));
+            // searchsorted places NaN after every bound.
+            let ordinal = if m.is_nan() { 7 } else { ordinal };
+            // Magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 from the ordinal, exactly.
+            let o_f = ordinal as f32;
+            let magnitude =
+                o_f * 0.5 + (o_f - 4.0).max(0.0) * 0.5 + if ordinal == 7 { 1.0 } else { 0.0 };
+            let v = magnitude * factor;
+            // Code 8 ("−0") decodes to +0.0; other negative codes to −magnitude.
+            *o = if q < 0.0 && ordinal != 0 { -v } else { v };
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{MAX_GROUP, Nvfp4Row};
-    use crate::formats::e4m3::e4m3_to_f32;
-    use crate::formats::nvfp4::NVFP4_BLOCK;
+    use std::ops::Range;
 
-    /// Dispatches on the token count so that each accumulator array has a constant length and
-    /// lives in registers.
-    ///
-    /// # Safety
-    /// The CPU must support AVX-512F and AVX-512BW; `row` must hold `cols / 2` packed bytes and
-    /// `cols / 16` scales, `x` at least `out.len() · cols` floats, and `out.len() ≤ 8`.
-    #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn dots_avx512(row: Nvfp4Row<'_>, x: &[f32], cols: usize, out: &mut [f32]) {
-        // SAFETY (all arms): forwarded from this function's contract.
-        unsafe {
-            match out.len() {
-                0 => {}
-                1 => avx512_n::<1>(row, x, cols, out),
-                2 => avx512_n::<2>(row, x, cols, out),
-                3 => avx512_n::<3>(row, x, cols, out),
-                4 => avx512_n::<4>(row, x, cols, out),
-                5 => avx512_n::<5>(row, x, cols, out),
-                6 => avx512_n::<6>(row, x, cols, out),
-                7 => avx512_n::<7>(row, x, cols, out),
-                8 => avx512_n::<8>(row, x, cols, out),
-                n => unreachable!("group of {n} > {MAX_GROUP}"),
+    use super::{Nvfp4Row, row_of};
+    use crate::formats::e4m3::e4m3_to_f32;
+    use crate::formats::nvfp4::{NVFP4_BLOCK, Nvfp4View};
+
+    /// Generates the tile loop for one ISA: dispatch on the token count once per tile, so that
+    /// each accumulator array has a constant length and lives in registers.
+    macro_rules! rows_fn {
+        ($name:ident, $features:literal, $kernel:ident, [$($n:literal),*]) => {
+            /// # Safety
+            /// The CPU must support the enabled features; `rows` must lie within `w`, `x` hold
+            /// `g` rows of `w.cols` and `out` hold `(g − 1) · stride + rows.len()` floats, with `g`
+            /// at most the ISA's group.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn $name(
+                w: &Nvfp4View<'_>,
+                rows: Range<usize>,
+                x: &[f32],
+                g: usize,
+                out: &mut [f32],
+                stride: usize,
+            ) {
+                match g {
+                    $($n => {
+                        for (j, r) in rows.enumerate() {
+                            // SAFETY: forwarded from this function's contract.
+                            let v = unsafe { $kernel::<$n>(row_of(w, r), x, w.cols) };
+                            for (t, &v) in v.iter().enumerate() {
+                                out[t * stride + j] = v;
+                            }
+                        }
+                    })*
+                    _ => unreachable!("group of {g}"),
+                }
             }
-        }
+        };
+    }
+
+    rows_fn!(
+        rows_avx512,
+        "avx512f,avx512bw",
+        avx512_n,
+        [1, 2, 3, 4, 5, 6, 7, 8]
+    );
+    rows_fn!(rows_avx2, "avx2,fma", avx2_n, [1, 2, 3, 4]);
+
+    /// The portable body compiled for AVX-512, which LLVM vectorizes 16 wide.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) fn fake_quantize_avx512(row: &[f32], input_scale: f32, out: &mut [f32]) {
+        super::fake_quantize_body(row, input_scale, out);
+    }
+
+    /// The portable body compiled for AVX2.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn fake_quantize_avx2(row: &[f32], input_scale: f32, out: &mut [f32]) {
+        super::fake_quantize_body(row, input_scale, out);
     }
 
     /// Decodes 16 E2M1 codes (the low nibbles of 16 bytes widened to 32-bit lanes) through the
@@ -187,9 +314,11 @@ mod x86 {
         _mm512_mul_ps(_mm512_permutexvar_ps(idx, table), _mm512_set1_ps(factor))
     }
 
+    /// # Safety
+    /// AVX-512F/BW; `row` holds `cols` elements and `x` at least `N · cols` floats.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw")]
-    unsafe fn avx512_n<const N: usize>(row: Nvfp4Row<'_>, x: &[f32], cols: usize, out: &mut [f32]) {
+    unsafe fn avx512_n<const N: usize>(row: Nvfp4Row<'_>, x: &[f32], cols: usize) -> [f32; N] {
         let table = _mm512_setr_ps(
             0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
         );
@@ -242,26 +371,7 @@ mod x86 {
                 }
             }
         }
-        for (o, acc) in out.iter_mut().zip(&acc) {
-            *o = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
-        }
-    }
-
-    /// # Safety
-    /// The CPU must support AVX2 and FMA; lengths as for [`dots_avx512`], `out.len() ≤ 4`.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dots_avx2(row: Nvfp4Row<'_>, x: &[f32], cols: usize, out: &mut [f32]) {
-        // SAFETY (all arms): forwarded from this function's contract.
-        unsafe {
-            match out.len() {
-                0 => {}
-                1 => avx2_n::<1>(row, x, cols, out),
-                2 => avx2_n::<2>(row, x, cols, out),
-                3 => avx2_n::<3>(row, x, cols, out),
-                4 => avx2_n::<4>(row, x, cols, out),
-                n => unreachable!("AVX2 group of {n} > {}", MAX_GROUP / 2),
-            }
-        }
+        acc.map(|acc| _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])))
     }
 
     /// Decodes 8 E2M1 codes (low nibbles of 8 bytes) with two 8-entry tables: `vpermps` reads
@@ -280,9 +390,11 @@ mod x86 {
         _mm256_mul_ps(v, factor)
     }
 
+    /// # Safety
+    /// AVX2 and FMA; `row` holds `cols` elements and `x` at least `N · cols` floats.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn avx2_n<const N: usize>(row: Nvfp4Row<'_>, x: &[f32], cols: usize, out: &mut [f32]) {
+    unsafe fn avx2_n<const N: usize>(row: Nvfp4Row<'_>, x: &[f32], cols: usize) -> [f32; N] {
         let pos = _mm256_setr_ps(0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0);
         let neg = _mm256_setr_ps(0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0);
         let packed = row.packed.as_ptr();
@@ -303,12 +415,12 @@ mod x86 {
                 }
             }
         }
-        for (o, acc) in out.iter_mut().zip(&acc) {
+        acc.map(|acc| {
             let s = _mm256_add_ps(acc[0], acc[1]);
             let s = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
             let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            *o = _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
-        }
+            _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
+        })
     }
 }
 
@@ -318,28 +430,68 @@ mod tests {
     use crate::formats::nvfp4::Nvfp4Matrix;
 
     #[test]
+    fn fast_fake_quantization_is_bit_exact() {
+        use crate::formats::nvfp4::fake_quantize_row;
+        let mut values: Vec<f32> = (0..4096)
+            .map(|i| {
+                let u = ((i * 7919 + 13) % 4001) as f32 / 2000.0 - 1.0;
+                u * [1.0, 1e-3, 40.0, 1e-7][i / 16 % 4]
+            })
+            .collect();
+        // Exact E2M1 midpoints (block amax 6 makes the factor a power of two below), signed
+        // zeros, tiny negatives, infinities and NaN.
+        let ties = [
+            6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75,
+        ];
+        for (k, v) in values[..64].iter_mut().enumerate() {
+            *v = ties[k % ties.len()] * 2f32.powi(k as i32 / 16 - 2);
+        }
+        values[64..80].copy_from_slice(&[
+            -0.0, 0.0, -1e-9, 1e-9, -0.0, 3.0, -3.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
+        ]);
+        values[80] = f32::INFINITY;
+        values[100] = f32::NAN;
+        values[120] = -f32::INFINITY;
+        for scale in [1.0 / 2688.0, 1.0 / 16.0, 1e-6, 0.37] {
+            let mut want = vec![0.0; values.len()];
+            fake_quantize_row(&values, scale, &mut want);
+            for isa in Isa::all_supported() {
+                let mut got = vec![0.0; values.len()];
+                fake_quantize_row_fast(isa, &values, scale, &mut got);
+                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                        "{isa:?} scale {scale} element {i} ({}): {a:e} vs {b:e}",
+                        values[i]
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
     fn every_supported_isa_matches_dequantize_then_dot() {
         for cols in [16, 32, 48, 256, 7168] {
-            let rows = 3;
+            let rows = 5;
             let w: Vec<f32> = (0..rows * cols)
                 .map(|i| (((i * 7919) % 2003) as f32 / 1001.0 - 1.0) * (1 + i % 5) as f32)
                 .collect();
             let q = Nvfp4Matrix::quantize_weight(&w, rows, cols).unwrap();
             let deq = q.dequantize();
-            let x: Vec<f32> = (0..MAX_GROUP * cols)
+            let n_max = 2 * MAX_GROUP + 3;
+            let x: Vec<f32> = (0..n_max * cols)
                 .map(|i| ((i * 104729) % 1999) as f32 / 999.0 - 1.0)
                 .collect();
             for isa in Isa::all_supported() {
-                for n in 0..=isa.group() {
-                    for r in 0..rows {
-                        let row = Nvfp4Row {
-                            packed: &q.packed[r * cols / 2..],
-                            scales: &q.block_scales[r * cols / 16..],
-                            global: q.global_scale,
-                        };
-                        let mut out = vec![0.0; n];
-                        nvfp4_row_dots(isa, row, &x, cols, &mut out);
-                        for (t, &o) in out.iter().enumerate() {
+                for n in 0..=n_max {
+                    // Rows 1..4 only, into a wider stride: the rest of `out` must stay untouched.
+                    let stride = 4;
+                    let mut out = vec![f32::NAN; n * stride];
+                    nvfp4_rows_dots(isa, &q.view(), 1..4, &x, n, &mut out, stride);
+                    for t in 0..n {
+                        assert!(out[t * stride + 3].is_nan());
+                        for r in 1..4 {
+                            let o = out[t * stride + r - 1];
                             let expected: f64 = (0..cols)
                                 .map(|c| x[t * cols + c] as f64 * deq[r * cols + c] as f64)
                                 .sum();
