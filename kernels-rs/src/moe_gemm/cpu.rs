@@ -13,13 +13,16 @@
 //!
 //! Each weight row is read once per call for all the tokens routed to its expert and decoded in
 //! registers ([`cpu_simd`](super::cpu_simd)); nothing dequantized is ever written to memory.
+//! The quantized activations are stored with each 16-element block in the kernels' decode order
+//! ([`interleave_blocks`]).
 //! Buffers are allocated once per call, never inside the loops.
 
 use rayon::prelude::*;
 
+use std::cell::Cell;
 use std::ops::Range;
 
-use super::cpu_simd::{Isa, fake_quantize_row_fast, nvfp4_rows_dots};
+use super::cpu_simd::{Isa, fake_quantize_row_fast, interleave_blocks, nvfp4_rows_dots};
 use super::reference::{ExpertInputAmax, ExpertView, Routing, silu};
 use crate::dense::dot;
 use crate::matrix::MatrixView;
@@ -27,6 +30,51 @@ use crate::matrix::MatrixView;
 /// Weight bytes one work item streams: large enough that rayon's per-item cost (~1 µs) is a few
 /// percent of the item's memory time, small enough for a few items per thread on one expert.
 const ITEM_BYTES: usize = 128 * 1024;
+
+/// Per-call buffers, kept per thread between calls: a fresh multi-megabyte allocation is fresh
+/// pages, whose first-touch faults and zeroing cost as much as streaming a good part of the
+/// weights. Every element is written before it is read, so stale contents are harmless.
+#[derive(Default)]
+struct Scratch {
+    xq: Vec<f32>,
+    in_amax: Vec<f32>,
+    h: Vec<f32>,
+    act: Vec<f32>,
+    down_amax: Vec<f32>,
+    y: Vec<f32>,
+}
+
+impl Scratch {
+    fn bytes(&self) -> usize {
+        4 * [
+            &self.xq,
+            &self.in_amax,
+            &self.h,
+            &self.act,
+            &self.down_amax,
+            &self.y,
+        ]
+        .iter()
+        .map(|v| v.capacity())
+        .sum::<usize>()
+    }
+}
+
+/// Larger buffers (a long prefill) are freed after the call rather than kept.
+const KEEP_SCRATCH_BYTES: usize = 64 << 20;
+
+thread_local! {
+    /// Taken out for the duration of a call (so a nested call would just allocate).
+    static SCRATCH: Cell<Scratch> = Cell::default();
+}
+
+/// The first `n` elements of `v`, growing it if needed.
+fn sized(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+    &mut v[..n]
+}
 
 /// `out[t] = Σ_k weight[t,k] · expert[t,k](x[t])` with the best kernels this CPU supports;
 /// a drop-in replacement for [`moe_reference`](super::reference::moe_reference).
@@ -84,8 +132,9 @@ pub fn moe_cpu_with(
     let plan = Plan::new(routing, experts.len(), &inters);
 
     // Phase 1: the quantized inputs, one row per (token, slot) in expert order.
-    let mut xq = vec![0.0f32; plan.rows() * hidden];
-    let mut in_amax = vec![0.0f32; plan.rows()];
+    let mut scratch = SCRATCH.with(Cell::take);
+    let xq = sized(&mut scratch.xq, plan.rows() * hidden);
+    let in_amax = sized(&mut scratch.in_amax, plan.rows());
     if hidden > 0 {
         xq.par_chunks_mut(hidden)
             .zip(in_amax.par_iter_mut())
@@ -98,14 +147,15 @@ pub fn moe_cpu_with(
                     Some(scale) => fake_quantize_row_fast(isa, row, scale, dst),
                     None => dst.copy_from_slice(row),
                 }
+                interleave_blocks(dst);
             });
     }
 
     // Phase 2a: h = silu(gate) · up, tiled over intermediate rows.
-    let mut h = vec![0.0f32; plan.inter_offset[experts.len()]];
+    let h = sized(&mut scratch.h, plan.inter_offset[experts.len()]);
     // Bytes of one gate row plus one up row: what a tile row streams.
     let gate_up_bytes = |e: usize| 2 * (experts[e].gate.bytes() / inters[e].max(1));
-    let gate_up_items = plan.items(&mut h, |e| inters[e], gate_up_bytes);
+    let gate_up_items = plan.items(h, |e| inters[e], gate_up_bytes);
     gate_up_items
         .into_par_iter()
         .for_each_init(Vec::new, |up, item| {
@@ -121,9 +171,9 @@ pub fn moe_cpu_with(
         });
 
     // Phase 2b: gather each (token, slot)'s h from its tiles and fake-quantize it.
-    let mut act = vec![0.0f32; h.len()];
-    let mut down_amax = vec![0.0f32; plan.rows()];
-    let act_rows = plan.split_rows(&mut act, |e| inters[e]);
+    let act = sized(&mut scratch.act, h.len());
+    let down_amax = sized(&mut scratch.down_amax, plan.rows());
+    let act_rows = plan.split_rows(act, |e| inters[e]);
     act_rows
         .into_par_iter()
         .zip(down_amax.par_iter_mut())
@@ -144,12 +194,13 @@ pub fn moe_cpu_with(
                 Some(s) => fake_quantize_row_fast(isa, row, s, dst),
                 None => dst.copy_from_slice(row),
             }
+            interleave_blocks(dst);
         });
 
     // Phase 3: y = down · act, tiled over hidden rows.
-    let mut y = vec![0.0f32; plan.rows() * hidden];
+    let y = sized(&mut scratch.y, plan.rows() * hidden);
     let down_bytes = |e: usize| experts[e].down.bytes() / hidden.max(1);
-    let down_items = plan.items(&mut y, |_| hidden, down_bytes);
+    let down_items = plan.items(y, |_| hidden, down_bytes);
     down_items.into_par_iter().for_each(|item| {
         let e = item.expert;
         let ae = &act[plan.inter_offset[e]..plan.inter_offset[e + 1]];
@@ -198,6 +249,9 @@ pub fn moe_cpu_with(
             amax.down[e] = amax.down[e].max(fold(&down_amax[rows]));
         }
     }
+    if scratch.bytes() <= KEEP_SCRATCH_BYTES {
+        SCRATCH.with(|s| s.set(scratch));
+    }
 }
 
 /// `out[t · stride + j] = x[t] · w[rows.start + j]` for `t < n`: NVFP4 tiles go through the
@@ -217,6 +271,8 @@ fn tile_dots(
             let mut row = vec![0.0f32; *cols];
             for (j, r) in rows.enumerate() {
                 w.row_into(r, &mut row);
+                // The activations are stored in the kernels' block order; so must the row be.
+                interleave_blocks(&mut row);
                 for t in 0..n {
                     out[t * stride + j] = dot(&x[t * cols..(t + 1) * cols], &row);
                 }

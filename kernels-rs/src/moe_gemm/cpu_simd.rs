@@ -1,18 +1,29 @@
-//! The inner kernel of the fast CPU grouped GEMM: one NVFP4 weight row against the activation
+//! The inner kernels of the fast CPU grouped GEMM: NVFP4 weight rows against the activation
 //! rows of up to [`MAX_GROUP`] tokens, `out[t] = Σ_c x[t, c] · w[c]`.
 //!
 //! At decode the weights are the memory traffic, so every packed byte is read exactly once and
-//! never written back dequantized: the E2M1 nibbles are widened to 32-bit lanes and decoded by
-//! a register-resident 16-entry table (`vpermps`), scaled by the block factor
-//! `f32(e4m3) · global` (the same single rounding as [`Nvfp4View::dequantize_row_into`], so the
-//! weight values are bit-identical to the reference's), and FMA'd into per-token accumulators.
-//! The products and sums differ from the reference only in accumulation order and FMA fusion.
+//! never written back dequantized. Per 16-element block the AVX-512 kernel does three ALU
+//! operations besides the FMAs:
+//! 1. the block's 8 packed bytes are broadcast to every 64-bit lane straight from memory, and
+//!    one variable shift (`vpsrlvd`) puts nibble `m` of the low and high 32-bit halves in lanes
+//!    `2m` and `2m + 1`;
+//! 2. `vpermps` decodes all 16 codes through a register-resident 16-entry E2M1 table (it reads
+//!    only the low 4 bits of each lane, so no mask is needed);
+//! 3. one multiply by the block factor `f32(e4m3) · global`, broadcast from a small per-row
+//!    array that is computed 16 blocks at a time ([`factors`]): the same single rounding as
+//!    [`Nvfp4View::dequantize_row_into`], so the weights are bit-identical to the reference's.
 //!
-//! Three implementations are selected at run time: AVX-512 (one 16-element block per `zmm`),
-//! AVX2+FMA (a block is two `ymm`; the 8-entry `vpermps` covers the magnitudes and a blend on
-//! the sign bit picks the negative table) and a portable scalar loop.
+//! Step 1 leaves the elements of a block in the order `0, 8, 1, 9, …, 7, 15`. Rather than undo
+//! that per weight block, the activations are stored in the same order once per call
+//! ([`interleave_blocks`]): a dot product does not care about the order of its terms. The
+//! products and sums differ from the reference's only in accumulation order and FMA fusion.
+//!
+//! Three implementations are selected at run time: AVX-512 (one block per `zmm`), AVX2+FMA (a
+//! block is two `ymm`; the 8-entry `vpermps` covers the magnitudes and a blend on the sign bit
+//! picks the negative table) and portable Rust.
 //!
 //! [`Nvfp4View::dequantize_row_into`]: crate::formats::nvfp4::Nvfp4View::dequantize_row_into
+//! [`factors`]: x86
 
 use crate::formats::e2m1::E2M1_VALUES;
 use crate::formats::e4m3::e4m3_to_f32;
@@ -154,8 +165,21 @@ fn row_of<'a>(w: &Nvfp4View<'a>, r: usize) -> Nvfp4Row<'a> {
     }
 }
 
-/// The portable kernel: decode a block to 16 floats on the stack, then one pass per token with
-/// eight partial sums (an order the compiler may vectorize without reassociating).
+/// Reorders every whole 16-element block of `row` to `0, 8, 1, 9, …, 7, 15`, the order in
+/// which the kernels decode weight blocks (a trailing partial block stays as it is). Activation
+/// rows go through this once before [`nvfp4_rows_dots`].
+pub fn interleave_blocks(row: &mut [f32]) {
+    for block in row.chunks_exact_mut(NVFP4_BLOCK) {
+        let natural: [f32; NVFP4_BLOCK] = block.try_into().expect("16 elements");
+        for m in 0..NVFP4_BLOCK / 2 {
+            block[2 * m] = natural[m];
+            block[2 * m + 1] = natural[NVFP4_BLOCK / 2 + m];
+        }
+    }
+}
+
+/// The portable kernel: decode a block (interleaved order) to 16 floats on the stack, then one
+/// pass per token with eight partial sums.
 fn dots_scalar(row: Nvfp4Row<'_>, x: &[f32], cols: usize, out: &mut [f32]) {
     let mut acc = [[0.0f32; 8]; MAX_GROUP];
     let mut w = [0.0f32; NVFP4_BLOCK];
@@ -167,9 +191,10 @@ fn dots_scalar(row: Nvfp4Row<'_>, x: &[f32], cols: usize, out: &mut [f32]) {
         .enumerate()
     {
         let factor = e4m3_to_f32(scale) * row.global;
-        for (pair, &byte) in w.chunks_exact_mut(2).zip(bytes) {
-            pair[0] = E2M1_VALUES[(byte & 0x0F) as usize] * factor;
-            pair[1] = E2M1_VALUES[(byte >> 4) as usize] * factor;
+        let codes = u64::from_le_bytes(bytes.try_into().expect("8 bytes"));
+        for m in 0..NVFP4_BLOCK / 2 {
+            w[2 * m] = E2M1_VALUES[(codes >> (4 * m) & 0xF) as usize] * factor;
+            w[2 * m + 1] = E2M1_VALUES[(codes >> (32 + 4 * m) & 0xF) as usize] * factor;
         }
         for (t, acc) in acc.iter_mut().enumerate().take(out.len()) {
             let xb = &x[t * cols + b * NVFP4_BLOCK..t * cols + (b + 1) * NVFP4_BLOCK];
@@ -303,84 +328,131 @@ mod x86 {
         super::fake_quantize_body(row, input_scale, out);
     }
 
-    /// Decodes 16 E2M1 codes (the low nibbles of 16 bytes widened to 32-bit lanes) through the
-    /// table and scales them by the block factor.
+    /// Blocks whose factors are computed ahead of their products: 256 blocks (4096 elements,
+    /// 1 KiB of factors) cover a Kimi row of 7168 in two chunks and stay in L1.
+    const FACTOR_CHUNK: usize = 256;
+
+    /// 2¹²⁰: an E4M3 code's bits shifted into an f32's exponent and mantissa fields give the
+    /// value times 2⁻¹²⁰, exactly, subnormal codes included (they land on f32 subnormals).
+    const TWO_POW_120: f32 = f32::from_bits((127 + 120) << 23);
+
+    /// Decodes 16 E4M3 codes and multiplies them by the global scale: `e4m3_to_f32(c) · global`
+    /// bit for bit, NaN codes (`S.1111.111`) included.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw")]
-    fn decode16(codes: __m128i, table: __m512, factor: f32) -> __m512 {
-        // vpermps only reads the low 4 bits of each index, so the high nibble riding along in
-        // each byte needs no mask.
-        let idx = _mm512_cvtepu8_epi32(codes);
-        _mm512_mul_ps(_mm512_permutexvar_ps(idx, table), _mm512_set1_ps(factor))
+    fn factors16(codes: __m128i, global: __m512) -> __m512 {
+        let c = _mm512_cvtepu8_epi32(codes);
+        let magnitude = _mm512_and_si512(c, _mm512_set1_epi32(0x7F));
+        let sign = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24);
+        let bits = _mm512_or_si512(_mm512_slli_epi32(magnitude, 20), sign);
+        let v = _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(TWO_POW_120));
+        let nan = _mm512_cmpeq_epi32_mask(magnitude, _mm512_set1_epi32(0x7F));
+        _mm512_mul_ps(
+            _mm512_mask_blend_ps(nan, v, _mm512_set1_ps(f32::NAN)),
+            global,
+        )
     }
 
     /// # Safety
-    /// AVX-512F/BW; `row` holds `cols` elements and `x` at least `N · cols` floats.
+    /// AVX-512F/BW; `row` holds `cols` elements and `x` at least `N · cols` floats, each row
+    /// in interleaved block order.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw")]
     unsafe fn avx512_n<const N: usize>(row: Nvfp4Row<'_>, x: &[f32], cols: usize) -> [f32; N] {
         let table = _mm512_setr_ps(
             0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
         );
+        let shifts = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
+        let global = _mm512_set1_ps(row.global);
         let blocks = cols / NVFP4_BLOCK;
         let packed = row.packed.as_ptr();
         let xp = x.as_ptr();
+        let mut factors = [0.0f32; FACTOR_CHUNK];
         // Two accumulators per token (even and odd blocks) so that the FMA latency chain of a
         // single token is split in two.
         let mut acc = [[_mm512_setzero_ps(); 2]; N];
-        let mut b = 0;
-        while b + 2 <= blocks {
-            // SAFETY: b + 2 ≤ blocks, so bytes [8b, 8b + 16) lie within the row's cols/2
-            // packed bytes, and x[t·cols + 16b .. + 32) within token t's row (t < N).
-            unsafe {
-                let bytes = _mm_loadu_si128(packed.add(b * 8).cast());
-                // Byte i of `hi` has the high nibble of byte i in its low 4 bits; interleaving
-                // puts the elements back in order (low nibble first, as packed).
-                let hi = _mm_srli_epi16(bytes, 4);
-                let w0 = decode16(
-                    _mm_unpacklo_epi8(bytes, hi),
-                    table,
-                    e4m3_to_f32(row.scales[b]) * row.global,
-                );
-                let w1 = decode16(
-                    _mm_unpackhi_epi8(bytes, hi),
-                    table,
-                    e4m3_to_f32(row.scales[b + 1]) * row.global,
-                );
-                for (t, acc) in acc.iter_mut().enumerate() {
-                    let xt = xp.add(t * cols + b * NVFP4_BLOCK);
-                    acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(xt), w0, acc[0]);
-                    acc[1] = _mm512_fmadd_ps(_mm512_loadu_ps(xt.add(16)), w1, acc[1]);
+        let mut c0 = 0;
+        while c0 < blocks {
+            let nb = FACTOR_CHUNK.min(blocks - c0);
+            let mut b = 0;
+            while b + 16 <= nb {
+                // SAFETY: scales [c0 + b, c0 + b + 16) lie within the row's cols/16 scales;
+                // factors [b, b + 16) within the array (nb ≤ FACTOR_CHUNK).
+                unsafe {
+                    let codes = _mm_loadu_si128(row.scales.as_ptr().add(c0 + b).cast());
+                    _mm512_storeu_ps(factors.as_mut_ptr().add(b), factors16(codes, global));
+                }
+                b += 16;
+            }
+            for (f, &code) in factors[b..nb].iter_mut().zip(&row.scales[c0 + b..c0 + nb]) {
+                *f = e4m3_to_f32(code) * row.global;
+            }
+            let mut b = 0;
+            while b + 2 <= nb {
+                let blk = c0 + b;
+                // SAFETY: blk + 2 ≤ blocks, so bytes [8·blk, 8·blk + 16) lie within the row's
+                // cols/2 packed bytes, and x[t·cols + 16·blk .. + 32) within token t's row.
+                unsafe {
+                    let q0 = _mm512_set1_epi64(packed.add(blk * 8).cast::<i64>().read_unaligned());
+                    let q1 =
+                        _mm512_set1_epi64(packed.add(blk * 8 + 8).cast::<i64>().read_unaligned());
+                    let w0 = _mm512_mul_ps(
+                        _mm512_permutexvar_ps(_mm512_srlv_epi32(q0, shifts), table),
+                        _mm512_set1_ps(factors[b]),
+                    );
+                    let w1 = _mm512_mul_ps(
+                        _mm512_permutexvar_ps(_mm512_srlv_epi32(q1, shifts), table),
+                        _mm512_set1_ps(factors[b + 1]),
+                    );
+                    for (t, acc) in acc.iter_mut().enumerate() {
+                        let xt = xp.add(t * cols + blk * NVFP4_BLOCK);
+                        acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(xt), w0, acc[0]);
+                        acc[1] = _mm512_fmadd_ps(_mm512_loadu_ps(xt.add(16)), w1, acc[1]);
+                    }
+                }
+                b += 2;
+            }
+            if b < nb {
+                let blk = c0 + b;
+                // SAFETY: blk < blocks: bytes [8·blk, 8·blk + 8) and x[t·cols + 16·blk .. + 16)
+                // are in bounds.
+                unsafe {
+                    let q = _mm512_set1_epi64(packed.add(blk * 8).cast::<i64>().read_unaligned());
+                    let w = _mm512_mul_ps(
+                        _mm512_permutexvar_ps(_mm512_srlv_epi32(q, shifts), table),
+                        _mm512_set1_ps(factors[b]),
+                    );
+                    for (t, acc) in acc.iter_mut().enumerate() {
+                        let xt = xp.add(t * cols + blk * NVFP4_BLOCK);
+                        acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(xt), w, acc[0]);
+                    }
                 }
             }
-            b += 2;
-        }
-        if b < blocks {
-            // SAFETY: b < blocks: bytes [8b, 8b + 8) and x[t·cols + 16b .. + 16) are in bounds.
-            unsafe {
-                let bytes = _mm_loadl_epi64(packed.add(b * 8).cast());
-                let hi = _mm_srli_epi16(bytes, 4);
-                let w0 = decode16(
-                    _mm_unpacklo_epi8(bytes, hi),
-                    table,
-                    e4m3_to_f32(row.scales[b]) * row.global,
-                );
-                for (t, acc) in acc.iter_mut().enumerate() {
-                    let xt = xp.add(t * cols + b * NVFP4_BLOCK);
-                    acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(xt), w0, acc[0]);
-                }
-            }
+            c0 += nb;
         }
         acc.map(|acc| _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])))
     }
 
-    /// Decodes 8 E2M1 codes (low nibbles of 8 bytes) with two 8-entry tables: `vpermps` reads
-    /// the 3 magnitude bits, and shifting the sign bit (bit 3) to bit 31 lets `vblendvps` pick
-    /// the negative table. Code 8 ("−0") decodes to +0.0 as in ModelOpt's table.
+    /// [`factors16`] for AVX2, 8 codes (the low 8 bytes of `codes`).
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    fn decode8(codes: __m128i, pos: __m256, neg: __m256, factor: __m256) -> __m256 {
-        let idx = _mm256_cvtepu8_epi32(codes);
+    fn factors8(codes: __m128i, global: __m256) -> __m256 {
+        let c = _mm256_cvtepu8_epi32(codes);
+        let magnitude = _mm256_and_si256(c, _mm256_set1_epi32(0x7F));
+        let sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
+        let bits = _mm256_or_si256(_mm256_slli_epi32(magnitude, 20), sign);
+        let v = _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(TWO_POW_120));
+        let nan = _mm256_cmpeq_epi32(magnitude, _mm256_set1_epi32(0x7F));
+        let v = _mm256_blendv_ps(v, _mm256_set1_ps(f32::NAN), _mm256_castsi256_ps(nan));
+        _mm256_mul_ps(v, global)
+    }
+
+    /// Decodes 8 E2M1 codes (the low nibble of each 32-bit lane) with two 8-entry tables:
+    /// `vpermps` reads the 3 magnitude bits, and shifting the sign bit (bit 3) to bit 31 lets
+    /// `vblendvps` pick the negative table. Code 8 ("−0") decodes to +0.0 as in ModelOpt.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn decode8(idx: __m256i, pos: __m256, neg: __m256, factor: __m256) -> __m256 {
         let sign = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));
         let v = _mm256_blendv_ps(
             _mm256_permutevar8x32_ps(pos, idx),
@@ -391,29 +463,56 @@ mod x86 {
     }
 
     /// # Safety
-    /// AVX2 and FMA; `row` holds `cols` elements and `x` at least `N · cols` floats.
+    /// AVX2 and FMA; `row` holds `cols` elements and `x` at least `N · cols` floats, each row
+    /// in interleaved block order.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn avx2_n<const N: usize>(row: Nvfp4Row<'_>, x: &[f32], cols: usize) -> [f32; N] {
         let pos = _mm256_setr_ps(0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0);
         let neg = _mm256_setr_ps(0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0);
+        // The 64-bit broadcast alternates the low and high halves of the block over the 32-bit
+        // lanes, as in the AVX-512 kernel: lanes 0–7 hold elements 0, 8, 1, 9, 2, 10, 3, 11.
+        let shifts0 = _mm256_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12);
+        let shifts1 = _mm256_setr_epi32(16, 16, 20, 20, 24, 24, 28, 28);
+        let global = _mm256_set1_ps(row.global);
+        let blocks = cols / NVFP4_BLOCK;
         let packed = row.packed.as_ptr();
         let xp = x.as_ptr();
+        let mut factors = [0.0f32; FACTOR_CHUNK];
         let mut acc = [[_mm256_setzero_ps(); 2]; N];
-        for b in 0..cols / NVFP4_BLOCK {
-            // SAFETY: b < cols/16: bytes [8b, 8b + 8) and x[t·cols + 16b .. + 16) are in bounds.
-            unsafe {
-                let bytes = _mm_loadl_epi64(packed.add(b * 8).cast());
-                let codes = _mm_unpacklo_epi8(bytes, _mm_srli_epi16(bytes, 4));
-                let factor = _mm256_set1_ps(e4m3_to_f32(row.scales[b]) * row.global);
-                let w0 = decode8(codes, pos, neg, factor);
-                let w1 = decode8(_mm_srli_si128(codes, 8), pos, neg, factor);
-                for (t, acc) in acc.iter_mut().enumerate() {
-                    let xt = xp.add(t * cols + b * NVFP4_BLOCK);
-                    acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(xt), w0, acc[0]);
-                    acc[1] = _mm256_fmadd_ps(_mm256_loadu_ps(xt.add(8)), w1, acc[1]);
+        let mut c0 = 0;
+        while c0 < blocks {
+            let nb = FACTOR_CHUNK.min(blocks - c0);
+            let mut b = 0;
+            while b + 8 <= nb {
+                // SAFETY: scales [c0 + b, c0 + b + 8) lie within the row; factors [b, b + 8)
+                // within the array.
+                unsafe {
+                    let codes = _mm_loadl_epi64(row.scales.as_ptr().add(c0 + b).cast());
+                    _mm256_storeu_ps(factors.as_mut_ptr().add(b), factors8(codes, global));
+                }
+                b += 8;
+            }
+            for (f, &code) in factors[b..nb].iter_mut().zip(&row.scales[c0 + b..c0 + nb]) {
+                *f = e4m3_to_f32(code) * row.global;
+            }
+            for b in 0..nb {
+                let blk = c0 + b;
+                // SAFETY: blk < blocks: bytes [8·blk, 8·blk + 8) and x[t·cols + 16·blk .. + 16)
+                // are in bounds.
+                unsafe {
+                    let q = _mm256_set1_epi64x(packed.add(blk * 8).cast::<i64>().read_unaligned());
+                    let factor = _mm256_set1_ps(factors[b]);
+                    let w0 = decode8(_mm256_srlv_epi32(q, shifts0), pos, neg, factor);
+                    let w1 = decode8(_mm256_srlv_epi32(q, shifts1), pos, neg, factor);
+                    for (t, acc) in acc.iter_mut().enumerate() {
+                        let xt = xp.add(t * cols + blk * NVFP4_BLOCK);
+                        acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(xt), w0, acc[0]);
+                        acc[1] = _mm256_fmadd_ps(_mm256_loadu_ps(xt.add(8)), w1, acc[1]);
+                    }
                 }
             }
+            c0 += nb;
         }
         acc.map(|acc| {
             let s = _mm256_add_ps(acc[0], acc[1]);
@@ -422,12 +521,58 @@ mod x86 {
             _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
         })
     }
+
+    /// All 256 E4M3 codes through the vector factor decoders, for the tests.
+    #[cfg(test)]
+    pub(super) fn all_factors(isa: super::Isa, global: f32) -> Vec<f32> {
+        let codes: Vec<u8> = (0..=255).collect();
+        let mut out = vec![0.0f32; 256];
+        for (c, o) in codes.chunks_exact(16).zip(out.chunks_exact_mut(16)) {
+            // SAFETY: 16 readable bytes and 16 writable floats; the features are checked by
+            // the caller (the test only asks for supported ISAs).
+            unsafe {
+                let v = _mm_loadu_si128(c.as_ptr().cast());
+                match isa {
+                    super::Isa::Avx512 => {
+                        _mm512_storeu_ps(o.as_mut_ptr(), factors16(v, _mm512_set1_ps(global)))
+                    }
+                    _ => {
+                        let g = _mm256_set1_ps(global);
+                        _mm256_storeu_ps(o.as_mut_ptr(), factors8(v, g));
+                        let hi = _mm_srli_si128(v, 8);
+                        _mm256_storeu_ps(o.as_mut_ptr().add(8), factors8(hi, g));
+                    }
+                }
+            }
+        }
+        out
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::formats::nvfp4::Nvfp4Matrix;
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vector_block_factors_match_the_e4m3_table() {
+        for isa in Isa::all_supported() {
+            if isa == Isa::Scalar {
+                continue;
+            }
+            for global in [1.0, 1.0 / 2688.0, 3.7e-5, 1e30] {
+                let got = x86::all_factors(isa, global);
+                for (code, &g) in got.iter().enumerate() {
+                    let want = e4m3_to_f32(code as u8) * global;
+                    assert!(
+                        g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
+                        "{isa:?} code {code:#04x} global {global}: {g:e} vs {want:e}"
+                    );
+                }
+            }
+        }
+    }
 
     #[test]
     fn fast_fake_quantization_is_bit_exact() {
@@ -471,7 +616,8 @@ mod tests {
 
     #[test]
     fn every_supported_isa_matches_dequantize_then_dot() {
-        for cols in [16, 32, 48, 256, 7168] {
+        // 8320 = 520 blocks: two whole factor chunks and a partial one.
+        for cols in [16, 32, 48, 256, 7168, 8320] {
             let rows = 5;
             let w: Vec<f32> = (0..rows * cols)
                 .map(|i| (((i * 7919) % 2003) as f32 / 1001.0 - 1.0) * (1 + i % 5) as f32)
@@ -482,12 +628,14 @@ mod tests {
             let x: Vec<f32> = (0..n_max * cols)
                 .map(|i| ((i * 104729) % 1999) as f32 / 999.0 - 1.0)
                 .collect();
+            let mut xi = x.clone();
+            xi.chunks_exact_mut(cols).for_each(interleave_blocks);
             for isa in Isa::all_supported() {
                 for n in 0..=n_max {
                     // Rows 1..4 only, into a wider stride: the rest of `out` must stay untouched.
                     let stride = 4;
                     let mut out = vec![f32::NAN; n * stride];
-                    nvfp4_rows_dots(isa, &q.view(), 1..4, &x, n, &mut out, stride);
+                    nvfp4_rows_dots(isa, &q.view(), 1..4, &xi, n, &mut out, stride);
                     for t in 0..n {
                         assert!(out[t * stride + 3].is_nan());
                         for r in 1..4 {
