@@ -496,13 +496,13 @@ mod x86 {
             for (f, &code) in factors[b..nb].iter_mut().zip(&row.scales[c0 + b..c0 + nb]) {
                 *f = e4m3_to_f32(code) * row.global;
             }
-            for b in 0..nb {
+            for (b, &factor) in factors[..nb].iter().enumerate() {
                 let blk = c0 + b;
                 // SAFETY: blk < blocks: bytes [8·blk, 8·blk + 8) and x[t·cols + 16·blk .. + 16)
                 // are in bounds.
                 unsafe {
                     let q = _mm256_set1_epi64x(packed.add(blk * 8).cast::<i64>().read_unaligned());
-                    let factor = _mm256_set1_ps(factors[b]);
+                    let factor = _mm256_set1_ps(factor);
                     let w0 = decode8(_mm256_srlv_epi32(q, shifts0), pos, neg, factor);
                     let w1 = decode8(_mm256_srlv_epi32(q, shifts1), pos, neg, factor);
                     for (t, acc) in acc.iter_mut().enumerate() {
