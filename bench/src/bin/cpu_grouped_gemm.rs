@@ -37,17 +37,43 @@ struct Options {
     write: bool,
     /// Weight bytes per pass (`--set-mib N`; small values measure the in-cache compute speed).
     set_bytes: usize,
+    /// Only this instruction set (`--isa avx512|avx2fma|scalar`), and no reference: for
+    /// profiling one kernel.
+    only: Option<Isa>,
+    /// Only these tokens per expert and intermediate size (`--tokens N`, `--inter N`).
+    tokens: Option<usize>,
+    inter: Option<usize>,
 }
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let opts = Options {
-        passes: if quick { 3 } else { 9 },
+        passes: if quick { 3 } else { 15 },
         write: !quick,
         set_bytes: MIN_SET_BYTES,
+        only: None,
+        tokens: None,
+        inter: None,
     };
     let mut opts = opts;
     let args: Vec<String> = std::env::args().collect();
+    if let Some(i) = args.iter().position(|a| a == "--isa") {
+        let name = args[i + 1].to_lowercase();
+        opts.only = Isa::all_supported()
+            .into_iter()
+            .find(|isa| format!("{isa:?}").to_lowercase() == name);
+        assert!(opts.only.is_some(), "--isa {name}: not supported here");
+        opts.write = false;
+    }
+    let number = |flag: &str| {
+        let i = args.iter().position(|a| a == flag)?;
+        Some(args[i + 1].parse::<usize>().expect("a number"))
+    };
+    opts.tokens = number("--tokens");
+    opts.inter = number("--inter");
+    if opts.tokens.is_some() || opts.inter.is_some() {
+        opts.write = false;
+    }
     if let Some(i) = args.iter().position(|a| a == "--set-mib") {
         opts.set_bytes = args[i + 1].parse::<usize>().expect("--set-mib N") << 20;
         opts.write = false;
@@ -65,8 +91,14 @@ fn main() {
     let mut lines = Vec::new();
     // Kimi per GPU at TP8 (intermediate 2048/8) and unsharded.
     for inter in [256, 2048] {
+        if opts.inter.is_some_and(|i| i != inter) {
+            continue;
+        }
         let set = WeightSet::new(inter, opts.set_bytes);
         for n in [1, 2, 4, 8] {
+            if opts.tokens.is_some_and(|t| t != n) {
+                continue;
+            }
             let routing = set.routing(n);
             let tokens = routing.tokens();
             let x: Vec<f32> = (0..tokens * HIDDEN)
@@ -76,6 +108,9 @@ fn main() {
             let experts = set.views();
             let gb = set.bytes as f64 / 1e9;
             for isa in Isa::all_supported() {
+                if opts.only.is_some_and(|only| only != isa) {
+                    continue;
+                }
                 let t = time_passes(opts.passes, || {
                     moe_cpu_with(isa, &x, HIDDEN, &routing, &experts, &mut out, None);
                 });
@@ -97,6 +132,9 @@ fn main() {
                     let r = gbs / copy;
                     worst = Some(worst.map_or(r, |w: f64| w.min(r)));
                 }
+            }
+            if opts.only.is_some() {
+                continue;
             }
             // The reference is slow: one timed pass after a warm-up is enough for a ratio.
             let t = time_passes(1, || {

@@ -269,6 +269,7 @@ fn fake_quantize_body(row: &[f32], input_scale: f32, out: &mut [f32]) {
 mod x86 {
     use std::arch::x86_64::*;
 
+    use std::mem::MaybeUninit;
     use std::ops::Range;
 
     use super::{Nvfp4Row, row_of};
@@ -308,12 +309,69 @@ mod x86 {
         };
     }
 
-    rows_fn!(
-        rows_avx512,
-        "avx512f,avx512bw",
-        avx512_n,
-        [1, 2, 3, 4, 5, 6, 7, 8]
-    );
+    rows_fn!(rows_avx512_wide, "avx512f,avx512bw", avx512_n, [5, 6, 7, 8]);
+
+    /// The AVX-512 tile loop: groups of up to 4 tokens take weight rows four at a time
+    /// ([`avx512_rows4`]), wider groups one at a time ([`avx512_n`]).
+    ///
+    /// # Safety
+    /// As for the `rows_fn!` functions.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn rows_avx512(
+        w: &Nvfp4View<'_>,
+        rows: Range<usize>,
+        x: &[f32],
+        g: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        // SAFETY (every arm): forwarded from this function's contract.
+        unsafe {
+            match g {
+                1 => tile4::<1>(w, rows, x, out, stride),
+                2 => tile4::<2>(w, rows, x, out, stride),
+                3 => tile4::<3>(w, rows, x, out, stride),
+                4 => tile4::<4>(w, rows, x, out, stride),
+                _ => rows_avx512_wide(w, rows, x, g, out, stride),
+            }
+        }
+    }
+
+    /// # Safety
+    /// As for [`rows_avx512`], with `N` tokens.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn tile4<const N: usize>(
+        w: &Nvfp4View<'_>,
+        rows: Range<usize>,
+        x: &[f32],
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let mut r = rows.start;
+        while r + 4 <= rows.end && w.cols >= ROWS4_MIN_COLS {
+            let four = [
+                row_of(w, r),
+                row_of(w, r + 1),
+                row_of(w, r + 2),
+                row_of(w, r + 3),
+            ];
+            // SAFETY: forwarded from this function's contract.
+            let v = unsafe { avx512_rows4::<N>(four, x, w.cols) };
+            let j = r - rows.start;
+            for (t, v) in v.iter().enumerate() {
+                out[t * stride + j..t * stride + j + 4].copy_from_slice(v);
+            }
+            r += 4;
+        }
+        for r in r..rows.end {
+            // SAFETY: forwarded from this function's contract.
+            let v = unsafe { avx512_n::<N>(row_of(w, r), x, w.cols) };
+            for (t, &v) in v.iter().enumerate() {
+                out[t * stride + r - rows.start] = v;
+            }
+        }
+    }
     rows_fn!(rows_avx2, "avx2,fma", avx2_n, [1, 2, 3, 4]);
 
     /// The portable body compiled for AVX-512, which LLVM vectorizes 16 wide.
@@ -353,6 +411,118 @@ mod x86 {
         )
     }
 
+    /// Rows shorter than this go one at a time: measured slower four at a time.
+    const ROWS4_MIN_COLS: usize = 1024;
+
+    /// Block factors of up to [`FACTOR_CHUNK`] blocks. Left uninitialized: zeroing 1 KiB per
+    /// row would cost more than a 256-column row's products.
+    type Factors = [MaybeUninit<f32>; FACTOR_CHUNK];
+
+    /// `factors[b] = e4m3_to_f32(scales[b]) · global` for every `b < scales.len()`
+    /// (at most [`FACTOR_CHUNK`]), 16 at a time; these are the elements initialized.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn fill_factors(scales: &[u8], global: f32, factors: &mut Factors) {
+        let nb = scales.len().min(FACTOR_CHUNK);
+        let global_v = _mm512_set1_ps(global);
+        let mut b = 0;
+        while b + 16 <= nb {
+            // SAFETY: b + 16 ≤ nb ≤ scales.len() and ≤ FACTOR_CHUNK: both accesses in bounds.
+            unsafe {
+                let codes = _mm_loadu_si128(scales.as_ptr().add(b).cast());
+                _mm512_storeu_ps(
+                    factors.as_mut_ptr().add(b).cast(),
+                    factors16(codes, global_v),
+                );
+            }
+            b += 16;
+        }
+        for (f, &code) in factors[b..nb].iter_mut().zip(&scales[b..nb]) {
+            f.write(e4m3_to_f32(code) * global);
+        }
+    }
+
+    /// `[Σ v0, Σ v1, Σ v2, Σ v3]`: four horizontal sums sharing their shuffles.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn reduce4(v: [__m512; 4]) -> [f32; 4] {
+        let y = v.map(|v| {
+            _mm256_add_ps(
+                _mm512_castps512_ps256(v),
+                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)),
+            )
+        });
+        let h = _mm256_hadd_ps(_mm256_hadd_ps(y[0], y[1]), _mm256_hadd_ps(y[2], y[3]));
+        let s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+        let mut out = [0.0f32; 4];
+        // SAFETY: `out` holds 4 floats.
+        unsafe { _mm_storeu_ps(out.as_mut_ptr(), s) };
+        out
+    }
+
+    /// Four weight rows against `N ≤ 4` tokens: `out[t][i] = x[t] · rows[i]`. Sharing each
+    /// activation load between four rows and the horizontal sums between four accumulators
+    /// matters for short rows, such as down_proj's 256 columns at TP8.
+    ///
+    /// # Safety
+    /// AVX-512F/BW; each row holds `cols` elements and `x` at least `N · cols` floats, each
+    /// row in interleaved block order.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn avx512_rows4<const N: usize>(
+        rows: [Nvfp4Row<'_>; 4],
+        x: &[f32],
+        cols: usize,
+    ) -> [[f32; 4]; N] {
+        let table = _mm512_setr_ps(
+            0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+        );
+        let shifts = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
+        let blocks = cols / NVFP4_BLOCK;
+        let xp = x.as_ptr();
+        let mut factors: [Factors; 4] = [[MaybeUninit::uninit(); FACTOR_CHUNK]; 4];
+        // One accumulator per (token, row): the four rows already give independent chains.
+        let mut acc = [[_mm512_setzero_ps(); 4]; N];
+        let mut c0 = 0;
+        while c0 < blocks {
+            let nb = FACTOR_CHUNK.min(blocks - c0);
+            for (f, row) in factors.iter_mut().zip(&rows) {
+                fill_factors(&row.scales[c0..c0 + nb], row.global, f);
+            }
+            for b in 0..nb {
+                let blk = c0 + b;
+                let mut w = [_mm512_setzero_ps(); 4];
+                for (i, (w, row)) in w.iter_mut().zip(&rows).enumerate() {
+                    // SAFETY: blk < blocks: bytes [8·blk, 8·blk + 8) lie within the row.
+                    let q = unsafe {
+                        row.packed
+                            .as_ptr()
+                            .add(blk * 8)
+                            .cast::<i64>()
+                            .read_unaligned()
+                    };
+                    *w = _mm512_mul_ps(
+                        _mm512_permutexvar_ps(
+                            _mm512_srlv_epi32(_mm512_set1_epi64(q), shifts),
+                            table,
+                        ),
+                        // SAFETY: fill_factors initialized factors[i][..nb], and b < nb.
+                        _mm512_set1_ps(unsafe { factors[i][b].assume_init() }),
+                    );
+                }
+                for (t, acc) in acc.iter_mut().enumerate() {
+                    // SAFETY: x[t·cols + 16·blk .. + 16) lies within token t's row (t < N).
+                    let xv = unsafe { _mm512_loadu_ps(xp.add(t * cols + blk * NVFP4_BLOCK)) };
+                    for (a, &w) in acc.iter_mut().zip(&w) {
+                        *a = _mm512_fmadd_ps(xv, w, *a);
+                    }
+                }
+            }
+            c0 += nb;
+        }
+        acc.map(|a| reduce4(a))
+    }
+
     /// # Safety
     /// AVX-512F/BW; `row` holds `cols` elements and `x` at least `N · cols` floats, each row
     /// in interleaved block order.
@@ -363,46 +533,34 @@ mod x86 {
             0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
         );
         let shifts = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
-        let global = _mm512_set1_ps(row.global);
         let blocks = cols / NVFP4_BLOCK;
         let packed = row.packed.as_ptr();
         let xp = x.as_ptr();
-        let mut factors = [0.0f32; FACTOR_CHUNK];
+        let mut factors: Factors = [MaybeUninit::uninit(); FACTOR_CHUNK];
         // Two accumulators per token (even and odd blocks) so that the FMA latency chain of a
         // single token is split in two.
         let mut acc = [[_mm512_setzero_ps(); 2]; N];
         let mut c0 = 0;
         while c0 < blocks {
             let nb = FACTOR_CHUNK.min(blocks - c0);
-            let mut b = 0;
-            while b + 16 <= nb {
-                // SAFETY: scales [c0 + b, c0 + b + 16) lie within the row's cols/16 scales;
-                // factors [b, b + 16) within the array (nb ≤ FACTOR_CHUNK).
-                unsafe {
-                    let codes = _mm_loadu_si128(row.scales.as_ptr().add(c0 + b).cast());
-                    _mm512_storeu_ps(factors.as_mut_ptr().add(b), factors16(codes, global));
-                }
-                b += 16;
-            }
-            for (f, &code) in factors[b..nb].iter_mut().zip(&row.scales[c0 + b..c0 + nb]) {
-                *f = e4m3_to_f32(code) * row.global;
-            }
+            fill_factors(&row.scales[c0..c0 + nb], row.global, &mut factors);
             let mut b = 0;
             while b + 2 <= nb {
                 let blk = c0 + b;
                 // SAFETY: blk + 2 ≤ blocks, so bytes [8·blk, 8·blk + 16) lie within the row's
-                // cols/2 packed bytes, and x[t·cols + 16·blk .. + 32) within token t's row.
+                // cols/2 packed bytes, and x[t·cols + 16·blk .. + 32) within token t's row;
+                // fill_factors initialized factors[..nb], and b + 1 < nb.
                 unsafe {
                     let q0 = _mm512_set1_epi64(packed.add(blk * 8).cast::<i64>().read_unaligned());
                     let q1 =
                         _mm512_set1_epi64(packed.add(blk * 8 + 8).cast::<i64>().read_unaligned());
                     let w0 = _mm512_mul_ps(
                         _mm512_permutexvar_ps(_mm512_srlv_epi32(q0, shifts), table),
-                        _mm512_set1_ps(factors[b]),
+                        _mm512_set1_ps(factors[b].assume_init()),
                     );
                     let w1 = _mm512_mul_ps(
                         _mm512_permutexvar_ps(_mm512_srlv_epi32(q1, shifts), table),
-                        _mm512_set1_ps(factors[b + 1]),
+                        _mm512_set1_ps(factors[b + 1].assume_init()),
                     );
                     for (t, acc) in acc.iter_mut().enumerate() {
                         let xt = xp.add(t * cols + blk * NVFP4_BLOCK);
@@ -415,12 +573,12 @@ mod x86 {
             if b < nb {
                 let blk = c0 + b;
                 // SAFETY: blk < blocks: bytes [8·blk, 8·blk + 8) and x[t·cols + 16·blk .. + 16)
-                // are in bounds.
+                // are in bounds; factors[b] is initialized (b < nb).
                 unsafe {
                     let q = _mm512_set1_epi64(packed.add(blk * 8).cast::<i64>().read_unaligned());
                     let w = _mm512_mul_ps(
                         _mm512_permutexvar_ps(_mm512_srlv_epi32(q, shifts), table),
-                        _mm512_set1_ps(factors[b]),
+                        _mm512_set1_ps(factors[b].assume_init()),
                     );
                     for (t, acc) in acc.iter_mut().enumerate() {
                         let xt = xp.add(t * cols + blk * NVFP4_BLOCK);
