@@ -469,6 +469,10 @@ mod x86 {
     /// row in interleaved block order.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw")]
+    #[allow(
+        clippy::needless_range_loop,
+        reason = "the block index addresses four factor arrays and four packed rows"
+    )]
     unsafe fn avx512_rows4<const N: usize>(
         rows: [Nvfp4Row<'_>; 4],
         x: &[f32],
