@@ -442,6 +442,26 @@ mod x86 {
         }
     }
 
+    /// Rows ahead that the kernels prefetch: the rows the next call of a four-row kernel reads.
+    const PREFETCH_ROWS: usize = 4;
+
+    /// Prefetches block `blk`'s cache line of the row [`PREFETCH_ROWS`] after `row` (and its
+    /// scales' line), once per line. Consecutive rows are contiguous, but each group of rows is
+    /// a new set of streams to the hardware prefetcher; asking early doubled the DRAM throughput
+    /// of the four-row kernel. Prefetches never fault, so running past the matrix is harmless.
+    #[inline]
+    #[target_feature(enable = "sse")]
+    fn prefetch_ahead(row: &Nvfp4Row<'_>, blk: usize, cols: usize) {
+        if blk % 8 == 0 {
+            let ahead = blk * 8 + PREFETCH_ROWS * cols / 2;
+            _mm_prefetch::<_MM_HINT_T0>(row.packed.as_ptr().wrapping_add(ahead).cast());
+            if blk % 64 == 0 {
+                let ahead = blk + PREFETCH_ROWS * cols / NVFP4_BLOCK;
+                _mm_prefetch::<_MM_HINT_T0>(row.scales.as_ptr().wrapping_add(ahead).cast());
+            }
+        }
+    }
+
     /// `[Σ v0, Σ v1, Σ v2, Σ v3]`: four horizontal sums sharing their shuffles.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw")]
@@ -495,6 +515,9 @@ mod x86 {
             }
             for b in 0..nb {
                 let blk = c0 + b;
+                for row in &rows {
+                    prefetch_ahead(row, blk, cols);
+                }
                 let mut w = [_mm512_setzero_ps(); 4];
                 for (i, (w, row)) in w.iter_mut().zip(&rows).enumerate() {
                     // SAFETY: blk < blocks: bytes [8·blk, 8·blk + 8) lie within the row.
@@ -551,6 +574,7 @@ mod x86 {
             let mut b = 0;
             while b + 2 <= nb {
                 let blk = c0 + b;
+                prefetch_ahead(&row, blk, cols);
                 // SAFETY: blk + 2 ≤ blocks, so bytes [8·blk, 8·blk + 16) lie within the row's
                 // cols/2 packed bytes, and x[t·cols + 16·blk .. + 32) within token t's row;
                 // fill_factors initialized factors[..nb], and b + 1 < nb.
@@ -660,6 +684,7 @@ mod x86 {
             }
             for (b, &factor) in factors[..nb].iter().enumerate() {
                 let blk = c0 + b;
+                prefetch_ahead(&row, blk, cols);
                 // SAFETY: blk < blocks: bytes [8·blk, 8·blk + 8) and x[t·cols + 16·blk .. + 16)
                 // are in bounds.
                 unsafe {
