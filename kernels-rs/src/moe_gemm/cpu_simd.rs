@@ -452,10 +452,10 @@ mod x86 {
     #[inline]
     #[target_feature(enable = "sse")]
     fn prefetch_ahead(row: &Nvfp4Row<'_>, blk: usize, cols: usize) {
-        if blk % 8 == 0 {
+        if blk.is_multiple_of(8) {
             let ahead = blk * 8 + PREFETCH_ROWS * cols / 2;
             _mm_prefetch::<_MM_HINT_T0>(row.packed.as_ptr().wrapping_add(ahead).cast());
-            if blk % 64 == 0 {
+            if blk.is_multiple_of(64) {
                 let ahead = blk + PREFETCH_ROWS * cols / NVFP4_BLOCK;
                 _mm_prefetch::<_MM_HINT_T0>(row.scales.as_ptr().wrapping_add(ahead).cast());
             }
