@@ -80,6 +80,7 @@ fn main() {
     }
     let threads = rayon::current_num_threads();
     let cpu = cpu_model();
+    let load_start = load_average();
     eprintln!("{cpu}, {threads} threads");
 
     let (copy, read) = bandwidth(opts.passes);
@@ -117,11 +118,12 @@ fn main() {
                 let gbs = gb / t.wall;
                 let line = format!(
                     "fast isa={isa:?} hidden={HIDDEN} inter={inter} experts={} tokens_per_expert={n} \
-                     weight_bytes={} median_ms={:.2} GB/s={gbs:.2} copy_ratio={:.3} read_ratio={:.3} \
-                     cpu_util={:.2}",
+                     weight_bytes={} best_ms={:.2} median_ms={:.2} GB/s={gbs:.2} copy_ratio={:.3} \
+                     read_ratio={:.3} cpu_util={:.2}",
                     set.experts,
                     set.bytes,
                     t.wall * 1e3,
+                    t.median_wall * 1e3,
                     gbs / copy,
                     gbs / read,
                     t.utilization()
@@ -168,6 +170,13 @@ fn main() {
     writeln!(report, "# cpu: {cpu}; rayon threads: {threads}").unwrap();
     writeln!(
         report,
+        "# load average (1 min) at start / end: {load_start} / {}; cpu_util below ~0.9 on a line \
+         means other processes held the cores during it and its ratio understates the kernel",
+        load_average()
+    )
+    .unwrap();
+    writeln!(
+        report,
         "# copy: {copy:.2} GB/s (multi-threaded copy of {} MiB, read+write bytes, best of {}); \
          read: {read:.2} GB/s (multi-threaded sum, best of {})",
         COPY_BYTES >> 20,
@@ -177,9 +186,9 @@ fn main() {
     .unwrap();
     writeln!(
         report,
-        "# GB/s = weight bytes (packed E2M1 + E4M3 scales of gate, up, down) / median time of a \
-         whole moe call over {} passes; top_k={TOP_K}, every expert of the set gets \
-         tokens_per_expert tokens",
+        "# GB/s = weight bytes (packed E2M1 + E4M3 scales of gate, up, down) / best time of a \
+         whole moe call over {} passes (median also shown); top_k={TOP_K}, every expert of \
+         the set gets tokens_per_expert tokens; cpu_util is for the best pass",
         opts.passes
     )
     .unwrap();
@@ -199,11 +208,13 @@ fn main() {
     }
 }
 
-/// Wall time of a run and the CPU time this process's threads got during it.
+/// Wall time of a run and the CPU time this process's threads got during it; `median_wall`
+/// is the median over the passes, the others belong to the fastest pass.
 #[derive(Clone, Copy, Debug, PartialEq, PartialOrd)]
 struct Timing {
     wall: f64,
     cpu: f64,
+    median_wall: f64,
 }
 
 impl Timing {
@@ -214,7 +225,8 @@ impl Timing {
     }
 }
 
-/// Median (by wall time) of `passes` runs after one warm-up run.
+/// The fastest of `passes` runs after one warm-up run (best-of, like the copy bandwidth: on a
+/// shared machine the fastest pass is the one least disturbed), with the median wall time.
 fn time_passes(passes: usize, mut f: impl FnMut()) -> Timing {
     f();
     let mut times: Vec<Timing> = (0..passes.max(1))
@@ -225,11 +237,15 @@ fn time_passes(passes: usize, mut f: impl FnMut()) -> Timing {
             Timing {
                 wall: start.elapsed().as_secs_f64(),
                 cpu: process_cpu_seconds() - cpu,
+                median_wall: 0.0,
             }
         })
         .collect();
     times.sort_by(|a, b| a.wall.total_cmp(&b.wall));
-    times[times.len() / 2]
+    Timing {
+        median_wall: times[times.len() / 2].wall,
+        ..times[0]
+    }
 }
 
 /// CPU time of all threads of this process, from `/proc/self/task/*/schedstat` (nanoseconds
@@ -377,6 +393,14 @@ impl WeightSet {
                 .collect(),
         }
     }
+}
+
+/// The 1-minute load average, to tell a quiet machine from a shared one.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().map(str::to_string))
+        .unwrap_or_else(|| "?".into())
 }
 
 fn cpu_model() -> String {
