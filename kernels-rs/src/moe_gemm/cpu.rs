@@ -15,7 +15,9 @@
 //! registers ([`cpu_simd`](super::cpu_simd)); nothing dequantized is ever written to memory.
 //! The quantized activations are stored with each 16-element block in the kernels' decode order
 //! ([`interleave_blocks`]).
-//! Buffers are allocated once per call, never inside the loops.
+//!
+//! The large buffers are reused across calls on a thread ([`Scratch`]); the loops allocate
+//! nothing (a work item allocates at most one row or tile of scratch up front).
 
 use rayon::prelude::*;
 
