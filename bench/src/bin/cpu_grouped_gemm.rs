@@ -88,6 +88,8 @@ fn main() {
 
     let mut report = String::new();
     let mut worst: Option<f64> = None;
+    // Per tokens-per-expert count: the worst ratio over the shapes, for the detected ISA.
+    let mut per_tokens: Vec<(usize, f64)> = Vec::new();
     let best_isa = Isa::detect();
     let mut lines = Vec::new();
     // Kimi per GPU at TP8 (intermediate 2048/8) and unsharded.
@@ -133,6 +135,10 @@ fn main() {
                 if isa == best_isa {
                     let r = gbs / copy;
                     worst = Some(worst.map_or(r, |w: f64| w.min(r)));
+                    match per_tokens.iter_mut().find(|(k, _)| *k == n) {
+                        Some((_, w)) => *w = w.min(r),
+                        None => per_tokens.push((n, r)),
+                    }
                 }
             }
             if opts.only.is_some() {
@@ -164,6 +170,16 @@ fn main() {
     writeln!(
         report,
         "# copy_ratio above: the worst case over all shapes below for the detected ISA ({best_isa:?})"
+    )
+    .unwrap();
+    let by_tokens: Vec<String> = per_tokens
+        .iter()
+        .map(|(n, r)| format!("{n} token(s)/expert {r:.3}"))
+        .collect();
+    writeln!(
+        report,
+        "# worst copy_ratio per decode size: {}",
+        by_tokens.join(", ")
     )
     .unwrap();
     writeln!(report, "# date: {}", utc_date()).unwrap();
