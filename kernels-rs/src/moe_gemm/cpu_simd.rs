@@ -18,7 +18,7 @@
 //! ([`interleave_blocks`]): a dot product does not care about the order of its terms. The
 //! products and sums differ from the reference's only in accumulation order and FMA fusion.
 //!
-//! AVX-512 takes long weight rows four at a time for groups of up to four tokens, so that each
+//! AVX-512 takes weight rows four at a time for groups of up to four tokens, so that each
 //! activation load and each horizontal sum serves four rows, and prefetches the lines of the
 //! next four rows: consecutive row groups are contiguous, but to the hardware prefetcher each
 //! group is four new streams, and asking early doubled the DRAM throughput.
@@ -321,8 +321,8 @@ mod x86 {
         };
     }
 
-    /// The AVX-512 tile loop (groups of up to 4 tokens): long weight rows four at a time
-    /// ([`avx512_rows4`]), short ones one at a time ([`avx512_n`]).
+    /// The AVX-512 tile loop (groups of up to 4 tokens): weight rows four at a time
+    /// ([`avx512_rows4`]), the last `rows.len() mod 4` one at a time ([`avx512_n`]).
     ///
     /// # Safety
     /// As for the `rows_fn!` functions.
@@ -359,7 +359,7 @@ mod x86 {
         stride: usize,
     ) {
         let mut r = rows.start;
-        while r + 4 <= rows.end && w.cols >= ROWS4_MIN_COLS {
+        while r + 4 <= rows.end {
             let four = [
                 row_of(w, r),
                 row_of(w, r + 1),
@@ -420,9 +420,6 @@ mod x86 {
             global,
         )
     }
-
-    /// Rows shorter than this go one at a time: measured slower four at a time.
-    const ROWS4_MIN_COLS: usize = 1024;
 
     /// Block factors of up to [`FACTOR_CHUNK`] blocks. Left uninitialized: zeroing 1 KiB per
     /// row would cost more than a 256-column row's products.
@@ -557,7 +554,13 @@ mod x86 {
             }
             c0 += nb;
         }
-        acc.map(|a| reduce4(a))
+        // A loop, not `array::map`: map is not inlined into a target-feature function and its
+        // call (with a vzeroupper and spilled accumulators) cost as much as a short row.
+        let mut sums = [[0.0f32; 4]; N];
+        for (s, a) in sums.iter_mut().zip(acc) {
+            *s = reduce4(a);
+        }
+        sums
     }
 
     /// # Safety
@@ -626,7 +629,11 @@ mod x86 {
             }
             c0 += nb;
         }
-        acc.map(|acc| _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])))
+        let mut sums = [0.0f32; N];
+        for (s, a) in sums.iter_mut().zip(acc) {
+            *s = _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1]));
+        }
+        sums
     }
 
     /// [`factors16`] for AVX2, 8 codes (the low 8 bytes of `codes`).
@@ -711,12 +718,14 @@ mod x86 {
             }
             c0 += nb;
         }
-        acc.map(|acc| {
-            let s = _mm256_add_ps(acc[0], acc[1]);
+        let mut sums = [0.0f32; N];
+        for (o, a) in sums.iter_mut().zip(acc) {
+            let s = _mm256_add_ps(a[0], a[1]);
             let s = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
             let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
-        })
+            *o = _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+        }
+        sums
     }
 
     /// All 256 E4M3 codes through the vector factor decoders, for the tests.
@@ -815,7 +824,7 @@ mod tests {
     fn every_supported_isa_matches_dequantize_then_dot() {
         // 8320 = 520 blocks: two whole factor chunks and a partial one.
         for cols in [16, 32, 48, 256, 7168, 8320] {
-            let rows = 5;
+            let rows = 9;
             let w: Vec<f32> = (0..rows * cols)
                 .map(|i| (((i * 7919) % 2003) as f32 / 1001.0 - 1.0) * (1 + i % 5) as f32)
                 .collect();
@@ -829,13 +838,14 @@ mod tests {
             xi.chunks_exact_mut(cols).for_each(interleave_blocks);
             for isa in Isa::all_supported() {
                 for n in 0..=n_max {
-                    // Rows 1..4 only, into a wider stride: the rest of `out` must stay untouched.
-                    let stride = 4;
+                    // Rows 1..8 (four at a time, then three one by one), into a wider stride:
+                    // the rest of `out` must stay untouched.
+                    let stride = 8;
                     let mut out = vec![f32::NAN; n * stride];
-                    nvfp4_rows_dots(isa, &q.view(), 1..4, &xi, n, &mut out, stride);
+                    nvfp4_rows_dots(isa, &q.view(), 1..8, &xi, n, &mut out, stride);
                     for t in 0..n {
-                        assert!(out[t * stride + 3].is_nan());
-                        for r in 1..4 {
+                        assert!(out[t * stride + 7].is_nan());
+                        for r in 1..8 {
                             let o = out[t * stride + r - 1];
                             let expected: f64 = (0..cols)
                                 .map(|c| x[t * cols + c] as f64 * deq[r * cols + c] as f64)
