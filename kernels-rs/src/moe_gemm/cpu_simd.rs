@@ -28,9 +28,15 @@
 //! picks the negative table) and portable Rust.
 //!
 //! Where the time goes at decode (2 Zen 4 cores, `bench/results/cpu_grouped_gemm.txt`): with
-//! one token per expert the kernels stream weights at about the copy bandwidth; each further
-//! token adds one FMA per 16 weights, so from about four tokens per expert the products, not
-//! the memory, set the pace.
+//! one token per expert the kernels stream weights at about 0.9 of the copy bandwidth (Kimi's
+//! unsharded intermediate; the TP8 shard's 256-column down rows cost more per byte); each
+//! further token adds one FP32 FMA per 16 weights, so from two tokens per expert on the FMA
+//! throughput (about one `zmm` FMA per cycle per core), not the memory, sets the pace.
+//!
+//! Possible next step for 4–8 tokens: `vdpbf16ps` (AVX512-BF16) does two multiply-adds per lane
+//! per instruction, and both operands are exact in BF16 once the global scales are factored
+//! out (`e2m1 · e4m3` has at most 6 significant bits); the price is a different rounding of the
+//! per-element factors than the reference's `e2m1 · (e4m3 · global)`.
 //!
 //! [`Nvfp4View::dequantize_row_into`]: crate::formats::nvfp4::Nvfp4View::dequantize_row_into
 //! [`factors`]: x86
