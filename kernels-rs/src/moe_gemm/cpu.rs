@@ -16,7 +16,7 @@
 //! The quantized activations are stored with each 16-element block in the kernels' decode order
 //! ([`interleave_blocks`]).
 //!
-//! The large buffers are reused across calls on a thread ([`Scratch`]); the loops allocate
+//! The large buffers are reused across calls on a thread (`Scratch`); the loops allocate
 //! nothing (a work item allocates at most one row or tile of scratch up front).
 
 use rayon::prelude::*;

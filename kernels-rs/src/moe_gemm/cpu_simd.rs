@@ -10,7 +10,7 @@
 //! 2. `vpermps` decodes all 16 codes through a register-resident 16-entry E2M1 table (it reads
 //!    only the low 4 bits of each lane, so no mask is needed);
 //! 3. one multiply by the block factor `f32(e4m3) · global`, broadcast from a small per-row
-//!    array that is computed 16 blocks at a time ([`factors`]): the same single rounding as
+//!    array that is computed 16 blocks at a time (`factors16`): the same single rounding as
 //!    [`Nvfp4View::dequantize_row_into`], so the weights are bit-identical to the reference's.
 //!
 //! Step 1 leaves the elements of a block in the order `0, 8, 1, 9, …, 7, 15`. Rather than undo
@@ -39,7 +39,6 @@
 //! per-element factors than the reference's `e2m1 · (e4m3 · global)`.
 //!
 //! [`Nvfp4View::dequantize_row_into`]: crate::formats::nvfp4::Nvfp4View::dequantize_row_into
-//! [`factors`]: x86
 
 use crate::formats::e2m1::E2M1_VALUES;
 use crate::formats::e4m3::e4m3_to_f32;
