@@ -525,35 +525,39 @@ mod x86 {
             for (f, row) in factors.iter_mut().zip(&rows) {
                 fill_factors(&row.scales[c0..c0 + nb], row.global, f);
             }
-            for b in 0..nb {
-                let blk = c0 + b;
+            // Prefetches once per 8 blocks (a cache line of packed bytes), outside the inner
+            // loop: a branch inside it made LLVM spill accumulators at four tokens.
+            for b8 in (0..nb).step_by(8) {
                 for row in &rows {
-                    prefetch_ahead(row, blk, cols);
+                    prefetch_ahead(row, c0 + b8, cols);
                 }
-                let mut w = [_mm512_setzero_ps(); 4];
-                for (i, (w, row)) in w.iter_mut().zip(&rows).enumerate() {
-                    // SAFETY: blk < blocks: bytes [8·blk, 8·blk + 8) lie within the row.
-                    let q = unsafe {
-                        row.packed
-                            .as_ptr()
-                            .add(blk * 8)
-                            .cast::<i64>()
-                            .read_unaligned()
-                    };
-                    *w = _mm512_mul_ps(
-                        _mm512_permutexvar_ps(
-                            _mm512_srlv_epi32(_mm512_set1_epi64(q), shifts),
-                            table,
-                        ),
-                        // SAFETY: fill_factors initialized factors[i][..nb], and b < nb.
-                        _mm512_set1_ps(unsafe { factors[i][b].assume_init() }),
-                    );
-                }
-                for (t, acc) in acc.iter_mut().enumerate() {
-                    // SAFETY: x[t·cols + 16·blk .. + 16) lies within token t's row (t < N).
-                    let xv = unsafe { _mm512_loadu_ps(xp.add(t * cols + blk * NVFP4_BLOCK)) };
-                    for (a, &w) in acc.iter_mut().zip(&w) {
-                        *a = _mm512_fmadd_ps(xv, w, *a);
+                for b in b8..(b8 + 8).min(nb) {
+                    let blk = c0 + b;
+                    let mut w = [_mm512_setzero_ps(); 4];
+                    for (i, (w, row)) in w.iter_mut().zip(&rows).enumerate() {
+                        // SAFETY: blk < blocks: bytes [8·blk, 8·blk + 8) lie within the row.
+                        let q = unsafe {
+                            row.packed
+                                .as_ptr()
+                                .add(blk * 8)
+                                .cast::<i64>()
+                                .read_unaligned()
+                        };
+                        *w = _mm512_mul_ps(
+                            _mm512_permutexvar_ps(
+                                _mm512_srlv_epi32(_mm512_set1_epi64(q), shifts),
+                                table,
+                            ),
+                            // SAFETY: fill_factors initialized factors[i][..nb], and b < nb.
+                            _mm512_set1_ps(unsafe { factors[i][b].assume_init() }),
+                        );
+                    }
+                    for (t, acc) in acc.iter_mut().enumerate() {
+                        // SAFETY: x[t·cols + 16·blk .. + 16) lies within token t's row (t < N).
+                        let xv = unsafe { _mm512_loadu_ps(xp.add(t * cols + blk * NVFP4_BLOCK)) };
+                        for (a, &w) in acc.iter_mut().zip(&w) {
+                            *a = _mm512_fmadd_ps(xv, w, *a);
+                        }
                     }
                 }
             }
@@ -562,8 +566,8 @@ mod x86 {
         // A loop, not `array::map`: map is not inlined into a target-feature function and its
         // call (with a vzeroupper and spilled accumulators) cost as much as a short row.
         let mut sums = [[0.0f32; 4]; N];
-        for (s, a) in sums.iter_mut().zip(acc) {
-            *s = reduce4(a);
+        for (s, a) in sums.iter_mut().zip(&acc) {
+            *s = reduce4(*a);
         }
         sums
     }
@@ -635,7 +639,7 @@ mod x86 {
             c0 += nb;
         }
         let mut sums = [0.0f32; N];
-        for (s, a) in sums.iter_mut().zip(acc) {
+        for (s, a) in sums.iter_mut().zip(&acc) {
             *s = _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1]));
         }
         sums
@@ -724,7 +728,7 @@ mod x86 {
             c0 += nb;
         }
         let mut sums = [0.0f32; N];
-        for (o, a) in sums.iter_mut().zip(acc) {
+        for (o, a) in sums.iter_mut().zip(&acc) {
             let s = _mm256_add_ps(a[0], a[1]);
             let s = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
             let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
