@@ -4,7 +4,7 @@
 use kernels::matrix::MatrixView;
 use kernels::mla::cache::{CacheError, PagedLatentCache};
 use kernels::mla::reference::MlaProblem;
-use kernels::moe_gemm::reference::{ExpertInputAmax, ExpertView, Routing, moe_reference};
+use kernels::moe_gemm::reference::{ExpertInputAmax, ExpertView, Routing};
 
 pub trait Backend: Send + Sync {
     fn name(&self) -> &'static str;
@@ -62,7 +62,7 @@ impl Backend for CpuBackend {
         out: &mut [f32],
         amax: Option<&mut ExpertInputAmax>,
     ) {
-        moe_reference(x, hidden, routing, experts, out, amax);
+        kernels::moe_gemm::cpu::moe_cpu(x, hidden, routing, experts, out, amax);
     }
 
     fn mla_attention(

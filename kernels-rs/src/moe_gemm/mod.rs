@@ -1,6 +1,7 @@
 //! NVFP4 grouped GEMM for the routed MoE experts.
 //!
 //! - [`reference`]: the CPU reference with the checkpoint's exact W4A4 semantics.
+//! - [`cpu`]: the fast CPU grouped GEMM (same semantics; SIMD kernels in [`cpu_simd`]).
 //! - [`mma_sm120`]: a register-level CPU model of SM120's block-scaled FP4 `mma.sync`, the
 //!   instruction the native kernel is built on, and the fragment layouts its loaders must
 //!   produce.
@@ -8,6 +9,8 @@
 //!   per-SM limits.
 //! - `moe_gemm.cu` (beside this file): the CUDA source, templated on the tactic parameters.
 
+pub mod cpu;
+pub mod cpu_simd;
 pub mod mma_sm120;
 pub mod reference;
 pub mod tactic;

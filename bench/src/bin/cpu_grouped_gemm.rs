@@ -1,0 +1,454 @@
+//! CPU grouped GEMM of the routed experts against the machine's memory bandwidth, measured in
+//! the same run.
+//!
+//! ```sh
+//! cargo run --release -p bench --bin cpu-grouped-gemm            # writes bench/results/cpu_grouped_gemm.txt
+//! cargo run --release -p bench --bin cpu-grouped-gemm -- --quick  # fewer passes, no file
+//! ```
+//!
+//! At decode a routed expert sees 1–8 tokens, so its GEMM is a stream over its weights and the
+//! attainable speed is the memory bandwidth. We report GB/s on the weight bytes a call must read
+//! (packed E2M1 + E4M3 block scales) and its ratio to the copy bandwidth measured here (STREAM
+//! convention: bytes read + bytes written, multi-threaded, buffers far larger than the LLC),
+//! plus the ratio to a read-only sweep. Each pass routes tokens to every expert of a weight set
+//! much larger than the LLC (≥ 256 MiB), so each pass streams from DRAM.
+
+use std::fmt::Write as _;
+use std::hint::black_box;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use kernels::formats::nvfp4::{NVFP4_BLOCK, Nvfp4View};
+use kernels::matrix::MatrixView;
+use kernels::moe_gemm::cpu::moe_cpu_with;
+use kernels::moe_gemm::cpu_simd::Isa;
+use kernels::moe_gemm::reference::{ExpertView, Routing, moe_reference};
+use rayon::prelude::*;
+
+const HIDDEN: usize = 7168;
+/// Kimi's routed top-k.
+const TOP_K: usize = 8;
+/// Minimum weight bytes per pass (≥ 8× a 32 MiB LLC).
+const MIN_SET_BYTES: usize = 256 << 20;
+/// Bytes of each copy buffer.
+const COPY_BYTES: usize = 512 << 20;
+
+struct Options {
+    passes: usize,
+    write: bool,
+    /// Weight bytes per pass (`--set-mib N`; small values measure the in-cache compute speed).
+    set_bytes: usize,
+    /// Only this instruction set (`--isa avx512|avx2fma|scalar`), and no reference: for
+    /// profiling one kernel.
+    only: Option<Isa>,
+    /// Only these tokens per expert and intermediate size (`--tokens N`, `--inter N`).
+    tokens: Option<usize>,
+    inter: Option<usize>,
+}
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let opts = Options {
+        passes: if quick { 3 } else { 15 },
+        write: !quick,
+        set_bytes: MIN_SET_BYTES,
+        only: None,
+        tokens: None,
+        inter: None,
+    };
+    let mut opts = opts;
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(i) = args.iter().position(|a| a == "--isa") {
+        let name = args[i + 1].to_lowercase();
+        opts.only = Isa::all_supported()
+            .into_iter()
+            .find(|isa| format!("{isa:?}").to_lowercase() == name);
+        assert!(opts.only.is_some(), "--isa {name}: not supported here");
+        opts.write = false;
+    }
+    let number = |flag: &str| {
+        let i = args.iter().position(|a| a == flag)?;
+        Some(args[i + 1].parse::<usize>().expect("a number"))
+    };
+    opts.tokens = number("--tokens");
+    opts.inter = number("--inter");
+    if opts.tokens.is_some() || opts.inter.is_some() {
+        opts.write = false;
+    }
+    if let Some(i) = args.iter().position(|a| a == "--set-mib") {
+        opts.set_bytes = args[i + 1].parse::<usize>().expect("--set-mib N") << 20;
+        opts.write = false;
+    }
+    let threads = rayon::current_num_threads();
+    let cpu = cpu_model();
+    let load_start = load_average();
+    eprintln!("{cpu}, {threads} threads");
+
+    let (copy, read) = bandwidth(opts.passes);
+    eprintln!("copy {copy:.2} GB/s (read+write), read {read:.2} GB/s");
+
+    let mut report = String::new();
+    let mut worst: Option<f64> = None;
+    // Per tokens-per-expert count: the worst ratio over the shapes, for the detected ISA.
+    let mut per_tokens: Vec<(usize, f64)> = Vec::new();
+    let best_isa = Isa::detect();
+    let mut lines = Vec::new();
+    // Kimi per GPU at TP8 (intermediate 2048/8) and unsharded.
+    for inter in [256, 2048] {
+        if opts.inter.is_some_and(|i| i != inter) {
+            continue;
+        }
+        let set = WeightSet::new(inter, opts.set_bytes);
+        for n in [1, 2, 4, 8] {
+            if opts.tokens.is_some_and(|t| t != n) {
+                continue;
+            }
+            let routing = set.routing(n);
+            let tokens = routing.tokens();
+            let x: Vec<f32> = (0..tokens * HIDDEN)
+                .map(|i| ((i * 7919 % 2003) as f32 / 1001.0 - 1.0) * 0.5)
+                .collect();
+            let mut out = vec![0.0f32; tokens * HIDDEN];
+            let experts = set.views();
+            let gb = set.bytes as f64 / 1e9;
+            for isa in Isa::all_supported() {
+                if opts.only.is_some_and(|only| only != isa) {
+                    continue;
+                }
+                let t = time_passes(opts.passes, || {
+                    moe_cpu_with(isa, &x, HIDDEN, &routing, &experts, &mut out, None);
+                });
+                let gbs = gb / t.wall;
+                let line = format!(
+                    "fast isa={isa:?} hidden={HIDDEN} inter={inter} experts={} tokens_per_expert={n} \
+                     weight_bytes={} best_ms={:.2} median_ms={:.2} GB/s={gbs:.2} copy_ratio={:.3} \
+                     read_ratio={:.3} cpu_util={:.2}",
+                    set.experts,
+                    set.bytes,
+                    t.wall * 1e3,
+                    t.median_wall * 1e3,
+                    gbs / copy,
+                    gbs / read,
+                    t.utilization()
+                );
+                eprintln!("{line}");
+                lines.push(line);
+                if isa == best_isa {
+                    let r = gbs / copy;
+                    worst = Some(worst.map_or(r, |w: f64| w.min(r)));
+                    match per_tokens.iter_mut().find(|(k, _)| *k == n) {
+                        Some((_, w)) => *w = w.min(r),
+                        None => per_tokens.push((n, r)),
+                    }
+                }
+            }
+            if opts.only.is_some() {
+                continue;
+            }
+            // The reference is slow: one timed pass after a warm-up is enough for a ratio.
+            let t = time_passes(1, || {
+                moe_reference(&x, HIDDEN, &routing, &experts, &mut out, None);
+            });
+            let gbs = gb / t.wall;
+            let line = format!(
+                "reference hidden={HIDDEN} inter={inter} experts={} tokens_per_expert={n} \
+                 weight_bytes={} ms={:.2} GB/s={gbs:.2} copy_ratio={:.3} read_ratio={:.3} \
+                 cpu_util={:.2}",
+                set.experts,
+                set.bytes,
+                t.wall * 1e3,
+                gbs / copy,
+                gbs / read,
+                t.utilization()
+            );
+            eprintln!("{line}");
+            lines.push(line);
+        }
+    }
+
+    let worst = worst.unwrap_or(0.0);
+    writeln!(report, "cpu_grouped_gemm copy_ratio={worst:.3}").unwrap();
+    writeln!(
+        report,
+        "# copy_ratio above: the worst case over all shapes below for the detected ISA ({best_isa:?})"
+    )
+    .unwrap();
+    let by_tokens: Vec<String> = per_tokens
+        .iter()
+        .map(|(n, r)| format!("{n} token(s)/expert {r:.3}"))
+        .collect();
+    writeln!(
+        report,
+        "# worst copy_ratio per decode size: {}",
+        by_tokens.join(", ")
+    )
+    .unwrap();
+    writeln!(report, "# date: {}", utc_date()).unwrap();
+    writeln!(report, "# cpu: {cpu}; rayon threads: {threads}").unwrap();
+    writeln!(
+        report,
+        "# load average (1 min) at start / end: {load_start} / {}; cpu_util below ~0.9 on a line \
+         means other processes held the cores during it and its ratio understates the kernel",
+        load_average()
+    )
+    .unwrap();
+    writeln!(
+        report,
+        "# copy: {copy:.2} GB/s (multi-threaded copy of {} MiB, read+write bytes, best of {}); \
+         read: {read:.2} GB/s (multi-threaded sum, best of {})",
+        COPY_BYTES >> 20,
+        opts.passes,
+        opts.passes
+    )
+    .unwrap();
+    writeln!(
+        report,
+        "# GB/s = weight bytes (packed E2M1 + E4M3 scales of gate, up, down) / best time of a \
+         whole moe call over {} passes (median also shown); top_k={TOP_K}, every expert of \
+         the set gets tokens_per_expert tokens; cpu_util is for the best pass",
+        opts.passes
+    )
+    .unwrap();
+    writeln!(
+        report,
+        "# command: cargo run --release -p bench --bin cpu-grouped-gemm"
+    )
+    .unwrap();
+    for line in &lines {
+        writeln!(report, "{line}").unwrap();
+    }
+    print!("{report}");
+    if opts.write {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/results/cpu_grouped_gemm.txt");
+        std::fs::write(path, &report).expect("write results");
+        eprintln!("wrote {path}");
+    }
+}
+
+/// Wall time of a run and the CPU time this process's threads got during it; `median_wall`
+/// is the median over the passes, the others belong to the fastest pass.
+#[derive(Clone, Copy, Debug, PartialEq, PartialOrd)]
+struct Timing {
+    wall: f64,
+    cpu: f64,
+    median_wall: f64,
+}
+
+impl Timing {
+    /// Fraction of the rayon threads' wall time they actually ran: below 1 when other
+    /// processes compete for the cores (or threads wait on each other).
+    fn utilization(&self) -> f64 {
+        self.cpu / (self.wall * rayon::current_num_threads() as f64)
+    }
+}
+
+/// The fastest of `passes` runs after one warm-up run (best-of, like the copy bandwidth: on a
+/// shared machine the fastest pass is the one least disturbed), with the median wall time.
+fn time_passes(passes: usize, mut f: impl FnMut()) -> Timing {
+    f();
+    let mut times: Vec<Timing> = (0..passes.max(1))
+        .map(|_| {
+            let cpu = process_cpu_seconds();
+            let start = Instant::now();
+            f();
+            Timing {
+                wall: start.elapsed().as_secs_f64(),
+                cpu: process_cpu_seconds() - cpu,
+                median_wall: 0.0,
+            }
+        })
+        .collect();
+    times.sort_by(|a, b| a.wall.total_cmp(&b.wall));
+    Timing {
+        median_wall: times[times.len() / 2].wall,
+        ..times[0]
+    }
+}
+
+/// CPU time of all threads of this process, from `/proc/self/task/*/schedstat` (nanoseconds
+/// on the CPU); 0 where that is unavailable.
+fn process_cpu_seconds() -> f64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0.0;
+    };
+    tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<f64>().ok())
+        .sum::<f64>()
+        / 1e9
+}
+
+/// Best-of-`passes` copy (read + written bytes per second) and read-only bandwidth, in GB/s.
+fn bandwidth(passes: usize) -> (f64, f64) {
+    let words = COPY_BYTES / 8;
+    // Filled in parallel so that pages are first touched by the threads that will use them.
+    let mut src = vec![0u64; words];
+    src.par_chunks_mut(1 << 16).enumerate().for_each(|(i, c)| {
+        c.iter_mut()
+            .enumerate()
+            .for_each(|(j, v)| *v = (i + j) as u64)
+    });
+    let mut dst = vec![1u64; words];
+    dst.par_chunks_mut(1 << 16).for_each(|c| c.fill(2));
+    let chunk = 1 << 19;
+    let mut copy = f64::MAX;
+    let mut read = f64::MAX;
+    for _ in 0..passes.max(3) {
+        let start = Instant::now();
+        dst.par_chunks_mut(chunk)
+            .zip(src.par_chunks(chunk))
+            .for_each(|(d, s)| d.copy_from_slice(s));
+        copy = copy.min(start.elapsed().as_secs_f64());
+        black_box(&dst);
+        let start = Instant::now();
+        let sum: u64 = src
+            .par_chunks(chunk)
+            .map(|c| {
+                // Eight independent lanes so the sum is not latency-bound.
+                let mut acc = [0u64; 8];
+                for w in c.chunks_exact(8) {
+                    for k in 0..8 {
+                        acc[k] = acc[k].wrapping_add(w[k]);
+                    }
+                }
+                acc.iter().fold(0u64, |a, &b| a.wrapping_add(b))
+            })
+            .reduce(|| 0, u64::wrapping_add);
+        read = read.min(start.elapsed().as_secs_f64());
+        black_box(sum);
+    }
+    (
+        2.0 * COPY_BYTES as f64 / copy / 1e9,
+        COPY_BYTES as f64 / read / 1e9,
+    )
+}
+
+/// Random NVFP4 experts of one shape, `experts` of them so that the set exceeds
+/// [`MIN_SET_BYTES`]. Random codes and mid-range block scales: the kernels' speed does not
+/// depend on the values.
+struct WeightSet {
+    inter: usize,
+    experts: usize,
+    /// Per expert: packed and scales of gate, up, down.
+    data: Vec<[(Vec<u8>, Vec<u8>); 3]>,
+    bytes: usize,
+}
+
+impl WeightSet {
+    fn new(inter: usize, set_bytes: usize) -> Self {
+        let per_expert = 3 * HIDDEN * inter * 9 / 16;
+        // A multiple of top_k so that the round-robin routing gives every expert n tokens.
+        let experts = set_bytes.div_ceil(per_expert).next_multiple_of(TOP_K);
+        let data: Vec<[(Vec<u8>, Vec<u8>); 3]> = (0..experts)
+            .into_par_iter()
+            .map(|e| {
+                let mut seed = 0x9E37_79B9_7F4A_7C15u64 ^ (e as u64) << 32 ^ inter as u64;
+                let mut next = move || {
+                    // xorshift64*
+                    seed ^= seed >> 12;
+                    seed ^= seed << 25;
+                    seed ^= seed >> 27;
+                    seed.wrapping_mul(0x2545_F491_4F6C_DD1D)
+                };
+                let mut matrix = || {
+                    let n = HIDDEN * inter;
+                    let packed: Vec<u8> = (0..n / 2).map(|_| (next() >> 56) as u8).collect();
+                    // E4M3 codes 0x30..0x3F: 0.5 to 1.875.
+                    let scales: Vec<u8> = (0..n / NVFP4_BLOCK)
+                        .map(|_| 0x30 | (next() >> 60) as u8)
+                        .collect();
+                    (packed, scales)
+                };
+                [matrix(), matrix(), matrix()]
+            })
+            .collect();
+        let bytes = data
+            .iter()
+            .flat_map(|m| m.iter().map(|(p, s)| p.len() + s.len()))
+            .sum();
+        Self {
+            inter,
+            experts,
+            data,
+            bytes,
+        }
+    }
+
+    fn views(&self) -> Vec<ExpertView<'_>> {
+        fn view((p, s): &(Vec<u8>, Vec<u8>), rows: usize, cols: usize) -> MatrixView<'_> {
+            MatrixView::Nvfp4(Nvfp4View {
+                rows,
+                cols,
+                packed: p,
+                block_scales: s,
+                global_scale: 1e-3,
+            })
+        }
+        self.data
+            .iter()
+            .map(|[g, u, d]| ExpertView {
+                gate: view(g, self.inter, HIDDEN),
+                up: view(u, self.inter, HIDDEN),
+                down: view(d, HIDDEN, self.inter),
+                gate_up_input_scale: Some(1.0 / 2688.0),
+                down_input_scale: Some(0.05 / 2688.0),
+            })
+            .collect()
+    }
+
+    /// `n · experts / top_k` tokens; assignment `i = t·top_k + k` goes to expert `i mod
+    /// experts`, so every expert gets exactly `n` tokens and each token distinct experts.
+    fn routing(&self, n: usize) -> Routing {
+        let tokens = n * self.experts / TOP_K;
+        Routing {
+            top_k: TOP_K,
+            experts: (0..tokens * TOP_K)
+                .map(|i| (i % self.experts) as u32)
+                .collect(),
+            weights: (0..tokens * TOP_K)
+                .map(|i| 0.05 + (i % 7) as f32 * 0.01)
+                .collect(),
+        }
+    }
+}
+
+/// The 1-minute load average, to tell a quiet machine from a shared one.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().map(str::to_string))
+        .unwrap_or_else(|| "?".into())
+}
+
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
+}
+
+/// `YYYY-MM-DD HH:MM UTC` from the system clock (civil-from-days, no date crate needed).
+fn utc_date() -> String {
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs()) as i64;
+    let (days, rem) = (secs.div_euclid(86400), secs.rem_euclid(86400));
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02} UTC",
+        rem / 3600,
+        rem % 3600 / 60
+    )
+}

@@ -1,0 +1,720 @@
+//! Fast CPU grouped GEMM for the routed experts, with the semantics of
+//! [`moe_reference`](super::reference::moe_reference): the same W4A4 fake quantization points,
+//! bit-identical dequantized weights and quantized activations, the same slot-order sum per
+//! token. Only the order of the floating-point accumulation inside each dot product differs
+//! (SIMD lanes and FMA), so outputs agree to rounding (see the tests for the tolerance).
+//!
+//! The work is split into three parallel phases, each over `(expert, row tile)` items so that
+//! threads stream disjoint slices of the weights:
+//! 1. fake-quantize every routed (token, slot) input row with its expert's `input_scale`;
+//! 2. gate and up products, `h = silu(gate) · up`, per tile of intermediate rows;
+//!    then fake-quantize `h` with `down_input_scale` per (token, slot);
+//! 3. down products per tile of hidden rows; then `out[t] = Σ_k w[t,k] · y[t,k]` in slot order.
+//!
+//! Each weight row is read once per call for all the tokens routed to its expert and decoded in
+//! registers ([`cpu_simd`](super::cpu_simd)); nothing dequantized is ever written to memory.
+//! The quantized activations are stored with each 16-element block in the kernels' decode order
+//! ([`interleave_blocks`]).
+//!
+//! The large buffers are reused across calls on a thread (`Scratch`); the loops allocate
+//! nothing (a work item allocates at most one row or tile of scratch up front).
+
+use rayon::prelude::*;
+
+use std::cell::Cell;
+use std::ops::Range;
+
+use super::cpu_simd::{Isa, fake_quantize_row_fast, interleave_blocks, nvfp4_rows_dots};
+use super::reference::{ExpertInputAmax, ExpertView, Routing, silu};
+use crate::dense::dot;
+use crate::matrix::MatrixView;
+
+/// Weight bytes one work item streams: large enough that rayon's per-item cost (~1 µs) is a few
+/// percent of the item's memory time, small enough for a few items per thread on one expert.
+const ITEM_BYTES: usize = 128 * 1024;
+
+/// Per-call buffers, kept per thread between calls: a fresh multi-megabyte allocation is fresh
+/// pages, whose first-touch faults and zeroing cost as much as streaming a good part of the
+/// weights. Every element is written before it is read, so stale contents are harmless.
+#[derive(Default)]
+struct Scratch {
+    xq: Vec<f32>,
+    in_amax: Vec<f32>,
+    h: Vec<f32>,
+    act: Vec<f32>,
+    down_amax: Vec<f32>,
+    y: Vec<f32>,
+}
+
+impl Scratch {
+    fn bytes(&self) -> usize {
+        4 * [
+            &self.xq,
+            &self.in_amax,
+            &self.h,
+            &self.act,
+            &self.down_amax,
+            &self.y,
+        ]
+        .iter()
+        .map(|v| v.capacity())
+        .sum::<usize>()
+    }
+}
+
+/// Larger buffers (a long prefill) are freed after the call rather than kept.
+const KEEP_SCRATCH_BYTES: usize = 64 << 20;
+
+thread_local! {
+    /// Taken out for the duration of a call (so a nested call would just allocate).
+    static SCRATCH: Cell<Scratch> = Cell::default();
+}
+
+/// The first `n` elements of `v`, growing it if needed.
+fn sized(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+    &mut v[..n]
+}
+
+/// `out[t] = Σ_k weight[t,k] · expert[t,k](x[t])` with the best kernels this CPU supports;
+/// a drop-in replacement for [`moe_reference`](super::reference::moe_reference).
+pub fn moe_cpu(
+    x: &[f32],
+    hidden: usize,
+    routing: &Routing,
+    experts: &[ExpertView<'_>],
+    out: &mut [f32],
+    amax: Option<&mut ExpertInputAmax>,
+) {
+    moe_cpu_with(Isa::detect(), x, hidden, routing, experts, out, amax);
+}
+
+/// [`moe_cpu`] with an explicit instruction set (tests and benchmarks compare them).
+///
+/// # Panics
+/// If this CPU does not support `isa`, if shapes disagree, or if an expert id is out of range.
+pub fn moe_cpu_with(
+    isa: Isa,
+    x: &[f32],
+    hidden: usize,
+    routing: &Routing,
+    experts: &[ExpertView<'_>],
+    out: &mut [f32],
+    amax: Option<&mut ExpertInputAmax>,
+) {
+    // Checked once here; the SIMD kernels rely on it (and re-check cheaply).
+    assert!(isa.is_supported(), "{isa:?} is not supported by this CPU");
+    let tokens = routing.tokens();
+    let top_k = routing.top_k;
+    assert_eq!(x.len(), tokens * hidden, "x is not [{tokens}, {hidden}]");
+    assert_eq!(
+        out.len(),
+        tokens * hidden,
+        "out is not [{tokens}, {hidden}]"
+    );
+    assert_eq!(routing.weights.len(), routing.experts.len());
+    let inters: Vec<usize> = experts
+        .iter()
+        .enumerate()
+        .map(|(e, ex)| {
+            let inter = ex.gate.rows();
+            assert!(
+                ex.gate.cols() == hidden
+                    && ex.up.cols() == hidden
+                    && ex.up.rows() == inter
+                    && ex.down.rows() == hidden
+                    && ex.down.cols() == inter,
+                "expert {e}: gate/up must be [{inter}, {hidden}] and down [{hidden}, {inter}]"
+            );
+            inter
+        })
+        .collect();
+    let plan = Plan::new(routing, experts.len(), &inters);
+
+    // Phase 1: the quantized inputs, one row per (token, slot) in expert order.
+    let mut scratch = SCRATCH.with(Cell::take);
+    let xq = sized(&mut scratch.xq, plan.rows() * hidden);
+    let in_amax = sized(&mut scratch.in_amax, plan.rows());
+    if hidden > 0 {
+        xq.par_chunks_mut(hidden)
+            .zip(in_amax.par_iter_mut())
+            .enumerate()
+            .for_each(|(r, (dst, am))| {
+                let (t, _) = plan.order[r];
+                let row = &x[t * hidden..(t + 1) * hidden];
+                *am = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                match experts[plan.row_expert[r]].gate_up_input_scale {
+                    Some(scale) => fake_quantize_row_fast(isa, row, scale, dst),
+                    None => dst.copy_from_slice(row),
+                }
+                interleave_blocks(dst);
+            });
+    }
+
+    // Phase 2a: h = silu(gate) · up, tiled over intermediate rows.
+    let h = sized(&mut scratch.h, plan.inter_offset[experts.len()]);
+    // Bytes of one gate row plus one up row: what a tile row streams.
+    let gate_up_bytes = |e: usize| 2 * (experts[e].gate.bytes() / inters[e].max(1));
+    let gate_up_items = plan.items(h, |e| inters[e], gate_up_bytes);
+    gate_up_items
+        .into_par_iter()
+        .for_each_init(Vec::new, |up, item| {
+            let e = item.expert;
+            let (n, ex, tile) = (plan.count(e), &experts[e], item.rows.len());
+            let xe = &xq[plan.row_start[e] * hidden..plan.row_start[e + 1] * hidden];
+            up.resize(n * tile, 0.0);
+            tile_dots(isa, &ex.gate, item.rows.clone(), xe, n, item.out, tile);
+            tile_dots(isa, &ex.up, item.rows.clone(), xe, n, up, tile);
+            for (g, &u) in item.out.iter_mut().zip(up.iter()) {
+                *g = silu(*g) * u;
+            }
+        });
+
+    // Phase 2b: gather each (token, slot)'s h from its tiles and fake-quantize it.
+    let act = sized(&mut scratch.act, h.len());
+    let down_amax = sized(&mut scratch.down_amax, plan.rows());
+    let act_rows = plan.split_rows(act, |e| inters[e]);
+    act_rows
+        .into_par_iter()
+        .zip(down_amax.par_iter_mut())
+        .enumerate()
+        .for_each_init(Vec::new, |row, (r, (dst, am))| {
+            let e = plan.row_expert[r];
+            let (n, inter, i) = (plan.count(e), inters[e], r - plan.row_start[e]);
+            let tile_rows = plan.tile_rows(e, gate_up_bytes);
+            let base = plan.inter_offset[e];
+            row.clear();
+            for (tile, c0) in (0..inter).step_by(tile_rows).enumerate() {
+                let len = tile_rows.min(inter - c0);
+                let start = base + tile * tile_rows * n + i * len;
+                row.extend_from_slice(&h[start..start + len]);
+            }
+            *am = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            match experts[e].down_input_scale {
+                Some(s) => fake_quantize_row_fast(isa, row, s, dst),
+                None => dst.copy_from_slice(row),
+            }
+            interleave_blocks(dst);
+        });
+
+    // Phase 3: y = down · act, tiled over hidden rows.
+    let y = sized(&mut scratch.y, plan.rows() * hidden);
+    let down_bytes = |e: usize| experts[e].down.bytes() / hidden.max(1);
+    let down_items = plan.items(y, |_| hidden, down_bytes);
+    down_items.into_par_iter().for_each(|item| {
+        let e = item.expert;
+        let ae = &act[plan.inter_offset[e]..plan.inter_offset[e + 1]];
+        let tile = item.rows.len();
+        tile_dots(
+            isa,
+            &experts[e].down,
+            item.rows,
+            ae,
+            plan.count(e),
+            item.out,
+            tile,
+        );
+    });
+
+    // Combine in slot order, exactly as the reference: out = Σ_k (w · y).
+    if hidden > 0 {
+        out.par_chunks_mut(hidden)
+            .enumerate()
+            .for_each(|(t, out_row)| {
+                out_row.fill(0.0);
+                for k in 0..top_k {
+                    let r = plan.slot_row[t * top_k + k];
+                    let e = plan.row_expert[r];
+                    let (n, i) = (plan.count(e), r - plan.row_start[e]);
+                    let w = routing.weights[t * top_k + k];
+                    let tile_rows = plan.tile_rows(e, down_bytes);
+                    let base = plan.row_start[e] * hidden;
+                    for (tile, o) in out_row.chunks_mut(tile_rows).enumerate() {
+                        let (len, start) = (o.len(), base + tile * tile_rows * n + i * o.len());
+                        for (o, &v) in o.iter_mut().zip(&y[start..start + len]) {
+                            *o += w * v;
+                        }
+                    }
+                }
+            });
+    }
+
+    if let Some(amax) = amax {
+        amax.gate_up.resize(experts.len(), 0.0);
+        amax.down.resize(experts.len(), 0.0);
+        for e in 0..experts.len() {
+            let rows = plan.row_start[e]..plan.row_start[e + 1];
+            let fold = |v: &[f32]| v.iter().fold(0.0f32, |m, &a| m.max(a));
+            amax.gate_up[e] = amax.gate_up[e].max(fold(&in_amax[rows.clone()]));
+            amax.down[e] = amax.down[e].max(fold(&down_amax[rows]));
+        }
+    }
+    if scratch.bytes() <= KEEP_SCRATCH_BYTES {
+        SCRATCH.with(|s| s.set(scratch));
+    }
+}
+
+/// `out[t · stride + j] = x[t] · w[rows.start + j]` for `t < n`: NVFP4 tiles go through the
+/// SIMD kernels; BF16 weights (unquantized checkpoints) are widened row by row and dotted.
+fn tile_dots(
+    isa: Isa,
+    w: &MatrixView<'_>,
+    rows: Range<usize>,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
+    match w {
+        MatrixView::Nvfp4(v) => nvfp4_rows_dots(isa, v, rows, x, n, out, stride),
+        MatrixView::Bf16 { cols, .. } => {
+            let mut row = vec![0.0f32; *cols];
+            for (j, r) in rows.enumerate() {
+                w.row_into(r, &mut row);
+                // The activations are stored in the kernels' block order; so must the row be.
+                interleave_blocks(&mut row);
+                for t in 0..n {
+                    out[t * stride + j] = dot(&x[t * cols..(t + 1) * cols], &row);
+                }
+            }
+        }
+    }
+}
+
+/// Where each (token, slot) goes: rows are grouped by expert, in token order within an expert
+/// (the order of [`Routing::assignments`]).
+struct Plan {
+    /// `(token, slot)` of each row.
+    order: Vec<(usize, usize)>,
+    /// Expert of each row.
+    row_expert: Vec<usize>,
+    /// Row index of each `token · top_k + slot`.
+    slot_row: Vec<usize>,
+    /// First row of each expert; `[experts + 1]`.
+    row_start: Vec<usize>,
+    /// Offset of each expert's `[count, inter]` block in the `h`/`act` buffers; `[experts + 1]`.
+    inter_offset: Vec<usize>,
+}
+
+/// One parallel work item: output rows `rows` of `expert`'s weight matrix, for all of its
+/// tokens; `out` is `[count, rows.len()]`.
+struct Item<'a> {
+    expert: usize,
+    rows: Range<usize>,
+    out: &'a mut [f32],
+}
+
+impl Plan {
+    fn new(routing: &Routing, num_experts: usize, inters: &[usize]) -> Self {
+        let mut row_start = vec![0usize; num_experts + 1];
+        for &e in &routing.experts {
+            assert!(
+                (e as usize) < num_experts,
+                "expert id {e} out of range ({num_experts} experts)"
+            );
+            row_start[e as usize + 1] += 1;
+        }
+        for e in 0..num_experts {
+            row_start[e + 1] += row_start[e];
+        }
+        let rows = routing.experts.len();
+        let mut next = row_start.clone();
+        let mut order = vec![(0, 0); rows];
+        let mut row_expert = vec![0; rows];
+        let mut slot_row = vec![0; rows];
+        for (i, &e) in routing.experts.iter().enumerate() {
+            let r = next[e as usize];
+            next[e as usize] += 1;
+            order[r] = (i / routing.top_k, i % routing.top_k);
+            row_expert[r] = e as usize;
+            slot_row[i] = r;
+        }
+        let mut inter_offset = vec![0usize; num_experts + 1];
+        for e in 0..num_experts {
+            inter_offset[e + 1] = inter_offset[e] + (row_start[e + 1] - row_start[e]) * inters[e];
+        }
+        Self {
+            order,
+            row_expert,
+            slot_row,
+            row_start,
+            inter_offset,
+        }
+    }
+
+    fn rows(&self) -> usize {
+        self.order.len()
+    }
+
+    fn count(&self, e: usize) -> usize {
+        self.row_start[e + 1] - self.row_start[e]
+    }
+
+    /// Weight rows per item for expert `e`, whose rows take `row_bytes(e)` bytes each: a
+    /// multiple of 16 (whole cache lines of scales) near [`ITEM_BYTES`].
+    fn tile_rows(&self, e: usize, row_bytes: impl Fn(usize) -> usize) -> usize {
+        (ITEM_BYTES / row_bytes(e).max(1)).next_multiple_of(16)
+    }
+
+    /// Splits `buf` (laid out expert by expert, `[count, out_rows]` each, tile-major inside)
+    /// into work items over tiles of each used expert's `out_rows(e)` weight rows.
+    fn items<'a>(
+        &self,
+        buf: &'a mut [f32],
+        out_rows: impl Fn(usize) -> usize,
+        row_bytes: impl Fn(usize) -> usize + Copy,
+    ) -> Vec<Item<'a>> {
+        let mut items = Vec::new();
+        let mut rest = buf;
+        for e in 0..self.row_start.len() - 1 {
+            let n = self.count(e);
+            if n == 0 {
+                continue;
+            }
+            let (total, tile) = (out_rows(e), self.tile_rows(e, row_bytes));
+            for r0 in (0..total).step_by(tile) {
+                let rows = r0..(r0 + tile).min(total);
+                let (out, tail) = rest.split_at_mut(n * rows.len());
+                rest = tail;
+                items.push(Item {
+                    expert: e,
+                    rows,
+                    out,
+                });
+            }
+        }
+        assert!(rest.is_empty(), "work items do not cover the buffer");
+        items
+    }
+
+    /// Splits `buf` (expert by expert, `[count, width(e)]` each) into one slice per row.
+    fn split_rows<'a>(
+        &self,
+        buf: &'a mut [f32],
+        width: impl Fn(usize) -> usize,
+    ) -> Vec<&'a mut [f32]> {
+        let mut rows = Vec::with_capacity(self.rows());
+        let mut rest = buf;
+        for r in 0..self.rows() {
+            let (row, tail) = rest.split_at_mut(width(self.row_expert[r]));
+            rest = tail;
+            rows.push(row);
+        }
+        rows
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use half::bf16;
+
+    use super::*;
+    use crate::formats::nvfp4::Nvfp4Matrix;
+    use crate::moe_gemm::reference::moe_reference;
+
+    /// SplitMix64: a tiny deterministic generator, enough for test data.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        }
+        fn uniform(&mut self) -> f32 {
+            (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        }
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n as u64) as usize
+        }
+        fn values(&mut self, n: usize, scale: f32) -> Vec<f32> {
+            (0..n).map(|_| self.uniform() * scale).collect()
+        }
+    }
+
+    struct Weights {
+        mats: Vec<[Nvfp4Matrix; 3]>,
+        scales: Vec<(f32, f32)>,
+    }
+
+    impl Weights {
+        fn new(rng: &mut Rng, num_experts: usize, hidden: usize, inter: usize) -> Self {
+            let mats = (0..num_experts)
+                .map(|_| {
+                    let q = |rng: &mut Rng, r, c| {
+                        Nvfp4Matrix::quantize_weight(&rng.values(r * c, 0.05), r, c).unwrap()
+                    };
+                    [
+                        q(rng, inter, hidden),
+                        q(rng, inter, hidden),
+                        q(rng, hidden, inter),
+                    ]
+                })
+                .collect();
+            // Per-expert input scales, some too small so block scales saturate.
+            let scales = (0..num_experts)
+                .map(|e| (1.0 / (2688.0 * (1 + e % 3) as f32), 0.02 / 2688.0))
+                .collect();
+            Self { mats, scales }
+        }
+
+        fn views(&self) -> Vec<ExpertView<'_>> {
+            self.mats
+                .iter()
+                .zip(&self.scales)
+                .map(|([g, u, d], &(si, sd))| ExpertView {
+                    gate: MatrixView::Nvfp4(g.view()),
+                    up: MatrixView::Nvfp4(u.view()),
+                    down: MatrixView::Nvfp4(d.view()),
+                    gate_up_input_scale: Some(si),
+                    down_input_scale: Some(sd),
+                })
+                .collect()
+        }
+    }
+
+    /// Random top-k routing with distinct experts per token; experts in `empty` get nothing and
+    /// `heavy` (if any) is in every token's first slot.
+    fn routing(
+        rng: &mut Rng,
+        tokens: usize,
+        top_k: usize,
+        num_experts: usize,
+        empty: &[usize],
+        heavy: Option<usize>,
+    ) -> Routing {
+        let allowed: Vec<usize> = (0..num_experts).filter(|e| !empty.contains(e)).collect();
+        assert!(allowed.len() >= top_k);
+        let mut experts = Vec::new();
+        for _ in 0..tokens {
+            let mut chosen: Vec<usize> = heavy.into_iter().collect();
+            while chosen.len() < top_k {
+                let e = allowed[rng.below(allowed.len())];
+                if !chosen.contains(&e) {
+                    chosen.push(e);
+                }
+            }
+            experts.extend(chosen.iter().map(|&e| e as u32));
+        }
+        let weights = (0..tokens * top_k).map(|_| rng.uniform().abs()).collect();
+        Routing {
+            top_k,
+            experts,
+            weights,
+        }
+    }
+
+    /// Relative L2 distance and the largest absolute difference.
+    fn distance(ours: &[f32], reference: &[f32]) -> (f64, f64) {
+        let (mut num, mut den, mut max) = (0.0f64, 0.0f64, 0.0f64);
+        for (&a, &b) in ours.iter().zip(reference) {
+            let d = (a - b) as f64;
+            num += d * d;
+            den += (b as f64) * (b as f64);
+            max = max.max(d.abs());
+        }
+        ((num / den.max(f64::MIN_POSITIVE)).sqrt(), max)
+    }
+
+    /// Tolerance against the reference: the two differ only in accumulation order, so 1e-5
+    /// relative L2 leaves two orders of magnitude over f32 rounding of these dot products. (A
+    /// rounding difference that flips one activation across an E2M1 rounding midpoint would
+    /// exceed it; none occurs in these cases.)
+    const REL_L2: f64 = 1e-5;
+
+    fn check(
+        isa: Isa,
+        what: &str,
+        x: &[f32],
+        hidden: usize,
+        routing: &Routing,
+        experts: &[ExpertView<'_>],
+    ) -> Vec<f32> {
+        let tokens = routing.tokens();
+        let mut want = vec![0.0; tokens * hidden];
+        let mut want_amax = ExpertInputAmax::default();
+        moe_reference(x, hidden, routing, experts, &mut want, Some(&mut want_amax));
+        let mut got = vec![f32::NAN; tokens * hidden];
+        let mut got_amax = ExpertInputAmax::default();
+        moe_cpu_with(
+            isa,
+            x,
+            hidden,
+            routing,
+            experts,
+            &mut got,
+            Some(&mut got_amax),
+        );
+        let (rel, max) = distance(&got, &want);
+        assert!(
+            rel <= REL_L2,
+            "{isa:?} {what}: rel L2 {rel:e}, max abs {max:e}"
+        );
+        assert_eq!(
+            got_amax.gate_up, want_amax.gate_up,
+            "{isa:?} {what}: input amax"
+        );
+        for (a, b) in got_amax.down.iter().zip(&want_amax.down) {
+            assert!(
+                (a - b).abs() <= 1e-5 * b,
+                "{isa:?} {what}: down amax {a} vs {b}"
+            );
+        }
+        got
+    }
+
+    #[test]
+    fn matches_the_reference_on_many_routings() {
+        let mut rng = Rng(7);
+        // (hidden, inter, experts, tokens, top_k): odd block counts exercise the kernels' tails;
+        // 40 tokens on one expert exercise several token groups.
+        let shapes = [
+            (64, 32, 4, 1, 1),
+            (48, 80, 6, 3, 2),
+            (256, 128, 8, 5, 4),
+            (128, 64, 5, 40, 2),
+            (512, 96, 16, 8, 8),
+        ];
+        for (case, &(hidden, inter, num_experts, tokens, top_k)) in shapes.iter().enumerate() {
+            let w = Weights::new(&mut rng, num_experts, hidden, inter);
+            let experts = w.views();
+            for (variant, (empty, heavy)) in [
+                (vec![], None),
+                (vec![num_experts - 1], Some(0)),
+                (vec![1], None),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                if num_experts - empty.len() < top_k {
+                    continue;
+                }
+                let routing = routing(&mut rng, tokens, top_k, num_experts, &empty, heavy);
+                let x = rng.values(tokens * hidden, 1.0);
+                for isa in Isa::all_supported() {
+                    check(
+                        isa,
+                        &format!("case {case}.{variant}"),
+                        &x,
+                        hidden,
+                        &routing,
+                        &experts,
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn tensor_parallel_shards_sum_to_the_full_expert() {
+        let mut rng = Rng(11);
+        let (hidden, inter, num_experts, tokens, top_k, shards) = (96, 64, 3, 4, 2, 2);
+        let full = Weights::new(&mut rng, num_experts, hidden, inter);
+        let routing = routing(&mut rng, tokens, top_k, num_experts, &[], None);
+        let x = rng.values(tokens * hidden, 1.0);
+        let isa = Isa::detect();
+        let whole = check(isa, "full", &x, hidden, &routing, &full.views());
+        let part = inter / shards;
+        let mut sum = vec![0.0f32; tokens * hidden];
+        for s in 0..shards {
+            // Shard s holds intermediate rows [s·part, (s+1)·part) of gate/up and the same
+            // columns of down; the block scales travel with their elements.
+            let shard = |m: &Nvfp4Matrix, rows: bool| {
+                let (r, c) = if rows { (part, hidden) } else { (hidden, part) };
+                let mut packed = Vec::new();
+                let mut scales = Vec::new();
+                for i in 0..r {
+                    let (row, c0) = if rows {
+                        (s * part + i, 0)
+                    } else {
+                        (i, s * part)
+                    };
+                    let start = row * m.cols + c0;
+                    packed.extend_from_slice(&m.packed[start / 2..(start + c) / 2]);
+                    scales.extend_from_slice(&m.block_scales[start / 16..(start + c) / 16]);
+                }
+                Nvfp4Matrix::from_parts(r, c, packed, scales, m.global_scale).unwrap()
+            };
+            let sharded = Weights {
+                mats: full
+                    .mats
+                    .iter()
+                    .map(|[g, u, d]| [shard(g, true), shard(u, true), shard(d, false)])
+                    .collect(),
+                scales: full.scales.clone(),
+            };
+            let partial = check(
+                isa,
+                &format!("shard {s}"),
+                &x,
+                hidden,
+                &routing,
+                &sharded.views(),
+            );
+            for (a, b) in sum.iter_mut().zip(&partial) {
+                *a += b;
+            }
+        }
+        let (rel, max) = distance(&sum, &whole);
+        assert!(
+            rel <= REL_L2,
+            "sum of shards: rel L2 {rel:e}, max abs {max:e}"
+        );
+    }
+
+    #[test]
+    fn bf16_experts_and_empty_inputs() {
+        let mut rng = Rng(3);
+        let (hidden, inter) = (40, 24);
+        let mats: Vec<Vec<bf16>> = (0..6)
+            .map(|_| {
+                rng.values(hidden * inter, 0.2)
+                    .iter()
+                    .map(|&v| bf16::from_f32(v))
+                    .collect()
+            })
+            .collect();
+        let experts: Vec<ExpertView> = mats
+            .chunks_exact(3)
+            .map(|m| ExpertView {
+                gate: MatrixView::Bf16 {
+                    rows: inter,
+                    cols: hidden,
+                    data: &m[0],
+                },
+                up: MatrixView::Bf16 {
+                    rows: inter,
+                    cols: hidden,
+                    data: &m[1],
+                },
+                down: MatrixView::Bf16 {
+                    rows: hidden,
+                    cols: inter,
+                    data: &m[2],
+                },
+                gate_up_input_scale: None,
+                down_input_scale: None,
+            })
+            .collect();
+        let routing = Routing {
+            top_k: 2,
+            experts: vec![1, 0, 1, 0, 0, 1],
+            weights: rng.values(6, 1.0),
+        };
+        let x = rng.values(3 * hidden, 1.0);
+        for isa in Isa::all_supported() {
+            check(isa, "bf16", &x, hidden, &routing, &experts);
+        }
+        // No tokens at all.
+        let none = Routing {
+            top_k: 2,
+            experts: vec![],
+            weights: vec![],
+        };
+        let mut out = vec![];
+        moe_cpu(&[], hidden, &none, &experts, &mut out, None);
+    }
+}
