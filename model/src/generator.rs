@@ -371,3 +371,37 @@ pub fn generate_checkpoint(
     )?;
     Ok(())
 }
+
+/// The default model of `model run`: the `mini` preset, generated once into `cache_dir`
+/// (default `$XDG_CACHE_HOME/kimi-sm120` or `~/.cache/kimi-sm120`) and reused afterwards.
+pub fn default_checkpoint(cache_dir: Option<std::path::PathBuf>) -> Result<std::path::PathBuf> {
+    let base = cache_dir.unwrap_or_else(|| {
+        std::env::var_os("XDG_CACHE_HOME")
+            .map(std::path::PathBuf::from)
+            .or_else(|| {
+                std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache"))
+            })
+            .unwrap_or_else(std::env::temp_dir)
+            .join("kimi-sm120")
+    });
+    // The folder name carries the crate version so a changed generator makes a new model.
+    let dir = base.join(format!("mini-{}", env!("CARGO_PKG_VERSION")));
+    if dir.join(".complete").exists() {
+        return Ok(dir);
+    }
+    eprintln!("generating the mini model into {} (once)…", dir.display());
+    // Generated aside and renamed into place, so an interrupted run never leaves a half model.
+    let partial = base.join(format!(".mini-partial-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&partial);
+    generate_checkpoint(
+        Preset::Mini,
+        &partial,
+        20261129,
+        &crate::backend::CpuBackend,
+    )?;
+    std::fs::write(partial.join(".complete"), b"")?;
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::rename(&partial, &dir)
+        .with_context(|| format!("moving the model into {}", dir.display()))?;
+    Ok(dir)
+}

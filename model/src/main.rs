@@ -14,7 +14,7 @@ use model::checkpoint_writer::{OwnedTensor, write_file};
 use model::config::KvCacheQuant;
 use model::forward::{LogitRows, Model, SeqInput};
 use model::generate::{GenerationRequest, generate};
-use model::generator::{Preset, generate_checkpoint};
+use model::generator::{Preset, default_checkpoint, generate_checkpoint};
 use model::nvfp4_file::{nvfp4_weight_names, read_nvfp4};
 use model::plan::{PlanRequest, plan};
 use model::quantize::{quantize_checkpoint, random_tokens};
@@ -223,31 +223,6 @@ fn resolve_kv_dtype(arg: KvDtypeArg, checkpoint: &Checkpoint) -> KvCacheDtype {
             None => KvCacheDtype::Bf16,
         },
     }
-}
-
-/// The cached default model: generated once into the cache directory.
-fn default_checkpoint(cache_dir: Option<PathBuf>) -> Result<PathBuf> {
-    let base = cache_dir.unwrap_or_else(|| {
-        std::env::var_os("XDG_CACHE_HOME")
-            .map(PathBuf::from)
-            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-            .unwrap_or_else(std::env::temp_dir)
-            .join("kimi-sm120")
-    });
-    // The folder name carries the crate version so a changed generator makes a new model.
-    let dir = base.join(format!("mini-{}", env!("CARGO_PKG_VERSION")));
-    if dir.join(".complete").exists() {
-        return Ok(dir);
-    }
-    eprintln!("generating the mini model into {} (once)…", dir.display());
-    let partial = base.join(format!(".mini-partial-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&partial);
-    generate_checkpoint(Preset::Mini, &partial, 20261129, &CpuBackend)?;
-    std::fs::write(partial.join(".complete"), b"")?;
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::rename(&partial, &dir)
-        .with_context(|| format!("moving the model into {}", dir.display()))?;
-    Ok(dir)
 }
 
 fn load(dir: &Path, shard: TpShard) -> Result<(Checkpoint, Model)> {

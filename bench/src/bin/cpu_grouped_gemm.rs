@@ -13,9 +13,8 @@
 //! plus the ratio to a read-only sweep. Each pass routes tokens to every expert of a weight set
 //! much larger than the LLC (≥ 256 MiB), so each pass streams from DRAM.
 
+use bench::{COPY_BYTES, bandwidth, cpu_model, load_average, time_passes, utc_date};
 use std::fmt::Write as _;
-use std::hint::black_box;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use kernels::formats::nvfp4::{NVFP4_BLOCK, Nvfp4View};
 use kernels::matrix::MatrixView;
@@ -30,7 +29,6 @@ const TOP_K: usize = 8;
 /// Minimum weight bytes per pass (≥ 8× a 32 MiB LLC).
 const MIN_SET_BYTES: usize = 256 << 20;
 /// Bytes of each copy buffer.
-const COPY_BYTES: usize = 512 << 20;
 
 struct Options {
     passes: usize,
@@ -224,104 +222,6 @@ fn main() {
     }
 }
 
-/// Wall time of a run and the CPU time this process's threads got during it; `median_wall`
-/// is the median over the passes, the others belong to the fastest pass.
-#[derive(Clone, Copy, Debug, PartialEq, PartialOrd)]
-struct Timing {
-    wall: f64,
-    cpu: f64,
-    median_wall: f64,
-}
-
-impl Timing {
-    /// Fraction of the rayon threads' wall time they actually ran: below 1 when other
-    /// processes compete for the cores (or threads wait on each other).
-    fn utilization(&self) -> f64 {
-        self.cpu / (self.wall * rayon::current_num_threads() as f64)
-    }
-}
-
-/// The fastest of `passes` runs after one warm-up run (best-of, like the copy bandwidth: on a
-/// shared machine the fastest pass is the one least disturbed), with the median wall time.
-fn time_passes(passes: usize, mut f: impl FnMut()) -> Timing {
-    f();
-    let mut times: Vec<Timing> = (0..passes.max(1))
-        .map(|_| {
-            let cpu = process_cpu_seconds();
-            let start = Instant::now();
-            f();
-            Timing {
-                wall: start.elapsed().as_secs_f64(),
-                cpu: process_cpu_seconds() - cpu,
-                median_wall: 0.0,
-            }
-        })
-        .collect();
-    times.sort_by(|a, b| a.wall.total_cmp(&b.wall));
-    Timing {
-        median_wall: times[times.len() / 2].wall,
-        ..times[0]
-    }
-}
-
-/// CPU time of all threads of this process, from `/proc/self/task/*/schedstat` (nanoseconds
-/// on the CPU); 0 where that is unavailable.
-fn process_cpu_seconds() -> f64 {
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-        return 0.0;
-    };
-    tasks
-        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("schedstat")).ok())
-        .filter_map(|s| s.split_whitespace().next()?.parse::<f64>().ok())
-        .sum::<f64>()
-        / 1e9
-}
-
-/// Best-of-`passes` copy (read + written bytes per second) and read-only bandwidth, in GB/s.
-fn bandwidth(passes: usize) -> (f64, f64) {
-    let words = COPY_BYTES / 8;
-    // Filled in parallel so that pages are first touched by the threads that will use them.
-    let mut src = vec![0u64; words];
-    src.par_chunks_mut(1 << 16).enumerate().for_each(|(i, c)| {
-        c.iter_mut()
-            .enumerate()
-            .for_each(|(j, v)| *v = (i + j) as u64)
-    });
-    let mut dst = vec![1u64; words];
-    dst.par_chunks_mut(1 << 16).for_each(|c| c.fill(2));
-    let chunk = 1 << 19;
-    let mut copy = f64::MAX;
-    let mut read = f64::MAX;
-    for _ in 0..passes.max(3) {
-        let start = Instant::now();
-        dst.par_chunks_mut(chunk)
-            .zip(src.par_chunks(chunk))
-            .for_each(|(d, s)| d.copy_from_slice(s));
-        copy = copy.min(start.elapsed().as_secs_f64());
-        black_box(&dst);
-        let start = Instant::now();
-        let sum: u64 = src
-            .par_chunks(chunk)
-            .map(|c| {
-                // Eight independent lanes so the sum is not latency-bound.
-                let mut acc = [0u64; 8];
-                for w in c.chunks_exact(8) {
-                    for k in 0..8 {
-                        acc[k] = acc[k].wrapping_add(w[k]);
-                    }
-                }
-                acc.iter().fold(0u64, |a, &b| a.wrapping_add(b))
-            })
-            .reduce(|| 0, u64::wrapping_add);
-        read = read.min(start.elapsed().as_secs_f64());
-        black_box(sum);
-    }
-    (
-        2.0 * COPY_BYTES as f64 / copy / 1e9,
-        COPY_BYTES as f64 / read / 1e9,
-    )
-}
-
 /// Random NVFP4 experts of one shape, `experts` of them so that the set exceeds
 /// [`MIN_SET_BYTES`]. Random codes and mid-range block scales: the kernels' speed does not
 /// depend on the values.
@@ -409,46 +309,4 @@ impl WeightSet {
                 .collect(),
         }
     }
-}
-
-/// The 1-minute load average, to tell a quiet machine from a shared one.
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .and_then(|s| s.split_whitespace().next().map(str::to_string))
-        .unwrap_or_else(|| "?".into())
-}
-
-fn cpu_model() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split(':').nth(1))
-                .map(|m| m.trim().to_string())
-        })
-        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
-}
-
-/// `YYYY-MM-DD HH:MM UTC` from the system clock (civil-from-days, no date crate needed).
-fn utc_date() -> String {
-    let secs = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs()) as i64;
-    let (days, rem) = (secs.div_euclid(86400), secs.rem_euclid(86400));
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02} {:02}:{:02} UTC",
-        rem / 3600,
-        rem % 3600 / 60
-    )
 }
