@@ -7,7 +7,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use rayon::prelude::*;
 
-/// Bytes copied for the bandwidth measurement: far beyond any LLC.
+/// Bytes of each copy buffer of the bandwidth measurement: far beyond any LLC.
 pub const COPY_BYTES: usize = 512 << 20;
 
 /// Wall time of a run and the CPU time this process's threads got during it; `median_wall`

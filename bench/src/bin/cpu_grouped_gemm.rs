@@ -28,8 +28,6 @@ const HIDDEN: usize = 7168;
 const TOP_K: usize = 8;
 /// Minimum weight bytes per pass (≥ 8× a 32 MiB LLC).
 const MIN_SET_BYTES: usize = 256 << 20;
-/// Bytes of each copy buffer.
-
 struct Options {
     passes: usize,
     write: bool,
