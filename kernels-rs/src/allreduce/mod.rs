@@ -34,6 +34,7 @@ pub mod cpu;
 pub mod element;
 pub mod layout;
 pub mod shm;
+pub mod tactic;
 pub mod testing;
 pub mod topology;
 
