@@ -7,7 +7,9 @@
 
 use std::fmt;
 
+use super::AlgorithmPolicy;
 use super::algorithm::{Algorithm, Transfer};
+use super::cost::{Choice, Host, LinkParams};
 use super::element::DType;
 use super::layout::{LINE, MAX_PHASES, SegmentLayout};
 
@@ -343,9 +345,13 @@ pub fn pack_params(
             shape.algorithm
         ));
     }
-    for (what, ptr) in [("data", data), ("residual", residual.unwrap_or(0)), ("control", ctl)]
-        .into_iter()
-        .chain(peers.iter().map(|&p| ("peer region", p)))
+    for (what, ptr) in [
+        ("data", data),
+        ("residual", residual.unwrap_or(0)),
+        ("control", ctl),
+    ]
+    .into_iter()
+    .chain(peers.iter().map(|&p| ("peer region", p)))
     {
         if ptr % 16 != 0 {
             return Err(format!("{what} pointer {ptr:#x} is not 16-byte aligned"));
@@ -388,6 +394,100 @@ impl ArParams {
     }
 }
 
+/// Which backend runs a message size: one of our algorithms or NCCL, as the cost model
+/// ([`super::cost::Host::choose`]) decides per size.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChoicePolicy {
+    /// `(largest message in bytes, choice)`, ascending by size.
+    pub thresholds: Vec<(usize, Choice)>,
+    /// For messages above every threshold.
+    pub largest: Choice,
+}
+
+impl ChoicePolicy {
+    pub fn fixed(choice: Choice) -> Self {
+        ChoicePolicy {
+            thresholds: Vec::new(),
+            largest: choice,
+        }
+    }
+
+    /// Our algorithms only, as an [`AlgorithmPolicy`] says.
+    pub fn custom(policy: &AlgorithmPolicy) -> Self {
+        ChoicePolicy {
+            thresholds: policy
+                .thresholds
+                .iter()
+                .map(|&(max, a)| (max, Choice::Custom(a)))
+                .collect(),
+            largest: Choice::Custom(policy.largest),
+        }
+    }
+
+    /// The cost model's pick (ours or NCCL) at each of `sizes` (ascending), merged into
+    /// thresholds. Hosts spanning several nodes should use `fixed(Choice::Nccl)`: IPC does not
+    /// cross nodes.
+    pub fn from_host(host: &Host, sizes: &[usize], p: &LinkParams) -> Self {
+        let mut thresholds: Vec<(usize, Choice)> = Vec::new();
+        for &s in sizes {
+            let (c, _) = host.choose(s, p);
+            match thresholds.last_mut() {
+                Some((max, last)) if *last == c => *max = s,
+                _ => thresholds.push((s, c)),
+            }
+        }
+        let largest = thresholds
+            .pop()
+            .map(|(_, c)| c)
+            .unwrap_or(Choice::Custom(Algorithm::OneShot(Transfer::Pull)));
+        ChoicePolicy {
+            thresholds,
+            largest,
+        }
+    }
+
+    pub fn choose(&self, bytes: usize) -> Choice {
+        self.thresholds
+            .iter()
+            .find(|(max, _)| bytes <= *max)
+            .map(|(_, c)| *c)
+            .unwrap_or(self.largest)
+    }
+
+    /// Every choice the policy can make.
+    pub fn choices(&self) -> Vec<Choice> {
+        let mut out: Vec<Choice> = Vec::new();
+        for c in self
+            .thresholds
+            .iter()
+            .map(|(_, c)| *c)
+            .chain([self.largest])
+        {
+            if !out.contains(&c) {
+                out.push(c);
+            }
+        }
+        out
+    }
+
+    pub fn uses_nccl(&self) -> bool {
+        self.choices().contains(&Choice::Nccl)
+    }
+}
+
+/// Blocks per launch by message size when the configuration does not fix it: one block keeps
+/// the latency-bound sizes to one flag round per phase; bandwidth-bound sizes need more
+/// blocks in flight to fill the links. To be replaced by measured choices (the GPU check
+/// times every block count).
+pub fn default_blocks(bytes: usize) -> u32 {
+    match bytes {
+        0..=32_768 => 1,
+        32_769..=262_144 => 2,
+        262_145..=1_048_576 => 4,
+        _ => 8,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -410,8 +510,7 @@ mod tests {
         let ids: std::collections::HashSet<String> = all.iter().map(|t| t.id()).collect();
         assert_eq!(ids.len(), all.len());
         assert_eq!(
-            AllReduceTactic::parse("island-hierarchical-pull_f32_t256_b8")
-                .map(|t| t.algorithm),
+            AllReduceTactic::parse("island-hierarchical-pull_f32_t256_b8").map(|t| t.algorithm),
             Some(Algorithm::IslandHierarchical(Transfer::Pull))
         );
         for bad in [
@@ -507,7 +606,10 @@ mod tests {
                 seen.insert(t);
             }
         }
-        assert!(seen.len() >= 10, "12 calls should give nearly distinct tags");
+        assert!(
+            seen.len() >= 10,
+            "12 calls should give nearly distinct tags"
+        );
         assert_ne!(
             flag_tag(Algorithm::OneShot(Transfer::Pull), DType::Bf16, 7168),
             flag_tag(Algorithm::OneShot(Transfer::Pull), DType::Bf16, 7169)
@@ -538,14 +640,14 @@ mod tests {
         assert_eq!(&p.island_of[..4], &[0, 1, 0, 1]);
         assert_eq!(&p.position_of[..4], &[1, 1, 0, 0]);
         assert_eq!(p.islands, 2);
-        assert_eq!(p.outbox0 as usize, layout.outbox(0, 0, 0) - layout.region(0));
+        assert_eq!(
+            p.outbox0 as usize,
+            layout.outbox(0, 0, 0) - layout.region(0)
+        );
         assert_eq!(p.tag, flag_tag(shape.algorithm, DType::Bf16, 7168));
         // The bytes the driver copies are exactly the struct's.
         assert_eq!(bytemuck::bytes_of(&p).len(), 288);
-        assert_eq!(
-            &bytemuck::bytes_of(&p)[200..204],
-            &7168u32.to_le_bytes()
-        );
+        assert_eq!(&bytemuck::bytes_of(&p)[200..204], &7168u32.to_le_bytes());
 
         let err = |s: &LaunchShape<'_>, data| pack_params(s, &peers, data, None, 0x6000);
         assert!(err(&shape, 0x5008).unwrap_err().contains("16-byte"));
@@ -561,6 +663,45 @@ mod tests {
         };
         assert!(err(&no_push, 0x5000).unwrap_err().contains("push"));
         assert!(pack_params(&shape, &peers[..3], 0x5000, None, 0x6000).is_err());
+    }
+
+    #[test]
+    fn choice_policy_follows_the_cost_model() {
+        use crate::allreduce::LinkKind::{Pix, SelfLink};
+        use crate::allreduce::topology::Topology;
+        let host = Host::new(
+            Topology::from_links(vec![vec![SelfLink, Pix], vec![Pix, SelfLink]]).unwrap(),
+        );
+        let p = LinkParams::default();
+        let sizes = crate::allreduce::cost::table_sizes();
+        let from_model = ChoicePolicy::from_host(&host, &sizes, &p);
+        for &s in &sizes {
+            assert_eq!(from_model.choose(s), host.choose(s, &p).0, "{s} B");
+        }
+        let policy = ChoicePolicy {
+            thresholds: vec![
+                (16 << 10, Choice::Custom(Algorithm::OneShot(Transfer::Push))),
+                (1 << 20, Choice::Nccl),
+            ],
+            largest: Choice::Custom(Algorithm::TwoShot(Transfer::Pull)),
+        };
+        assert_eq!(
+            policy.choose(14_336),
+            Choice::Custom(Algorithm::OneShot(Transfer::Push))
+        );
+        assert_eq!(policy.choose(64 << 10), Choice::Nccl);
+        assert_eq!(
+            policy.choose(8 << 20),
+            Choice::Custom(Algorithm::TwoShot(Transfer::Pull))
+        );
+        assert!(policy.uses_nccl());
+        assert_eq!(policy.choices().len(), 3);
+        let custom =
+            ChoicePolicy::custom(&AlgorithmPolicy::fixed(Algorithm::OneShot(Transfer::Pull)));
+        assert!(!custom.uses_nccl());
+        assert!((1..=8).contains(&default_blocks(0)));
+        assert_eq!(default_blocks(14_336), 1);
+        assert_eq!(default_blocks(8 << 20), 8);
     }
 
     #[test]
