@@ -177,6 +177,12 @@ mod rdv {
     pub fn bytes() -> usize {
         RANKS + super::MAX_RANKS * LINE
     }
+    const _: () = {
+        assert!(HDR_NCCL_ID + 128 <= RANKS);
+        assert!(BUS_ID + 32 <= HANDLE);
+        assert!(HANDLE + 64 <= LINE);
+        assert!(std::mem::size_of::<super::CUipcMemHandle>() == 64);
+    };
 }
 
 fn seg_bytes(seg: &SharedSegment, offset: usize, len: usize) -> &[u8] {
@@ -221,6 +227,12 @@ mod nccl {
     use cudarc::nccl::{Comm, Id, ReduceOp};
 
     pub struct Nccl(pub Comm);
+
+    // SAFETY: an NCCL communicator may be used from any thread as long as calls on it are not
+    // concurrent (NCCL user guide, "Thread safety"); `Nccl` is only reached through the owning
+    // communicator's `&mut self`, so moving it to another thread is sound. cudarc's `Comm`
+    // is !Send only because it holds a raw pointer.
+    unsafe impl Send for Nccl {}
 
     pub fn available() -> bool {
         // SAFETY: only tries to dlopen the candidates.
@@ -1104,13 +1116,5 @@ mod tests {
             .err()
             .unwrap();
         assert!(matches!(e, AllReduceError::Setup(_)), "{e}");
-    }
-
-    #[test]
-    fn rendezvous_lines_fit() {
-        assert!(rdv::HDR_NCCL_ID + 128 <= rdv::RANKS);
-        assert!(rdv::HANDLE + 64 <= rdv::LINE);
-        assert!(rdv::BUS_ID + 32 <= rdv::HANDLE);
-        assert_eq!(std::mem::size_of::<CUipcMemHandle>(), 64);
     }
 }
