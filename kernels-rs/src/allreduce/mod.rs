@@ -37,6 +37,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod element;
+mod kernel_model;
 pub mod layout;
 pub mod shm;
 pub mod tactic;
