@@ -545,6 +545,13 @@ fn ipc(o: &Opts, report: &mut Vec<Value>, text: &mut String) -> usize {
 }
 
 fn main() -> ExitCode {
+    // In-process ranks are streams whose kernels spin until their peers' kernels run: two
+    // streams sharing one hardware work queue would deadlock (until the timeout). The default
+    // is 8 queues, exactly the largest world here; ask for more before the driver starts.
+    if std::env::var_os("CUDA_DEVICE_MAX_CONNECTIONS").is_none() {
+        // SAFETY: first thing in main, before any other thread exists.
+        unsafe { std::env::set_var("CUDA_DEVICE_MAX_CONNECTIONS", "32") };
+    }
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.first().is_some_and(|a| a == "--ipc-rank") {
         return ipc_rank(&args);
