@@ -966,16 +966,16 @@ impl CudaIpcCommunicator {
         let Some(nccl) = &self.nccl else {
             return Err(dev_err("the policy picked NCCL, but NCCL is not available"));
         };
-        nccl.all_reduce(dtype, &mut self.stage, len)?;
         if residual.is_some() {
-            // NCCL has no fused residual: the add runs on the host after the copy back would
-            // change the rounding (two roundings instead of one), so refuse rather than
-            // silently differ from `reference_reduce`.
+            // NCCL has no fused residual: adding it afterwards would round twice instead of
+            // once, so refuse rather than silently differ from `reference_reduce`.
             return Err(dev_err(
                 "NCCL cannot fuse the residual add; call without residual or use a custom algorithm",
             ));
         }
-        Ok(())
+        // NCCL's reduction order is its own (ring/tree): results are a correct sum, but not
+        // bit-identical to `reference_reduce` or across message sizes.
+        nccl.all_reduce(dtype, &mut self.stage, len)
     }
 
     #[cfg(not(feature = "nccl"))]
