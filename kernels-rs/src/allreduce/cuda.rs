@@ -413,7 +413,7 @@ impl CudaIpcCommunicator {
             )));
         }
         let line = rdv::line(rank);
-        // SAFETY: CUipcMemHandle is 64 plain bytes.
+        // The handle is 64 opaque bytes; copied as such into the segment.
         let handle_bytes: [u8; 64] = handle.reserved.map(|c| c as u8);
         seg_write(&segment, line + rdv::HANDLE, &handle_bytes);
         seg_write(&segment, line + rdv::BUS_ID, &my_bus);
