@@ -111,6 +111,18 @@ __device__ __forceinline__ void from_acc(float f, uint16_t& out) {
 }
 __device__ __forceinline__ void from_acc(float f, float& out) { out = f; }
 
+#ifdef AR_HOST_EMULATION
+// host_emulation.cpp compiles this file as C++ for the CPU (threads for a block's threads,
+// processes for ranks) to run the kernel logic without a GPU; these are its stand-ins.
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+  __atomic_store_n(p, v, __ATOMIC_RELEASE);
+}
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+  ar_host_poll_hint();
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+}
+__device__ __forceinline__ uint64_t globaltimer() { return ar_host_nanos(); }
+#else
 __device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
@@ -124,6 +136,7 @@ __device__ __forceinline__ uint64_t globaltimer() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
+#endif
 
 struct Range {
   uint64_t start, end;

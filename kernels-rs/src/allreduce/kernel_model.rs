@@ -428,3 +428,240 @@ fn kernel_decomposition_matches_the_reference_and_has_no_cross_block_races() {
     }
     assert!(cases > 1000);
 }
+
+/// The CUDA source itself, compiled as C++ for the CPU by `host_emulation.cpp` (one process
+/// per rank, one thread per CUDA thread, one block), against `reference_reduce`, over three
+/// consecutive calls (both parities, the device-side generation). Parameters are packed by
+/// [`super::tactic::pack_params`], so this also checks the Rust/C++ parameter layout. Also: a
+/// rank that never calls makes the others exit with a timeout naming it.
+///
+/// Skipped (with a message) where no C++20 compiler is installed.
+#[test]
+fn cuda_source_on_the_host() {
+    use super::element::DType;
+    use super::tactic::{AllReduceTactic, KernelStatus, LaunchShape, pack_params};
+    use std::path::{Path, PathBuf};
+    use std::process::Command;
+
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
+    if Command::new(&cxx).arg("--version").output().is_err() {
+        println!("cuda_source_on_the_host: skipped: no C++ compiler ({cxx})");
+        return;
+    }
+    let src_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/allreduce");
+    let work = std::env::temp_dir().join(format!("kimi-ar-emu-{}", std::process::id()));
+    std::fs::create_dir_all(&work).unwrap();
+    let images: Vec<AllReduceTactic> = AllReduceTactic::images()
+        .into_iter()
+        .filter(|t| t.threads == 256)
+        .collect();
+    // Compile the 12 harnesses on two threads.
+    let build = |t: &AllReduceTactic| -> PathBuf {
+        let exe = work.join(t.image_id());
+        let out = Command::new(&cxx)
+            .args(["-std=c++20", "-O1", "-pthread", "-w"])
+            .args(t.nvcc_defines())
+            .arg(src_dir.join("host_emulation.cpp"))
+            .arg("-o")
+            .arg(&exe)
+            .output()
+            .expect("run the C++ compiler");
+        assert!(
+            out.status.success(),
+            "{}: {}",
+            t.image_id(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        exe
+    };
+    let exes: Vec<PathBuf> = std::thread::scope(|s| {
+        let (a, b) = images.split_at(images.len() / 2);
+        let ha = s.spawn(|| a.iter().map(build).collect::<Vec<_>>());
+        let hb = s.spawn(|| b.iter().map(build).collect::<Vec<_>>());
+        let mut v = ha.join().unwrap();
+        v.extend(hb.join().unwrap());
+        v
+    });
+
+    fn run_case<T: Element>(
+        exe: &Path,
+        dir: &Path,
+        algorithm: Algorithm,
+        world: usize,
+        islands: &Islands,
+        n: usize,
+        residual: bool,
+        dead: Option<usize>,
+    ) -> Vec<Option<(Vec<u8>, u64)>> {
+        let _ = std::fs::remove_dir_all(dir);
+        std::fs::create_dir_all(dir).unwrap();
+        let layout = SegmentLayout::new(world, n * std::mem::size_of::<T>(), true);
+        let offsets = DeviceOffsets::new(&layout);
+        let seed = (n * 31 + world) as u64;
+        for rank in 0..world {
+            let shape = LaunchShape {
+                algorithm,
+                dtype: T::DTYPE,
+                len: n,
+                rank,
+                offsets,
+                islands,
+                timeout_ns: if dead.is_some() {
+                    300_000_000
+                } else {
+                    20_000_000_000
+                },
+            };
+            let peers: Vec<u64> = (0..world as u64).map(|r| (r + 1) << 20).collect();
+            let p = pack_params(&shape, &peers, 16, residual.then_some(32), 48).unwrap();
+            std::fs::write(
+                dir.join(format!("params{rank}.bin")),
+                bytemuck::bytes_of(&p),
+            )
+            .unwrap();
+            let x: Vec<T> = super::testing::rank_input(seed, rank, n);
+            std::fs::write(
+                dir.join(format!("input{rank}.bin")),
+                bytemuck::cast_slice(&x),
+            )
+            .unwrap();
+        }
+        let res: Vec<T> = super::testing::residual_input(seed, n);
+        std::fs::write(dir.join("residual.bin"), bytemuck::cast_slice(&res)).unwrap();
+        let mut cmd = Command::new(exe);
+        cmd.arg(dir)
+            .args([world, n, offsets.region_bytes, 3].map(|v| v.to_string()));
+        if let Some(d) = dead {
+            cmd.arg(d.to_string());
+        }
+        let status = cmd.status().expect("run harness");
+        assert!(
+            status.success() || dead.is_some(),
+            "{} world {world} n {n}: harness exited {status}",
+            exe.display()
+        );
+        (0..world)
+            .map(|r| {
+                let out = std::fs::read(dir.join(format!("output{r}.bin"))).ok()?;
+                let st = std::fs::read_to_string(dir.join(format!("status{r}.txt"))).ok()?;
+                let word: u64 = st.split_whitespace().next()?.parse().ok()?;
+                Some((out, word))
+            })
+            .collect()
+    }
+
+    for (t, exe) in images.iter().zip(&exes) {
+        let dir = work.join(format!("{}-run", t.image_id()));
+        for world in [1usize, 2, 3, 4] {
+            let mut sets = vec![super::cpu::default_islands(world)];
+            if world == 4 && matches!(t.algorithm, Algorithm::IslandHierarchical(_)) {
+                sets.push(Islands::new(vec![vec![0, 1, 2], vec![3]]).unwrap());
+                sets.push(Islands::new(vec![vec![3, 0], vec![2, 1]]).unwrap());
+            }
+            for islands in &sets {
+                for (k, n) in [1usize, 13, 100, 1003].into_iter().enumerate() {
+                    let residual = k % 2 == 1;
+                    let check_outputs = |outs: Vec<Option<(Vec<u8>, u64)>>, expected: Vec<u8>| {
+                        for (rank, o) in outs.into_iter().enumerate() {
+                            let (out, word) = o.expect("rank wrote its output");
+                            assert_eq!(
+                                word,
+                                0,
+                                "{} rank {rank}: status {:?}",
+                                t.id(),
+                                KernelStatus::decode(word)
+                            );
+                            assert!(
+                                out == expected,
+                                "{} world {world} islands {} n {n} rank {rank}: differs from reference_reduce",
+                                t.image_id(),
+                                islands.to_spec()
+                            );
+                        }
+                    };
+                    let seed = (n * 31 + world) as u64;
+                    match t.dtype {
+                        DType::Bf16 => {
+                            let outs = run_case::<half::bf16>(
+                                exe,
+                                &dir,
+                                t.algorithm,
+                                world,
+                                islands,
+                                n,
+                                residual,
+                                None,
+                            );
+                            let inputs: Vec<Vec<half::bf16>> = (0..world)
+                                .map(|r| super::testing::rank_input(seed, r, n))
+                                .collect();
+                            let refs: Vec<&[half::bf16]> =
+                                inputs.iter().map(|v| v.as_slice()).collect();
+                            let res: Vec<half::bf16> = super::testing::residual_input(seed, n);
+                            let e = reference_reduce(
+                                t.algorithm,
+                                &refs,
+                                residual.then_some(res.as_slice()),
+                                islands,
+                            );
+                            check_outputs(
+                                outs,
+                                bytemuck::cast_slice(&e).to_vec(),
+                            );
+                        }
+                        DType::F32 => {
+                            let outs = run_case::<f32>(
+                                exe,
+                                &dir,
+                                t.algorithm,
+                                world,
+                                islands,
+                                n,
+                                residual,
+                                None,
+                            );
+                            let inputs: Vec<Vec<f32>> = (0..world)
+                                .map(|r| super::testing::rank_input(seed, r, n))
+                                .collect();
+                            let refs: Vec<&[f32]> = inputs.iter().map(|v| v.as_slice()).collect();
+                            let res: Vec<f32> = super::testing::residual_input(seed, n);
+                            let e = reference_reduce(
+                                t.algorithm,
+                                &refs,
+                                residual.then_some(res.as_slice()),
+                                islands,
+                            );
+                            check_outputs(
+                                outs,
+                                bytemuck::cast_slice(&e).to_vec(),
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        // A dead peer: rank 1 never calls; ranks 0 and 2 must report a timeout, not hang.
+        if t.dtype == DType::F32 {
+            let outs = run_case::<f32>(
+                exe,
+                &dir,
+                t.algorithm,
+                3,
+                &super::cpu::default_islands(3),
+                64,
+                false,
+                Some(1),
+            );
+            for rank in [0, 2] {
+                let (_, word) = outs[rank].clone().expect("survivor wrote its status");
+                assert!(
+                    matches!(KernelStatus::decode(word), KernelStatus::Timeout { .. }),
+                    "{} rank {rank}: {:?}",
+                    t.image_id(),
+                    KernelStatus::decode(word)
+                );
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&work);
+}
