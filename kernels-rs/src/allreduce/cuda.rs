@@ -592,6 +592,49 @@ impl CudaIpcCommunicator {
             .collect()
     }
 
+    /// A communicator that only runs NCCL (feature `nccl`): for ranks on several nodes, where
+    /// CUDA IPC does not reach. `id` comes from [`nccl_unique_id`] on rank 0, handed to the
+    /// other ranks by the launcher (the IPC rendezvous is a shared-memory segment, one host
+    /// only).
+    #[cfg(feature = "nccl")]
+    pub fn nccl_only(
+        rank: usize,
+        world: usize,
+        id: [u8; 128],
+        config: CudaIpcConfig,
+    ) -> Result<Self, AllReduceError> {
+        no_panic("NCCL setup", || {
+            if world == 0 || rank >= world {
+                return Err(AllReduceError::Setup(format!(
+                    "rank {rank} of world {world}"
+                )));
+            }
+            if !nccl::available() {
+                return Err(dev_err("libnccl could not be opened"));
+            }
+            let layout = SegmentLayout::new(world, config.capacity_bytes, false);
+            let offsets = DeviceOffsets::new(&layout);
+            let gpu = GpuContext::new(config.device, config.ptx_dir.clone()).map_err(dev_err)?;
+            let stream = gpu.stream().clone();
+            // Our kernels never run here; a page keeps `assemble` uniform.
+            let region = Region::new(gpu.context(), 4096)?;
+            let nccl = nccl::init(stream.clone(), rank, world, id)?;
+            let config = CudaIpcConfig {
+                policy: ChoicePolicy::fixed(Choice::Nccl),
+                ..config
+            };
+            let parts = Parts {
+                gpu,
+                stream,
+                region,
+            };
+            let mut comm = Self::assemble(parts, rank, world, offsets, config, vec![0; world])?;
+            comm.custom_ok = false;
+            comm.nccl = Some(nccl);
+            Ok(comm)
+        })
+    }
+
     fn assemble(
         parts: Parts,
         rank: usize,
@@ -710,6 +753,16 @@ impl CudaIpcCommunicator {
         Ok(f)
     }
 
+    /// The policy's choice, or NCCL when our kernels are off for this communicator (a peer
+    /// without P2P, or an NCCL-only communicator).
+    pub fn choose(&self, bytes: usize) -> Choice {
+        if self.custom_ok {
+            self.config.policy.choose(bytes)
+        } else {
+            Choice::Nccl
+        }
+    }
+
     fn tactic(&self, algorithm: Algorithm, dtype: DType, bytes: usize) -> AllReduceTactic {
         AllReduceTactic {
             algorithm,
@@ -810,7 +863,7 @@ impl CudaIpcCommunicator {
                 data: len,
             });
         }
-        let choice = self.config.policy.choose(len * dtype.size());
+        let choice = self.choose(len * dtype.size());
         let Choice::Custom(algorithm) = choice else {
             return Err(dev_err(
                 "the policy picks NCCL for this size: use the host API (all_reduce), which owns \
@@ -1009,7 +1062,7 @@ impl AllReduce for CudaIpcCommunicator {
         self.world
     }
     fn all_reduce(&mut self, data: ReduceData<'_>) -> Result<Algorithm, AllReduceError> {
-        let choice = self.config.policy.choose(data.bytes());
+        let choice = self.choose(data.bytes());
         match data {
             ReduceData::Bf16 { data, residual } => self.run_host(choice, data, residual)?,
             ReduceData::F32 { data, residual } => self.run_host(choice, data, residual)?,
@@ -1072,6 +1125,15 @@ fn can_access_peer(ctx: &Arc<CudaContext>, bus: &[u8; 32]) -> Result<bool, AllRe
         sys::cuDeviceCanAccessPeer(&mut can, ctx.cu_device(), dev)
     })?;
     Ok(can != 0)
+}
+
+/// A fresh NCCL unique id (rank 0 of an [`CudaIpcCommunicator::nccl_only`] group).
+#[cfg(feature = "nccl")]
+pub fn nccl_unique_id() -> Result<[u8; 128], AllReduceError> {
+    if !nccl::available() {
+        return Err(dev_err("libnccl could not be opened"));
+    }
+    nccl::new_id()
 }
 
 /// The error a communicator reports when there is no driver (for tests and tools that want
