@@ -430,7 +430,8 @@ fn kernel_decomposition_matches_the_reference_and_has_no_cross_block_races() {
 }
 
 /// The CUDA source itself, compiled as C++ for the CPU by `host_emulation.cpp` (one process
-/// per rank, one thread per CUDA thread, one block), against `reference_reduce`, over three
+/// per rank and block, one thread per CUDA thread; 1 to 3 blocks), against `reference_reduce`,
+/// over three
 /// consecutive calls (both parities, the device-side generation). Parameters are packed by
 /// [`super::tactic::pack_params`], so this also checks the Rust/C++ parameter layout. Also: a
 /// rank that never calls makes the others exit with a timeout naming it.
@@ -493,6 +494,7 @@ fn cuda_source_on_the_host() {
         islands: &Islands,
         n: usize,
         residual: bool,
+        blocks: usize,
         dead: Option<usize>,
     ) -> Vec<Option<(Vec<u8>, u64)>> {
         let _ = std::fs::remove_dir_all(dir);
@@ -532,7 +534,7 @@ fn cuda_source_on_the_host() {
         std::fs::write(dir.join("residual.bin"), bytemuck::cast_slice(&res)).unwrap();
         let mut cmd = Command::new(exe);
         cmd.arg(dir)
-            .args([world, n, offsets.region_bytes, 3].map(|v| v.to_string()));
+            .args([world, n, offsets.region_bytes, 3, blocks].map(|v| v.to_string()));
         if let Some(d) = dead {
             cmd.arg(d.to_string());
         }
@@ -563,6 +565,13 @@ fn cuda_source_on_the_host() {
             for islands in &sets {
                 for (k, n) in [1usize, 13, 100, 1003].into_iter().enumerate() {
                     let residual = k % 2 == 1;
+                    // Several blocks (lanes) on the longer messages: per-block flags and the
+                    // block split of every range.
+                    let blocks = match n {
+                        1003 => 3,
+                        100 => 2,
+                        _ => 1,
+                    };
                     let check_outputs = |outs: Vec<Option<(Vec<u8>, u64)>>, expected: Vec<u8>| {
                         for (rank, o) in outs.into_iter().enumerate() {
                             let (out, word) = o.expect("rank wrote its output");
@@ -575,7 +584,7 @@ fn cuda_source_on_the_host() {
                             );
                             assert!(
                                 out == expected,
-                                "{} world {world} islands {} n {n} rank {rank}: differs from reference_reduce",
+                                "{} world {world} islands {} n {n} blocks {blocks} rank {rank}: differs from reference_reduce",
                                 t.image_id(),
                                 islands.to_spec()
                             );
@@ -592,6 +601,7 @@ fn cuda_source_on_the_host() {
                                 islands,
                                 n,
                                 residual,
+                                blocks,
                                 None,
                             );
                             let inputs: Vec<Vec<half::bf16>> = (0..world)
@@ -617,6 +627,7 @@ fn cuda_source_on_the_host() {
                                 islands,
                                 n,
                                 residual,
+                                blocks,
                                 None,
                             );
                             let inputs: Vec<Vec<f32>> = (0..world)
@@ -646,6 +657,7 @@ fn cuda_source_on_the_host() {
                 &super::cpu::default_islands(3),
                 64,
                 false,
+                1,
                 Some(1),
             );
             for rank in [0, 2] {
