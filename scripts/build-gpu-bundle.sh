@@ -2,6 +2,7 @@
 # Builds the GPU check here (no GPU, no system CUDA) and stages what a GPU machine without
 # Rust needs into one folder:
 #   BUNDLE/gpu-check                 release binary, feature `cuda` (driver opened at run time)
+#   BUNDLE/allreduce-gpu-check       the CUDA all-reduce check (same feature)
 #   BUNDLE/ptx/moe_gemm/<sm>/*.cubin the compile gate's kernels (+ manifest; .ptx on request)
 #   BUNDLE/golden/data/moe/          MoE goldens, if the repository has them
 #   BUNDLE/scripts/gpu-check.sh      the runner (see its header for how to run)
@@ -26,7 +27,7 @@ fi
 n=$(find ptx/moe_gemm -name '*.cubin' 2>/dev/null | wc -l)
 [[ "$n" -gt 0 ]] || { echo "build-gpu-bundle: no cubins under ptx/moe_gemm (run the gate)" >&2; exit 1; }
 
-cargo build --release --features cuda -p kernels --bin gpu-check
+cargo build --release --features cuda -p kernels --bin gpu-check --bin allreduce-gpu-check
 BIN="$ROOT/target/release/gpu-check"
 
 rm -rf "$BUNDLE"
@@ -38,6 +39,12 @@ if command -v strip >/dev/null; then
 else
   cp "$BIN" "$BUNDLE/gpu-check"
 fi
+if command -v strip >/dev/null; then
+  strip -o "$BUNDLE/allreduce-gpu-check" "$ROOT/target/release/allreduce-gpu-check"
+else
+  cp "$ROOT/target/release/allreduce-gpu-check" "$BUNDLE/"
+fi
+(cd ptx && find allreduce -name '*.cubin' -exec cp --parents {} "$BUNDLE/ptx/" \;) 2>/dev/null || true
 cp scripts/gpu-check.sh "$BUNDLE/scripts/"
 cp ptx/manifest.json "$BUNDLE/ptx/"
 if [[ "${WITH_PTX:-0}" == 1 ]]; then

@@ -13,6 +13,8 @@
 #                             they need a driver that knows PTX ISA 9.5, i.e. CUDA >= 13.5)
 #   golden/data/moe/          optional MoE goldens; absent → that part is skipped and says so
 #   scripts/gpu-check.sh      this script
+#   allreduce-gpu-check       optional: the all-reduce check (feature `cuda`), with
+#                             ptx/allreduce/<sm>/*.cubin; run after the MoE check
 #
 # Run there, from the bundle root (or a checkout with target/release/gpu-check):
 #   scripts/gpu-check.sh [gpu-check flags...]     e.g. --tactics portable --iters 50
@@ -62,4 +64,24 @@ timeout --signal=INT --kill-after=20 "${GPU_CHECK_TIMEOUT:-480}" \
 rc=${PIPESTATUS[0]}
 set -e
 [[ $rc == 124 ]] && echo "gpu-check.sh: timed out after ${GPU_CHECK_TIMEOUT:-480} s" >&2
+
+# The CUDA all-reduce (allreduce-gpu-check): in-process bit-exact check of every algorithm on
+# 2/4/8 ranks as concurrent streams, timing, then 2- and 4-process CUDA IPC checks. Skipped
+# with SKIP_ALLREDUCE=1 or when the binary is absent. Sized for about a minute on one H200.
+AR_BIN="${ALLREDUCE_GPU_CHECK_BIN:-}"
+if [[ -z "$AR_BIN" ]]; then
+  for c in ./allreduce-gpu-check ./target/release/allreduce-gpu-check; do
+    if [[ -x "$c" ]]; then AR_BIN="$c"; break; fi
+  done
+fi
+if [[ "${SKIP_ALLREDUCE:-0}" != 1 && -n "$AR_BIN" ]]; then
+  set +e
+  timeout --signal=INT --kill-after=20 "${ALLREDUCE_CHECK_TIMEOUT:-240}" \
+    "$AR_BIN" --ptx-dir "$KIMI_PTX_DIR" --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/allreduce-gpu-check.log"
+  ar_rc=${PIPESTATUS[0]}
+  set -e
+  [[ $ar_rc == 124 ]] && echo "gpu-check.sh: allreduce-gpu-check timed out" >&2
+  # The worse of the two: a failure (1) or timeout beats "could not run" (2) beats success.
+  if [[ $rc == 0 || ( $rc == 2 && $ar_rc != 0 ) ]]; then rc=$ar_rc; fi
+fi
 exit "$rc"

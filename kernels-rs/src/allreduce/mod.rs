@@ -9,6 +9,9 @@
 //!   map, generation-counter flags written with release stores and polled with acquire loads
 //!   (`st.release.sys` / `ld.acquire.sys` on the GPU), never an atomic read-modify-write on a
 //!   peer's memory (peer atomics do not exist over PCIe).
+//! * [`tactic`] and `allreduce.cu`: the CUDA kernels' tactics, parameter block and layout view;
+//!   [`cuda`] (feature `cuda`): `CudaIpcCommunicator`, the same protocol over CUDA IPC buffers
+//!   with an NCCL fallback (feature `nccl`).
 //! * [`cost`]: a link-level cost model and simulator that picks the algorithm per size and host,
 //!   with parameters fittable from measurements.
 //!
@@ -31,9 +34,13 @@
 pub mod algorithm;
 pub mod cost;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod element;
+mod kernel_model;
 pub mod layout;
 pub mod shm;
+pub mod tactic;
 pub mod testing;
 pub mod topology;
 
@@ -98,6 +105,9 @@ pub enum AllReduceError {
     },
     #[error("setup failed: {0}")]
     Setup(String),
+    /// The GPU backend: no driver, a refused driver call, a missing kernel image, NCCL.
+    #[error("device: {0}")]
+    Device(String),
 }
 
 /// One collective's data: summed across ranks in place, optionally with a fused residual add.

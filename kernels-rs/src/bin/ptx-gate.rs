@@ -5,11 +5,17 @@
 //! exits non-zero if any kernel spills, exceeds its SM's shared memory, or lacks the
 //! instructions its variant exists for.
 //!
+//! The all-reduce family (`allreduce`, one image per algorithm × dtype × threads) is built by
+//! its own module, `ptx-gate/allreduce.rs`.
+//!
 //! Usage: `cargo run --release -p kernels --bin ptx-gate -- [--out DIR] [--jobs N] [--check]
-//! [--family moe_gemm|mla]...` (`--family` restricts the build; other families' manifest entries
+//! [--family moe_gemm|mla|allreduce]...` (`--family` restricts the build; other families' manifest entries
 //! are kept as they are).
 //! `--check` additionally fails if the committed manifest differs from the one just built,
 //! so a change to the kernel or the tactic space cannot land without its new numbers.
+
+#[path = "ptx-gate/allreduce.rs"]
+mod allreduce;
 
 use kernels::mla::MlaTactic;
 use kernels::moe_gemm::{MoeGemmTactic, Sm};
@@ -20,7 +26,7 @@ use std::process::{Command, ExitCode};
 use std::sync::Mutex;
 use std::time::Instant;
 
-const FAMILIES: [&str; 2] = ["moe_gemm", "mla"];
+const FAMILIES: [&str; 3] = ["moe_gemm", "mla", allreduce::FAMILY];
 /// SASS mnemonics counted for every kernel of a family (the manifest records them all; the
 /// gate checks the variant's required ones).
 const MOE_COUNTED: [&str; 6] = ["OMMA", "HMMA", "SHFL", "LDGSTS", "LDS", "RED"];
@@ -105,6 +111,7 @@ impl Job {
 fn source_of(family: &str) -> &'static str {
     match family {
         "moe_gemm" => "kernels-rs/src/moe_gemm/moe_gemm.cu",
+        allreduce::FAMILY => allreduce::SOURCE,
         _ => "kernels-rs/src/mla/mla_decode.cu",
     }
 }
@@ -520,6 +527,13 @@ fn main() -> ExitCode {
             );
         }
     }
+    let ar_builds = if families.contains(&allreduce::FAMILY) {
+        allreduce::run(&tc, &root, &out, jobs)
+    } else {
+        Vec::new()
+    };
+    allreduce::print_table(&ar_builds);
+    let ar_failed = ar_builds.iter().filter(|b| !b.failures.is_empty()).count();
     let failed: Vec<&Build> = builds.iter().filter(|b| !b.failures.is_empty()).collect();
     for b in &failed {
         for f in &b.failures {
@@ -528,8 +542,8 @@ fn main() -> ExitCode {
     }
     eprintln!(
         "ptx-gate: {} builds, {} failed, {:.1} s wall",
-        builds.len(),
-        failed.len(),
+        builds.len() + ar_builds.len(),
+        failed.len() + ar_failed,
         start.elapsed().as_secs_f64()
     );
 
@@ -554,6 +568,7 @@ fn main() -> ExitCode {
         })
         .unwrap_or_default();
     entries.extend(builds.iter().map(manifest_entry));
+    entries.extend(ar_builds.iter().map(allreduce::manifest_entry));
     let mut sources = previous
         .as_ref()
         .and_then(|m| m.get("sources"))
@@ -586,7 +601,7 @@ fn main() -> ExitCode {
             rel(&root, &manifest_path)
         );
     }
-    if failed.is_empty() && !stale {
+    if failed.is_empty() && ar_failed == 0 && !stale {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE

@@ -816,7 +816,7 @@ impl MoeKernels {
     }
 }
 
-fn load_module(
+pub(crate) fn load_module(
     gpu: &GpuContext,
     path: &std::path::Path,
 ) -> Result<std::sync::Arc<cudarc::driver::CudaModule>> {
