@@ -2,6 +2,7 @@
 # Builds the GPU check here (no GPU, no system CUDA) and stages what a GPU machine without
 # Rust needs into one folder:
 #   BUNDLE/gpu-check                 release binary, feature `cuda` (driver opened at run time)
+#   BUNDLE/mla-gpu-check             the MLA decode check (same feature)
 #   BUNDLE/allreduce-gpu-check       the CUDA all-reduce check (same feature)
 #   BUNDLE/ptx/moe_gemm/<sm>/*.cubin the compile gate's kernels (+ manifest; .ptx on request)
 #   BUNDLE/golden/data/moe/          MoE goldens, if the repository has them
@@ -27,23 +28,21 @@ fi
 n=$(find ptx/moe_gemm -name '*.cubin' 2>/dev/null | wc -l)
 [[ "$n" -gt 0 ]] || { echo "build-gpu-bundle: no cubins under ptx/moe_gemm (run the gate)" >&2; exit 1; }
 
-cargo build --release --features cuda -p kernels --bin gpu-check --bin allreduce-gpu-check
+cargo build --release --features cuda -p kernels --bin gpu-check --bin mla-gpu-check --bin allreduce-gpu-check
 BIN="$ROOT/target/release/gpu-check"
 
 rm -rf "$BUNDLE"
 mkdir -p "$BUNDLE/scripts" "$BUNDLE/ptx"
 # Debug info (profile.release debug = 1) is most of the binary's size; the bundle must stay
 # well under the device tool's 64 MiB.
-if command -v strip >/dev/null; then
-  strip -o "$BUNDLE/gpu-check" "$BIN"
-else
-  cp "$BIN" "$BUNDLE/gpu-check"
-fi
-if command -v strip >/dev/null; then
-  strip -o "$BUNDLE/allreduce-gpu-check" "$ROOT/target/release/allreduce-gpu-check"
-else
-  cp "$ROOT/target/release/allreduce-gpu-check" "$BUNDLE/"
-fi
+for name in gpu-check mla-gpu-check allreduce-gpu-check; do
+  if command -v strip >/dev/null; then
+    strip -o "$BUNDLE/$name" "$ROOT/target/release/$name"
+  else
+    cp "$ROOT/target/release/$name" "$BUNDLE/"
+  fi
+done
+(cd ptx && find mla -name '*.cubin' -exec cp --parents {} "$BUNDLE/ptx/" \;) 2>/dev/null || true
 (cd ptx && find allreduce -name '*.cubin' -exec cp --parents {} "$BUNDLE/ptx/" \;) 2>/dev/null || true
 cp scripts/gpu-check.sh "$BUNDLE/scripts/"
 cp ptx/manifest.json "$BUNDLE/ptx/"
@@ -52,10 +51,12 @@ if [[ "${WITH_PTX:-0}" == 1 ]]; then
 else
   (cd ptx && find moe_gemm -name '*.cubin' -exec cp --parents {} "$BUNDLE/ptx/" \;)
 fi
-if [[ -d golden/data/moe ]]; then
-  mkdir -p "$BUNDLE/golden/data"
-  cp -r golden/data/moe "$BUNDLE/golden/data/"
-fi
+for family in moe mla; do
+  if [[ -d golden/data/$family ]]; then
+    mkdir -p "$BUNDLE/golden/data"
+    cp -r "golden/data/$family" "$BUNDLE/golden/data/"
+  fi
+done
 (cd "$BUNDLE" && find . -type f | sort | sed 's/^/  /')
 du -sh "$BUNDLE"
 echo "build-gpu-bundle: run on the GPU machine: cd $(basename "$BUNDLE") && scripts/gpu-check.sh"

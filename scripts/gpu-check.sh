@@ -13,8 +13,10 @@
 #                             they need a driver that knows PTX ISA 9.5, i.e. CUDA >= 13.5)
 #   golden/data/moe/          optional MoE goldens; absent → that part is skipped and says so
 #   scripts/gpu-check.sh      this script
-#   allreduce-gpu-check       optional: the all-reduce check (feature `cuda`), with
-#                             ptx/allreduce/<sm>/*.cubin; run after the MoE check
+#   mla-gpu-check             the MLA decode check (feature `cuda`), with ptx/mla/<sm>/*.cubin
+#                             and golden/data/mla/
+#   allreduce-gpu-check       the all-reduce check (feature `cuda`), with
+#                             ptx/allreduce/<sm>/*.cubin
 #
 # Run there, from the bundle root (or a checkout with target/release/gpu-check):
 #   scripts/gpu-check.sh [gpu-check flags...]     e.g. --tactics portable --iters 50
@@ -55,33 +57,51 @@ fi
 n_cubins=$(find "$KIMI_PTX_DIR" -name '*.cubin' 2>/dev/null | wc -l)
 echo "gpu-check.sh: $BIN, $n_cubins cubins under $KIMI_PTX_DIR, results to $OUT_DIR"
 
-# The whole check is sized for well under 8 minutes on one H200; the limit turns a hang
-# (a kernel that never finishes) into a reported failure instead of a lost session.
-set +e
-timeout --signal=INT --kill-after=20 "${GPU_CHECK_TIMEOUT:-480}" \
-  "$BIN" --ptx-dir "$KIMI_PTX_DIR" --golden-dir "${GOLDEN_DIR:-$ROOT/golden/data/moe}" \
-  --out "$OUT_DIR" "$@" 2>&1 | tee "$OUT_DIR/gpu-check.log"
-rc=${PIPESTATUS[0]}
-set -e
-[[ $rc == 124 ]] && echo "gpu-check.sh: timed out after ${GPU_CHECK_TIMEOUT:-480} s" >&2
-
-# The CUDA all-reduce (allreduce-gpu-check): in-process bit-exact check of every algorithm on
-# 2/4/8 ranks as concurrent streams, timing, then 2- and 4-process CUDA IPC checks. Skipped
-# with SKIP_ALLREDUCE=1 or when the binary is absent. Sized for about a minute on one H200.
-AR_BIN="${ALLREDUCE_GPU_CHECK_BIN:-}"
-if [[ -z "$AR_BIN" ]]; then
-  for c in ./allreduce-gpu-check ./target/release/allreduce-gpu-check; do
-    if [[ -x "$c" ]]; then AR_BIN="$c"; break; fi
+# Three checks, each: goldens for every tactic runnable on this GPU, then timing against the
+# copy bandwidth measured in the same run. Each has its own time limit (the sum stays under
+# 8 minutes on one H200), so a hang becomes a reported failure instead of a lost session.
+# Exit status: the worst of the three (1 a failure or timeout, 2 could not run, 0 all passed).
+rc=0
+find_bin() {  # find_bin NAME [OVERRIDE]: the bundle's binary, or a checkout's release build
+  local name=$1 override=${2:-}
+  if [[ -n "$override" ]]; then echo "$override"; return; fi
+  for c in "./$name" "./target/release/$name"; do
+    if [[ -x "$c" ]]; then echo "$c"; return; fi
   done
-fi
-if [[ "${SKIP_ALLREDUCE:-0}" != 1 && -n "$AR_BIN" ]]; then
+}
+run_check() {  # run_check LABEL BINARY LIMIT_S ARGS...
+  local label=$1 bin=$2 limit=$3; shift 3
+  if [[ -z "$bin" ]]; then
+    echo "gpu-check.sh: $label: binary absent, skipped" >&2
+    [[ $rc == 0 ]] && rc=2
+    return
+  fi
+  echo "== $label ($bin, limit ${limit} s)"
   set +e
-  timeout --signal=INT --kill-after=20 "${ALLREDUCE_CHECK_TIMEOUT:-240}" \
-    "$AR_BIN" --ptx-dir "$KIMI_PTX_DIR" --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/allreduce-gpu-check.log"
-  ar_rc=${PIPESTATUS[0]}
+  timeout --signal=INT --kill-after=20 "$limit" "$bin" "$@" 2>&1 | tee "$OUT_DIR/$label.log"
+  local r=${PIPESTATUS[0]}
   set -e
-  [[ $ar_rc == 124 ]] && echo "gpu-check.sh: allreduce-gpu-check timed out" >&2
-  # The worse of the two: a failure (1) or timeout beats "could not run" (2) beats success.
-  if [[ $rc == 0 || ( $rc == 2 && $ar_rc != 0 ) ]]; then rc=$ar_rc; fi
+  [[ $r == 124 ]] && { echo "gpu-check.sh: $label timed out after $limit s" >&2; r=1; }
+  if [[ $r == 1 || ( $r == 2 && $rc == 0 ) ]]; then rc=$r; fi
+}
+
+# MoE grouped GEMM: every tactic vs the CPU reference and the ModelOpt goldens, then weight
+# bandwidth and TFLOPS.
+run_check gpu-check "$BIN" "${GPU_CHECK_TIMEOUT:-240}" \
+  --ptx-dir "$KIMI_PTX_DIR" --golden-dir "${GOLDEN_DIR:-$ROOT/golden/data/moe}" --out "$OUT_DIR" "$@"
+
+# MLA decode: every tactic vs the PyTorch goldens (1 and planned splits), the cache-append
+# kernel, then cache bytes read per second. Skipped with SKIP_MLA=1.
+if [[ "${SKIP_MLA:-0}" != 1 ]]; then
+  run_check mla-gpu-check "$(find_bin mla-gpu-check "${MLA_GPU_CHECK_BIN:-}")" "${MLA_CHECK_TIMEOUT:-120}" \
+    --ptx-dir "$KIMI_PTX_DIR" --golden-dir "$ROOT/golden/data/mla"
 fi
+
+# CUDA all-reduce: bit-exact check of every algorithm on 2/4/8 ranks as concurrent streams,
+# timing, then 2- and 4-process CUDA IPC checks. Skipped with SKIP_ALLREDUCE=1.
+if [[ "${SKIP_ALLREDUCE:-0}" != 1 ]]; then
+  run_check allreduce-gpu-check "$(find_bin allreduce-gpu-check "${ALLREDUCE_GPU_CHECK_BIN:-}")" \
+    "${ALLREDUCE_CHECK_TIMEOUT:-100}" --ptx-dir "$KIMI_PTX_DIR" --out "$OUT_DIR"
+fi
+echo "gpu-check.sh: done, status $rc; results in $OUT_DIR"
 exit "$rc"
