@@ -8,9 +8,13 @@ use half::bf16;
 
 use crate::matrix::MatrixView;
 
+/// Below this many weight bytes a product runs on the calling thread: waking the pool costs
+/// tens of microseconds, more than reading a few hundred KB takes.
+const PARALLEL_MIN_BYTES: usize = 512 << 10;
+
 /// Weight rows per parallel task: enough work to amortize scheduling, few enough tasks to
 /// balance across cores for the narrowest layers.
-const ROWS_PER_TASK: usize = 16;
+const ROWS_PER_TASK: usize = 64;
 
 /// `out[t, j] = Σ_i x[t, i] · w[j, i]` for `x: [tokens, cols]`, `w: [rows, cols]`,
 /// `out: [tokens, rows]`. Each weight row is read once for all tokens, since at decode the
@@ -37,18 +41,26 @@ pub fn matmul_transposed(x: &[f32], tokens: usize, w: MatrixView<'_>, out: &mut 
         // than a round trip through a buffer, and the row stays in L1 across tokens.
         MatrixView::Bf16 { data, .. } => {
             let dot_bf16 = dot_bf16_kernel();
-            transposed
-                .par_chunks_mut(ROWS_PER_TASK * tokens)
-                .enumerate()
-                .for_each(|(task, chunk)| {
-                    for (i, out_row) in chunk.chunks_exact_mut(tokens).enumerate() {
-                        let row = task * ROWS_PER_TASK + i;
-                        let weights = &data[row * cols..(row + 1) * cols];
-                        for (t, o) in out_row.iter_mut().enumerate() {
-                            *o = dot_bf16(&x[t * cols..(t + 1) * cols], weights);
-                        }
+            let task = |(task, chunk): (usize, &mut [f32])| {
+                for (i, out_row) in chunk.chunks_exact_mut(tokens).enumerate() {
+                    let row = task * ROWS_PER_TASK + i;
+                    let weights = &data[row * cols..(row + 1) * cols];
+                    for (t, o) in out_row.iter_mut().enumerate() {
+                        *o = dot_bf16(&x[t * cols..(t + 1) * cols], weights);
                     }
-                });
+                }
+            };
+            if w.bytes() < PARALLEL_MIN_BYTES {
+                transposed
+                    .chunks_mut(ROWS_PER_TASK * tokens)
+                    .enumerate()
+                    .for_each(task);
+            } else {
+                transposed
+                    .par_chunks_mut(ROWS_PER_TASK * tokens)
+                    .enumerate()
+                    .for_each(task);
+            }
         }
         MatrixView::Nvfp4(_) => {
             transposed
@@ -102,7 +114,37 @@ pub fn dot_bf16_kernel() -> DotBf16 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 fn dot_bf16_avx512(x: &[f32], w: &[bf16]) -> f32 {
-    dot_bf16_lanes::<16>(x, w)
+    use std::arch::x86_64::*;
+    assert_eq!(x.len(), w.len());
+    // Four 16-lane accumulators: enough independent FMAs in flight to cover their latency.
+    const STEP: usize = 64;
+    let full = x.len() / STEP * STEP;
+    let widen = |p: *const half::bf16| {
+        // SAFETY: the caller keeps `p..p+16` inside `w`; BF16 widens to F32 by a 16-bit shift.
+        unsafe {
+            let halves = _mm256_loadu_si256(p as *const __m256i);
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(halves)))
+        }
+    };
+    let mut acc = [_mm512_setzero_ps(); 4];
+    let mut i = 0;
+    while i < full {
+        for (k, a) in acc.iter_mut().enumerate() {
+            let offset = i + 16 * k;
+            // SAFETY: offset + 16 <= full <= len of both slices.
+            unsafe {
+                let xs = _mm512_loadu_ps(x.as_ptr().add(offset));
+                *a = _mm512_fmadd_ps(xs, widen(w.as_ptr().add(offset)), *a);
+            }
+        }
+        i += STEP;
+    }
+    let sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+    let mut total = _mm512_reduce_add_ps(sum);
+    for (a, b) in x[full..].iter().zip(&w[full..]) {
+        total += a * b.to_f32();
+    }
+    total
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -3,11 +3,10 @@
 //! W4A4 routed experts), final norm and `lm_head`. One call processes any mix of prefill
 //! chunks and single decode tokens from several sequences.
 
-use kernels::dense::dot;
+use kernels::matrix::MatrixView;
 use kernels::mla::cache::{CacheError, KvCacheDtype, LatentCacheShape, PagedLatentCache, SeqId};
 use kernels::mla::reference::{AttentionQuery, MlaProblem};
 use kernels::moe_gemm::reference::{ExpertInputAmax, ExpertView, Routing, silu};
-use rayon::prelude::*;
 use thiserror::Error;
 
 use crate::backend::Backend;
@@ -65,17 +64,50 @@ pub struct Model {
     pub weights: ModelWeights,
     rope: Rope,
     softmax_scale: f32,
+    absorbed: Vec<AbsorbedAttention>,
+}
+
+/// Weights prepared once for the absorbed attention: W_UK of every head, transposed to
+/// `[L, P]` so that absorbing it into the query is a product `q_nope · (W_UKᵀ)ᵀ` like every
+/// other. A copy of one third of `kv_b` (P of every P+V rows).
+struct AbsorbedAttention {
+    /// `[heads · L, P]`: rows `h·L .. (h+1)·L` are W_UK[h]ᵀ.
+    w_uk_t: Bf16Weight,
+}
+
+impl AbsorbedAttention {
+    fn new(c: &ModelConfig, w: &AttentionWeights) -> Self {
+        let (nope, v_dim, latent) = (c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank);
+        let heads = w.kv_b.rows / (nope + v_dim);
+        let mut t = vec![half::bf16::ZERO; heads * latent * nope];
+        for head in 0..heads {
+            for p in 0..nope {
+                for (l, &value) in w.kv_b.row(head * (nope + v_dim) + p).iter().enumerate() {
+                    t[(head * latent + l) * nope + p] = value;
+                }
+            }
+        }
+        Self {
+            w_uk_t: Bf16Weight::owned(heads * latent, nope, t),
+        }
+    }
 }
 
 impl Model {
     pub fn new(config: ModelConfig, weights: ModelWeights) -> Self {
         let rope = Rope::new(&config);
         let softmax_scale = config.softmax_scale();
+        let absorbed = weights
+            .layers
+            .iter()
+            .map(|l| AbsorbedAttention::new(&config, &l.attention))
+            .collect();
         Self {
             config,
             weights,
             rope,
             softmax_scale,
+            absorbed,
         }
     }
 
@@ -241,26 +273,38 @@ impl Model {
             cache.write(layer, seq, pos, &normed, pe_part)?;
         }
 
-        // Absorb W_UK into the query: q_abs[h] = q_nope[h] · W_UK[h], W_UK[h] = kv_b rows
-        // h·(P+V) .. h·(P+V)+P.
+        // Absorb W_UK into the query, head by head: q_abs[:, h] = q_nope[:, h] · W_UK[h], a
+        // product with the pre-transposed W_UK[h]ᵀ (`[L, P]`), so it runs as one backend matmul.
         let mut q_abs = vec![0.0f32; n * heads * latent];
         let mut q_pe = vec![0.0f32; n * heads * rope_dim];
-        q_abs
-            .par_chunks_mut(latent)
-            .zip(q_pe.par_chunks_mut(rope_dim))
-            .enumerate()
-            .for_each(|(i, (abs, pe))| {
-                let (r, head) = (i / heads, i % heads);
+        let w_uk_t = &self.absorbed[layer].w_uk_t;
+        let mut q_nope = vec![0.0f32; n * nope];
+        let mut head_out = vec![0.0f32; n * latent];
+        for head in 0..heads {
+            for r in 0..n {
                 let q_head = &q[(r * heads + head) * qk..(r * heads + head + 1) * qk];
-                abs.fill(0.0);
-                for (p, &qn) in q_head[..nope].iter().enumerate() {
-                    for (a, wv) in abs.iter_mut().zip(w.kv_b.row(head * (nope + v_dim) + p)) {
-                        *a += qn * wv.to_f32();
-                    }
-                }
+                q_nope[r * nope..(r + 1) * nope].copy_from_slice(&q_head[..nope]);
+                let pe =
+                    &mut q_pe[(r * heads + head) * rope_dim..(r * heads + head + 1) * rope_dim];
                 pe.copy_from_slice(&q_head[nope..]);
                 self.rope.apply(pe, rows[r].1);
-            });
+            }
+            let data = &w_uk_t.data.as_slice()[head * latent * nope..(head + 1) * latent * nope];
+            backend.matmul(
+                &q_nope,
+                n,
+                MatrixView::Bf16 {
+                    rows: latent,
+                    cols: nope,
+                    data,
+                },
+                &mut head_out,
+            );
+            for r in 0..n {
+                q_abs[(r * heads + head) * latent..(r * heads + head + 1) * latent]
+                    .copy_from_slice(&head_out[r * latent..(r + 1) * latent]);
+            }
+        }
 
         let queries: Vec<AttentionQuery> = rows
             .iter()
@@ -281,22 +325,34 @@ impl Model {
         let mut lse = vec![0.0f32; n * heads];
         backend.mla_attention(cache, &problem, &mut o_latent, &mut lse)?;
 
-        // Back out of latent space with W_UV: o[h, v] = o_latent[h] · kv_b row h·(P+V)+P+v.
+        // Back out of latent space with W_UV, head by head: o[:, h] = o_latent[:, h] · W_UV[h]ᵀ,
+        // where W_UV[h] is kv_b's rows h·(P+V)+P .. (h+1)·(P+V): a plain backend matmul.
         let mut o = vec![0.0f32; n * heads * v_dim];
-        o.par_chunks_mut(v_dim).enumerate().for_each(|(i, out)| {
-            let head = i % heads;
-            let lat = &o_latent[i * latent..(i + 1) * latent];
-            let mut row = vec![0.0f32; latent];
-            for (v, o) in out.iter_mut().enumerate() {
-                for (dst, wv) in row
-                    .iter_mut()
-                    .zip(w.kv_b.row(head * (nope + v_dim) + nope + v))
-                {
-                    *dst = wv.to_f32();
-                }
-                *o = dot(lat, &row);
+        let mut latent_rows = vec![0.0f32; n * latent];
+        let mut head_v = vec![0.0f32; n * v_dim];
+        for head in 0..heads {
+            for r in 0..n {
+                latent_rows[r * latent..(r + 1) * latent].copy_from_slice(
+                    &o_latent[(r * heads + head) * latent..(r * heads + head + 1) * latent],
+                );
             }
-        });
+            let first = head * (nope + v_dim) + nope;
+            let data = &w.kv_b.data.as_slice()[first * latent..(first + v_dim) * latent];
+            backend.matmul(
+                &latent_rows,
+                n,
+                MatrixView::Bf16 {
+                    rows: v_dim,
+                    cols: latent,
+                    data,
+                },
+                &mut head_v,
+            );
+            for r in 0..n {
+                o[(r * heads + head) * v_dim..(r * heads + head + 1) * v_dim]
+                    .copy_from_slice(&head_v[r * v_dim..(r + 1) * v_dim]);
+            }
+        }
         let mut out = vec![0.0f32; n * c.hidden_size];
         backend.matmul(&o, n, w.o.view(), &mut out);
         Ok(out)
