@@ -455,6 +455,51 @@ def quantize_experts(spec, w, calib) -> tuple[dict, dict, dict]:
 
 
 # ---------------------------------------------------------------- goldens
+# ---------------------------------------------------------------- latent cache precision
+def round_latent(x: torch.Tensor, mode: str) -> torch.Tensor:
+    """What a latent KV cache of `mode` stores of `x` (per token: the last dimension)."""
+    if mode == "bf16":
+        return x.to(torch.bfloat16).float()
+    # FP8 E4M3 with one FP32 scale per token: the token's amax maps to 448.
+    amax = x.abs().amax(-1, keepdim=True)
+    scale = torch.where((amax > 0) & torch.isfinite(amax), amax / 448.0, torch.ones_like(amax))
+    return (x / scale).to(torch.float8_e4m3fn).float() * scale
+
+
+class RoundedNorm(nn.Module):
+    """kv_a_layernorm whose output (the cached latent) is rounded as the cache stores it."""
+
+    def __init__(self, norm: nn.Module, mode: str):
+        super().__init__()
+        self.norm, self.mode = norm, mode
+
+    def forward(self, x):
+        return round_latent(self.norm(x), self.mode)
+
+
+def run_with_latent_cache(model, mode: str, fn):
+    """Runs `fn` with the latent part of the cache rounded to `mode` and the RoPE'd key part
+    rounded to BF16 (both cache formats keep it in BF16), as a paged cache would hold them."""
+    import transformers.models.deepseek_v3.modeling_deepseek_v3 as hf
+
+    original_rope = hf.apply_rotary_pos_emb_interleave
+
+    def rope_then_round(q, k, cos, sin, *args, **kwargs):
+        q_embed, k_embed = original_rope(q, k, cos, sin, *args, **kwargs)
+        return q_embed, k_embed.to(torch.bfloat16).float()
+
+    norms = [layer.self_attn.kv_a_layernorm for layer in model.model.layers]
+    hf.apply_rotary_pos_emb_interleave = rope_then_round
+    for layer, norm in zip(model.model.layers, norms):
+        layer.self_attn.kv_a_layernorm = RoundedNorm(norm, mode)
+    try:
+        return fn()
+    finally:
+        hf.apply_rotary_pos_emb_interleave = original_rope
+        for layer, norm in zip(model.model.layers, norms):
+            layer.self_attn.kv_a_layernorm = norm
+
+
 def forward_logits(model, ids):
     with torch.no_grad():
         return model(ids[None], use_cache=False).logits[0].float()
@@ -635,6 +680,11 @@ def generate(name: str, spec: dict, root: Path) -> dict:
 
     logits_w4a4, routing = record_routing(
         model, spec, lambda: run_w4a4(model, spec, deq, lambda: forward_logits(model, tokens)))
+    cache_logits = {
+        mode: run_with_latent_cache(model, mode, lambda: run_w4a4(
+            model, spec, deq, lambda: forward_logits(model, tokens)))
+        for mode in ("bf16", "fp8")
+    }
     greedy_bf16, _ = greedy(model, tokens, N_GREEDY)
 
     # checkpoint
@@ -677,6 +727,8 @@ def generate(name: str, spec: dict, root: Path) -> dict:
         "prefix_len": torch.tensor(PREFIX_LEN, dtype=torch.int64),
         "logits_w4a4": logits_w4a4.contiguous(),
         "logits_bf16_experts": logits_bf16.contiguous(),
+        "logits_w4a4_bf16_cache": cache_logits["bf16"].contiguous(),
+        "logits_w4a4_fp8_cache": cache_logits["fp8"].contiguous(),
         "greedy_tokens": greedy_tokens,
         "greedy_margins": margins,
     }
