@@ -16,6 +16,7 @@ use kernels::formats::nvfp4::{Nvfp4Matrix, amax, global_scale_for_amax};
 use kernels::matrix::MatrixView;
 use kernels::moe_gemm::cpu::moe_cpu_with;
 use kernels::moe_gemm::cpu_simd::Isa;
+use kernels::moe_gemm::golden_data::{checksum, hashed_values};
 use kernels::moe_gemm::reference::{ExpertView, Routing, moe_reference};
 use model::nvfp4_file::read_nvfp4;
 use model::tensor_file::TensorFile;
@@ -168,41 +169,6 @@ fn intermediate_from_name(name: &str) -> Result<usize, String> {
     name.rsplit_once("_i")
         .and_then(|(_, i)| i.parse().ok())
         .ok_or_else(|| format!("{name}: no intermediate size in the case name"))
-}
-
-/// gen_moe.py's `hash_u32`: murmur3's 32-bit finalizer on `index · φ + stream · c + 1`.
-fn hash_u32(index: u32, stream: u32) -> u32 {
-    let mut h = index
-        .wrapping_mul(0x9E37_79B1)
-        .wrapping_add(stream.wrapping_mul(0x85EB_CA77))
-        .wrapping_add(1);
-    h ^= h >> 16;
-    h = h.wrapping_mul(0x85EB_CA6B);
-    h ^= h >> 13;
-    h = h.wrapping_mul(0xC2B2_AE35);
-    h ^ (h >> 16)
-}
-
-/// gen_moe.py's `hashed_values`: `(h mod 255 − 127) · 2^−(exponent + (h >> 8) mod 4)`, exact.
-fn hashed_values(n: usize, stream: u32, exponent: i32) -> Vec<f32> {
-    (0..n)
-        .map(|i| {
-            let h = hash_u32(i as u32, stream);
-            let k = (h % 255) as i32 - 127;
-            let e = exponent + ((h >> 8) % 4) as i32;
-            // 2^−e built from its bit pattern: exact, no libm.
-            k as f32 * f32::from_bits(((127 - e) as u32) << 23)
-        })
-        .collect()
-}
-
-/// gen_moe.py's `checksum`: Σ byte[i] · (i mod 65521 + 1).
-fn checksum(bytes: &[u8]) -> i64 {
-    bytes
-        .iter()
-        .enumerate()
-        .map(|(i, &b)| b as i64 * ((i % 65521) as i64 + 1))
-        .sum()
 }
 
 /// Quantizes the hashed expert as ModelOpt's fused export does (gate and up share

@@ -37,16 +37,8 @@ pub fn mla_attention(
 ) -> Result<(), CacheError> {
     let shape = cache.shape();
     let (l, r, h) = (shape.latent_dim, shape.rope_dim, problem.heads);
-    let rows = problem.queries.len();
-    assert_eq!(problem.q_abs.len(), rows * h * l);
-    assert_eq!(problem.q_pe.len(), rows * h * r);
-    assert_eq!(out.len(), rows * h * l);
-    assert_eq!(lse.len(), rows * h);
-    let slots: Vec<Vec<usize>> = problem
-        .queries
-        .iter()
-        .map(|q| cache.slots(q.seq, q.context))
-        .collect::<Result<_, _>>()?;
+    let slots = problem.slots(cache, out, lse)?;
+    let rows = slots.len();
 
     // Enough chunks for ~4 tasks per thread over the whole batch, none shorter than MIN_CHUNK.
     let total: usize = slots.iter().map(Vec::len).sum();

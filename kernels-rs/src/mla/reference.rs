@@ -27,6 +27,37 @@ pub struct MlaProblem<'a> {
     pub softmax_scale: f32,
 }
 
+impl MlaProblem<'_> {
+    /// Checks the tensor sizes against the cache's shape and returns, per query row, the
+    /// physical cache slots of the tokens it attends to.
+    pub fn slots(
+        &self,
+        cache: &PagedLatentCache,
+        out: &[f32],
+        lse: &[f32],
+    ) -> Result<Vec<Vec<usize>>, CacheError> {
+        let shape = cache.shape();
+        let (l, r, h) = (shape.latent_dim, shape.rope_dim, self.heads);
+        let rows = self.queries.len();
+        assert_eq!(
+            self.q_abs.len(),
+            rows * h * l,
+            "q_abs is not [{rows}, {h}, {l}]"
+        );
+        assert_eq!(
+            self.q_pe.len(),
+            rows * h * r,
+            "q_pe is not [{rows}, {h}, {r}]"
+        );
+        assert_eq!(out.len(), rows * h * l, "out is not [{rows}, {h}, {l}]");
+        assert_eq!(lse.len(), rows * h, "lse is not [{rows}, {h}]");
+        self.queries
+            .iter()
+            .map(|q| cache.slots(q.seq, q.context))
+            .collect()
+    }
+}
+
 /// Computes `out[row, h] = Σ_t softmax_t(score) · c_t` (`[rows, heads, latent_dim]`) and the
 /// log-sum-exp of the scaled scores (`[rows, heads]`).
 pub fn mla_attention_reference(
@@ -37,16 +68,7 @@ pub fn mla_attention_reference(
 ) -> Result<(), CacheError> {
     let shape = cache.shape();
     let (l, r, h) = (shape.latent_dim, shape.rope_dim, problem.heads);
-    let rows = problem.queries.len();
-    assert_eq!(problem.q_abs.len(), rows * h * l);
-    assert_eq!(problem.q_pe.len(), rows * h * r);
-    assert_eq!(out.len(), rows * h * l);
-    assert_eq!(lse.len(), rows * h);
-    let slots: Vec<Vec<usize>> = problem
-        .queries
-        .iter()
-        .map(|q| cache.slots(q.seq, q.context))
-        .collect::<Result<_, _>>()?;
+    let slots = problem.slots(cache, out, lse)?;
 
     out.par_chunks_mut(h * l)
         .zip(lse.par_chunks_mut(h))

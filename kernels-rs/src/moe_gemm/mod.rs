@@ -11,6 +11,7 @@
 
 pub mod cpu;
 pub mod cpu_simd;
+pub mod golden_data;
 pub mod mma_sm120;
 pub mod reference;
 pub mod tactic;
