@@ -238,6 +238,74 @@ fn count_sass(sass: &str, counted: &[&str], reports: &mut BTreeMap<String, Kerne
     }
 }
 
+/// One image to compile: a source with its tactic's defines, for one SM.
+struct Image<'a> {
+    src: &'a Path,
+    sm: Sm,
+    defines: Vec<String>,
+    cubin: &'a Path,
+    ptx: &'a Path,
+}
+
+/// What compiling an image gave: per-kernel resources and SASS counts, the ptxas log, and the
+/// failures of the steps after the cubin (PTX, SASS dump).
+struct Compiled {
+    kernels: BTreeMap<String, KernelReport>,
+    log: String,
+    failures: Vec<String>,
+}
+
+/// The compile step every family shares: `nvcc -cubin` with ptxas's resource report, `nvcc
+/// -ptx` for the fallback, and the SASS counts from `cuobjdump -sass`. `Err` when no cubin
+/// was made.
+fn compile_image(tc: &Toolchain, image: &Image<'_>, counted: &[&str]) -> Result<Compiled, String> {
+    let common = |c: &mut Command| {
+        c.arg(format!("-arch={}", image.sm.arch()))
+            .args(["-std=c++17", "-O3", "-lineinfo"])
+            .args(&image.defines)
+            .arg(image.src);
+    };
+    let mut c = Command::new(&tc.nvcc);
+    c.args(["-cubin", "-Xptxas", "-v", "-o"]).arg(image.cubin);
+    common(&mut c);
+    let res = c.output().map_err(|e| format!("nvcc did not run: {e}"))?;
+    let log = String::from_utf8_lossy(&res.stderr).to_string();
+    if !res.status.success() {
+        return Err(format!("nvcc -cubin failed:\n{log}"));
+    }
+    let mut compiled = Compiled {
+        kernels: parse_ptxas(&log),
+        log,
+        failures: Vec::new(),
+    };
+    let mut c = Command::new(&tc.nvcc);
+    c.args(["-ptx", "-o"]).arg(image.ptx);
+    common(&mut c);
+    match c.output() {
+        Ok(r) if r.status.success() => {}
+        Ok(r) => compiled.failures.push(format!(
+            "nvcc -ptx failed: {}",
+            String::from_utf8_lossy(&r.stderr)
+        )),
+        Err(e) => compiled
+            .failures
+            .push(format!("nvcc -ptx did not run: {e}")),
+    }
+    match Command::new(&tc.cuobjdump)
+        .arg("-sass")
+        .arg(image.cubin)
+        .output()
+    {
+        Ok(r) if r.status.success() => count_sass(
+            &String::from_utf8_lossy(&r.stdout),
+            counted,
+            &mut compiled.kernels,
+        ),
+        _ => compiled.failures.push("cuobjdump -sass failed".into()),
+    }
+    Ok(compiled)
+}
+
 fn build(tc: &Toolchain, root: &Path, out: &Path, job: Job) -> Build {
     let start = Instant::now();
     let sm = job.sm();
@@ -254,50 +322,22 @@ fn build(tc: &Toolchain, root: &Path, out: &Path, job: Job) -> Build {
         compile_s: 0.0,
         failures: Vec::new(),
     };
-    let common = |c: &mut Command| {
-        c.arg(format!("-arch={}", sm.arch()))
-            .args(["-std=c++17", "-O3", "-lineinfo"])
-            .args(job.defines())
-            .arg(&src);
+    let image = Image {
+        src: &src,
+        sm,
+        defines: job.defines(),
+        cubin: &cubin,
+        ptx: &ptx,
     };
-    let mut c = Command::new(&tc.nvcc);
-    c.args(["-cubin", "-Xptxas", "-v", "-o"]).arg(&cubin);
-    common(&mut c);
-    let res = match c.output() {
-        Ok(r) => r,
-        Err(e) => {
-            b.failures.push(format!("nvcc did not run: {e}"));
+    match compile_image(tc, &image, job.counted()) {
+        Ok(compiled) => {
+            b.kernels = compiled.kernels;
+            b.failures.extend(compiled.failures);
+        }
+        Err(failure) => {
+            b.failures.push(failure);
             return b;
         }
-    };
-    let log = String::from_utf8_lossy(&res.stderr).to_string();
-    if !res.status.success() {
-        b.failures.push(format!("nvcc -cubin failed:\n{log}"));
-        return b;
-    }
-    b.kernels = parse_ptxas(&log);
-    let mut c = Command::new(&tc.nvcc);
-    c.args(["-ptx", "-o"]).arg(&ptx);
-    common(&mut c);
-    match c.output() {
-        Ok(r) if r.status.success() => {}
-        Ok(r) => b.failures.push(format!(
-            "nvcc -ptx failed: {}",
-            String::from_utf8_lossy(&r.stderr)
-        )),
-        Err(e) => b.failures.push(format!("nvcc -ptx did not run: {e}")),
-    }
-    match Command::new(&tc.cuobjdump)
-        .arg("-sass")
-        .arg(&cubin)
-        .output()
-    {
-        Ok(r) if r.status.success() => count_sass(
-            &String::from_utf8_lossy(&r.stdout),
-            job.counted(),
-            &mut b.kernels,
-        ),
-        _ => b.failures.push("cuobjdump -sass failed".into()),
     }
     b.compile_s = start.elapsed().as_secs_f64();
     check(&mut b);

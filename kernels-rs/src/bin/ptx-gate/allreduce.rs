@@ -9,7 +9,6 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::Command;
 use std::sync::Mutex;
 use std::time::Instant;
 
@@ -18,7 +17,7 @@ use kernels::allreduce::tactic::{AllReduceTactic, KERNEL, MAX_GLOBAL_ATOMICS, RE
 use kernels::moe_gemm::Sm;
 use serde_json::{Value, json};
 
-use super::{KernelReport, Toolchain, count_sass, parse_ptxas, rel};
+use super::{Image, KernelReport, Toolchain, compile_image, key_count, rel};
 
 pub const SOURCE: &str = "kernels-rs/src/allreduce/allreduce.cu";
 
@@ -30,18 +29,6 @@ pub struct ArBuild {
     pub ptx: String,
     pub compile_s: f64,
     pub failures: Vec<String>,
-}
-
-/// Count of SASS instructions whose full mnemonic starts with `prefix`.
-fn sass_count(k: &KernelReport, prefix: &str) -> u32 {
-    k.sass
-        .iter()
-        .filter(|(op, _)| {
-            op.strip_prefix("op:")
-                .is_some_and(|o| o.starts_with(prefix))
-        })
-        .map(|(_, n)| n)
-        .sum()
 }
 
 fn build(tc: &Toolchain, root: &Path, out: &Path, image: AllReduceTactic, sm: Sm) -> ArBuild {
@@ -60,54 +47,26 @@ fn build(tc: &Toolchain, root: &Path, out: &Path, image: AllReduceTactic, sm: Sm
         compile_s: 0.0,
         failures: Vec::new(),
     };
-    let common = |c: &mut Command| {
-        c.arg(format!("-arch={}", sm.arch()))
-            .args(["-std=c++17", "-O3", "-lineinfo"])
-            .args(image.nvcc_defines())
-            .arg(&src);
+    let spec = Image {
+        src: &src,
+        sm,
+        defines: image.nvcc_defines(),
+        cubin: &cubin,
+        ptx: &ptx,
     };
-    let mut c = Command::new(&tc.nvcc);
-    c.args(["-cubin", "-Xptxas", "-v", "-o"]).arg(&cubin);
-    common(&mut c);
-    let log = match c.output() {
-        Ok(r) if r.status.success() => String::from_utf8_lossy(&r.stderr).to_string(),
-        Ok(r) => {
-            b.failures.push(format!(
-                "nvcc -cubin failed:\n{}",
-                String::from_utf8_lossy(&r.stderr)
-            ));
-            return b;
+    let mut reports = match compile_image(tc, &spec, &[]) {
+        Ok(compiled) => {
+            if compiled.log.contains("warning") {
+                b.failures.push(format!("nvcc warnings:\n{}", compiled.log));
+            }
+            b.failures.extend(compiled.failures);
+            compiled.kernels
         }
-        Err(e) => {
-            b.failures.push(format!("nvcc did not run: {e}"));
+        Err(failure) => {
+            b.failures.push(failure);
             return b;
         }
     };
-    if log.contains("warning") {
-        b.failures.push(format!("nvcc warnings:\n{log}"));
-    }
-    let mut reports = parse_ptxas(&log);
-    let mut c = Command::new(&tc.nvcc);
-    c.args(["-ptx", "-o"]).arg(&ptx);
-    common(&mut c);
-    match c.output() {
-        Ok(r) if r.status.success() => {}
-        Ok(r) => b.failures.push(format!(
-            "nvcc -ptx failed: {}",
-            String::from_utf8_lossy(&r.stderr)
-        )),
-        Err(e) => b.failures.push(format!("nvcc -ptx did not run: {e}")),
-    }
-    match Command::new(&tc.cuobjdump)
-        .arg("-sass")
-        .arg(&cubin)
-        .output()
-    {
-        Ok(r) if r.status.success() => {
-            count_sass(&String::from_utf8_lossy(&r.stdout), &[], &mut reports)
-        }
-        _ => b.failures.push("cuobjdump -sass failed".into()),
-    }
     b.compile_s = start.elapsed().as_secs_f64();
     match reports.remove(KERNEL) {
         Some(k) => b.kernel = k,
@@ -125,15 +84,15 @@ fn build(tc: &Toolchain, root: &Path, out: &Path, image: AllReduceTactic, sm: Sm
             .push(format!("{} B static shared memory", k.static_smem));
     }
     for required in REQUIRED_SASS {
-        if sass_count(k, required) == 0 {
+        if key_count(k, required) == 0 {
             b.failures.push(format!("no {required} in the SASS"));
         }
     }
-    let atomics = sass_count(k, "ATOMG") + sass_count(k, "ATOM.");
-    if atomics > MAX_GLOBAL_ATOMICS || sass_count(k, "RED") > 0 {
+    let atomics = key_count(k, "ATOMG") + key_count(k, "ATOM.");
+    if atomics > MAX_GLOBAL_ATOMICS || key_count(k, "RED") > 0 {
         b.failures.push(format!(
             "{atomics} global atomics (+{} RED): at most {MAX_GLOBAL_ATOMICS}, on the local control block",
-            sass_count(k, "RED")
+            key_count(k, "RED")
         ));
     }
     b
@@ -194,9 +153,9 @@ pub fn print_table(builds: &[ArBuild]) {
             k.static_smem,
             k.spill_stores + k.spill_loads,
             k.stack,
-            sass_count(k, REQUIRED_SASS[0]),
-            sass_count(k, REQUIRED_SASS[1]),
-            sass_count(k, "ATOMG"),
+            key_count(k, REQUIRED_SASS[0]),
+            key_count(k, REQUIRED_SASS[1]),
+            key_count(k, "ATOMG"),
             if b.failures.is_empty() { "ok" } else { "FAIL" },
             b.compile_s
         );
@@ -218,7 +177,7 @@ pub fn manifest_entry(b: &ArBuild) -> Value {
         "LDG.E.128",
         "STG.E.128",
     ];
-    let sass: BTreeMap<&str, u32> = counted.iter().map(|&op| (op, sass_count(k, op))).collect();
+    let sass: BTreeMap<&str, u32> = counted.iter().map(|&op| (op, key_count(k, op))).collect();
     json!({
         "family": FAMILY,
         "tactic": b.image.image_id(),
