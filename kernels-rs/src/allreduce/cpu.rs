@@ -14,7 +14,7 @@ use super::layout::{
     HEADER_ABORT, HEADER_CAPACITY, HEADER_MAGIC, HEADER_PUSH, HEADER_WORLD, MAGIC,
     SegmentLayout as Layout,
 };
-use super::shm::SharedSegment;
+use super::shm::{JoinError, SharedSegment, create_or_join};
 use super::topology::Islands;
 use super::{AlgorithmPolicy, AllReduce, AllReduceError, ReduceData};
 
@@ -121,39 +121,29 @@ impl CpuCommunicator {
             source,
         };
         let deadline = Instant::now() + config.timeout;
-        let segment = if rank == 0 {
-            let s =
-                SharedSegment::create(name, layout.total()).map_err(|e| shm_err("create", e))?;
-            s.atomic(HEADER_WORLD)
-                .store(world as u64, Ordering::Relaxed);
-            s.atomic(HEADER_CAPACITY)
-                .store(layout.capacity as u64, Ordering::Relaxed);
-            s.atomic(HEADER_PUSH)
-                .store(u64::from(layout.push), Ordering::Relaxed);
-            // Magic last, with release: a joiner that sees it sees the fields above.
-            s.atomic(HEADER_MAGIC).store(MAGIC, Ordering::Release);
-            s
-        } else {
-            loop {
-                match SharedSegment::open(name) {
-                    Ok(s) if s.atomic(HEADER_MAGIC).load(Ordering::Acquire) == MAGIC => break s,
-                    Ok(_) => {}
-                    Err(e)
-                        if matches!(
-                            e.kind(),
-                            std::io::ErrorKind::NotFound | std::io::ErrorKind::UnexpectedEof
-                        ) => {}
-                    Err(e) => return Err(shm_err("open", e)),
-                }
-                if Instant::now() > deadline {
-                    return Err(AllReduceError::Setup(format!(
-                        "rank {rank}: segment {name:?} did not appear within {:?}",
-                        config.timeout
-                    )));
-                }
-                std::thread::sleep(Duration::from_millis(1));
-            }
-        };
+        let segment = create_or_join(
+            name,
+            rank,
+            layout.total(),
+            HEADER_MAGIC,
+            MAGIC,
+            deadline,
+            |s| {
+                s.atomic(HEADER_WORLD)
+                    .store(world as u64, Ordering::Relaxed);
+                s.atomic(HEADER_CAPACITY)
+                    .store(layout.capacity as u64, Ordering::Relaxed);
+                s.atomic(HEADER_PUSH)
+                    .store(u64::from(layout.push), Ordering::Relaxed);
+            },
+        )
+        .map_err(|e| match e {
+            JoinError::Io { op, source } => shm_err(op, source),
+            JoinError::NotPublished => AllReduceError::Setup(format!(
+                "rank {rank}: segment {name:?} did not appear within {:?}",
+                config.timeout
+            )),
+        })?;
         let found = (
             segment.atomic(HEADER_WORLD).load(Ordering::Relaxed),
             segment.atomic(HEADER_CAPACITY).load(Ordering::Relaxed),

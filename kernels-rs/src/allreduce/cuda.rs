@@ -38,7 +38,7 @@ use super::cost::Choice;
 use super::cpu::default_islands;
 use super::element::DType;
 use super::layout::SegmentLayout;
-use super::shm::SharedSegment;
+use super::shm::{JoinError, SharedSegment, create_or_join};
 use super::tactic::{
     AllReduceTactic, ArParams, CONTROL_BYTES, CONTROL_STATUS, ChoicePolicy, DeviceOffsets, FAMILY,
     KERNEL, KernelStatus, LaunchShape, MAX_RANKS, default_blocks, pack_params,
@@ -370,38 +370,27 @@ impl CudaIpcCommunicator {
             name: name.to_string(),
             source,
         };
-        let mut segment = if rank == 0 {
-            let s = SharedSegment::create(name, rdv::bytes()).map_err(|e| shm_err("create", e))?;
-            s.atomic(rdv::HDR_WORLD)
-                .store(world as u64, Ordering::Relaxed);
-            s.atomic(rdv::HDR_REGION)
-                .store(offsets.region_bytes as u64, Ordering::Relaxed);
-            s.atomic(rdv::HDR_MAGIC)
-                .store(rdv::MAGIC, Ordering::Release);
-            s
-        } else {
-            loop {
-                match SharedSegment::open(name) {
-                    Ok(s) if s.atomic(rdv::HDR_MAGIC).load(Ordering::Acquire) == rdv::MAGIC => {
-                        break s;
-                    }
-                    Ok(_) => {}
-                    Err(e)
-                        if matches!(
-                            e.kind(),
-                            std::io::ErrorKind::NotFound | std::io::ErrorKind::UnexpectedEof
-                        ) => {}
-                    Err(e) => return Err(shm_err("open", e)),
-                }
-                if Instant::now() > deadline {
-                    return Err(AllReduceError::Setup(format!(
-                        "rank {rank}: rendezvous {name:?} did not appear within {:?}",
-                        config.timeout
-                    )));
-                }
-                std::thread::sleep(Duration::from_millis(1));
-            }
-        };
+        let mut segment = create_or_join(
+            name,
+            rank,
+            rdv::bytes(),
+            rdv::HDR_MAGIC,
+            rdv::MAGIC,
+            deadline,
+            |s| {
+                s.atomic(rdv::HDR_WORLD)
+                    .store(world as u64, Ordering::Relaxed);
+                s.atomic(rdv::HDR_REGION)
+                    .store(offsets.region_bytes as u64, Ordering::Relaxed);
+            },
+        )
+        .map_err(|e| match e {
+            JoinError::Io { op, source } => shm_err(op, source),
+            JoinError::NotPublished => AllReduceError::Setup(format!(
+                "rank {rank}: rendezvous {name:?} did not appear within {:?}",
+                config.timeout
+            )),
+        })?;
         let found = (
             segment.atomic(rdv::HDR_WORLD).load(Ordering::Relaxed),
             segment.atomic(rdv::HDR_REGION).load(Ordering::Relaxed),

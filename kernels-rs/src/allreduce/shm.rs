@@ -43,6 +43,55 @@ pub fn remove_segment(name: &str) -> io::Result<()> {
     Ok(())
 }
 
+/// Why [`create_or_join`] failed.
+#[derive(Debug)]
+pub enum JoinError {
+    /// A shared-memory call failed (`op` is "create" or "open").
+    Io { op: &'static str, source: io::Error },
+    /// The creator had not published the segment by the deadline.
+    NotPublished,
+}
+
+/// The rendezvous every communicator starts with. Rank 0 creates `name` (`len` bytes), lets
+/// `init` write the header, then publishes `magic` at offset `magic_at` with a release store,
+/// so a joiner that sees the magic sees the header. Other ranks retry opening until they see
+/// it or `deadline` passes.
+pub fn create_or_join(
+    name: &str,
+    rank: usize,
+    len: usize,
+    magic_at: usize,
+    magic: u64,
+    deadline: std::time::Instant,
+    init: impl FnOnce(&SharedSegment),
+) -> Result<SharedSegment, JoinError> {
+    if rank == 0 {
+        let segment = SharedSegment::create(name, len).map_err(|source| JoinError::Io {
+            op: "create",
+            source,
+        })?;
+        init(&segment);
+        segment.atomic(magic_at).store(magic, Ordering::Release);
+        return Ok(segment);
+    }
+    loop {
+        match SharedSegment::open(name) {
+            Ok(s) if s.atomic(magic_at).load(Ordering::Acquire) == magic => return Ok(s),
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::NotFound | io::ErrorKind::UnexpectedEof
+                ) => {}
+            Err(source) => return Err(JoinError::Io { op: "open", source }),
+        }
+        if std::time::Instant::now() > deadline {
+            return Err(JoinError::NotPublished);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
 /// A mapped shared-memory segment.
 pub struct SharedSegment {
     name: String,
