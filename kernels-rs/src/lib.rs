@@ -6,8 +6,8 @@
 //! - [`mla`]: MLA decode attention over the paged latent cache;
 //! - [`dense`]: BF16/NVFP4 dense products for everything else;
 //! - [`allreduce`]: the PCIe-aware all-reduce of tensor parallelism;
-//! - `cuda` (cargo feature `cuda`): the CUDA driver runtime that loads the compiled kernels
-//!   and launches them.
+//! - [`device`]: the seam kernel launchers are written against; `cuda` (cargo feature `cuda`)
+//!   implements it on a GPU through the CUDA driver, the `cuda-host` crate on the CPU.
 //!
 //! [`formats`] holds the number formats every family shares: E2M1, E4M3/UE4M3, NVFP4
 //! two-level quantization and the scale-factor swizzle; [`matrix`] the borrowed weight views.
@@ -16,6 +16,7 @@ pub mod allreduce;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod dense;
+pub mod device;
 pub mod formats;
 pub mod matrix;
 pub mod mla;

@@ -31,6 +31,8 @@
 
 #include <cstdint>
 
+#include "ptx_helpers.cuh"
+
 #ifndef AR_ALGO
 #define AR_ALGO 0  // 0 one-shot, 1 two-shot, 2 island-hierarchical
 #endif
@@ -110,33 +112,6 @@ __device__ __forceinline__ void from_acc(float f, uint16_t& out) {
   out = uint16_t((x >> 16) + (((x & round_bit) != 0 && (x & (3 * round_bit - 1)) != 0) ? 1 : 0));
 }
 __device__ __forceinline__ void from_acc(float f, float& out) { out = f; }
-
-#ifdef AR_HOST_EMULATION
-// host_emulation.cpp compiles this file as C++ for the CPU (threads for a block's threads,
-// processes for ranks) to run the kernel logic without a GPU; these are its stand-ins.
-__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
-  __atomic_store_n(p, v, __ATOMIC_RELEASE);
-}
-__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
-  ar_host_poll_hint();
-  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
-}
-__device__ __forceinline__ uint64_t globaltimer() { return ar_host_nanos(); }
-#else
-__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ uint64_t globaltimer() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-#endif
 
 struct Range {
   uint64_t start, end;

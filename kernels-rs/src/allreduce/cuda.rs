@@ -734,7 +734,7 @@ impl CudaIpcCommunicator {
         }
         let sm = self.gpu.sm().map_err(dev_err)?;
         let path = find_kernel_image(&self.config.ptx_dir, FAMILY, sm, &id).map_err(dev_err)?;
-        let module = crate::cuda::moe::load_module(&self.gpu, &path).map_err(dev_err)?;
+        let module = crate::cuda::load_module(&self.gpu, &path).map_err(dev_err)?;
         let f = module
             .load_function(KERNEL)
             .map_err(|e| dev_err(format_args!("{}: {KERNEL}: {e}", path.display())))?;

@@ -35,10 +35,10 @@ use std::time::Instant;
 
 use cudarc::driver::CudaEvent;
 use half::bf16;
-use kernels::cuda::check::{
+use kernels::moe_gemm::check::{
     Case, Compare, MAX_ABS_TOL, REL_L2_TOL, Rng, check_case, compare, kernel_model, random_case,
 };
-use kernels::cuda::moe::{
+use kernels::moe_gemm::launch::{
     ExpertWeights, GroupedRouting, MoeDeviceActivations, MoeDeviceRouting, MoeDeviceWeights,
     MoeKernels, MoeWeightsHost, check_problem,
 };
@@ -378,8 +378,8 @@ fn golden_cases(dir: &Path, notes: &mut Vec<String>) -> Vec<Case> {
 struct Scenario {
     tokens: usize,
     top_k: usize,
-    routings: Vec<MoeDeviceRouting>,
-    acts: MoeDeviceActivations,
+    routings: Vec<MoeDeviceRouting<GpuContext>>,
+    acts: MoeDeviceActivations<GpuContext>,
 }
 
 /// All experts' weights of one layer with random NVFP4 codes and valid scales: timing needs
@@ -562,8 +562,8 @@ struct Timing {
 
 fn time_tactic(
     gpu: &GpuContext,
-    k: &MoeKernels,
-    w: &MoeDeviceWeights,
+    k: &MoeKernels<GpuContext>,
+    w: &MoeDeviceWeights<GpuContext>,
     sc: &mut Scenario,
     warmup: usize,
     iters: usize,
@@ -733,8 +733,8 @@ fn main() -> ExitCode {
         match MoeKernels::load(&gpu, t) {
             Err(e) => r.checks.push(("load".into(), Err(e.to_string()))),
             Ok(k) => {
-                r.image = Some(k.image.clone());
-                r.registers = Some(k.registers);
+                r.image = Some(k.gate_up.image.clone());
+                r.registers = Some((k.gate_up.registers, k.down.registers));
                 for (c, dev) in cases.iter().zip(&dev_cases) {
                     // A golden may have shapes a tactic cannot take (the tiny test models);
                     // the random cases are Kimi's shapes, which every tactic must take.

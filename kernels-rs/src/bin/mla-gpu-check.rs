@@ -21,7 +21,7 @@ use kernels::cuda::{GpuContext, default_ptx_dir, median};
 use kernels::formats::e4m3::{Overflow, e4m3_to_f32, f32_to_e4m3};
 use kernels::mla::cache::{KvCacheDtype, LatentCacheShape, PagedLatentCache, RawLayer};
 use kernels::mla::golden_hash::token_values;
-use kernels::mla::gpu::{DecodeBatch, DeviceCache, MlaKernels};
+use kernels::mla::launch::{DecodeBatch, DeviceCache, MlaKernels};
 use kernels::mla::reference::{AttentionQuery, MlaProblem};
 use kernels::mla::{MlaKind, MlaTactic, PAGE_TOKENS, cpu};
 
@@ -360,7 +360,7 @@ fn run() -> Result<bool, String> {
 
 fn check_append(
     gpu: &GpuContext,
-    k: &MlaKernels,
+    k: &MlaKernels<GpuContext>,
     dtype: KvCacheDtype,
     static_scale: Option<f32>,
 ) -> Result<bool, String> {

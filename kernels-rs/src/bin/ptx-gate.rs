@@ -116,10 +116,16 @@ fn source_of(family: &str) -> &'static str {
     }
 }
 
+/// The header every kernel source includes for its inline PTX (`ptx_helpers.cuh`).
+const SHARED_INCLUDE: &str = "kernels-rs/include";
+const PTX_HELPERS: &str = "kernels-rs/include/ptx_helpers.cuh";
+
 struct Toolchain {
     nvcc: PathBuf,
     cuobjdump: PathBuf,
     version: String,
+    /// `-I` for the shared headers of the kernel sources.
+    include: PathBuf,
 }
 
 fn repo_root() -> PathBuf {
@@ -155,6 +161,7 @@ fn find_toolchain(root: &Path) -> Result<Toolchain, String> {
         nvcc,
         cuobjdump,
         version,
+        include: root.join(SHARED_INCLUDE),
     })
 }
 
@@ -262,6 +269,7 @@ fn compile_image(tc: &Toolchain, image: &Image<'_>, counted: &[&str]) -> Result<
     let common = |c: &mut Command| {
         c.arg(format!("-arch={}", image.sm.arch()))
             .args(["-std=c++17", "-O3", "-lineinfo"])
+            .arg(format!("-I{}", tc.include.display()))
             .args(&image.defines)
             .arg(image.src);
     };
@@ -623,6 +631,12 @@ fn main() -> ExitCode {
             json!({"path": path, "fnv1a64": fnv1a(&src)}),
         );
     }
+    // Every family includes the PTX helpers: a change there changes every image.
+    let helpers = std::fs::read(root.join(PTX_HELPERS)).unwrap_or_default();
+    sources.insert(
+        "ptx_helpers".to_string(),
+        json!({"path": PTX_HELPERS, "fnv1a64": fnv1a(&helpers)}),
+    );
     let manifest = json!({
         "toolchain": tc.version,
         "sources": sources,

@@ -10,72 +10,28 @@
 //! one cubin per (tactic, SM) to `ptx/<family>/<sm>/<tactic>.cubin`, with the PTX beside it;
 //! [`kernel_image_candidates`] says which files are tried, in order, for a device.
 //!
-//! - [`moe`]: the NVFP4 MoE grouped GEMM (`moe_gate_up`, `moe_down`): host-side layout of
-//!   weights and routing, device buffers, launches.
+//! [`GpuContext`] implements [`Device`](crate::device::Device): the kernel families' launchers
+//! (`moe_gemm::launch`, `mla::launch`) run on it unchanged.
 
-pub mod check;
-pub mod moe;
-
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags};
-use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DriverError};
+use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags, CUfunction_attribute};
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
+    DevicePtrMut, DriverError,
+};
+use cudarc::nvrtc::Ptx;
 
+use crate::device::{Device, DeviceMemory, KernelParams, LaunchConfig};
 use crate::moe_gemm::Sm;
 
 /// Environment variable that overrides where kernel images are looked for.
 pub const PTX_DIR_ENV: &str = "KIMI_PTX_DIR";
 
-#[derive(Debug, thiserror::Error)]
-pub enum CudaError {
-    /// `libcuda.so` (the driver library) could not be opened.
-    #[error(
-        "no CUDA driver: the driver library (libcuda.so.1) could not be opened; install the \
-         NVIDIA driver or put its folder on LD_LIBRARY_PATH"
-    )]
-    NoDriver,
-    /// The driver is there but has no usable device (or refused to initialize).
-    #[error("no CUDA device {ordinal}: {detail}")]
-    NoDevice { ordinal: usize, detail: String },
-    /// The driver panicked inside cudarc (for example a symbol missing from an old driver).
-    #[error("CUDA driver library is unusable during {what}: {detail}")]
-    DriverPanic { what: String, detail: String },
-    #[error("CUDA error during {what}: {err}")]
-    Driver { what: String, err: DriverError },
-    /// No kernel family was built for this compute capability.
-    #[error(
-        "device '{name}' has compute capability {major}.{minor}; kernels are built for sm_90a \
-         (9.0) and sm_120a (12.0) only"
-    )]
-    UnsupportedDevice {
-        name: String,
-        major: i32,
-        minor: i32,
-    },
-    #[error("no kernel image for {what}: tried {}", list_paths(tried))]
-    MissingImage { what: String, tried: Vec<PathBuf> },
-    #[error("cannot load kernel image {}: {detail}", path.display())]
-    LoadImage { path: PathBuf, detail: String },
-    #[error("tactic {tactic} cannot run on {sm}: {why}")]
-    TacticNotRunnable {
-        tactic: String,
-        sm: String,
-        why: String,
-    },
-    #[error("invalid problem for tactic {tactic}: {why}")]
-    Shape { tactic: String, why: String },
-    #[error("{0}")]
-    Invalid(String),
-}
-
-fn list_paths(paths: &[PathBuf]) -> String {
-    paths
-        .iter()
-        .map(|p| p.display().to_string())
-        .collect::<Vec<_>>()
-        .join(", ")
-}
+/// Errors of the CUDA runtime are the device seam's errors.
+pub use crate::device::DeviceError as CudaError;
 
 pub type Result<T> = std::result::Result<T, CudaError>;
 
@@ -86,7 +42,10 @@ pub(crate) trait Context<T> {
 
 impl<T> Context<T> for std::result::Result<T, DriverError> {
     fn during(self, what: impl FnOnce() -> String) -> Result<T> {
-        self.map_err(|err| CudaError::Driver { what: what(), err })
+        self.map_err(|err| CudaError::Driver {
+            what: what(),
+            detail: err.to_string(),
+        })
     }
 }
 
@@ -185,6 +144,8 @@ pub struct GpuContext {
     stream: Arc<CudaStream>,
     info: DeviceInfo,
     ptx_dir: PathBuf,
+    /// Loaded kernel images by path: the kernels of one tactic share their module.
+    modules: Mutex<HashMap<PathBuf, Arc<CudaModule>>>,
 }
 
 impl GpuContext {
@@ -239,6 +200,7 @@ impl GpuContext {
                 stream,
                 info,
                 ptx_dir,
+                modules: Mutex::new(HashMap::new()),
             })
         })
     }
@@ -317,6 +279,254 @@ impl GpuContext {
         }
         let ms = median(&mut times);
         Ok(2.0 * (n * 4) as f64 / (ms * 1e-3))
+    }
+}
+
+/// Loads a kernel image (cubin, or PTX text) into the context.
+pub(crate) fn load_module(gpu: &GpuContext, path: &Path) -> Result<Arc<CudaModule>> {
+    if let Some(m) = gpu.modules.lock().unwrap().get(path) {
+        return Ok(m.clone());
+    }
+    let bytes = std::fs::read(path).map_err(|e| CudaError::LoadImage {
+        path: path.to_path_buf(),
+        detail: e.to_string(),
+    })?;
+    let is_ptx = path.extension().is_some_and(|e| e == "ptx");
+    let image = if is_ptx {
+        // PTX text is handed to cuModuleLoadData NUL-terminated (from_src adds the NUL).
+        Ptx::from_src(String::from_utf8(bytes).map_err(|e| CudaError::LoadImage {
+            path: path.to_path_buf(),
+            detail: format!("PTX is not UTF-8: {e}"),
+        })?)
+    } else {
+        Ptx::from_binary(bytes)
+    };
+    let module = gpu
+        .context()
+        .load_module(image)
+        .map_err(|e| CudaError::LoadImage {
+            path: path.to_path_buf(),
+            detail: format!(
+                "cuModuleLoadData: {e}{}",
+                if is_ptx {
+                    " (the PTX is ISA 9.5 from CUDA 13.5; older drivers cannot JIT it)"
+                } else {
+                    ""
+                }
+            ),
+        })?;
+    gpu.modules
+        .lock()
+        .unwrap()
+        .insert(path.to_path_buf(), module.clone());
+    Ok(module)
+}
+
+/// Device memory of a [`GpuContext`]: the allocation and its address (fixed for its life).
+pub struct GpuMemory {
+    slice: CudaSlice<u8>,
+    ptr: u64,
+    len: usize,
+}
+
+impl DeviceMemory for GpuMemory {
+    fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// A loaded kernel with what the driver reports about it.
+pub struct GpuKernel {
+    pub function: CudaFunction,
+    /// The image it came from (cubin, or PTX as a fallback).
+    pub image: PathBuf,
+    pub name: String,
+    pub tactic: String,
+    pub registers: i32,
+    pub max_threads_per_block: i32,
+    pub static_shared_bytes: usize,
+}
+
+impl GpuContext {
+    fn memory(&self, slice: CudaSlice<u8>, len: usize) -> GpuMemory {
+        let ptr = {
+            let (ptr, _sync) = slice.device_ptr(&self.stream);
+            ptr
+        };
+        GpuMemory { slice, ptr, len }
+    }
+}
+
+impl Device for GpuContext {
+    type Memory = GpuMemory;
+    type Kernel = GpuKernel;
+
+    fn describe(&self) -> String {
+        format!(
+            "{} (compute capability {}.{})",
+            self.info.name, self.info.compute_capability.0, self.info.compute_capability.1
+        )
+    }
+
+    fn sm(&self) -> Result<Sm> {
+        GpuContext::sm(self)
+    }
+
+    fn max_dynamic_shared(&self) -> usize {
+        self.info.smem_optin_per_block
+    }
+
+    fn alloc_zeroed(&self, bytes: usize) -> Result<GpuMemory> {
+        // Zero-byte allocations are refused by some drivers.
+        let slice = self
+            .stream
+            .alloc_zeros::<u8>(bytes.max(1))
+            .during(|| format!("alloc {bytes} B"))?;
+        Ok(self.memory(slice, bytes))
+    }
+
+    fn upload_bytes(&self, bytes: &[u8]) -> Result<GpuMemory> {
+        if bytes.is_empty() {
+            return self.alloc_zeroed(0);
+        }
+        let slice = self
+            .stream
+            .clone_htod(bytes)
+            .during(|| format!("upload {} B", bytes.len()))?;
+        Ok(self.memory(slice, bytes.len()))
+    }
+
+    fn download_bytes(&self, memory: &GpuMemory) -> Result<Vec<u8>> {
+        self.synchronize()?;
+        let mut v = self
+            .stream
+            .clone_dtoh(&memory.slice)
+            .during(|| format!("download {} B", memory.len))?;
+        // cuMemcpyDtoHAsync into pageable memory returns when the copy is done, but that is
+        // the driver's documented behaviour, not cudarc's contract: wait explicitly.
+        self.synchronize()?;
+        v.truncate(memory.len);
+        Ok(v)
+    }
+
+    fn fill(&self, memory: &mut GpuMemory, byte: u8) -> Result<()> {
+        let n = memory.slice.len();
+        let (ptr, _sync) = memory.slice.device_ptr_mut(&self.stream);
+        // SAFETY: ptr is a live allocation of n bytes on this stream's context.
+        unsafe { cudarc::driver::result::memset_d8_async(ptr, byte, n, self.stream.cu_stream()) }
+            .during(|| format!("fill {n} B with {byte:#04x}"))
+    }
+
+    fn load_kernel(
+        &self,
+        family: &str,
+        tactic: &str,
+        name: &str,
+        dynamic_shared: usize,
+    ) -> Result<GpuKernel> {
+        let sm = GpuContext::sm(self)?;
+        let limit = self.info.smem_optin_per_block;
+        let not_runnable = |why: String| CudaError::TacticNotRunnable {
+            tactic: tactic.to_string(),
+            sm: sm.to_string(),
+            why,
+        };
+        let image = find_kernel_image(&self.ptx_dir, family, sm, tactic)?;
+        let module = match load_module(self, &image) {
+            Ok(m) => m,
+            // A cubin the driver rejects (e.g. built for another SM revision): try the PTX.
+            Err(first) => {
+                let [_, ptx] = kernel_image_candidates(&self.ptx_dir, family, sm, tactic);
+                if image != ptx && ptx.is_file() {
+                    load_module(self, &ptx).map_err(|second| CudaError::LoadImage {
+                        path: image.clone(),
+                        detail: format!("{first}; PTX fallback failed too: {second}"),
+                    })?
+                } else {
+                    return Err(first);
+                }
+            }
+        };
+        let function = module
+            .load_function(name)
+            .map_err(|e| CudaError::LoadImage {
+                path: image.clone(),
+                detail: format!("kernel {name} of tactic {tactic}: {e}"),
+            })?;
+        let static_shared = function
+            .shared_size_bytes()
+            .during(|| format!("{name} ({tactic}): static shared memory"))?
+            as usize;
+        if static_shared + dynamic_shared > limit {
+            return Err(not_runnable(format!(
+                "{name}: {static_shared} B static + {dynamic_shared} B dynamic shared memory > \
+                 {limit} B"
+            )));
+        }
+        // Above 48 KiB the dynamic size must be opted into per function.
+        function
+            .set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                dynamic_shared as i32,
+            )
+            .during(|| {
+                format!("{name} ({tactic}): set max dynamic shared memory {dynamic_shared} B")
+            })?;
+        let max_threads_per_block = function
+            .max_threads_per_block()
+            .during(|| format!("{name} ({tactic}): max threads per block"))?;
+        let registers = function
+            .num_regs()
+            .during(|| format!("{name} ({tactic}): registers"))?;
+        Ok(GpuKernel {
+            function,
+            image,
+            name: name.to_string(),
+            tactic: tactic.to_string(),
+            registers,
+            max_threads_per_block,
+            static_shared_bytes: static_shared,
+        })
+    }
+
+    unsafe fn launch(
+        &self,
+        kernel: &GpuKernel,
+        cfg: LaunchConfig,
+        params: &KernelParams<'_>,
+    ) -> Result<()> {
+        let threads = cfg.block_dim.0 * cfg.block_dim.1 * cfg.block_dim.2;
+        if threads as i64 > kernel.max_threads_per_block as i64 {
+            return Err(CudaError::TacticNotRunnable {
+                tactic: kernel.tactic.clone(),
+                sm: GpuContext::sm(self).map(|s| s.to_string()).unwrap_or_default(),
+                why: format!(
+                    "{}: the driver allows {} threads per block, the launch has {threads}",
+                    kernel.name, kernel.max_threads_per_block
+                ),
+            });
+        }
+        let mut raw = params.raw();
+        // SAFETY: the caller guarantees the parameters match the kernel and every address in
+        // them is a live allocation of this context; the stream belongs to the context.
+        unsafe {
+            cudarc::driver::result::launch_kernel(
+                kernel.function.cu_function(),
+                cfg.grid_dim,
+                cfg.block_dim,
+                cfg.shared_mem_bytes,
+                self.stream.cu_stream(),
+                &mut raw,
+            )
+        }
+        .during(|| format!("launch {} of {} ({cfg})", kernel.name, kernel.tactic))
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        GpuContext::synchronize(self)
     }
 }
 

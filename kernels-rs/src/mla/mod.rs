@@ -12,16 +12,16 @@
 //! - [`kernel_model`]: a lane-level CPU model of the CUDA kernel that checks its index math.
 //! - [`tactic`]: the typed tactic space of the CUDA kernel and its shared-memory layout.
 //! - `mla_decode.cu` (beside this file): split-KV decode, LSE combine and cache append kernels
-//!   for sm_120a and sm_90a; [`gpu`] (feature `cuda`) launches them, and `gpu_check.md`
-//!   describes the on-GPU check (`bin/mla-gpu-check.rs`).
+//!   for sm_120a and sm_90a; [`launch`] launches them on any
+//!   [`Device`](crate::device::Device), and `gpu_check.md` describes the on-GPU check
+//!   (`bin/mla-gpu-check.rs`).
 //! - [`golden_hash`]: the closed-form cache contents of the MLA goldens.
 
 pub mod cache;
 pub mod cpu;
 pub mod golden_hash;
-#[cfg(feature = "cuda")]
-pub mod gpu;
 pub mod kernel_model;
+pub mod launch;
 pub mod reference;
 pub mod tactic;
 

@@ -8,10 +8,15 @@
 //! - [`tactic`]: the typed tactic space (tiles, stages, variants), shared-memory footprints and
 //!   per-SM limits.
 //! - `moe_gemm.cu` (beside this file): the CUDA source, templated on the tactic parameters.
+//! - [`launch`]: the kernels' argument struct, buffer layouts and launches on any
+//!   [`Device`](crate::device::Device) (a GPU, or the host execution layer).
+//! - [`check`]: the correctness harness every device's runs go through.
 
+pub mod check;
 pub mod cpu;
 pub mod cpu_simd;
 pub mod golden_data;
+pub mod launch;
 pub mod mma_sm120;
 pub mod reference;
 pub mod tactic;

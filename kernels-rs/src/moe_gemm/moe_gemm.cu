@@ -23,6 +23,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include "ptx_helpers.cuh"
+
 #ifndef MOE_VARIANT
 // Defaults only so editors and a bare `nvcc -c` can parse the file; the gate always sets all.
 #define MOE_VARIANT 0
@@ -172,27 +174,6 @@ __device__ __forceinline__ int fp4_offset(int row, int byte) {
   return row * (TK / 2) + chunk * 16 + (byte & 15);
 }
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(valid ? 16 : 0));
-}
-
-__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(valid ? 4 : 0));
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
 // Offset of the u32 holding scales [col4*4, col4*4+4) of `row` in a weight's scale tensor.
 __device__ __forceinline__ size_t weight_sf_offset(int row, int col4, int k_blocks) {
   if (SCALES_SWIZZLED) {
@@ -240,12 +221,7 @@ __device__ __forceinline__ void load_weights(WeightTile t, const uint8_t* wq, co
 __device__ __forceinline__ void mma_nvf4(float (&d)[4], const uint32_t (&a)[4],
                                          const uint32_t (&b)[2], uint32_t sfa, uint32_t sfb) {
 #if MOE_VARIANT == 0
-  asm volatile(
-      "mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale.scale_vec::4X"
-      ".f32.e2m1.e2m1.f32.ue4m3 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3},"
-      " {%10}, {0, 0}, {%11}, {0, 0};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(sfa), "r"(sfb));
+  mma_nvf4_4x(d, a, b, sfa, sfb);
 #elif MOE_VARIANT == 2
   // Emulation of the instruction above with the semantics of mma_sm120.rs: gather each output
   // element's row of A and column of B from the lanes that hold them, sum the 64 scaled
@@ -299,15 +275,6 @@ __device__ __forceinline__ uint32_t dq_pair(uint32_t byte, float scale) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-__device__ __forceinline__ void hmma_bf16(float (&d)[4], const uint32_t (&a)[4],
-                                          const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7},"
-      " {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
 // One k64 step of one MMA tile: A has 16 rows starting at tile rows `a_row(0..16)`, B has 8.
 // Both operands are FP4 tiles in shared memory in the swizzled layout above.
 template <class ARow, class BRow>
@@ -332,7 +299,7 @@ __device__ __forceinline__ void mma_k64(float (&d)[4], const uint8_t* aq, const 
                              dq_pair(aq[fp4_offset(ra1, byte + 4)], sa1)};
       const uint32_t b[2] = {dq_pair(bq[fp4_offset(rb, byte)], sb),
                              dq_pair(bq[fp4_offset(rb, byte + 4)], sb)};
-      hmma_bf16(d, a, b);
+      mma_bf16(d, a, b[0], b[1]);
     }
   } else {
     // mma_sm120.rs: a[r] = row g + 8(r%2), bytes 4t + 16(r/2); b[r] = row g, bytes 4t + 16r.

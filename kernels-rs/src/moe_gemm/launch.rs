@@ -1,5 +1,7 @@
-//! Host side of the NVFP4 MoE grouped GEMM (`moe_gemm.cu`): weights and routing in the
-//! kernels' layout, device buffers, and the launches of `moe_gate_up` and `moe_down`.
+//! Launching the NVFP4 MoE grouped GEMM (`moe_gemm.cu`) on any [`Device`]: weights and
+//! routing in the kernels' layout, device buffers, and the launches of `moe_gate_up` and
+//! `moe_down`. The GPU (`cuda::GpuContext`) and the host execution layer
+//! (`cuda_host::HostDevice`) run exactly this code.
 //!
 //! Layouts (all read from `moe_gemm.cu`; the `MoeArgs` comments there are the contract):
 //! - `w13`: `[E, 2I, H/2]` packed E2M1 (low nibble = even element), gate rows `0..I` then up
@@ -16,15 +18,9 @@
 //! - `x`: `[T, H]` BF16; `h_q [A, I/2]`, `h_sf [A, I/16]` the NVFP4 intermediate; `out [T, H]`
 //!   f32, **accumulated atomically** by `moe_down`, so it must be zeroed before each run.
 
-use std::path::PathBuf;
-
-use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{
-    CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+use crate::device::{
+    Device, DeviceError, DeviceExt, DeviceMemory, KernelParams, LaunchConfig, Result,
 };
-use cudarc::nvrtc::Ptx;
-
-use super::{Context, CudaError, GpuContext, Result, find_kernel_image, kernel_image_candidates};
 use crate::formats::nvfp4::Nvfp4View;
 use crate::formats::swizzle::SwizzledScales;
 use crate::moe_gemm::reference::Routing;
@@ -71,8 +67,6 @@ const _: () = {
     assert!(std::mem::offset_of!(MoeArgs, out) == 120);
 };
 
-// SAFETY: plain-old-data, layout identical to the CUDA struct (see the asserts above).
-unsafe impl DeviceRepr for MoeArgs {}
 
 /// One expert's weights as a checkpoint holds them (row-major scales).
 #[derive(Clone, Copy, Debug)]
@@ -113,7 +107,7 @@ impl MoeWeightsHost {
     pub fn from_experts(experts: &[ExpertWeights<'_>]) -> Result<Self> {
         let first = experts
             .first()
-            .ok_or_else(|| CudaError::Invalid("no experts".into()))?;
+            .ok_or_else(|| DeviceError::Invalid("no experts".into()))?;
         let (inter, hidden) = (first.gate.rows, first.gate.cols);
         let mut w = MoeWeightsHost {
             experts: experts.len(),
@@ -129,13 +123,13 @@ impl MoeWeightsHost {
             ];
             for (name, r, c, er, ec) in shapes {
                 if (r, c) != (er, ec) {
-                    return Err(CudaError::Invalid(format!(
+                    return Err(DeviceError::Invalid(format!(
                         "expert {e} {name}_proj is [{r}, {c}], expected [{er}, {ec}]"
                     )));
                 }
             }
             if x.gate.global_scale != x.up.global_scale {
-                return Err(CudaError::Invalid(format!(
+                return Err(DeviceError::Invalid(format!(
                     "expert {e}: gate_proj and up_proj weight_scale_2 differ ({} vs {}); the \
                      fused gate/up kernel takes one per expert",
                     x.gate.global_scale, x.up.global_scale
@@ -160,7 +154,7 @@ impl MoeWeightsHost {
     pub fn check(&self) -> Result<()> {
         let (e, h, i) = (self.experts, self.hidden, self.inter);
         if h == 0 || i == 0 || !h.is_multiple_of(16) || !i.is_multiple_of(16) || e == 0 {
-            return Err(CudaError::Invalid(format!(
+            return Err(DeviceError::Invalid(format!(
                 "experts {e}, hidden {h}, inter {i}: need ≥ 1 expert and multiples of 16"
             )));
         }
@@ -176,7 +170,7 @@ impl MoeWeightsHost {
         ];
         for (name, got, want) in sizes {
             if got != want {
-                return Err(CudaError::Invalid(format!(
+                return Err(DeviceError::Invalid(format!(
                     "{name} has {got} elements, expected {want}"
                 )));
             }
@@ -229,7 +223,7 @@ pub struct GroupedRouting {
 impl GroupedRouting {
     pub fn new(routing: &Routing, experts: usize) -> Result<Self> {
         if routing.top_k == 0 || routing.experts.len() != routing.weights.len() {
-            return Err(CudaError::Invalid(format!(
+            return Err(DeviceError::Invalid(format!(
                 "routing: top_k {}, {} expert ids, {} weights",
                 routing.top_k,
                 routing.experts.len(),
@@ -237,12 +231,12 @@ impl GroupedRouting {
             )));
         }
         if let Some(bad) = routing.experts.iter().find(|&&e| e as usize >= experts) {
-            return Err(CudaError::Invalid(format!(
+            return Err(DeviceError::Invalid(format!(
                 "routing names expert {bad}, but there are {experts}"
             )));
         }
         if routing.experts.len() >= i32::MAX as usize {
-            return Err(CudaError::Invalid(
+            return Err(DeviceError::Invalid(
                 "too many assignments for i32 offsets".into(),
             ));
         }
@@ -286,7 +280,7 @@ impl GroupedRouting {
 /// kernels skip rows or K tails, or issue misaligned `cp.async`, silently.
 pub fn check_problem(tactic: &MoeGemmTactic, hidden: usize, inter: usize) -> Result<()> {
     let bad = |why: String| {
-        Err(CudaError::Shape {
+        Err(DeviceError::Shape {
             tactic: tactic.id(),
             why,
         })
@@ -325,45 +319,41 @@ pub fn check_problem(tactic: &MoeGemmTactic, hidden: usize, inter: usize) -> Res
     Ok(())
 }
 
-/// Weights on the device; scales in each layout that was asked for.
-pub struct MoeDeviceWeights {
+/// Weights on a device; scales in each layout that was asked for.
+pub struct MoeDeviceWeights<D: Device> {
     pub experts: usize,
     pub hidden: usize,
     pub inter: usize,
     pub bytes_per_expert: usize,
-    w13: CudaSlice<u8>,
-    w2: CudaSlice<u8>,
-    w13_gs: CudaSlice<f32>,
-    a13_gs: CudaSlice<f32>,
-    w2_gs: CudaSlice<f32>,
-    a2_gs: CudaSlice<f32>,
+    w13: D::Memory,
+    w2: D::Memory,
+    w13_gs: D::Memory,
+    a13_gs: D::Memory,
+    w2_gs: D::Memory,
+    a2_gs: D::Memory,
     /// `(w13_sf, w2_sf)`, indexed by `ScaleLoad::macro_value`.
-    scales: [Option<(CudaSlice<u8>, CudaSlice<u8>)>; 2],
+    scales: [Option<(D::Memory, D::Memory)>; 2],
 }
 
-impl MoeDeviceWeights {
-    pub fn upload(gpu: &GpuContext, host: &MoeWeightsHost, layouts: &[ScaleLoad]) -> Result<Self> {
+impl<D: Device> MoeDeviceWeights<D> {
+    pub fn upload(dev: &D, host: &MoeWeightsHost, layouts: &[ScaleLoad]) -> Result<Self> {
         host.check()?;
-        let s = gpu.stream();
-        let up_u8 = |v: &[u8], what: &str| s.clone_htod(v).during(|| format!("upload {what}"));
-        let up_f32 = |v: &[f32], what: &str| s.clone_htod(v).during(|| format!("upload {what}"));
         let mut scales = [None, None];
         for &layout in layouts {
             let (a, b) = host.scales(layout);
-            scales[layout.macro_value() as usize] =
-                Some((up_u8(&a, "w13 scales")?, up_u8(&b, "w2 scales")?));
+            scales[layout.macro_value() as usize] = Some((dev.upload(&a)?, dev.upload(&b)?));
         }
         Ok(Self {
             experts: host.experts,
             hidden: host.hidden,
             inter: host.inter,
             bytes_per_expert: host.bytes_per_expert(),
-            w13: up_u8(&host.w13, "w13")?,
-            w2: up_u8(&host.w2, "w2")?,
-            w13_gs: up_f32(&host.w13_gs, "w13_gs")?,
-            a13_gs: up_f32(&host.a13_gs, "a13_gs")?,
-            w2_gs: up_f32(&host.w2_gs, "w2_gs")?,
-            a2_gs: up_f32(&host.a2_gs, "a2_gs")?,
+            w13: dev.upload(&host.w13)?,
+            w2: dev.upload(&host.w2)?,
+            w13_gs: dev.upload(&host.w13_gs)?,
+            a13_gs: dev.upload(&host.a13_gs)?,
+            w2_gs: dev.upload(&host.w2_gs)?,
+            a2_gs: dev.upload(&host.a2_gs)?,
             scales,
         })
     }
@@ -379,19 +369,18 @@ impl MoeDeviceWeights {
     }
 }
 
-/// A grouped routing on the device.
-pub struct MoeDeviceRouting {
+/// A grouped routing on a device.
+pub struct MoeDeviceRouting<D: Device> {
     pub host: GroupedRouting,
-    expert_offsets: CudaSlice<i32>,
-    sorted_token_ids: CudaSlice<i32>,
-    sorted_weights: CudaSlice<f32>,
+    expert_offsets: D::Memory,
+    sorted_token_ids: D::Memory,
+    sorted_weights: D::Memory,
 }
 
-impl MoeDeviceRouting {
-    pub fn upload(gpu: &GpuContext, routing: GroupedRouting) -> Result<Self> {
-        let s = gpu.stream();
-        // A zero-length allocation is refused by some drivers; an empty routing keeps one
-        // dummy element that no kernel reads (offsets are all 0).
+impl<D: Device> MoeDeviceRouting<D> {
+    pub fn upload(dev: &D, routing: GroupedRouting) -> Result<Self> {
+        // An empty routing keeps one dummy element that no kernel reads (offsets are all 0):
+        // some drivers refuse zero-length allocations.
         let ids = if routing.sorted_token_ids.is_empty() {
             vec![0]
         } else {
@@ -403,37 +392,31 @@ impl MoeDeviceRouting {
             routing.sorted_weights.clone()
         };
         Ok(Self {
-            expert_offsets: s
-                .clone_htod(&routing.expert_offsets)
-                .during(|| "upload expert_offsets".into())?,
-            sorted_token_ids: s
-                .clone_htod(&ids)
-                .during(|| "upload sorted_token_ids".into())?,
-            sorted_weights: s
-                .clone_htod(&ws)
-                .during(|| "upload sorted_weights".into())?,
+            expert_offsets: dev.upload(&routing.expert_offsets)?,
+            sorted_token_ids: dev.upload(&ids)?,
+            sorted_weights: dev.upload(&ws)?,
             host: routing,
         })
     }
 }
 
 /// Activations, the NVFP4 intermediate and the output of one batch.
-pub struct MoeDeviceActivations {
+pub struct MoeDeviceActivations<D: Device> {
     pub tokens: usize,
     pub hidden: usize,
     pub inter: usize,
     /// Assignments (`tokens · top_k`) the intermediate has rows for.
     pub assignments: usize,
-    x: CudaSlice<u16>,
-    h_q: CudaSlice<u8>,
-    h_sf: CudaSlice<u8>,
-    out: CudaSlice<f32>,
+    x: D::Memory,
+    h_q: D::Memory,
+    h_sf: D::Memory,
+    out: D::Memory,
 }
 
-impl MoeDeviceActivations {
+impl<D: Device> MoeDeviceActivations<D> {
     /// `x_bf16`: `[tokens, hidden]` BF16 bit patterns.
     pub fn new(
-        gpu: &GpuContext,
+        dev: &D,
         x_bf16: &[u16],
         tokens: usize,
         hidden: usize,
@@ -441,12 +424,11 @@ impl MoeDeviceActivations {
         assignments: usize,
     ) -> Result<Self> {
         if x_bf16.len() != tokens * hidden {
-            return Err(CudaError::Invalid(format!(
+            return Err(DeviceError::Invalid(format!(
                 "x has {} values, expected {tokens}×{hidden}",
                 x_bf16.len()
             )));
         }
-        let s = gpu.stream();
         // Zero-byte allocations are invalid: empty batches keep one unread element.
         let rows = assignments.max(1);
         let x_padded;
@@ -461,62 +443,38 @@ impl MoeDeviceActivations {
             hidden,
             inter,
             assignments,
-            x: s.clone_htod(x_bf16).during(|| "upload x".into())?,
-            h_q: s
-                .alloc_zeros(rows * inter / 2)
-                .during(|| "alloc h_q".into())?,
-            h_sf: s
-                .alloc_zeros(rows * inter / 16)
-                .during(|| "alloc h_sf".into())?,
-            out: s
-                .alloc_zeros(tokens.max(1) * hidden)
-                .during(|| "alloc out".into())?,
+            x: dev.upload(x_bf16)?,
+            h_q: dev.alloc_zeroed(rows * inter / 2)?,
+            h_sf: dev.alloc_zeroed(rows * inter / 16)?,
+            out: dev.alloc_elements::<f32>(tokens * hidden)?,
         };
-        a.poison(gpu)?;
+        a.poison(dev)?;
         Ok(a)
     }
 
     /// Fills the intermediate with [`H_POISON`] and zeroes `out` (it is accumulated into, so
     /// it cannot be poisoned; an unwritten output stays 0 where the reference is not).
-    pub fn poison(&mut self, gpu: &GpuContext) -> Result<()> {
-        let s = gpu.stream();
-        for (buf, what) in [(&mut self.h_q, "h_q"), (&mut self.h_sf, "h_sf")] {
-            let n = buf.len();
-            let (ptr, _sync) = buf.device_ptr_mut(s);
-            // SAFETY: ptr is a live allocation of n bytes on this stream's context.
-            unsafe { cudarc::driver::result::memset_d8_async(ptr, H_POISON, n, s.cu_stream()) }
-                .during(|| format!("poison {what}"))?;
-        }
-        self.zero_out(gpu)
+    pub fn poison(&mut self, dev: &D) -> Result<()> {
+        dev.fill(&mut self.h_q, H_POISON)?;
+        dev.fill(&mut self.h_sf, H_POISON)?;
+        self.zero_out(dev)
     }
 
-    pub fn zero_out(&mut self, gpu: &GpuContext) -> Result<()> {
-        gpu.stream()
-            .memset_zeros(&mut self.out)
-            .during(|| "zero out".into())
+    pub fn zero_out(&mut self, dev: &D) -> Result<()> {
+        dev.fill(&mut self.out, 0)
     }
 
-    /// Copies `out` to the host (waits for the stream first, so every launch has finished).
-    pub fn read_out(&self, gpu: &GpuContext) -> Result<Vec<f32>> {
-        gpu.synchronize()?;
-        let mut v = gpu
-            .stream()
-            .clone_dtoh(&self.out)
-            .during(|| "download out".into())?;
-        gpu.synchronize()?;
+    /// Copies `out` to the host (after every launch has finished).
+    pub fn read_out(&self, dev: &D) -> Result<Vec<f32>> {
+        let mut v: Vec<f32> = dev.download(&self.out)?;
         v.truncate(self.tokens * self.hidden);
         Ok(v)
     }
 
     /// `(h_q, h_sf)` of the assignments.
-    pub fn read_h(&self, gpu: &GpuContext) -> Result<(Vec<u8>, Vec<u8>)> {
-        gpu.synchronize()?;
-        let s = gpu.stream();
-        let mut q = s.clone_dtoh(&self.h_q).during(|| "download h_q".into())?;
-        let mut sf = s.clone_dtoh(&self.h_sf).during(|| "download h_sf".into())?;
-        // cuMemcpyDtoHAsync into pageable memory returns when the copy is done, but that is
-        // the driver's documented behaviour, not cudarc's contract: wait explicitly.
-        gpu.synchronize()?;
+    pub fn read_h(&self, dev: &D) -> Result<(Vec<u8>, Vec<u8>)> {
+        let mut q = dev.download_bytes(&self.h_q)?;
+        let mut sf = dev.download_bytes(&self.h_sf)?;
         q.truncate(self.assignments * self.inter / 2);
         sf.truncate(self.assignments * self.inter / 16);
         Ok((q, sf))
@@ -524,24 +482,20 @@ impl MoeDeviceActivations {
 }
 
 /// The two kernels of one tactic, loaded and configured for launch.
-pub struct MoeKernels {
+pub struct MoeKernels<D: Device> {
     pub tactic: MoeGemmTactic,
-    /// The image the kernels came from (cubin, or PTX as a fallback).
-    pub image: PathBuf,
     pub smem: SmemFootprint,
-    /// Registers per thread of `(moe_gate_up, moe_down)` as the driver reports them.
-    pub registers: (i32, i32),
-    gate_up: CudaFunction,
-    down: CudaFunction,
+    pub gate_up: D::Kernel,
+    pub down: D::Kernel,
 }
 
-impl MoeKernels {
-    /// Loads the tactic's image for the device's SM, looks up both kernels and raises their
+impl<D: Device> MoeKernels<D> {
+    /// Checks that the tactic can run on the device, loads both kernels and raises their
     /// dynamic shared-memory limit to what the tactic needs.
-    pub fn load(gpu: &GpuContext, tactic: MoeGemmTactic) -> Result<Self> {
-        let sm = gpu.sm()?;
+    pub fn load(dev: &D, tactic: MoeGemmTactic) -> Result<Self> {
+        let sm = dev.sm()?;
         let id = tactic.id();
-        let not_runnable = |why: String| CudaError::TacticNotRunnable {
+        let not_runnable = |why: String| DeviceError::TacticNotRunnable {
             tactic: id.clone(),
             sm: sm.to_string(),
             why,
@@ -554,89 +508,31 @@ impl MoeKernels {
             )));
         }
         let smem = tactic.smem();
-        let limit = gpu.info().smem_optin_per_block;
+        let limit = dev.max_dynamic_shared();
         if smem.max() > limit {
             return Err(not_runnable(format!(
                 "needs {} B of shared memory, the device allows {limit} B per block",
                 smem.max()
             )));
         }
-        let image = find_kernel_image(gpu.ptx_dir(), FAMILY, sm, &id)?;
-        let module = match load_module(gpu, &image) {
-            Ok(m) => m,
-            // A cubin the driver rejects (e.g. built for another SM revision): try the PTX.
-            Err(first) => {
-                let [_, ptx] = kernel_image_candidates(gpu.ptx_dir(), FAMILY, sm, &id);
-                if image != ptx && ptx.is_file() {
-                    load_module(gpu, &ptx).map_err(|second| CudaError::LoadImage {
-                        path: image.clone(),
-                        detail: format!("{first}; PTX fallback failed too: {second}"),
-                    })?
-                } else {
-                    return Err(first);
-                }
-            }
-        };
-        let function = |name: &str, dyn_smem: usize| -> Result<CudaFunction> {
-            let f = module
-                .load_function(name)
-                .map_err(|e| CudaError::LoadImage {
-                    path: image.clone(),
-                    detail: format!("kernel {name} of tactic {id}: {e}"),
-                })?;
-            let static_smem = f
-                .shared_size_bytes()
-                .during(|| format!("{name} ({id}): static shared memory"))?
-                as usize;
-            if static_smem + dyn_smem > limit {
-                return Err(not_runnable(format!(
-                    "{name}: {static_smem} B static + {dyn_smem} B dynamic shared memory > {limit} B"
-                )));
-            }
-            // Above 48 KiB the dynamic size must be opted into per function.
-            f.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                dyn_smem as i32,
-            )
-            .during(|| format!("{name} ({id}): set max dynamic shared memory {dyn_smem} B"))?;
-            let max_threads = f
-                .max_threads_per_block()
-                .during(|| format!("{name} ({id}): max threads per block"))?;
-            if (max_threads as u32) < tactic.threads() {
-                return Err(not_runnable(format!(
-                    "{name}: the driver allows {max_threads} threads per block, the tactic \
-                     launches {}",
-                    tactic.threads()
-                )));
-            }
-            Ok(f)
-        };
-        let gate_up = function(GATE_UP_KERNEL, smem.gate_up)?;
-        let down = function(DOWN_KERNEL, smem.down)?;
-        let registers = (
-            gate_up.num_regs().during(|| "num_regs".into())?,
-            down.num_regs().during(|| "num_regs".into())?,
-        );
         Ok(Self {
             tactic,
-            image,
             smem,
-            registers,
-            gate_up,
-            down,
+            gate_up: dev.load_kernel(FAMILY, &id, GATE_UP_KERNEL, smem.gate_up)?,
+            down: dev.load_kernel(FAMILY, &id, DOWN_KERNEL, smem.down)?,
         })
     }
 
     fn check(
         &self,
-        w: &MoeDeviceWeights,
-        r: &MoeDeviceRouting,
-        a: &MoeDeviceActivations,
+        w: &MoeDeviceWeights<D>,
+        r: &MoeDeviceRouting<D>,
+        a: &MoeDeviceActivations<D>,
     ) -> Result<()> {
         let t = &self.tactic;
         check_problem(t, w.hidden, w.inter)?;
         let bad = |why: String| {
-            Err(CudaError::Shape {
+            Err(DeviceError::Shape {
                 tactic: t.id(),
                 why,
             })
@@ -676,34 +572,31 @@ impl MoeKernels {
 
     fn args(
         &self,
-        gpu: &GpuContext,
-        w: &MoeDeviceWeights,
-        r: &MoeDeviceRouting,
-        a: &mut MoeDeviceActivations,
+        w: &MoeDeviceWeights<D>,
+        r: &MoeDeviceRouting<D>,
+        a: &MoeDeviceActivations<D>,
     ) -> MoeArgs {
-        let s = gpu.stream();
-        // Event tracking is off (GpuContext::new), so the guards record nothing.
         let (w13_sf, w2_sf) = w.scales[self.tactic.scale_load.macro_value() as usize]
             .as_ref()
             .expect("checked by check()");
         MoeArgs {
-            expert_offsets: r.expert_offsets.device_ptr(s).0,
-            sorted_token_ids: r.sorted_token_ids.device_ptr(s).0,
-            sorted_weights: r.sorted_weights.device_ptr(s).0,
+            expert_offsets: r.expert_offsets.device_ptr(),
+            sorted_token_ids: r.sorted_token_ids.device_ptr(),
+            sorted_weights: r.sorted_weights.device_ptr(),
             hidden: w.hidden as i32,
             inter: w.inter as i32,
-            x: a.x.device_ptr(s).0,
-            w13: w.w13.device_ptr(s).0,
-            w13_sf: w13_sf.device_ptr(s).0,
-            w13_gs: w.w13_gs.device_ptr(s).0,
-            a13_gs: w.a13_gs.device_ptr(s).0,
-            h_q: a.h_q.device_ptr_mut(s).0,
-            h_sf: a.h_sf.device_ptr_mut(s).0,
-            w2: w.w2.device_ptr(s).0,
-            w2_sf: w2_sf.device_ptr(s).0,
-            w2_gs: w.w2_gs.device_ptr(s).0,
-            a2_gs: w.a2_gs.device_ptr(s).0,
-            out: a.out.device_ptr_mut(s).0,
+            x: a.x.device_ptr(),
+            w13: w.w13.device_ptr(),
+            w13_sf: w13_sf.device_ptr(),
+            w13_gs: w.w13_gs.device_ptr(),
+            a13_gs: w.a13_gs.device_ptr(),
+            h_q: a.h_q.device_ptr(),
+            h_sf: a.h_sf.device_ptr(),
+            w2: w.w2.device_ptr(),
+            w2_sf: w2_sf.device_ptr(),
+            w2_gs: w.w2_gs.device_ptr(),
+            a2_gs: w.a2_gs.device_ptr(),
+            out: a.out.device_ptr(),
         }
     }
 
@@ -716,77 +609,50 @@ impl MoeKernels {
         experts: usize,
         max_per_expert: usize,
     ) -> Option<(LaunchConfig, LaunchConfig)> {
-        if max_per_expert == 0 {
-            return None;
-        }
-        let t = &self.tactic;
-        let m_tiles = max_per_expert.div_ceil(t.tile_m as usize) as u32;
-        let block = (t.threads(), 1, 1);
-        Some((
-            // grid: (inter / (TN/2), experts, ceil(max tokens per expert / TM))
-            LaunchConfig {
-                grid_dim: (
-                    (inter / (t.tile_n as usize / 2)) as u32,
-                    experts as u32,
-                    m_tiles,
-                ),
-                block_dim: block,
-                shared_mem_bytes: self.smem.gate_up as u32,
-            },
-            // grid: (hidden / TN, experts, ceil(max tokens per expert / TM) · SPLIT_K)
-            LaunchConfig {
-                grid_dim: (
-                    (hidden / t.tile_n as usize) as u32,
-                    experts as u32,
-                    m_tiles * t.split_k,
-                ),
-                block_dim: block,
-                shared_mem_bytes: self.smem.down as u32,
-            },
-        ))
+        launch_configs(&self.tactic, hidden, inter, experts, max_per_expert)
     }
 
     /// Launches `moe_gate_up`: `x` → `h_q`, `h_sf`.
     pub fn launch_gate_up(
         &self,
-        gpu: &GpuContext,
-        w: &MoeDeviceWeights,
-        r: &MoeDeviceRouting,
-        a: &mut MoeDeviceActivations,
+        dev: &D,
+        w: &MoeDeviceWeights<D>,
+        r: &MoeDeviceRouting<D>,
+        a: &mut MoeDeviceActivations<D>,
     ) -> Result<()> {
-        self.launch(gpu, w, r, a, true)
+        self.launch(dev, w, r, a, true)
     }
 
     /// Launches `moe_down`: `h` → `out` (accumulated: zero `out` first).
     pub fn launch_down(
         &self,
-        gpu: &GpuContext,
-        w: &MoeDeviceWeights,
-        r: &MoeDeviceRouting,
-        a: &mut MoeDeviceActivations,
+        dev: &D,
+        w: &MoeDeviceWeights<D>,
+        r: &MoeDeviceRouting<D>,
+        a: &mut MoeDeviceActivations<D>,
     ) -> Result<()> {
-        self.launch(gpu, w, r, a, false)
+        self.launch(dev, w, r, a, false)
     }
 
     /// Zeroes `out`, then runs both kernels.
     pub fn run(
         &self,
-        gpu: &GpuContext,
-        w: &MoeDeviceWeights,
-        r: &MoeDeviceRouting,
-        a: &mut MoeDeviceActivations,
+        dev: &D,
+        w: &MoeDeviceWeights<D>,
+        r: &MoeDeviceRouting<D>,
+        a: &mut MoeDeviceActivations<D>,
     ) -> Result<()> {
-        a.zero_out(gpu)?;
-        self.launch_gate_up(gpu, w, r, a)?;
-        self.launch_down(gpu, w, r, a)
+        a.zero_out(dev)?;
+        self.launch_gate_up(dev, w, r, a)?;
+        self.launch_down(dev, w, r, a)
     }
 
     fn launch(
         &self,
-        gpu: &GpuContext,
-        w: &MoeDeviceWeights,
-        r: &MoeDeviceRouting,
-        a: &mut MoeDeviceActivations,
+        dev: &D,
+        w: &MoeDeviceWeights<D>,
+        r: &MoeDeviceRouting<D>,
+        a: &mut MoeDeviceActivations<D>,
         gate_up: bool,
     ) -> Result<()> {
         self.check(w, r, a)?;
@@ -795,57 +661,59 @@ impl MoeKernels {
         else {
             return Ok(());
         };
-        let args = self.args(gpu, w, r, a);
-        let (f, cfg, name) = if gate_up {
-            (&self.gate_up, cfg_gu, GATE_UP_KERNEL)
+        let args = self.args(w, r, a);
+        let (kernel, cfg) = if gate_up {
+            (&self.gate_up, cfg_gu)
         } else {
-            (&self.down, cfg_down, DOWN_KERNEL)
+            (&self.down, cfg_down)
         };
-        let mut builder = gpu.stream().launch_builder(f);
-        builder.arg(&args);
+        let mut params = KernelParams::new();
+        params.arg(&args);
         // SAFETY: `args` matches the kernel's single by-value parameter (`MoeArgs`), every
-        // pointer in it is a live allocation sized by `check` for this launch's grid, and the
-        // dynamic shared memory was opted into at load.
-        unsafe { builder.launch(cfg) }.during(|| {
-            format!(
-                "launch {name} of tactic {} (grid {:?}, block {:?}, smem {} B)",
-                self.tactic, cfg.grid_dim, cfg.block_dim, cfg.shared_mem_bytes
-            )
-        })?;
-        Ok(())
+        // pointer in it is a live allocation of `dev` sized by `check` for this launch's grid,
+        // and the dynamic shared memory was opted into at load.
+        unsafe { dev.launch(kernel, cfg, &params) }
     }
 }
 
-pub(crate) fn load_module(
-    gpu: &GpuContext,
-    path: &std::path::Path,
-) -> Result<std::sync::Arc<cudarc::driver::CudaModule>> {
-    let bytes = std::fs::read(path).map_err(|e| CudaError::LoadImage {
-        path: path.to_path_buf(),
-        detail: e.to_string(),
-    })?;
-    let image = if path.extension().is_some_and(|e| e == "ptx") {
-        // PTX text is handed to cuModuleLoadData NUL-terminated (from_src adds the NUL).
-        Ptx::from_src(String::from_utf8(bytes).map_err(|e| CudaError::LoadImage {
-            path: path.to_path_buf(),
-            detail: format!("PTX is not UTF-8: {e}"),
-        })?)
-    } else {
-        Ptx::from_binary(bytes)
-    };
-    gpu.context()
-        .load_module(image)
-        .map_err(|e| CudaError::LoadImage {
-            path: path.to_path_buf(),
-            detail: format!(
-                "cuModuleLoadData: {e}{}",
-                if path.extension().is_some_and(|e| e == "ptx") {
-                    " (the PTX is ISA 9.5 from CUDA 13.5; older drivers cannot JIT it)"
-                } else {
-                    ""
-                }
+/// Launch configurations `(moe_gate_up, moe_down)` of `tactic` for a problem; `None` when no
+/// expert has a token (a zero grid dimension is invalid).
+pub fn launch_configs(
+    tactic: &MoeGemmTactic,
+    hidden: usize,
+    inter: usize,
+    experts: usize,
+    max_per_expert: usize,
+) -> Option<(LaunchConfig, LaunchConfig)> {
+    if max_per_expert == 0 {
+        return None;
+    }
+    let t = tactic;
+    let smem = t.smem();
+    let m_tiles = max_per_expert.div_ceil(t.tile_m as usize) as u32;
+    let block = (t.threads(), 1, 1);
+    Some((
+        // grid: (inter / (TN/2), experts, ceil(max tokens per expert / TM))
+        LaunchConfig {
+            grid_dim: (
+                (inter / (t.tile_n as usize / 2)) as u32,
+                experts as u32,
+                m_tiles,
             ),
-        })
+            block_dim: block,
+            shared_mem_bytes: smem.gate_up as u32,
+        },
+        // grid: (hidden / TN, experts, ceil(max tokens per expert / TM) · SPLIT_K)
+        LaunchConfig {
+            grid_dim: (
+                (hidden / t.tile_n as usize) as u32,
+                experts as u32,
+                m_tiles * t.split_k,
+            ),
+            block_dim: block,
+            shared_mem_bytes: smem.down as u32,
+        },
+    ))
 }
 
 #[cfg(test)]
@@ -931,7 +799,7 @@ mod tests {
 
     #[test]
     fn host_layout_read_as_the_kernels_do_matches_the_reference() {
-        use crate::cuda::check::{Rng, compare, random_case};
+        use crate::moe_gemm::check::{Rng, compare, random_case};
         // 2I = 192 rows and H = 160 rows: the swizzle's 128-row padding is exercised, and
         // H/16 = 10 scale columns pads to 12.
         let case = random_case("layout", &mut Rng(3), 6, 3, 6, 160, 96);
@@ -942,7 +810,7 @@ mod tests {
             .map(|&b| half::bf16::from_bits(b).to_f32())
             .collect();
         for layout in [ScaleLoad::Swizzled128x4, ScaleLoad::RowMajor] {
-            let out = crate::cuda::check::kernel_model(&case.weights, layout, &g, &x);
+            let out = crate::moe_gemm::check::kernel_model(&case.weights, layout, &g, &x);
             let c = compare(&out, &case.reference, &[]);
             assert!(c.passed(), "{layout:?}: {c:?}");
             assert!(c.rel_l2 < 1e-5, "{layout:?}: {c:?}");

@@ -1,15 +1,16 @@
-//! Correctness checking of the MoE kernels on a GPU, shared by the `gpu-check` binary and the
-//! GPU tests: random Kimi-shaped problems with their CPU reference, poisoned buffers, and the
+//! Correctness checking of the MoE kernels on any [`Device`], one harness for the GPU (the
+//! `gpu-check` binary, the GPU tests) and the host execution layer (the host tests): random
+//! Kimi-shaped problems with their CPU reference, poisoned buffers, two runs, and the
 //! comparison with its tolerance.
 
 use half::bf16;
 use serde_json::{Value, json};
 
-use super::GpuContext;
-use super::moe::{
+use super::launch::{
     ExpertWeights, GroupedRouting, H_POISON, MoeDeviceActivations, MoeDeviceRouting,
     MoeDeviceWeights, MoeKernels, MoeWeightsHost,
 };
+use crate::device::Device;
 use crate::formats::nvfp4::{Nvfp4Matrix, amax, global_scale_for_amax};
 use crate::matrix::MatrixView;
 use crate::moe_gemm::ScaleLoad;
@@ -259,10 +260,10 @@ pub fn compare(out: &[f32], reference: &[f32], h_sf: &[u8]) -> Compare {
 }
 
 /// Runs `kernels` on a case with poisoned buffers and compares with its reference.
-pub fn check_case(
-    gpu: &GpuContext,
-    kernels: &MoeKernels,
-    dev: &(MoeDeviceWeights, MoeDeviceRouting),
+pub fn check_case<D: Device>(
+    gpu: &D,
+    kernels: &MoeKernels<D>,
+    dev: &(MoeDeviceWeights<D>, MoeDeviceRouting<D>),
     case: &Case,
 ) -> Result<Compare, String> {
     let (w, r) = dev;

@@ -1,0 +1,546 @@
+//! The host semantics of every PTX helper, run through the probe kernels of
+//! `probes/ptx_probe.cu`, against references written here from the PTX ISA, against
+//! `kernels::moe_gemm::mma_sm120` (an independent register model of the block-scaled MMA),
+//! and the runtime's reports of kernels that break the programming model.
+
+// Index loops mirror the matrix formulas being checked.
+#![allow(clippy::needless_range_loop)]
+
+use std::time::Duration;
+
+use cuda_host::{
+    DeviceBuffer, Function, HostError, KernelArgs, LaunchConfig, LaunchOptions, Module, Schedule,
+    launch,
+};
+use kernels::formats::{e2m1_to_f32, e4m3_to_f32, ue4m3_to_f32};
+use kernels::moe_gemm::mma_sm120::{
+    self, LaneOperands, MMA_K, MMA_M, MMA_N, MmaTile, SF_PER_K, ScaleSelector,
+};
+
+struct SplitMix(u64);
+impl SplitMix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+}
+
+fn probe(name: &str) -> Function {
+    Module::find("ptx_probe", "default")
+        .unwrap()
+        .function(name)
+        .unwrap()
+}
+
+fn one_warp(shared: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (32, 1, 1),
+        shared_mem_bytes: shared,
+    }
+}
+
+/// `struct MmaOperands` of the probe: six device pointers.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MmaOperands {
+    a: u64,
+    b: u64,
+    c: u64,
+    sfa: u64,
+    sfb: u64,
+    d: u64,
+}
+
+/// Runs one probe MMA on per-lane registers; returns every lane's D.
+fn run_mma(kernel: &str, lanes: &[LaneOperands; 32], schedule: Schedule) -> [[f32; 4]; 32] {
+    let a: Vec<u32> = lanes.iter().flat_map(|l| l.a).collect();
+    let b: Vec<u32> = lanes.iter().flat_map(|l| l.b).collect();
+    let c: Vec<f32> = lanes.iter().flat_map(|l| l.c).collect();
+    let sfa: Vec<u32> = lanes.iter().map(|l| l.sfa).collect();
+    let sfb: Vec<u32> = lanes.iter().map(|l| l.sfb).collect();
+    let bufs = [
+        DeviceBuffer::from_slice(&a).unwrap(),
+        DeviceBuffer::from_slice(&b).unwrap(),
+        DeviceBuffer::from_slice(&c).unwrap(),
+        DeviceBuffer::from_slice(&sfa).unwrap(),
+        DeviceBuffer::from_slice(&sfb).unwrap(),
+    ];
+    let mut d = DeviceBuffer::zeroed(32 * 4 * 4).unwrap();
+    d.fill(0xFF);
+    let ops = MmaOperands {
+        a: bufs[0].ptr(),
+        b: bufs[1].ptr(),
+        c: bufs[2].ptr(),
+        sfa: bufs[3].ptr(),
+        sfb: bufs[4].ptr(),
+        d: d.ptr(),
+    };
+    let mut args = KernelArgs::new();
+    args.arg(&ops);
+    let opts = LaunchOptions {
+        schedule,
+        ..LaunchOptions::default()
+    };
+    // SAFETY: every pointer is a live buffer of the sizes the probe reads and writes.
+    let stats = unsafe { launch(&probe(kernel), one_warp(0), &args, &opts) }.unwrap();
+    assert_eq!(stats.mma, 1, "{kernel}: one warp-collective MMA");
+    let v: Vec<f32> = d.to_vec();
+    let mut out = [[0f32; 4]; 32];
+    for (lane, o) in out.iter_mut().enumerate() {
+        o.copy_from_slice(&v[4 * lane..4 * lane + 4]);
+    }
+    out
+}
+
+fn random_nvf4_tile(rng: &mut SplitMix) -> MmaTile {
+    let mut t = MmaTile {
+        a: [[0; MMA_K]; MMA_M],
+        b_t: [[0; MMA_K]; MMA_N],
+        sfa: [[0; SF_PER_K]; MMA_M],
+        sfb: [[0; SF_PER_K]; MMA_N],
+        c: [[0.0; MMA_N]; MMA_M],
+    };
+    for row in t.a.iter_mut() {
+        row.iter_mut().for_each(|v| *v = rng.below(16) as u8);
+    }
+    for row in t.b_t.iter_mut() {
+        row.iter_mut().for_each(|v| *v = rng.below(16) as u8);
+    }
+    // Finite UE4M3 codes (0x7F is NaN), spread over the whole exponent range.
+    for s in t.sfa.iter_mut().flatten().chain(t.sfb.iter_mut().flatten()) {
+        *s = rng.below(0x7F) as u8;
+    }
+    for c in t.c.iter_mut().flatten() {
+        *c = rng.unit() * 100.0;
+    }
+    t
+}
+
+#[test]
+fn block_scaled_fp4_mma_agrees_with_the_register_model_and_the_dequantized_product() {
+    let mut rng = SplitMix(11);
+    let sel = ScaleSelector::default();
+    for case in 0..40 {
+        let tile = random_nvf4_tile(&mut rng);
+        // Lanes the selectors do not read hold garbage: it must be ignored.
+        let lanes = mma_sm120::tile_to_lanes(&tile, sel, sel, 0x7F7F_7F7F).unwrap();
+        let schedule = if case % 2 == 0 {
+            Schedule::Forward
+        } else {
+            Schedule::Shuffled(case)
+        };
+        let host = run_mma("probe_mma_nvf4", &lanes, schedule);
+        let model = mma_sm120::mma_m16n8k64_nvf4(&lanes, sel, sel).unwrap();
+        for lane in 0..32 {
+            for r in 0..4 {
+                assert_eq!(
+                    host[lane][r].to_bits(),
+                    model[lane][r].to_bits(),
+                    "case {case}: lane {lane} d[{r}]: host {} vs register model {}",
+                    host[lane][r],
+                    model[lane][r]
+                );
+            }
+        }
+        // And the plain definition D = C + (A·sA)(B·sB), summed exactly.
+        let d = mma_sm120::lanes_to_d(&host);
+        for i in 0..MMA_M {
+            for j in 0..MMA_N {
+                let dot: f64 = (0..MMA_K)
+                    .map(|k| {
+                        f64::from(e2m1_to_f32(tile.a[i][k]))
+                            * f64::from(ue4m3_to_f32(tile.sfa[i][k / 16]))
+                            * f64::from(e2m1_to_f32(tile.b_t[j][k]))
+                            * f64::from(ue4m3_to_f32(tile.sfb[j][k / 16]))
+                    })
+                    .sum();
+                let want = (dot + f64::from(tile.c[i][j])) as f32;
+                assert_eq!(d[i][j].to_bits(), want.to_bits(), "case {case} ({i},{j})");
+            }
+        }
+    }
+}
+
+/// Element i of a lane's fragment for the m16n8k16 BF16 and m16n8k32 E4M3 layouts of the PTX
+/// ISA: `(row, col)` of A, `(k, n)` of B, `(row, col)` of C/D.
+fn a_pos_16816(lane: usize, i: usize) -> (usize, usize) {
+    let (g, t) = (lane / 4, lane % 4);
+    let row = if i < 2 || (4..6).contains(&i) { g } else { g + 8 };
+    (row, 2 * t + (i & 1) + if i >= 4 { 8 } else { 0 })
+}
+fn b_pos_16816(lane: usize, i: usize) -> (usize, usize) {
+    let (g, t) = (lane / 4, lane % 4);
+    (2 * t + (i & 1) + if i >= 2 { 8 } else { 0 }, g)
+}
+fn a_pos_16832(lane: usize, i: usize) -> (usize, usize) {
+    let (g, t) = (lane / 4, lane % 4);
+    let row = if i < 4 || (8..12).contains(&i) { g } else { g + 8 };
+    (row, 4 * t + (i & 3) + if i >= 8 { 16 } else { 0 })
+}
+fn b_pos_16832(lane: usize, i: usize) -> (usize, usize) {
+    let (g, t) = (lane / 4, lane % 4);
+    (4 * t + (i & 3) + if i >= 4 { 16 } else { 0 }, g)
+}
+fn c_pos(lane: usize, i: usize) -> (usize, usize) {
+    let (g, t) = (lane / 4, lane % 4);
+    (if i < 2 { g } else { g + 8 }, 2 * t + (i & 1))
+}
+
+#[test]
+fn bf16_mma_computes_the_product_in_the_isa_fragment_layout() {
+    let mut rng = SplitMix(5);
+    for case in 0..20 {
+        let a: Vec<Vec<u16>> = (0..16)
+            .map(|_| (0..16).map(|_| half::bf16::from_f32(rng.unit() * 8.0).to_bits()).collect())
+            .collect();
+        let b: Vec<Vec<u16>> = (0..16)
+            .map(|_| (0..8).map(|_| half::bf16::from_f32(rng.unit() * 8.0).to_bits()).collect())
+            .collect();
+        let c: Vec<Vec<f32>> = (0..16).map(|_| (0..8).map(|_| rng.unit()).collect()).collect();
+        let mut lanes = [LaneOperands::default(); 32];
+        for (lane, l) in lanes.iter_mut().enumerate() {
+            for i in 0..8 {
+                let (r, k) = a_pos_16816(lane, i);
+                l.a[i / 2] |= u32::from(a[r][k]) << (16 * (i % 2));
+            }
+            for i in 0..4 {
+                let (k, n) = b_pos_16816(lane, i);
+                l.b[i / 2] |= u32::from(b[k][n]) << (16 * (i % 2));
+            }
+            for i in 0..4 {
+                let (r, n) = c_pos(lane, i);
+                l.c[i] = c[r][n];
+            }
+        }
+        let d = run_mma("probe_mma_bf16", &lanes, Schedule::Shuffled(case));
+        let f = |h: u16| f64::from(half::bf16::from_bits(h).to_f32());
+        for (lane, regs) in d.iter().enumerate() {
+            for (i, &got) in regs.iter().enumerate() {
+                let (r, n) = c_pos(lane, i);
+                let dot: f64 = (0..16).map(|k| f(a[r][k]) * f(b[k][n])).sum();
+                let want = (dot + f64::from(c[r][n])) as f32;
+                assert_eq!(got.to_bits(), want.to_bits(), "case {case} lane {lane} d[{i}]");
+            }
+        }
+    }
+}
+
+#[test]
+fn e4m3_mma_computes_the_product_in_the_isa_fragment_layout() {
+    let mut rng = SplitMix(6);
+    for case in 0..20 {
+        // Any code but NaN (0x7F / 0xFF).
+        let code = |rng: &mut SplitMix| loop {
+            let c = rng.below(256) as u8;
+            if c & 0x7F != 0x7F {
+                break c;
+            }
+        };
+        let a: Vec<Vec<u8>> = (0..16).map(|_| (0..32).map(|_| code(&mut rng)).collect()).collect();
+        let b: Vec<Vec<u8>> = (0..32).map(|_| (0..8).map(|_| code(&mut rng)).collect()).collect();
+        let c: Vec<Vec<f32>> = (0..16).map(|_| (0..8).map(|_| rng.unit()).collect()).collect();
+        let mut lanes = [LaneOperands::default(); 32];
+        for (lane, l) in lanes.iter_mut().enumerate() {
+            for i in 0..16 {
+                let (r, k) = a_pos_16832(lane, i);
+                l.a[i / 4] |= u32::from(a[r][k]) << (8 * (i % 4));
+            }
+            for i in 0..8 {
+                let (k, n) = b_pos_16832(lane, i);
+                l.b[i / 4] |= u32::from(b[k][n]) << (8 * (i % 4));
+            }
+            for i in 0..4 {
+                let (r, n) = c_pos(lane, i);
+                l.c[i] = c[r][n];
+            }
+        }
+        let d = run_mma("probe_mma_e4m3", &lanes, Schedule::Reverse);
+        for (lane, regs) in d.iter().enumerate() {
+            for (i, &got) in regs.iter().enumerate() {
+                let (r, n) = c_pos(lane, i);
+                let dot: f64 = (0..32)
+                    .map(|k| f64::from(e4m3_to_f32(a[r][k])) * f64::from(e4m3_to_f32(b[k][n])))
+                    .sum();
+                let want = (dot + f64::from(c[r][n])) as f32;
+                assert_eq!(got.to_bits(), want.to_bits(), "case {case} lane {lane} d[{i}]");
+            }
+        }
+    }
+}
+
+#[test]
+fn ldmatrix_gives_each_lane_its_row_pair_plain_and_transposed() {
+    // Four 8×8 matrices of distinct b16 values: matrix m, row r, column c → 0x1000·m + 8r + c.
+    let tile: Vec<u16> = (0..4 * 64)
+        .map(|i| (0x1000 * (i / 64) + i % 64) as u16)
+        .collect();
+    let tile_buf = DeviceBuffer::from_slice(&tile).unwrap();
+    for num in [1i32, 2, 4] {
+        for trans in [0i32, 1] {
+            let mut out = DeviceBuffer::zeroed(32 * 4 * 4).unwrap();
+            let (t, o) = (tile_buf.ptr(), out.ptr());
+            let mut args = KernelArgs::new();
+            args.arg(&t).arg(&o).arg(&num).arg(&trans);
+            // 32 rows × 48 bytes of staging.
+            // SAFETY: live buffers of the sizes the probe uses.
+            unsafe { launch(&probe("probe_ldmatrix"), one_warp(32 * 48), &args, &LaunchOptions::default()) }
+                .unwrap();
+            let regs: Vec<u32> = out.to_vec();
+            for lane in 0..32usize {
+                for m in 0..4usize {
+                    let got = regs[4 * lane + m];
+                    let want = if m < num as usize {
+                        let (r, c) = (lane / 4, 2 * (lane % 4));
+                        let at = |row: usize, col: usize| u32::from(tile[64 * m + 8 * row + col]);
+                        if trans == 1 {
+                            at(c, r) | (at(c + 1, r) << 16)
+                        } else {
+                            at(r, c) | (at(r, c + 1) << 16)
+                        }
+                    } else {
+                        0
+                    };
+                    assert_eq!(got, want, "x{num} trans {trans}: lane {lane} reg {m}");
+                }
+            }
+            let _ = &mut out;
+        }
+    }
+}
+
+#[test]
+fn cp_async_lands_only_at_the_wait_that_covers_its_group() {
+    let threads = 64u32;
+    let n = 2 * 16 * threads as usize;
+    let src: Vec<u8> = (0..n).map(|i| (i * 7 + 1) as u8 | 1).collect();
+    let src_buf = DeviceBuffer::from_slice(&src).unwrap();
+    let zero_fill_from = 48i32;
+    let mut outs: Vec<DeviceBuffer> = (0..3).map(|_| DeviceBuffer::zeroed(n).unwrap()).collect();
+    let p: Vec<u64> = outs.iter().map(|b| b.ptr()).collect();
+    let s = src_buf.ptr();
+    let mut args = KernelArgs::new();
+    args.arg(&s).arg(&p[0]).arg(&p[1]).arg(&p[2]).arg(&zero_fill_from);
+    let cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: n as u32,
+    };
+    // SAFETY: live buffers of n bytes; the probe touches bytes [0, n).
+    unsafe { launch(&probe("probe_cp_async"), cfg, &args, &LaunchOptions::default()) }.unwrap();
+    let [early, middle, late] = [0, 1, 2].map(|i| outs[i].to_vec::<u8>());
+    let half = n / 2;
+    let expect = |i: usize| {
+        let thread = (i % half) / 16;
+        if thread < zero_fill_from as usize { src[i] } else { 0 }
+    };
+    for i in 0..half {
+        assert_eq!(early[i], 0xFF, "byte {i} visible before any wait");
+    }
+    for i in 0..n {
+        let first_group = i < half;
+        let want_middle = if first_group { expect(i) } else { 0xFF };
+        assert_eq!(middle[i], want_middle, "after wait_group 1, byte {i}");
+        assert_eq!(late[i], expect(i), "after wait_group 0, byte {i}");
+    }
+    outs.clear();
+}
+
+#[test]
+fn shuffles_and_votes_follow_the_segment_rules() {
+    let input: Vec<i32> = (0..32).map(|l| (l * 37 + 11) % 100 + if l == 7 { 2000 } else { 0 }).collect();
+    let in_buf = DeviceBuffer::from_slice(&input).unwrap();
+    for schedule in [Schedule::Forward, Schedule::Reverse, Schedule::Shuffled(3)] {
+        let out = DeviceBuffer::zeroed(32 * 9 * 4).unwrap();
+        let (i, o) = (in_buf.ptr(), out.ptr());
+        let mut args = KernelArgs::new();
+        args.arg(&i).arg(&o);
+        let opts = LaunchOptions {
+            schedule,
+            ..LaunchOptions::default()
+        };
+        // SAFETY: live buffers of the probe's sizes.
+        unsafe { launch(&probe("probe_warp"), one_warp(0), &args, &opts) }.unwrap();
+        let got: Vec<i32> = out.to_vec();
+        let ballot = input
+            .iter()
+            .enumerate()
+            .fold(0u32, |m, (l, v)| m | (((v & 1) as u32) << l));
+        for l in 0..32usize {
+            let up = if l >= 3 { input[l - 3] } else { input[l] };
+            let down = if l + 5 < 32 { input[l + 5] } else { input[l] };
+            let want = [
+                input[(l * 7 + 3) & 31],
+                up,
+                down,
+                input[l ^ 9],
+                input[(l & !7) + 2],
+                input[l ^ 1],
+                ballot as i32,
+                1,
+                1,
+            ];
+            assert_eq!(&got[9 * l..9 * l + 9], &want, "{schedule:?} lane {l}");
+        }
+    }
+}
+
+#[test]
+fn acquire_release_flags_between_co_resident_blocks() {
+    for schedule in [Schedule::Forward, Schedule::Reverse] {
+        let flag = DeviceBuffer::zeroed(8).unwrap();
+        let data = DeviceBuffer::zeroed(8).unwrap();
+        let seen = DeviceBuffer::zeroed(8).unwrap();
+        let (f, d, s) = (flag.ptr(), data.ptr(), seen.ptr());
+        let timeout: u64 = 5_000_000_000;
+        let mut args = KernelArgs::new();
+        args.arg(&f).arg(&d).arg(&s).arg(&timeout);
+        let cfg = LaunchConfig {
+            grid_dim: (2, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let opts = LaunchOptions {
+            co_resident: true,
+            schedule,
+            ..LaunchOptions::default()
+        };
+        // SAFETY: three live 8-byte buffers.
+        unsafe { launch(&probe("probe_flags"), cfg, &args, &opts) }.unwrap();
+        assert_eq!(seen.to_vec::<u64>()[0], 0x1234_5678_90ab_cdef, "{schedule:?}");
+    }
+}
+
+fn launch_error(kernel: &str, cfg: LaunchConfig, args: &KernelArgs<'_>, opts: &LaunchOptions) -> String {
+    // SAFETY: the probes only touch the buffers passed (or fault, which is the point).
+    match unsafe { launch(&probe(kernel), cfg, args, opts) } {
+        Ok(_) => panic!("{kernel} must fail"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn misuse_is_reported_with_the_kernel_block_and_thread() {
+    let out = DeviceBuffer::zeroed(4 * 128).unwrap();
+    let o = out.ptr();
+    let mut args = KernelArgs::new();
+    args.arg(&o);
+    let block = |threads| LaunchConfig {
+        grid_dim: (2, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let opts = LaunchOptions::default();
+    let e = launch_error("probe_barrier_divergence", block(128), &args, &opts);
+    assert!(e.contains("barrier divergence") && e.contains("probe_barrier_divergence"), "{e}");
+    let e = launch_error("probe_shuffle_divergence", block(64), &args, &opts);
+    assert!(e.contains("warp divergence") && e.contains("lane 5"), "{e}");
+
+    // 12 floats: a whole number of 16-byte granules, so x[12] is on the guard page.
+    let x = DeviceBuffer::from_slice(&[1.0f32; 12]).unwrap();
+    let y = DeviceBuffer::zeroed(4).unwrap();
+    let (xp, yp, n) = (x.ptr(), y.ptr(), 12i32);
+    let mut args = KernelArgs::new();
+    args.arg(&xp).arg(&yp).arg(&n);
+    let e = launch_error("probe_out_of_bounds", block(32), &args, &opts);
+    assert!(e.contains("illegal memory access") && e.contains("thread (0,0,0)"), "{e}");
+
+    let n = 256i32;
+    let mut args = KernelArgs::new();
+    args.arg(&n);
+    let cfg = LaunchConfig {
+        shared_mem_bytes: 256,
+        ..block(32)
+    };
+    let e = launch_error("probe_shared_overflow", cfg, &args, &opts);
+    assert!(e.contains("shared memory overflow"), "{e}");
+
+    let src = DeviceBuffer::zeroed(64).unwrap();
+    let s = src.ptr();
+    let mut args = KernelArgs::new();
+    args.arg(&s);
+    let cfg = LaunchConfig {
+        shared_mem_bytes: 64,
+        ..block(32)
+    };
+    let e = launch_error("probe_misaligned_cp_async", cfg, &args, &opts);
+    assert!(e.contains("not 16-byte aligned"), "{e}");
+
+    let flag = DeviceBuffer::zeroed(4).unwrap();
+    let f = flag.ptr();
+    let mut args = KernelArgs::new();
+    args.arg(&f);
+    let quick = LaunchOptions {
+        timeout: Some(Duration::from_millis(200)),
+        ..LaunchOptions::default()
+    };
+    let e = launch_error("probe_spin_forever", block(32), &args, &quick);
+    assert!(e.contains("time limit"), "{e}");
+}
+
+#[test]
+fn arguments_and_configurations_are_checked_before_running() {
+    let x = 0u64;
+    let mut args = KernelArgs::new();
+    args.arg(&x).arg(&x); // probe_warp takes two pointers: right count…
+    let one = 1i32;
+    let mut wrong = KernelArgs::new();
+    wrong.arg(&x).arg(&one); // …this one passes an int where a pointer goes
+    // SAFETY: rejected before anything runs.
+    let e = unsafe { launch(&probe("probe_warp"), one_warp(0), &wrong, &LaunchOptions::default()) }
+        .unwrap_err();
+    assert!(matches!(e, HostError::Arguments { .. }), "{e}");
+    assert!(e.to_string().contains("[8, 8]"), "{e}");
+
+    let too_big = LaunchConfig {
+        shared_mem_bytes: 101_377,
+        ..one_warp(0)
+    };
+    let sm120 = LaunchOptions {
+        max_dynamic_shared: 101_376,
+        ..LaunchOptions::default()
+    };
+    // SAFETY: rejected before anything runs.
+    let e = unsafe { launch(&probe("probe_warp"), too_big, &args, &sm120) }.unwrap_err();
+    assert!(e.to_string().contains("101376"), "{e}");
+    let no_threads = LaunchConfig {
+        block_dim: (0, 1, 1),
+        ..one_warp(0)
+    };
+    // SAFETY: rejected before anything runs.
+    let e = unsafe { launch(&probe("probe_warp"), no_threads, &args, &LaunchOptions::default()) }
+        .unwrap_err();
+    assert!(e.to_string().contains("invalid configuration"), "{e}");
+}
+
+#[test]
+fn every_family_has_its_tactics_compiled() {
+    let count = |f: &str| Module::family(f).len();
+    let moe: std::collections::BTreeSet<String> = kernels::moe_gemm::Sm::ALL
+        .iter()
+        .flat_map(|&sm| kernels::moe_gemm::MoeGemmTactic::enumerate(sm))
+        .map(|t| t.id())
+        .collect();
+    assert_eq!(count("moe_gemm"), moe.len());
+    for id in &moe {
+        let m = Module::find("moe_gemm", id).unwrap();
+        m.function("moe_gate_up").unwrap();
+        m.function("moe_down").unwrap();
+        // The parameter is MoeArgs by value: 128 bytes.
+        assert_eq!(m.function("moe_down").unwrap().param_sizes(), &[128]);
+    }
+    assert!(count("mla") >= 6);
+    assert_eq!(
+        count("allreduce"),
+        kernels::allreduce::tactic::AllReduceTactic::images().len()
+    );
+}

@@ -1,0 +1,210 @@
+//! The one seam between kernel launchers and what runs the kernels.
+//!
+//! A [`Device`] owns device memory, loads a kernel of a (family, tactic) and launches it with
+//! CUDA's kernel-parameter convention. Two implement it:
+//! - `cuda::GpuContext` (feature `cuda`): a GPU through the CUDA driver (cudarc), with the
+//!   cubins of the compile gate;
+//! - `cuda_host::HostDevice` (crate `cuda-host`): the same `.cu` sources compiled for the CPU
+//!   and run by the host execution layer.
+//!
+//! The launchers (`moe_gemm::launch`, `mla::launch`) are written once against this trait, so
+//! the argument structs, grid geometry, buffer sizing and poisoning that a GPU run uses are
+//! exactly what the host runs test.
+
+use std::ffi::c_void;
+use std::fmt;
+use std::marker::PhantomData;
+use std::path::PathBuf;
+
+use crate::moe_gemm::Sm;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    /// `libcuda.so` (the driver library) could not be opened.
+    #[error(
+        "no CUDA driver: the driver library (libcuda.so.1) could not be opened; install the \
+         NVIDIA driver or put its folder on LD_LIBRARY_PATH"
+    )]
+    NoDriver,
+    /// The driver is there but has no usable device (or refused to initialize).
+    #[error("no CUDA device {ordinal}: {detail}")]
+    NoDevice { ordinal: usize, detail: String },
+    /// The driver panicked inside cudarc (for example a symbol missing from an old driver).
+    #[error("CUDA driver library is unusable during {what}: {detail}")]
+    DriverPanic { what: String, detail: String },
+    /// An operation of the device failed: a driver call, or a host-executed kernel's fault.
+    #[error("{what}: {detail}")]
+    Driver { what: String, detail: String },
+    /// No kernel family was built for this compute capability.
+    #[error(
+        "device '{name}' has compute capability {major}.{minor}; kernels are built for sm_90a \
+         (9.0) and sm_120a (12.0) only"
+    )]
+    UnsupportedDevice {
+        name: String,
+        major: i32,
+        minor: i32,
+    },
+    #[error("no kernel image for {what}: tried {}", list_paths(tried))]
+    MissingImage { what: String, tried: Vec<PathBuf> },
+    #[error("cannot load kernel image {}: {detail}", path.display())]
+    LoadImage { path: PathBuf, detail: String },
+    #[error("tactic {tactic} cannot run on {sm}: {why}")]
+    TacticNotRunnable {
+        tactic: String,
+        sm: String,
+        why: String,
+    },
+    #[error("invalid problem for tactic {tactic}: {why}")]
+    Shape { tactic: String, why: String },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+fn list_paths(paths: &[PathBuf]) -> String {
+    paths
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+pub type Result<T> = std::result::Result<T, DeviceError>;
+
+/// Grid, block and dynamic shared memory of a launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchConfig {
+    pub grid_dim: (u32, u32, u32),
+    pub block_dim: (u32, u32, u32),
+    pub shared_mem_bytes: u32,
+}
+
+/// Kernel arguments in CUDA's `kernelParams` form: one pointer per parameter, to a value laid
+/// out as the kernel's parameter type (`#[repr(C)]` structs, device pointers as `u64`,
+/// scalars). Borrowed for the launch.
+#[derive(Default)]
+pub struct KernelParams<'a> {
+    ptrs: Vec<*mut c_void>,
+    sizes: Vec<usize>,
+    _borrow: PhantomData<&'a ()>,
+}
+
+impl<'a> KernelParams<'a> {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Appends one by-value parameter.
+    pub fn arg<T: Copy>(&mut self, value: &'a T) -> &mut Self {
+        self.ptrs.push(value as *const T as *mut c_void);
+        self.sizes.push(std::mem::size_of::<T>());
+        self
+    }
+
+    pub fn len(&self) -> usize {
+        self.ptrs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ptrs.is_empty()
+    }
+
+    /// Byte size of each parameter, in order.
+    pub fn sizes(&self) -> &[usize] {
+        &self.sizes
+    }
+
+    /// The pointer array `cuLaunchKernel` takes (a copy; the values stay borrowed).
+    pub fn raw(&self) -> Vec<*mut c_void> {
+        self.ptrs.clone()
+    }
+}
+
+/// Memory on a device, addressed by kernels through [`device_ptr`](DeviceMemory::device_ptr).
+pub trait DeviceMemory {
+    fn device_ptr(&self) -> u64;
+    /// Size in bytes.
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Something kernels run on. See the module documentation.
+pub trait Device {
+    type Memory: DeviceMemory;
+    /// A loaded kernel, ready to launch.
+    type Kernel;
+
+    /// For messages: the GPU's name, or what the host layer emulates.
+    fn describe(&self) -> String;
+    /// The SM whose tactics and limits apply.
+    fn sm(&self) -> Result<Sm>;
+    /// Dynamic shared memory a block may opt into.
+    fn max_dynamic_shared(&self) -> usize;
+
+    fn alloc_zeroed(&self, bytes: usize) -> Result<Self::Memory>;
+    fn upload_bytes(&self, bytes: &[u8]) -> Result<Self::Memory>;
+    /// Copies a whole allocation back; waits for the device's work first.
+    fn download_bytes(&self, memory: &Self::Memory) -> Result<Vec<u8>>;
+    fn fill(&self, memory: &mut Self::Memory, byte: u8) -> Result<()>;
+
+    /// Loads kernel `name` of the (family, tactic) image and allows it `dynamic_shared` bytes
+    /// of dynamic shared memory.
+    fn load_kernel(
+        &self,
+        family: &str,
+        tactic: &str,
+        name: &str,
+        dynamic_shared: usize,
+    ) -> Result<Self::Kernel>;
+
+    /// Launches `kernel`; may return before it finishes (stream order).
+    ///
+    /// # Safety
+    /// The parameters must match the kernel's signature, and every device address in them
+    /// must be an allocation of this device large enough for what the kernel does with it.
+    unsafe fn launch(
+        &self,
+        kernel: &Self::Kernel,
+        cfg: LaunchConfig,
+        params: &KernelParams<'_>,
+    ) -> Result<()>;
+
+    /// Waits for every launch and copy issued so far.
+    fn synchronize(&self) -> Result<()>;
+}
+
+/// Typed conveniences over a [`Device`]'s byte interface.
+pub trait DeviceExt: Device {
+    fn upload<T: bytemuck::Pod>(&self, values: &[T]) -> Result<Self::Memory> {
+        self.upload_bytes(bytemuck::cast_slice(values))
+    }
+
+    fn download<T: bytemuck::Pod>(&self, memory: &Self::Memory) -> Result<Vec<T>> {
+        let bytes = self.download_bytes(memory)?;
+        let n = bytes.len() / std::mem::size_of::<T>();
+        let mut out = vec![T::zeroed(); n];
+        bytemuck::cast_slice_mut::<T, u8>(&mut out)
+            .copy_from_slice(&bytes[..n * std::mem::size_of::<T>()]);
+        Ok(out)
+    }
+
+    /// An allocation of `count` zeroed `T`s; zero-sized requests get one element, since some
+    /// drivers refuse empty allocations.
+    fn alloc_elements<T>(&self, count: usize) -> Result<Self::Memory> {
+        self.alloc_zeroed(count.max(1) * std::mem::size_of::<T>())
+    }
+}
+
+impl<D: Device + ?Sized> DeviceExt for D {}
+
+impl fmt::Display for LaunchConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "grid {:?}, block {:?}, {} B dynamic shared memory",
+            self.grid_dim, self.block_dim, self.shared_mem_bytes
+        )
+    }
+}

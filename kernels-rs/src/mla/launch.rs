@@ -1,0 +1,393 @@
+//! Launching the MLA kernels (`mla_decode`, `mla_combine`, `mla_append` of `mla_decode.cu`)
+//! on any [`Device`]: a GPU (`cuda::GpuContext`, cubins of the compile gate) or the host
+//! execution layer (`cuda_host::HostDevice`). The GPU check is `bin/mla-gpu-check.rs`; the
+//! host tests are `tests/tests/host_mla.rs`.
+//!
+//! Device layouts (the kernel's, see the .cu header): the cache exactly as
+//! [`PagedLatentCache::raw_layer`] stores it; queries `[B][H][512]` / `[B][H][64]` BF16;
+//! block tables `[B][max_pages]` i32; outputs `[B][H][512]` and `[B][H]` f32.
+
+use half::bf16;
+
+use super::cache::{PagedLatentCache, RawLayer};
+use super::reference::AttentionQuery;
+use super::tactic::{LATENT, MlaTactic, ROPE};
+use crate::device::{
+    Device, DeviceError, DeviceExt, DeviceMemory, KernelParams, LaunchConfig, Result,
+};
+
+pub const FAMILY: &str = "mla";
+
+/// `struct DecodeArgs` of `mla_decode.cu`, passed by value: 11 device pointers, two `int`s and
+/// a `float` (100 bytes, padded to 104 by the pointers' alignment on both sides).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DecodeArgs {
+    pub q_abs: u64,
+    pub q_pe: u64,
+    pub kv: u64,
+    pub kv_scale: u64,
+    pub kv_rope: u64,
+    pub block_table: u64,
+    pub seq_lens: u64,
+    pub out: u64,
+    pub lse: u64,
+    pub part_out: u64,
+    pub part_lse: u64,
+    pub heads: i32,
+    pub max_pages: i32,
+    pub softmax_scale: f32,
+}
+
+const _: () = {
+    assert!(std::mem::size_of::<DecodeArgs>() == 104);
+    assert!(std::mem::offset_of!(DecodeArgs, heads) == 88);
+    assert!(std::mem::offset_of!(DecodeArgs, softmax_scale) == 96);
+};
+
+/// Names of the three kernels in every MLA image.
+pub const DECODE_KERNEL: &str = "mla_decode";
+pub const COMBINE_KERNEL: &str = "mla_combine";
+pub const APPEND_KERNEL: &str = "mla_append";
+/// Threads of `mla_combine` and `mla_append` (their `__launch_bounds__`).
+const AUX_THREADS: u32 = 128;
+
+/// One layer of the cache on a device.
+pub struct DeviceCache<D: Device> {
+    pub fp8: bool,
+    /// BF16 `kv [slots][576]` (as bytes) or FP8 codes `[slots][512]`.
+    kv: D::Memory,
+    scale: D::Memory,
+    rope: D::Memory,
+    pub slots: usize,
+    pub bytes_per_token: usize,
+}
+
+impl<D: Device> DeviceCache<D> {
+    /// Uploads `layer` of `cache` (BF16 or FP8; the F32 reference dtype has no kernel).
+    pub fn upload(dev: &D, cache: &PagedLatentCache, layer: usize) -> Result<Self> {
+        let shape = cache.shape();
+        if (shape.latent_dim, shape.rope_dim) != (LATENT, ROPE) {
+            return Err(DeviceError::Invalid(format!(
+                "mla kernels need 512 + 64 cache values, not {} + {}",
+                shape.latent_dim, shape.rope_dim
+            )));
+        }
+        let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
+        let bytes_per_token = cache.dtype().bytes_per_token(&shape);
+        match cache.raw_layer(layer) {
+            RawLayer::Bf16 { values } => Ok(Self {
+                fp8: false,
+                slots: values.len() / (LATENT + ROPE),
+                kv: dev.upload(&bits(values))?,
+                // Unused by BF16 kernels; one element keeps the pointers valid.
+                scale: dev.alloc_elements::<f32>(1)?,
+                rope: dev.alloc_elements::<u16>(1)?,
+                bytes_per_token,
+            }),
+            RawLayer::Fp8 {
+                latent,
+                scales,
+                rope,
+            } => Ok(Self {
+                fp8: true,
+                slots: scales.len(),
+                kv: dev.upload(latent)?,
+                scale: dev.upload(scales)?,
+                rope: dev.upload(&bits(rope))?,
+                bytes_per_token,
+            }),
+            RawLayer::F32 { .. } => Err(DeviceError::Invalid(
+                "the F32 cache is the CPU reference's; the kernels read BF16 or FP8".into(),
+            )),
+        }
+    }
+
+    /// `(kv or codes, scales, rope)` as downloaded host vectors (the append check).
+    pub fn download(&self, dev: &D) -> Result<(Vec<u8>, Vec<f32>, Vec<u16>)> {
+        Ok((
+            dev.download_bytes(&self.kv)?,
+            dev.download(&self.scale)?,
+            dev.download(&self.rope)?,
+        ))
+    }
+}
+
+/// Queries, block tables and outputs of one decode step.
+pub struct DecodeBatch<D: Device> {
+    pub batch: usize,
+    pub heads: usize,
+    pub max_pages: usize,
+    pub max_len: usize,
+    q_abs: D::Memory,
+    q_pe: D::Memory,
+    block_table: D::Memory,
+    seq_lens: D::Memory,
+    out: D::Memory,
+    lse: D::Memory,
+    part_out: D::Memory,
+    part_lse: D::Memory,
+    max_splits: usize,
+}
+
+impl<D: Device> DecodeBatch<D> {
+    /// `q_abs [rows][heads][512]`, `q_pe [rows][heads][64]` (rounded to BF16 here); one row per
+    /// query, attending to its sequence's first `context` tokens.
+    pub fn upload(
+        dev: &D,
+        cache: &PagedLatentCache,
+        queries: &[AttentionQuery],
+        heads: usize,
+        q_abs: &[f32],
+        q_pe: &[f32],
+        max_splits: usize,
+    ) -> Result<Self> {
+        let b = queries.len();
+        if b == 0
+            || heads == 0
+            || q_abs.len() != b * heads * LATENT
+            || q_pe.len() != b * heads * ROPE
+        {
+            return Err(DeviceError::Invalid(format!(
+                "decode batch: {b} rows × {heads} heads vs q_abs {} / q_pe {} values",
+                q_abs.len(),
+                q_pe.len()
+            )));
+        }
+        let tables: Vec<&[u32]> = queries
+            .iter()
+            .map(|q| cache.block_table(q.seq))
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| DeviceError::Invalid(e.to_string()))?;
+        let max_pages = tables.iter().map(|t| t.len()).max().unwrap_or(0).max(1);
+        let mut table = vec![0i32; b * max_pages];
+        for (row, t) in tables.iter().enumerate() {
+            for (i, &p) in t.iter().enumerate() {
+                table[row * max_pages + i] = p as i32;
+            }
+        }
+        let lens: Vec<i32> = queries.iter().map(|q| q.context as i32).collect();
+        let bf = |v: &[f32]| {
+            v.iter()
+                .map(|&x| bf16::from_f32(x).to_bits())
+                .collect::<Vec<u16>>()
+        };
+        let max_splits = max_splits.max(1);
+        let mut batch = Self {
+            batch: b,
+            heads,
+            max_pages,
+            max_len: queries.iter().map(|q| q.context).max().unwrap_or(0),
+            q_abs: dev.upload(&bf(q_abs))?,
+            q_pe: dev.upload(&bf(q_pe))?,
+            block_table: dev.upload(&table)?,
+            seq_lens: dev.upload(&lens)?,
+            out: dev.alloc_elements::<f32>(b * heads * LATENT)?,
+            lse: dev.alloc_elements::<f32>(b * heads)?,
+            part_out: dev.alloc_elements::<f32>(b * heads * max_splits * LATENT)?,
+            part_lse: dev.alloc_elements::<f32>(b * heads * max_splits)?,
+            max_splits,
+        };
+        batch.poison(dev)?;
+        Ok(batch)
+    }
+
+    /// Fills outputs and split workspaces with NaN (0xFF bytes), so anything the kernels
+    /// leave unwritten fails a check.
+    pub fn poison(&mut self, dev: &D) -> Result<()> {
+        for buf in [
+            &mut self.out,
+            &mut self.lse,
+            &mut self.part_out,
+            &mut self.part_lse,
+        ] {
+            dev.fill(buf, 0xFF)?;
+        }
+        Ok(())
+    }
+
+    /// `(out [B][H][512], lse [B][H])`, after every launch has finished.
+    pub fn read(&self, dev: &D) -> Result<(Vec<f32>, Vec<f32>)> {
+        Ok((dev.download(&self.out)?, dev.download(&self.lse)?))
+    }
+}
+
+/// The three kernels of one tactic, loaded for the device.
+pub struct MlaKernels<D: Device> {
+    pub tactic: MlaTactic,
+    pub decode: D::Kernel,
+    pub combine: D::Kernel,
+    pub append: D::Kernel,
+}
+
+impl<D: Device> MlaKernels<D> {
+    pub fn load(dev: &D, tactic: MlaTactic) -> Result<Self> {
+        let sm = dev.sm()?;
+        let id = tactic.id();
+        let not_runnable = |why: String| DeviceError::TacticNotRunnable {
+            tactic: id.clone(),
+            sm: sm.to_string(),
+            why,
+        };
+        tactic.validate().map_err(|e| not_runnable(e.to_string()))?;
+        let smem = tactic.smem().total;
+        let limit = dev.max_dynamic_shared();
+        if smem > limit {
+            return Err(not_runnable(format!(
+                "needs {smem} B of shared memory, the device allows {limit} B per block"
+            )));
+        }
+        Ok(Self {
+            tactic,
+            decode: dev.load_kernel(FAMILY, &id, DECODE_KERNEL, smem)?,
+            combine: dev.load_kernel(FAMILY, &id, COMBINE_KERNEL, 0)?,
+            append: dev.load_kernel(FAMILY, &id, APPEND_KERNEL, 0)?,
+        })
+    }
+
+    /// Launch geometry of `mla_decode` for a batch and a split count.
+    pub fn decode_config(&self, batch: usize, heads: usize, splits: u32) -> LaunchConfig {
+        let t = &self.tactic;
+        LaunchConfig {
+            grid_dim: (
+                heads.div_ceil(t.heads_per_block as usize) as u32,
+                splits,
+                batch as u32,
+            ),
+            block_dim: (t.threads(), 1, 1),
+            shared_mem_bytes: t.smem().total as u32,
+        }
+    }
+
+    /// Runs `mla_decode` with `splits` KV splits (then `mla_combine` when `splits > 1`).
+    pub fn decode(
+        &self,
+        dev: &D,
+        cache: &DeviceCache<D>,
+        batch: &mut DecodeBatch<D>,
+        splits: u32,
+        softmax_scale: f32,
+    ) -> Result<()> {
+        let t = &self.tactic;
+        if cache.fp8 != t.kind.is_fp8() {
+            return Err(DeviceError::Shape {
+                tactic: t.id(),
+                why: format!("cache is {}", if cache.fp8 { "FP8" } else { "BF16" }),
+            });
+        }
+        if splits == 0 || splits as usize > batch.max_splits {
+            return Err(DeviceError::Shape {
+                tactic: t.id(),
+                why: format!("{splits} splits, workspace holds {}", batch.max_splits),
+            });
+        }
+        let args = DecodeArgs {
+            q_abs: batch.q_abs.device_ptr(),
+            q_pe: batch.q_pe.device_ptr(),
+            kv: cache.kv.device_ptr(),
+            kv_scale: cache.scale.device_ptr(),
+            kv_rope: cache.rope.device_ptr(),
+            block_table: batch.block_table.device_ptr(),
+            seq_lens: batch.seq_lens.device_ptr(),
+            out: batch.out.device_ptr(),
+            lse: batch.lse.device_ptr(),
+            part_out: batch.part_out.device_ptr(),
+            part_lse: batch.part_lse.device_ptr(),
+            heads: batch.heads as i32,
+            max_pages: batch.max_pages as i32,
+            softmax_scale,
+        };
+        let cfg = self.decode_config(batch.batch, batch.heads, splits);
+        let mut params = KernelParams::new();
+        params.arg(&args);
+        // SAFETY: `args` mirrors the kernel's by-value `DecodeArgs`; every buffer was sized by
+        // `DecodeBatch::upload` / `DeviceCache::upload` for this grid, and the block table only
+        // holds pages of the uploaded cache; the dynamic shared memory was opted into at load.
+        unsafe { dev.launch(&self.decode, cfg, &params) }?;
+        if splits > 1 {
+            let (part_out, part_lse, out, lse) = (
+                batch.part_out.device_ptr(),
+                batch.part_lse.device_ptr(),
+                batch.out.device_ptr(),
+                batch.lse.device_ptr(),
+            );
+            let split_count = splits as i32;
+            let mut params = KernelParams::new();
+            params
+                .arg(&part_out)
+                .arg(&part_lse)
+                .arg(&out)
+                .arg(&lse)
+                .arg(&split_count);
+            let cfg = LaunchConfig {
+                grid_dim: ((batch.batch * batch.heads) as u32, 1, 1),
+                block_dim: (AUX_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: the workspace holds batch × heads × splits partials (checked above).
+            unsafe { dev.launch(&self.combine, cfg, &params) }?;
+        }
+        Ok(())
+    }
+
+    /// Runs `mla_append`: `latent [n][512]` (pre-RMSNorm) and `rope [n][64]` (RoPE'd) into
+    /// `slots` of `cache`; `static_scale` 0 selects per-token FP8 scales.
+    #[allow(clippy::too_many_arguments)]
+    pub fn append(
+        &self,
+        dev: &D,
+        cache: &mut DeviceCache<D>,
+        latent: &[f32],
+        rope: &[f32],
+        norm_weight: &[f32],
+        eps: f32,
+        slots: &[i32],
+        static_scale: f32,
+    ) -> Result<()> {
+        let n = slots.len();
+        if n == 0
+            || latent.len() != n * LATENT
+            || rope.len() != n * ROPE
+            || norm_weight.len() != LATENT
+            || slots.iter().any(|&s| s >= cache.slots as i32)
+        {
+            return Err(DeviceError::Invalid("mla_append: inconsistent inputs".into()));
+        }
+        let w: Vec<u16> = norm_weight
+            .iter()
+            .map(|&x| bf16::from_f32(x).to_bits())
+            .collect();
+        let d_latent = dev.upload(latent)?;
+        let d_rope = dev.upload(rope)?;
+        let d_w = dev.upload(&w)?;
+        let d_slots = dev.upload(slots)?;
+        let ptrs = [
+            d_latent.device_ptr(),
+            d_rope.device_ptr(),
+            d_w.device_ptr(),
+            d_slots.device_ptr(),
+            cache.kv.device_ptr(),
+            cache.scale.device_ptr(),
+            cache.rope.device_ptr(),
+        ];
+        let mut params = KernelParams::new();
+        params
+            .arg(&ptrs[0])
+            .arg(&ptrs[1])
+            .arg(&ptrs[2])
+            .arg(&eps)
+            .arg(&ptrs[3])
+            .arg(&ptrs[4])
+            .arg(&ptrs[5])
+            .arg(&ptrs[6])
+            .arg(&static_scale);
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (AUX_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: one CTA per row of the uploaded inputs; slots are checked against the cache.
+        unsafe { dev.launch(&self.append, cfg, &params) }?;
+        dev.synchronize()
+    }
+}
