@@ -15,6 +15,9 @@ Two kinds of cases (one file each, golden/data/moe/):
 - small.safetensors: small shapes written in full (weights, scales, inputs, routing, output),
   including empty experts, an expert with many tokens, and a TP=2 split of one set of experts
   (each rank's output is its partial sum).
+- kernel_tiles.safetensors: a shape every CUDA tactic accepts (hidden 512, intermediate 256)
+  with an expert that gets more tokens than the largest token tile (40 > 32: several tiles and
+  a ragged last one), an empty expert and one whose scales saturate; hashed like the next.
 - kimi.safetensors: Kimi-K2.5's per-GPU shapes (hidden 7168; intermediate 2048/8 = 256, and the
   unsharded 2048) at decode sizes. Their weights would take megabytes, so they are not stored:
   weights and inputs are a closed-form integer hash of the element index (see `hashed_values`),
@@ -298,6 +301,27 @@ def write_kimi(out: Path) -> None:
     }))
 
 
+def write_kernel_tiles(out: Path) -> None:
+    tensors = {}
+    hidden, inter, n_exp, tokens, stream = 512, 256, 6, 40, 200000
+    experts = [hashed_expert(stream, e, hidden, inter) for e in range(n_exp)]
+    # Expert 0 is every token's first choice (40 tokens); the second choice cycles through
+    # experts 1..4; expert 5 gets nothing.
+    routing = routing_tensor([[0, 1 + t % 4] for t in range(tokens)])
+    x = hashed_values(tokens, hidden, stream + 7, 6).float()
+    # Routing weights from the hash too: exact in f32 and different per slot.
+    w = hashed_values(tokens, 2, stream + 8, 8).float().abs() + 0.125
+    # Expert 2's input scales are 8× too small: its block scales saturate at 448.
+    ins, downs = calibrate(x, routing, experts, n_exp, [1, 1, 8, 1, 1, 1])
+    add_case(tensors, "tiles_h512_i256", x, routing, w, experts, ins, downs,
+             store_weights=False)
+    save_file(tensors, str(out / "kernel_tiles.safetensors"), metadata=provenance({
+        "semantics": __doc__.split("\n\n")[0],
+        "hashed_values": "as kimi.safetensors, with case stream 200000; routing weights "
+                         "|hashed_values(stream + 8, exponent 8)| + 0.125",
+    }))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -309,6 +333,7 @@ def main() -> None:
     torch.set_num_threads(1)  # one summation order for the float32 products
     write_small(out, args.seed + 10)
     write_kimi(out)
+    write_kernel_tiles(out)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
-//! Shared helpers of the cross-crate tests: where the committed goldens live.
+//! Shared helpers of the cross-crate tests: where the committed goldens live, and the goldens
+//! more than one test reads.
 
 use std::path::PathBuf;
+
+pub mod moe_goldens;
 
 /// `golden/data/NAME` in the repository.
 pub fn golden_path(name: &str) -> PathBuf {

@@ -10,9 +10,11 @@
 //!   instruction, implemented in `runtime/ptx_host.cpp` from the PTX ISA: cp.async groups,
 //!   ldmatrix, the BF16, E4M3 and block-scaled FP4 `mma.sync`, acquire/release flags,
 //!   `%globaltimer`.
-//! - [`launch`] takes CUDA's kernel-parameter convention (a pointer per argument, the same
-//!   `#[repr(C)]` structs the cudarc path pushes) and checks every argument's size against the
-//!   kernel's parameter types.
+//! - [`launch`] takes CUDA's kernel-parameter convention ([`KernelParams`]: a pointer per
+//!   argument, the same `#[repr(C)]` structs the cudarc path pushes) and checks every
+//!   argument's size against the kernel's parameter types.
+//! - [`HostDevice`] implements `kernels::device::Device`, so the MoE and MLA launchers that
+//!   drive a GPU drive the host layer unchanged.
 //! - [`DeviceBuffer`] is "device memory": host memory with guard pages on both sides, so an
 //!   out-of-bounds access faults, and the fault becomes an error naming the kernel, block and
 //!   thread instead of a crash.
@@ -22,15 +24,16 @@
 //! occupancy, and the compiled SASS (the compile gates check that).
 
 mod buffer;
-
+mod device;
 pub mod ffi;
 
-use std::ffi::{CStr, c_void};
+use std::ffi::CStr;
 use std::fmt;
-use std::marker::PhantomData;
 use std::time::Duration;
 
 pub use buffer::DeviceBuffer;
+pub use device::{HostDevice, HostKernel, LaunchRecord};
+pub use kernels::device::{KernelParams, LaunchConfig};
 
 
 include!(concat!(env!("OUT_DIR"), "/modules.rs"));
@@ -187,14 +190,6 @@ impl fmt::Debug for Function {
     }
 }
 
-/// Grid, block and dynamic shared memory of a launch (the fields of cudarc's `LaunchConfig`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct LaunchConfig {
-    pub grid_dim: (u32, u32, u32),
-    pub block_dim: (u32, u32, u32),
-    pub shared_mem_bytes: u32,
-}
-
 /// In which order the fibers of a block, and the blocks of a grid, run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Schedule {
@@ -251,36 +246,6 @@ pub fn max_dynamic_shared() -> u32 {
     unsafe { ffi::cuhost_max_dynamic_shared() }
 }
 
-/// Kernel arguments in CUDA's `kernelParams` form: one pointer per parameter, to a value laid
-/// out as the kernel's parameter type. Borrowed for the launch.
-#[derive(Default)]
-pub struct KernelArgs<'a> {
-    ptrs: Vec<*mut c_void>,
-    sizes: Vec<usize>,
-    _borrow: PhantomData<&'a ()>,
-}
-
-impl<'a> KernelArgs<'a> {
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Appends a by-value parameter (`#[repr(C)]` struct, pointer as `u64`, scalar).
-    pub fn arg<T: Copy>(&mut self, value: &'a T) -> &mut Self {
-        self.ptrs.push(value as *const T as *mut c_void);
-        self.sizes.push(std::mem::size_of::<T>());
-        self
-    }
-
-    pub fn len(&self) -> usize {
-        self.ptrs.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.ptrs.is_empty()
-    }
-}
-
 /// Runs `function` over `cfg.grid_dim` × `cfg.block_dim` on the CPU and waits for it.
 ///
 /// # Safety
@@ -289,21 +254,21 @@ impl<'a> KernelArgs<'a> {
 pub unsafe fn launch(
     function: &Function,
     cfg: LaunchConfig,
-    args: &KernelArgs<'_>,
+    args: &KernelParams<'_>,
     options: &LaunchOptions,
 ) -> Result<LaunchStats> {
     let expected = function.param_sizes();
-    if expected.len() != args.sizes.len()
+    if expected.len() != args.len()
         || expected
             .iter()
-            .zip(&args.sizes)
+            .zip(args.sizes())
             .any(|(&e, &g)| e as usize != g)
     {
         return Err(HostError::Arguments {
             kernel: function.label(),
             why: format!(
                 "the kernel's parameters have sizes {expected:?}, the arguments {:?}",
-                args.sizes
+                args.sizes()
             ),
         });
     }
@@ -325,7 +290,7 @@ pub unsafe fn launch(
     let dim = |(x, y, z): (u32, u32, u32)| ffi::Dim3 { x, y, z };
     let mut stats = ffi::RawLaunchStats::default();
     let mut err = vec![0u8; 2048];
-    let mut ptrs = args.ptrs.clone();
+    let mut ptrs = args.raw();
     // SAFETY: the kernel entry is static; the argument pointers outlive the call (borrowed by
     // `args`), their sizes match the parameter types (checked above), and the caller
     // guarantees the addresses inside them.

@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use cuda_host::{
-    DeviceBuffer, Function, HostError, KernelArgs, LaunchConfig, LaunchOptions, Module, Schedule,
+    DeviceBuffer, Function, HostError, KernelParams, LaunchConfig, LaunchOptions, Module, Schedule,
     launch,
 };
 use kernels::formats::{e2m1_to_f32, e4m3_to_f32, ue4m3_to_f32};
@@ -85,7 +85,7 @@ fn run_mma(kernel: &str, lanes: &[LaneOperands; 32], schedule: Schedule) -> [[f3
         sfb: bufs[4].ptr(),
         d: d.ptr(),
     };
-    let mut args = KernelArgs::new();
+    let mut args = KernelParams::new();
     args.arg(&ops);
     let opts = LaunchOptions {
         schedule,
@@ -289,7 +289,7 @@ fn ldmatrix_gives_each_lane_its_row_pair_plain_and_transposed() {
         for trans in [0i32, 1] {
             let mut out = DeviceBuffer::zeroed(32 * 4 * 4).unwrap();
             let (t, o) = (tile_buf.ptr(), out.ptr());
-            let mut args = KernelArgs::new();
+            let mut args = KernelParams::new();
             args.arg(&t).arg(&o).arg(&num).arg(&trans);
             // 32 rows × 48 bytes of staging.
             // SAFETY: live buffers of the sizes the probe uses.
@@ -328,7 +328,7 @@ fn cp_async_lands_only_at_the_wait_that_covers_its_group() {
     let mut outs: Vec<DeviceBuffer> = (0..3).map(|_| DeviceBuffer::zeroed(n).unwrap()).collect();
     let p: Vec<u64> = outs.iter().map(|b| b.ptr()).collect();
     let s = src_buf.ptr();
-    let mut args = KernelArgs::new();
+    let mut args = KernelParams::new();
     args.arg(&s).arg(&p[0]).arg(&p[1]).arg(&p[2]).arg(&zero_fill_from);
     let cfg = LaunchConfig {
         grid_dim: (1, 1, 1),
@@ -362,7 +362,7 @@ fn shuffles_and_votes_follow_the_segment_rules() {
     for schedule in [Schedule::Forward, Schedule::Reverse, Schedule::Shuffled(3)] {
         let out = DeviceBuffer::zeroed(32 * 9 * 4).unwrap();
         let (i, o) = (in_buf.ptr(), out.ptr());
-        let mut args = KernelArgs::new();
+        let mut args = KernelParams::new();
         args.arg(&i).arg(&o);
         let opts = LaunchOptions {
             schedule,
@@ -402,7 +402,7 @@ fn acquire_release_flags_between_co_resident_blocks() {
         let seen = DeviceBuffer::zeroed(8).unwrap();
         let (f, d, s) = (flag.ptr(), data.ptr(), seen.ptr());
         let timeout: u64 = 5_000_000_000;
-        let mut args = KernelArgs::new();
+        let mut args = KernelParams::new();
         args.arg(&f).arg(&d).arg(&s).arg(&timeout);
         let cfg = LaunchConfig {
             grid_dim: (2, 1, 1),
@@ -420,7 +420,7 @@ fn acquire_release_flags_between_co_resident_blocks() {
     }
 }
 
-fn launch_error(kernel: &str, cfg: LaunchConfig, args: &KernelArgs<'_>, opts: &LaunchOptions) -> String {
+fn launch_error(kernel: &str, cfg: LaunchConfig, args: &KernelParams<'_>, opts: &LaunchOptions) -> String {
     // SAFETY: the probes only touch the buffers passed (or fault, which is the point).
     match unsafe { launch(&probe(kernel), cfg, args, opts) } {
         Ok(_) => panic!("{kernel} must fail"),
@@ -432,7 +432,7 @@ fn launch_error(kernel: &str, cfg: LaunchConfig, args: &KernelArgs<'_>, opts: &L
 fn misuse_is_reported_with_the_kernel_block_and_thread() {
     let out = DeviceBuffer::zeroed(4 * 128).unwrap();
     let o = out.ptr();
-    let mut args = KernelArgs::new();
+    let mut args = KernelParams::new();
     args.arg(&o);
     let block = |threads| LaunchConfig {
         grid_dim: (2, 1, 1),
@@ -449,13 +449,13 @@ fn misuse_is_reported_with_the_kernel_block_and_thread() {
     let x = DeviceBuffer::from_slice(&[1.0f32; 12]).unwrap();
     let y = DeviceBuffer::zeroed(4).unwrap();
     let (xp, yp, n) = (x.ptr(), y.ptr(), 12i32);
-    let mut args = KernelArgs::new();
+    let mut args = KernelParams::new();
     args.arg(&xp).arg(&yp).arg(&n);
     let e = launch_error("probe_out_of_bounds", block(32), &args, &opts);
     assert!(e.contains("illegal memory access") && e.contains("thread (0,0,0)"), "{e}");
 
     let n = 256i32;
-    let mut args = KernelArgs::new();
+    let mut args = KernelParams::new();
     args.arg(&n);
     let cfg = LaunchConfig {
         shared_mem_bytes: 256,
@@ -466,7 +466,7 @@ fn misuse_is_reported_with_the_kernel_block_and_thread() {
 
     let src = DeviceBuffer::zeroed(64).unwrap();
     let s = src.ptr();
-    let mut args = KernelArgs::new();
+    let mut args = KernelParams::new();
     args.arg(&s);
     let cfg = LaunchConfig {
         shared_mem_bytes: 64,
@@ -477,7 +477,7 @@ fn misuse_is_reported_with_the_kernel_block_and_thread() {
 
     let flag = DeviceBuffer::zeroed(4).unwrap();
     let f = flag.ptr();
-    let mut args = KernelArgs::new();
+    let mut args = KernelParams::new();
     args.arg(&f);
     let quick = LaunchOptions {
         timeout: Some(Duration::from_millis(200)),
@@ -490,10 +490,10 @@ fn misuse_is_reported_with_the_kernel_block_and_thread() {
 #[test]
 fn arguments_and_configurations_are_checked_before_running() {
     let x = 0u64;
-    let mut args = KernelArgs::new();
+    let mut args = KernelParams::new();
     args.arg(&x).arg(&x); // probe_warp takes two pointers: right count…
     let one = 1i32;
-    let mut wrong = KernelArgs::new();
+    let mut wrong = KernelParams::new();
     wrong.arg(&x).arg(&one); // …this one passes an int where a pointer goes
     // SAFETY: rejected before anything runs.
     let e = unsafe { launch(&probe("probe_warp"), one_warp(0), &wrong, &LaunchOptions::default()) }

@@ -1,0 +1,184 @@
+//! [`HostDevice`]: the host execution layer behind `kernels::device::Device`, emulating one
+//! SM's limits, so the launchers written for the GPU run here unchanged.
+
+use std::sync::Mutex;
+
+use kernels::device::{Device, DeviceError, DeviceMemory, KernelParams, LaunchConfig, Result};
+use kernels::moe_gemm::Sm;
+
+use crate::{DeviceBuffer, Function, LaunchOptions, LaunchStats, Module, Schedule, launch};
+
+impl DeviceMemory for DeviceBuffer {
+    fn device_ptr(&self) -> u64 {
+        self.ptr()
+    }
+    fn len(&self) -> usize {
+        DeviceBuffer::len(self)
+    }
+}
+
+/// A loaded host kernel and the dynamic shared memory it was opted into.
+#[derive(Clone, Copy, Debug)]
+pub struct HostKernel {
+    pub function: Function,
+    pub max_dynamic_shared: usize,
+}
+
+/// What one launch was and did (the runtime's counters).
+#[derive(Clone, Debug)]
+pub struct LaunchRecord {
+    pub family: &'static str,
+    pub tactic: &'static str,
+    pub kernel: &'static str,
+    pub config: LaunchConfig,
+    pub stats: LaunchStats,
+}
+
+/// The host execution layer as a device with the limits of `sm` (dynamic shared memory per
+/// block: 101,376 B on SM120, 232,448 B on SM90). Launches run to completion before
+/// [`Device::launch`] returns.
+pub struct HostDevice {
+    sm: Sm,
+    options: Mutex<LaunchOptions>,
+    history: Mutex<Vec<LaunchRecord>>,
+}
+
+fn host_error(what: String) -> DeviceError {
+    DeviceError::Driver {
+        what: "host execution".into(),
+        detail: what,
+    }
+}
+
+impl HostDevice {
+    pub fn new(sm: Sm) -> Self {
+        let options = LaunchOptions {
+            max_dynamic_shared: sm.smem_optin_per_block() as u32,
+            ..LaunchOptions::default()
+        };
+        Self {
+            sm,
+            options: Mutex::new(options),
+            history: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The options every launch uses from now on (the shared-memory limit stays the SM's).
+    pub fn set_options(&self, options: LaunchOptions) {
+        *self.options.lock().unwrap() = LaunchOptions {
+            max_dynamic_shared: self.sm.smem_optin_per_block() as u32,
+            ..options
+        };
+    }
+
+    pub fn options(&self) -> LaunchOptions {
+        self.options.lock().unwrap().clone()
+    }
+
+    pub fn set_schedule(&self, schedule: Schedule) {
+        self.options.lock().unwrap().schedule = schedule;
+    }
+
+    /// Every launch since the device was made (or since the last [`take_history`]).
+    ///
+    /// [`take_history`]: HostDevice::take_history
+    pub fn take_history(&self) -> Vec<LaunchRecord> {
+        std::mem::take(&mut *self.history.lock().unwrap())
+    }
+}
+
+impl Device for HostDevice {
+    type Memory = DeviceBuffer;
+    type Kernel = HostKernel;
+
+    fn describe(&self) -> String {
+        format!("host execution layer emulating {}", self.sm)
+    }
+
+    fn sm(&self) -> Result<Sm> {
+        Ok(self.sm)
+    }
+
+    fn max_dynamic_shared(&self) -> usize {
+        self.sm.smem_optin_per_block()
+    }
+
+    fn alloc_zeroed(&self, bytes: usize) -> Result<DeviceBuffer> {
+        DeviceBuffer::zeroed(bytes).map_err(|e| host_error(e.to_string()))
+    }
+
+    fn upload_bytes(&self, bytes: &[u8]) -> Result<DeviceBuffer> {
+        DeviceBuffer::from_slice(bytes).map_err(|e| host_error(e.to_string()))
+    }
+
+    fn download_bytes(&self, memory: &DeviceBuffer) -> Result<Vec<u8>> {
+        Ok(memory.bytes().to_vec())
+    }
+
+    fn fill(&self, memory: &mut DeviceBuffer, byte: u8) -> Result<()> {
+        memory.fill(byte);
+        Ok(())
+    }
+
+    fn load_kernel(
+        &self,
+        family: &str,
+        tactic: &str,
+        name: &str,
+        dynamic_shared: usize,
+    ) -> Result<HostKernel> {
+        let limit = self.sm.smem_optin_per_block();
+        if dynamic_shared > limit {
+            return Err(DeviceError::TacticNotRunnable {
+                tactic: tactic.to_string(),
+                sm: self.sm.to_string(),
+                why: format!("{name}: {dynamic_shared} B dynamic shared memory > {limit} B"),
+            });
+        }
+        let function = Module::find(family, tactic)
+            .and_then(|m| m.function(name))
+            .map_err(|e| DeviceError::MissingImage {
+                what: e.to_string(),
+                tried: Vec::new(),
+            })?;
+        Ok(HostKernel {
+            function,
+            max_dynamic_shared: dynamic_shared,
+        })
+    }
+
+    unsafe fn launch(
+        &self,
+        kernel: &HostKernel,
+        cfg: LaunchConfig,
+        params: &KernelParams<'_>,
+    ) -> Result<()> {
+        // As on a GPU, a launch may not use more dynamic shared memory than the kernel was
+        // opted into.
+        if cfg.shared_mem_bytes as usize > kernel.max_dynamic_shared {
+            return Err(host_error(format!(
+                "{}: launch asks for {} B of dynamic shared memory, the kernel was loaded for {} B",
+                kernel.function.name(),
+                cfg.shared_mem_bytes,
+                kernel.max_dynamic_shared
+            )));
+        }
+        let options = self.options();
+        // SAFETY: forwarded from the caller (parameters match, addresses are live buffers).
+        let stats = unsafe { launch(&kernel.function, cfg, params, &options) }
+            .map_err(|e| host_error(e.to_string()))?;
+        let m = kernel.function.module();
+        self.history.lock().unwrap().push(LaunchRecord {
+            family: m.family_name(),
+            tactic: m.tactic(),
+            kernel: kernel.function.name(),
+            config: cfg,
+            stats,
+        });
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+}
