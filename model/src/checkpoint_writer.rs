@@ -481,6 +481,19 @@ mod tests {
     }
 
     #[test]
+    fn atomic_writes_replace_the_whole_file_and_leave_no_temporary() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = dir.path().join(INDEX_FILE);
+        write_atomic(&index, b"{\"old\": true}").unwrap();
+        write_atomic(&index, b"{}").unwrap();
+        assert_eq!(std::fs::read(&index).unwrap(), b"{}");
+        assert!(staged_names(dir.path()).is_empty());
+        let missing_folder = dir.path().join("none").join(INDEX_FILE);
+        assert!(write_atomic(&missing_folder, b"{}").is_err());
+        assert!(staged_names(dir.path()).is_empty());
+    }
+
+    #[test]
     fn relative_and_dotted_paths_resolve_lexically_where_they_do_not_exist() {
         let dir = tempfile::tempdir().unwrap();
         let real = dir.path().canonicalize().unwrap();

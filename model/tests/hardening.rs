@@ -318,23 +318,45 @@ fn endless_model(dir: &Path) -> PathBuf {
     model
 }
 
+/// Starts `command` and reads the first line of its stdout. The reader is returned open, so
+/// that no process it started ends on a closed pipe instead.
+fn first_line(command: &mut Command) -> (Child, String, BufReader<std::process::ChildStdout>) {
+    let mut child = command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    stdout.read_line(&mut line).unwrap();
+    (child, line, stdout)
+}
+
+/// Waits until none of `pids` runs and no `/dev/shm` entry contains `segment`.
+fn gone_within_5s(pids: &[u32], segment: &str) {
+    wait_until(
+        &format!("{pids:?} stopping"),
+        Duration::from_secs(5),
+        || pids.iter().all(|&pid| !running(pid)),
+    );
+    wait_until(
+        &format!("{segment} removed"),
+        Duration::from_secs(5),
+        || shm_entries(segment).is_empty(),
+    );
+}
+
 #[test]
 fn a_killed_launcher_leaves_no_rank_and_no_segment() {
     let tmp = tempfile::tempdir().unwrap();
     let checkpoint = endless_model(tmp.path());
     for signal in [libc::SIGKILL, libc::SIGTERM, libc::SIGINT] {
-        let mut launcher = model()
+        let mut launcher = model();
+        launcher
             .args(["run", "--tp", "2", "--max-new-tokens", "200000"])
-            .args(["--checkpoint", path_str(&checkpoint)])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        // Rank 0's first line: both ranks have loaded and joined the all-reduce. The reader
-        // stays open, so that no rank ends on a closed pipe instead.
-        let mut line = String::new();
-        let mut stdout = BufReader::new(launcher.stdout.take().unwrap());
-        stdout.read_line(&mut line).unwrap();
+            .args(["--checkpoint", path_str(&checkpoint)]);
+        // Rank 0's first line: both ranks have loaded and joined the all-reduce.
+        let (mut launcher, line, stdout) = first_line(&mut launcher);
         assert!(line.starts_with("model "), "{line}");
         let ranks = children_of(launcher.id());
         let _guard = KillOnDrop(ranks.clone());
@@ -342,14 +364,7 @@ fn a_killed_launcher_leaves_no_rank_and_no_segment() {
         let segment_tag = format!("model-tp-{}-", launcher.id());
         send(launcher.id(), signal);
         launcher.wait().unwrap();
-        wait_until(
-            &format!("signal {signal}: ranks {ranks:?} stopping"),
-            Duration::from_secs(5),
-            || ranks.iter().all(|&pid| !running(pid)),
-        );
-        wait_until("no segment", Duration::from_secs(5), || {
-            shm_entries(&segment_tag).is_empty()
-        });
+        gone_within_5s(&ranks, &segment_tag);
         drop(stdout);
     }
 }
@@ -360,20 +375,15 @@ fn a_rank_whose_launcher_dies_removes_the_segment_it_created() {
     let segment = format!("kernels-allreduce-hardening-{}", std::process::id());
     // A stand-in launcher that starts rank 0 alone: the rank creates the segment and waits
     // for a peer that never comes.
-    let mut launcher = Command::new("sh")
+    let mut launcher = Command::new("sh");
+    launcher
         .args(["-c", "\"$0\" \"$@\" & echo $!; wait"])
         .arg(env!("CARGO_BIN_EXE_model"))
         .args(["logits", "--tokens", "1,2,3", "--tp", "2", "--tp-rank", "0"])
         .args(["--tp-segment", &segment, "--tp-timeout-secs", "120"])
         .args(["--checkpoint", path_str(&golden_model("kimi-tiny"))])
-        .args(["--out", path_str(&tmp.path().join("logits.safetensors"))])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    let mut stdout = BufReader::new(launcher.stdout.take().unwrap());
-    stdout.read_line(&mut line).unwrap();
+        .args(["--out", path_str(&tmp.path().join("logits.safetensors"))]);
+    let (mut launcher, line, stdout) = first_line(&mut launcher);
     let rank: u32 = line.trim().parse().unwrap();
     let _guard = KillOnDrop(vec![rank]);
     wait_until("the segment", Duration::from_secs(30), || {
@@ -381,12 +391,7 @@ fn a_rank_whose_launcher_dies_removes_the_segment_it_created() {
     });
     launcher.kill().unwrap();
     launcher.wait().unwrap();
-    wait_until("the rank stopping", Duration::from_secs(5), || {
-        !running(rank)
-    });
-    wait_until("no segment", Duration::from_secs(5), || {
-        shm_entries(&segment).is_empty()
-    });
+    gone_within_5s(&[rank], &segment);
     drop(stdout);
 }
 
@@ -439,250 +444,169 @@ fn bad_values_are_refused_with_exit_code_2() {
     let out = tmp.path().join("out.safetensors");
     let out = path_str(&out);
     let bf16 = golden_model("dsv3-mini-unsharded-bf16");
-    let quantize = |calib: &'static str| {
-        let output = tmp.path().join("q");
-        let args = ["quantize", "--input", path_str(&bf16), "--output"];
-        [&args[..], &[path_str(&output), "--calib-tokens", calib]]
-            .concat()
-            .iter()
-            .map(|s| s.to_string())
-            .collect::<Vec<_>>()
-    };
-    let cases: Vec<(Vec<String>, &str)> = vec![
-        (vec!["run".into(), "--batch".into(), "0".into()], "--batch"),
+    let quantized = tmp.path().join("q");
+    let quantize = [
+        "quantize",
+        "--input",
+        path_str(&bf16),
+        "--output",
+        path_str(&quantized),
+    ];
+    let run = ["run", "--checkpoint", tiny];
+    let plan = ["plan", "--preset", "kimi-k2.5"];
+    let logits = ["logits", "--checkpoint", tiny, "--out", out];
+    let cases: [(&[&str], &[&str], &str); 19] = [
+        (&["run"], &["--batch", "0"], "--batch"),
+        (&run, &["--temperature", "-1"], "--temperature -1"),
+        (&run, &["--temperature", "NaN"], "--temperature NaN"),
+        (&run, &["--top-p", "0"], "--top-p 0"),
+        (&run, &["--top-p", "1.5"], "--top-p 1.5"),
         (
-            ["run", "--temperature", "-1", "--checkpoint", tiny]
-                .map(String::from)
-                .to_vec(),
-            "--temperature -1",
-        ),
-        (
-            ["run", "--temperature", "NaN", "--checkpoint", tiny]
-                .map(String::from)
-                .to_vec(),
-            "--temperature NaN",
-        ),
-        (
-            ["run", "--top-p", "0", "--checkpoint", tiny]
-                .map(String::from)
-                .to_vec(),
-            "--top-p 0",
-        ),
-        (
-            ["run", "--top-p", "1.5", "--checkpoint", tiny]
-                .map(String::from)
-                .to_vec(),
-            "--top-p 1.5",
-        ),
-        (
-            [
-                "run",
-                "--max-new-tokens",
-                "1000000000",
-                "--checkpoint",
-                tiny,
-            ]
-            .map(String::from)
-            .to_vec(),
+            &run,
+            &["--max-new-tokens", "1000000000"],
             "at most 262112 new tokens fit",
         ),
         (
-            [
-                "run",
-                "--batch",
-                "100000",
-                "--max-new-tokens",
-                "200000",
-                "--checkpoint",
-                tiny,
-            ]
-            .map(String::from)
-            .to_vec(),
+            &run,
+            &["--batch", "100000", "--max-new-tokens", "200000"],
             "fits at --batch 100000",
         ),
+        (&run, &["--prompt", "5,9999"], "outside the vocabulary"),
+        (&["run"], &["--tp", "9"], "--tp"),
+        (&plan, &["--gpus", "0"], "--gpus"),
         (
-            ["run", "--prompt", "5,9999", "--checkpoint", tiny]
-                .map(String::from)
-                .to_vec(),
-            "outside the vocabulary",
-        ),
-        (["run", "--tp", "9"].map(String::from).to_vec(), "--tp"),
-        (
-            ["plan", "--preset", "kimi-k2.5", "--gpus", "0"]
-                .map(String::from)
-                .to_vec(),
-            "--gpus",
-        ),
-        (
-            ["plan", "--preset", "kimi-k2.5", "--gpus", "3"]
-                .map(String::from)
-                .to_vec(),
+            &plan,
+            &["--gpus", "3"],
             "num_attention_heads = 64 cannot be split over 3 ranks",
         ),
         (
-            ["plan", "--preset", "kimi-k2.5", "--memory-utilization", "2"]
-                .map(String::from)
-                .to_vec(),
+            &plan,
+            &["--memory-utilization", "2"],
             "--memory-utilization",
         ),
         (
-            ["plan", "--preset", "kimi-k2.5", "--memory-utilization", "0"]
-                .map(String::from)
-                .to_vec(),
+            &plan,
+            &["--memory-utilization", "0"],
             "--memory-utilization",
         ),
-        (quantize("0"), "--calib-tokens 0"),
-        (quantize("1000000000"), "--calib-tokens 1000000000"),
+        (&quantize, &["--calib-tokens", "0"], "--calib-tokens 0"),
         (
-            [
-                "logits",
-                "--tokens",
-                "1,x",
-                "--checkpoint",
-                tiny,
-                "--out",
-                out,
-            ]
-            .map(String::from)
-            .to_vec(),
-            "item 2 `x`",
+            &quantize,
+            &["--calib-tokens", "1000000000"],
+            "--calib-tokens 1000000000",
         ),
+        (&logits, &["--tokens", "1,x"], "item 2 `x`"),
+        (&logits, &["--tokens", "1,9999"], "outside the vocabulary"),
         (
-            [
-                "logits",
-                "--tokens",
-                "1,9999",
-                "--checkpoint",
-                tiny,
-                "--out",
-                out,
-            ]
-            .map(String::from)
-            .to_vec(),
-            "outside the vocabulary",
-        ),
-        (
-            ["generate-checkpoint", "--preset", "kimi-k2.5", "--out", out]
-                .map(String::from)
-                .to_vec(),
+            &["generate-checkpoint", "--preset", "kimi-k2.5", "--out", out],
+            &[],
             "1 T parameters",
         ),
-        (vec!["frobnicate".into()], "frobnicate"),
+        (&["frobnicate"], &[], "frobnicate"),
     ];
     std::thread::scope(|scope| {
-        for (args, expected) in &cases {
-            scope.spawn(move || {
-                let args: Vec<&str> = args.iter().map(String::as_str).collect();
-                refused(&args, 2, expected);
-            });
+        for (command, values, expected) in cases {
+            scope.spawn(move || refused(&[command, values].concat(), 2, expected));
         }
     });
-    assert!(!Path::new(out).exists());
+    assert!(!Path::new(out).exists() && !quantized.exists());
+}
+
+/// A way a checkpoint can be broken.
+enum Damage {
+    /// A value of config.json's `text_config`, at a key path.
+    Config(&'static [&'static str], Value),
+    /// The shard the index names for one tensor.
+    IndexEntry(&'static str),
+    /// Neither hf_quant_config.json nor the `quantization_config` Kimi-K2.5-NVFP4 also embeds
+    /// in config.json.
+    NoQuantizationConfig,
+    /// One NaN in a BF16 weight.
+    NanWeight,
+}
+
+impl Damage {
+    fn apply(&self, dir: &Path) {
+        match self {
+            Damage::Config(keys, value) => edit_json(&dir.join("config.json"), |c| {
+                let mut node = &mut c["text_config"];
+                for key in *keys {
+                    node = &mut node[*key];
+                }
+                *node = value.clone();
+            }),
+            Damage::IndexEntry(shard) => {
+                edit_json(&dir.join("model.safetensors.index.json"), |index| {
+                    let map = index["weight_map"].as_object_mut().unwrap();
+                    *map.values_mut().next().unwrap() = Value::from(*shard);
+                })
+            }
+            Damage::NoQuantizationConfig => {
+                std::fs::remove_file(dir.join("hf_quant_config.json")).unwrap();
+                edit_json(&dir.join("config.json"), |c| {
+                    c.as_object_mut().unwrap().remove("quantization_config");
+                });
+            }
+            Damage::NanWeight => poison_bf16(
+                dir,
+                "language_model.model.layers.1.self_attn.o_proj.weight",
+                5,
+            ),
+        }
+    }
 }
 
 #[test]
 fn bad_configs_and_checkpoints_are_refused_with_exit_code_2() {
-    type Edit = fn(&Path);
-    let cases: [(Edit, &str); 10] = [
+    let cases = [
         (
-            |d| {
-                edit_json(&d.join("config.json"), |c| {
-                    c["text_config"]["num_experts_per_tok"] = 0.into()
-                })
-            },
+            Damage::Config(&["num_experts_per_tok"], 0.into()),
             "`num_experts_per_tok` is 0",
         ),
         (
-            |d| {
-                edit_json(&d.join("config.json"), |c| {
-                    c["text_config"]["num_hidden_layers"] = 1_000_000_000_000u64.into()
-                })
-            },
+            Damage::Config(&["num_hidden_layers"], 1_000_000_000_000u64.into()),
             "`num_hidden_layers` is 1000000000000",
         ),
         (
-            |d| {
-                edit_json(&d.join("config.json"), |c| {
-                    c["text_config"]["num_hidden_layers"] = 2.into()
-                })
-            },
+            Damage::Config(&["num_hidden_layers"], 2.into()),
             "holds layers 2 to 2, which config.json does not list",
         ),
         (
-            |d| {
-                edit_json(&d.join("config.json"), |c| {
-                    c["text_config"]["rms_norm_eps"] = (-1e-5).into()
-                })
-            },
+            Damage::Config(&["rms_norm_eps"], (-1e-5).into()),
             "`rms_norm_eps` is -0.00001",
         ),
         (
-            |d| {
-                edit_json(&d.join("config.json"), |c| {
-                    c["text_config"]["rope_theta"] = 0.into()
-                })
-            },
+            Damage::Config(&["rope_theta"], 0.into()),
             "`rope_theta` is 0",
         ),
         (
-            |d| {
-                edit_json(&d.join("config.json"), |c| {
-                    c["text_config"]["rope_scaling"]["factor"] = (-64.0).into()
-                })
-            },
+            Damage::Config(&["rope_scaling", "factor"], (-64.0).into()),
             "`rope_scaling.factor` is -64",
         ),
         (
-            |d| {
-                edit_json(&d.join("model.safetensors.index.json"), |i| {
-                    let map = i["weight_map"].as_object_mut().unwrap();
-                    let (_, shard) = map.iter_mut().next().unwrap();
-                    *shard = "../model-00001-of-00002.safetensors".into();
-                })
-            },
+            Damage::IndexEntry("../model-00001-of-00002.safetensors"),
             "not a file inside the checkpoint folder",
         ),
         (
-            |d| {
-                edit_json(&d.join("model.safetensors.index.json"), |i| {
-                    let map = i["weight_map"].as_object_mut().unwrap();
-                    let (_, shard) = map.iter_mut().next().unwrap();
-                    *shard = "/etc/passwd".into();
-                })
-            },
+            Damage::IndexEntry("/etc/passwd"),
             "\"/etc/passwd\", which is not a file inside the checkpoint folder",
         ),
+        (Damage::NoQuantizationConfig, "has no hf_quant_config.json"),
         (
-            // Kimi-K2.5-NVFP4 also embeds the quantization in config.json: drop both.
-            |d| {
-                std::fs::remove_file(d.join("hf_quant_config.json")).unwrap();
-                edit_json(&d.join("config.json"), |c| {
-                    c.as_object_mut().unwrap().remove("quantization_config");
-                });
-            },
-            "has no hf_quant_config.json",
-        ),
-        (
-            |d| {
-                poison_bf16(
-                    d,
-                    "language_model.model.layers.1.self_attn.o_proj.weight",
-                    5,
-                )
-            },
+            Damage::NanWeight,
             "`language_model.model.layers.1.self_attn.o_proj.weight`",
         ),
     ];
     std::thread::scope(|scope| {
-        for (i, (edit, expected)) in cases.into_iter().enumerate() {
+        for (damage, expected) in &cases {
             scope.spawn(move || {
                 let tmp = tempfile::tempdir().unwrap();
                 let dir = copy_model("kimi-tiny", tmp.path());
-                edit(&dir);
+                damage.apply(&dir);
                 let stderr = refused(&["inspect", path_str(&dir)], 2, expected);
                 assert!(
                     stderr.contains(path_str(&dir)),
-                    "case {i}: names the checkpoint: {stderr}"
+                    "names the checkpoint: {stderr}"
                 );
             });
         }
