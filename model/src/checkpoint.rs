@@ -60,9 +60,8 @@ impl Checkpoint {
         let (listing, weight_map): (PathBuf, BTreeMap<String, String>) = if index_path.exists() {
             let text = std::fs::read_to_string(&index_path)
                 .map_err(|e| invalid(&index_path, e.to_string()))?;
-            let index: IndexFile = serde_json::from_str(&text)
-                .map_err(|e| invalid(&index_path, format!("invalid index: {e}")))?;
-            (index_path, index.weight_map)
+            let weight_map = parse_index(&text).map_err(|e| invalid(&index_path, e))?;
+            (index_path, weight_map)
         } else {
             let single = dir.join("model.safetensors");
             if !single.exists() {
@@ -116,6 +115,8 @@ impl Checkpoint {
                         .into(),
                 ));
             };
+        check_layers_and_experts(&config.model, &prefix, shard_of.keys())
+            .map_err(|message| invalid(&listing, message))?;
         Ok(Self {
             dir: dir.to_path_buf(),
             config,
@@ -124,6 +125,24 @@ impl Checkpoint {
             shard_of,
             listing,
         })
+    }
+
+    /// Every floating-point tensor holding a NaN or an infinity, with its file and the first
+    /// such element. Reads all the weights, so `model inspect` runs it, not every load; a run
+    /// stops at the first layer whose output is not finite instead.
+    pub fn non_finite_tensors(&self) -> Result<Vec<(String, PathBuf, usize)>, CheckpointError> {
+        use rayon::prelude::*;
+        let mut names: Vec<(&str, &TensorFile)> = self.tensor_names().collect();
+        names.sort_by_key(|(n, _)| *n);
+        let found = names
+            .par_iter()
+            .map(|(name, file)| {
+                Ok(file
+                    .first_non_finite(name)?
+                    .map(|i| (name.to_string(), file.path().to_path_buf(), i)))
+            })
+            .collect::<Result<Vec<_>, TensorFileError>>()?;
+        Ok(found.into_iter().flatten().collect())
     }
 
     pub fn model_config(&self) -> &ModelConfig {
@@ -251,6 +270,17 @@ impl Checkpoint {
     ) -> Result<ExpertMatrix, CheckpointError> {
         let (file, weight) = self.locate(&format!("{module}.weight"))?;
         if file.info(&weight)?.dtype == Dtype::U8 {
+            if self.config.quant.is_none() {
+                // Run anyway, the checkpoint's KV-cache choice (FP8 for Kimi-K2.5-NVFP4) would
+                // silently become BF16.
+                return Err(CheckpointError::Invalid {
+                    path: file.path().to_path_buf(),
+                    message: format!(
+                        "tensor `{weight}` is NVFP4 (U8), but {} has no hf_quant_config.json and config.json no quantization_config; restore hf_quant_config.json from the release",
+                        self.dir.display()
+                    ),
+                });
+            }
             Ok(ExpertMatrix::Nvfp4(self.nvfp4(module, rows, cols)?))
         } else {
             Ok(ExpertMatrix::Bf16(self.bf16(
@@ -390,6 +420,81 @@ impl Checkpoint {
             mlp,
         })
     }
+}
+
+/// Parses `model.safetensors.index.json`: its `weight_map`, with every shard confined to the
+/// checkpoint folder (a relative path without `..`, as Hugging Face writes them; symbolic links
+/// inside the folder, as in the Hugging Face cache, are followed when the shard is opened).
+pub fn parse_index(text: &str) -> Result<BTreeMap<String, String>, String> {
+    let index: IndexFile = serde_json::from_str(text).map_err(|e| format!("invalid index: {e}"))?;
+    for (tensor, shard) in &index.weight_map {
+        let path = Path::new(shard);
+        let confined = !shard.is_empty()
+            && path
+                .components()
+                .all(|c| matches!(c, std::path::Component::Normal(_)));
+        if !confined {
+            return Err(format!(
+                "tensor `{tensor}` is listed in shard {shard:?}, which is not a file inside the checkpoint folder (a relative path without `..`)"
+            ));
+        }
+    }
+    Ok(index.weight_map)
+}
+
+/// `model.layers.L.` and `model.layers.L.mlp.experts.E.` in tensor names against the config:
+/// a checkpoint must hold every layer the config lists and nothing beyond them (but the
+/// multi-token-prediction layers), and no expert beyond `n_routed_experts`.
+fn check_layers_and_experts<'a>(
+    c: &ModelConfig,
+    prefix: &str,
+    names: impl Iterator<Item = &'a String>,
+) -> Result<(), String> {
+    let layers_prefix = format!("{prefix}model.layers.");
+    let index = |text: &str| -> Option<(usize, usize)> {
+        let digits = text.bytes().take_while(u8::is_ascii_digit).count();
+        if digits == 0 || !text[digits..].starts_with('.') {
+            return None;
+        }
+        // Too many digits for usize is still a layer number, beyond any config.
+        Some((text[..digits].parse().unwrap_or(usize::MAX), digits + 1))
+    };
+    let mut present = std::collections::BTreeSet::new();
+    for name in names {
+        let Some(rest) = name.strip_prefix(&layers_prefix) else {
+            continue;
+        };
+        let Some((layer, skip)) = index(rest) else {
+            continue;
+        };
+        present.insert(layer);
+        if let Some(expert) = rest[skip..].strip_prefix("mlp.experts.").and_then(index)
+            && layer < c.num_hidden_layers
+            && expert.0 >= c.n_routed_experts
+        {
+            return Err(format!(
+                "holds expert {} of layer {layer} (`{name}`), but config.json has n_routed_experts = {}",
+                expert.0, c.n_routed_experts
+            ));
+        }
+    }
+    let listed = c.num_hidden_layers + c.num_nextn_predict_layers;
+    if let Some(&last) = present.last()
+        && last >= listed
+    {
+        let first = present.range(listed..).next().copied().unwrap_or(last);
+        return Err(format!(
+            "holds layers {first} to {last}, which config.json does not list (num_hidden_layers = {}, num_nextn_predict_layers = {}): the config and the weights do not belong together",
+            c.num_hidden_layers, c.num_nextn_predict_layers
+        ));
+    }
+    if let Some(missing) = (0..c.num_hidden_layers).find(|l| !present.contains(l)) {
+        return Err(format!(
+            "config.json lists {} layers, but no tensor of layer {missing} (`{layers_prefix}{missing}.…`) is here",
+            c.num_hidden_layers
+        ));
+    }
+    Ok(())
 }
 
 /// A progress bar on stderr that stays silent when stderr is not a terminal.

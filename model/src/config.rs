@@ -68,6 +68,10 @@ pub struct ModelConfig {
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     pub tie_word_embeddings: bool,
+    /// DeepSeek-V3's multi-token-prediction layers, stored after the `num_hidden_layers`
+    /// decoder layers; the model does not run them.
+    #[serde(default)]
+    pub num_nextn_predict_layers: usize,
 }
 
 /// How routed experts are stored.
@@ -410,7 +414,12 @@ fn parse_text_config(t: &Value, root: &Value) -> Result<ModelConfig, String> {
             .or_else(|| root.get("tie_word_embeddings"))
             .and_then(Value::as_bool)
             .unwrap_or(false),
+        num_nextn_predict_layers: t
+            .get("num_nextn_predict_layers")
+            .and_then(Value::as_u64)
+            .unwrap_or(0) as usize,
     };
+    check_ranges(&config)?;
     if !config.qk_rope_head_dim.is_multiple_of(2) {
         return Err(format!(
             "qk_rope_head_dim {} must be even",
@@ -424,6 +433,149 @@ fn parse_text_config(t: &Value, root: &Value) -> Result<ModelConfig, String> {
         ));
     }
     Ok(config)
+}
+
+/// Widest dimension accepted (vocabulary, hidden, MLP, ranks): 16 times the largest released
+/// DeepSeek-V3-family model's, small enough that products of two never overflow.
+pub const MAX_WIDTH: usize = 1 << 22;
+/// Most decoder layers accepted (DeepSeek-V3 and Kimi-K2.5 have 61).
+pub const MAX_LAYERS: usize = 1 << 12;
+/// Most routed experts accepted (Kimi-K2.5 has 384).
+pub const MAX_EXPERTS: usize = 1 << 16;
+
+/// Ranges of every value the forward pass divides by, takes the logarithm of or allocates
+/// for, so that a config the engine accepts cannot produce NaN by itself or ask for a size
+/// no checkpoint could hold. Messages name the field and the value.
+fn check_ranges(c: &ModelConfig) -> Result<(), String> {
+    let widths = [
+        ("vocab_size", c.vocab_size),
+        ("hidden_size", c.hidden_size),
+        ("num_attention_heads", c.num_attention_heads),
+        ("kv_lora_rank", c.kv_lora_rank),
+        ("qk_nope_head_dim", c.qk_nope_head_dim),
+        ("qk_rope_head_dim", c.qk_rope_head_dim),
+        ("v_head_dim", c.v_head_dim),
+        ("q_lora_rank", c.q_lora_rank.unwrap_or(1)),
+    ];
+    for (name, value) in widths {
+        if !(1..=MAX_WIDTH).contains(&value) {
+            return Err(format!("`{name}` is {value}; it must be 1 to {MAX_WIDTH}"));
+        }
+    }
+    let optional_widths = [
+        ("intermediate_size", c.intermediate_size),
+        ("moe_intermediate_size", c.moe_intermediate_size),
+        ("n_shared_experts", c.n_shared_experts),
+    ];
+    for (name, value) in optional_widths {
+        if value > MAX_WIDTH {
+            return Err(format!(
+                "`{name}` is {value}; it must be at most {MAX_WIDTH}"
+            ));
+        }
+    }
+    if !(1..=MAX_LAYERS).contains(&c.num_hidden_layers) {
+        return Err(format!(
+            "`num_hidden_layers` is {}; it must be 1 to {MAX_LAYERS}",
+            c.num_hidden_layers
+        ));
+    }
+    if c.num_nextn_predict_layers > MAX_LAYERS {
+        return Err(format!(
+            "`num_nextn_predict_layers` is {}; it must be at most {MAX_LAYERS}",
+            c.num_nextn_predict_layers
+        ));
+    }
+    if c.first_k_dense_replace > c.num_hidden_layers {
+        return Err(format!(
+            "`first_k_dense_replace` {} exceeds `num_hidden_layers` {}",
+            c.first_k_dense_replace, c.num_hidden_layers
+        ));
+    }
+    if (c.first_k_dense_replace > 0 || c.n_routed_experts == 0) && c.intermediate_size == 0 {
+        return Err("`intermediate_size` is 0, but the model has dense MLP layers".into());
+    }
+    if c.n_routed_experts > MAX_EXPERTS {
+        return Err(format!(
+            "`n_routed_experts` is {}; it must be at most {MAX_EXPERTS}",
+            c.n_routed_experts
+        ));
+    }
+    if c.n_routed_experts > 0 {
+        if c.num_experts_per_tok == 0 {
+            return Err(
+                "`num_experts_per_tok` is 0; every token must go to at least one expert".into(),
+            );
+        }
+        if c.moe_intermediate_size == 0 {
+            return Err("`moe_intermediate_size` is 0, but the model has routed experts".into());
+        }
+        if c.topk_group == 0 {
+            return Err("`topk_group` is 0; at least one expert group must be kept".into());
+        }
+    }
+    if c.max_position_embeddings == 0 {
+        return Err("`max_position_embeddings` is 0".into());
+    }
+    let positive = [
+        ("rms_norm_eps", c.rms_norm_eps),
+        ("routed_scaling_factor", c.routed_scaling_factor),
+    ];
+    for (name, value) in positive {
+        // The forward pass computes in f32: the value must stay positive and finite there.
+        let narrowed = value as f32;
+        if !(value > 0.0 && narrowed.is_finite() && narrowed > 0.0) {
+            return Err(format!(
+                "`{name}` is {value}; it must be a positive number that f32 can hold"
+            ));
+        }
+    }
+    if !(c.rope_theta.is_finite() && c.rope_theta > 1.0) {
+        return Err(format!(
+            "`rope_theta` is {}; it must be a finite number greater than 1",
+            c.rope_theta
+        ));
+    }
+    if let Some(y) = &c.rope_scaling {
+        if !(y.factor.is_finite() && y.factor >= 1.0) {
+            return Err(format!(
+                "`rope_scaling.factor` is {}; YaRN needs a finite factor >= 1",
+                y.factor
+            ));
+        }
+        if y.original_max_position_embeddings == 0 {
+            return Err("`rope_scaling.original_max_position_embeddings` is 0".into());
+        }
+        let betas = [("beta_fast", y.beta_fast), ("beta_slow", y.beta_slow)];
+        for (name, value) in betas {
+            if !(value.is_finite() && value > 0.0) {
+                return Err(format!(
+                    "`rope_scaling.{name}` is {value}; it must be a positive finite number"
+                ));
+            }
+        }
+        let mscales = [("mscale", y.mscale), ("mscale_all_dim", y.mscale_all_dim)];
+        for (name, value) in mscales {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(format!(
+                    "`rope_scaling.{name}` is {value}; it must be a finite number >= 0"
+                ));
+            }
+        }
+    }
+    if !crate::rope::Rope::new(c).is_finite() {
+        return Err(format!(
+            "`rope_theta` {} and `rope_scaling` {:?} give RoPE frequencies or a scale that f32 cannot hold",
+            c.rope_theta, c.rope_scaling
+        ));
+    }
+    let scale = c.softmax_scale();
+    if !(scale.is_finite() && scale > 0.0) {
+        return Err(format!(
+            "the attention softmax scale these values give is {scale}; it must be positive and finite"
+        ));
+    }
+    Ok(())
 }
 
 fn parse_quant(q: &Value, producer: Option<String>) -> Result<QuantConfig, String> {
@@ -508,6 +660,40 @@ impl ModelConfig {
 
     pub fn is_moe_layer(&self, layer: usize) -> bool {
         layer >= self.first_k_dense_replace && self.n_routed_experts > 0
+    }
+
+    /// Whether the model splits over `world` tensor-parallel ranks the way
+    /// [`crate::weights::ModelWeights::shard`] splits it: attention heads and every MLP's
+    /// intermediate dimension evenly, routed experts' in whole NVFP4 blocks.
+    pub fn check_tensor_parallel(&self, world: usize) -> Result<(), String> {
+        let check = |what: &str, total: usize, align: usize| {
+            if world == 0 || !total.is_multiple_of(world) || !(total / world).is_multiple_of(align)
+            {
+                return Err(format!(
+                    "{what} = {total} cannot be split over {world} ranks in multiples of {align}"
+                ));
+            }
+            Ok(())
+        };
+        check("num_attention_heads", self.num_attention_heads, 1)?;
+        if (0..self.num_hidden_layers).any(|l| !self.is_moe_layer(l)) {
+            check("intermediate_size", self.intermediate_size, 1)?;
+        }
+        if self.n_routed_experts > 0 && self.first_k_dense_replace < self.num_hidden_layers {
+            check(
+                "moe_intermediate_size",
+                self.moe_intermediate_size,
+                kernels::formats::NVFP4_BLOCK,
+            )?;
+            if self.n_shared_experts > 0 {
+                check(
+                    "shared expert intermediate",
+                    self.moe_intermediate_size * self.n_shared_experts,
+                    1,
+                )?;
+            }
+        }
+        Ok(())
     }
 
     /// Softmax scale `qk_head_dim^-0.5 · mscale²` (YaRN's `mscale_all_dim` correction).
@@ -626,6 +812,91 @@ mod tests {
         assert_eq!((c.model.n_group, c.model.topk_group), (8, 4));
         assert_eq!(c.model.eos_token_ids, vec![1, 2]);
         assert_eq!(c.quant.unwrap().kv_cache_quant_algo, None);
+    }
+
+    #[test]
+    fn values_that_would_make_nan_or_absurd_sizes_are_refused_by_name() {
+        let cases = [
+            ("rms_norm_eps", json!(-1e-5), "`rms_norm_eps` is -0.00001"),
+            ("rms_norm_eps", json!(0.0), "`rms_norm_eps` is 0"),
+            ("rope_theta", json!(0), "`rope_theta` is 0"),
+            ("rope_theta", json!(1.0), "`rope_theta` is 1"),
+            (
+                "routed_scaling_factor",
+                json!(1e300),
+                "`routed_scaling_factor`",
+            ),
+            (
+                "num_experts_per_tok",
+                json!(0),
+                "`num_experts_per_tok` is 0",
+            ),
+            (
+                "num_hidden_layers",
+                json!(1u64 << 40),
+                "`num_hidden_layers` is 1099511627776",
+            ),
+            ("vocab_size", json!(0), "`vocab_size` is 0"),
+            (
+                "hidden_size",
+                json!(1u64 << 40),
+                "`hidden_size` is 1099511627776",
+            ),
+            (
+                "first_k_dense_replace",
+                json!(62),
+                "`first_k_dense_replace` 62",
+            ),
+            (
+                "max_position_embeddings",
+                json!(0),
+                "`max_position_embeddings` is 0",
+            ),
+        ];
+        for (key, value, expected) in cases {
+            let mut bad = kimi_k25_json();
+            bad["text_config"][key] = value;
+            let err = CheckpointConfig::from_json(Path::new("cfg.json"), &bad, None)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("cfg.json") && err.contains(expected),
+                "{key}: {err}"
+            );
+        }
+        let rope_cases = [
+            ("factor", json!(-64.0), "`rope_scaling.factor` is -64"),
+            ("factor", json!(0.5), "`rope_scaling.factor` is 0.5"),
+            ("beta_fast", json!(0), "`rope_scaling.beta_fast` is 0"),
+            ("mscale", json!(-1.0), "`rope_scaling.mscale` is -1"),
+            (
+                "mscale",
+                json!(1e40),
+                "RoPE frequencies or a scale that f32 cannot hold",
+            ),
+            ("mscale_all_dim", json!(1e40), "softmax scale"),
+        ];
+        for (key, value, expected) in rope_cases {
+            let mut bad = kimi_k25_json();
+            bad["text_config"]["rope_scaling"][key] = value;
+            let err = CheckpointConfig::from_json(Path::new("cfg.json"), &bad, None)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(expected), "{key}: {err}");
+        }
+    }
+
+    #[test]
+    fn tensor_parallel_splits_follow_the_sharding_rules() {
+        let c = CheckpointConfig::from_json(Path::new("c"), &kimi_k25_json(), None)
+            .unwrap()
+            .model;
+        for world in [1, 2, 4, 8] {
+            c.check_tensor_parallel(world).unwrap();
+        }
+        let err = c.check_tensor_parallel(3).unwrap_err();
+        assert!(err.contains("num_attention_heads = 64"), "{err}");
+        assert!(c.check_tensor_parallel(0).is_err());
     }
 
     #[test]

@@ -24,6 +24,82 @@ pub enum ForwardError {
     ContextTooLong { pos: usize, max: usize },
     #[error("tensor-parallel all-reduce failed: {0}")]
     AllReduce(String),
+    /// The first place whose output holds NaN or Inf: a damaged weight, or values the model
+    /// cannot represent. Nothing after it would mean anything.
+    #[error(
+        "the output of {place} is not finite (row {row}, element {element} is {value}); `model inspect` checks the checkpoint's weights"
+    )]
+    NonFinite {
+        place: String,
+        row: usize,
+        element: usize,
+        value: f32,
+    },
+    #[error("{0}")]
+    InvalidRequest(String),
+}
+
+impl ForwardError {
+    /// Whether the caller asked for something the model cannot do (rather than the model
+    /// failing while doing it).
+    pub fn is_invalid_input(&self) -> bool {
+        matches!(
+            self,
+            Self::TokenOutOfRange { .. } | Self::ContextTooLong { .. } | Self::InvalidRequest(_)
+        )
+    }
+}
+
+/// Fails with [`ForwardError::NonFinite`] at the first NaN or Inf of `values` (rows of
+/// `width`). One pass over the residual stream per sublayer: noise next to the sublayer itself.
+fn check_finite(
+    values: &[f32],
+    width: usize,
+    place: impl FnOnce() -> String,
+) -> Result<(), ForwardError> {
+    match values.iter().position(|v| !v.is_finite()) {
+        None => Ok(()),
+        Some(i) => Err(ForwardError::NonFinite {
+            place: place(),
+            row: i / width.max(1),
+            element: i % width.max(1),
+            value: values[i],
+        }),
+    }
+}
+
+/// Bytes a run needs besides the weights: a latent cache of `cached_tokens`, and the FP32
+/// activations of one forward pass over `tokens` tokens with `logit_rows` rows of logits at
+/// their peak (an estimate that errs high, for refusing sizes that cannot fit before
+/// allocating them).
+pub fn forward_bytes(
+    c: &ModelConfig,
+    kv_dtype: KvCacheDtype,
+    cached_tokens: usize,
+    tokens: usize,
+    logit_rows: usize,
+) -> u64 {
+    let shape = LatentCacheShape {
+        layers: c.num_hidden_layers,
+        latent_dim: c.kv_lora_rank,
+        rope_dim: c.qk_rope_head_dim,
+    };
+    let cache = kv_dtype.bytes_per_token(&shape) as u64 * c.num_hidden_layers as u64;
+    let heads = c.num_attention_heads as u64;
+    let mlp = (c.intermediate_size as u64)
+        .max((c.moe_intermediate_size * c.n_shared_experts) as u64)
+        .max((c.moe_intermediate_size * c.num_experts_per_tok) as u64);
+    let per_token_floats = 6 * c.hidden_size as u64
+        + heads * (c.qk_head_dim() + 2 * c.kv_lora_rank + c.qk_rope_head_dim + c.v_head_dim) as u64
+        + c.q_lora_rank.unwrap_or(0) as u64
+        + c.latent_cache_dim() as u64
+        + c.n_routed_experts as u64
+        + 3 * mlp;
+    // Temporaries live next to their inputs: twice the sum is the safe side.
+    (cached_tokens as u64)
+        .saturating_mul(cache)
+        .saturating_add((tokens as u64).saturating_mul(8 * per_token_floats))
+        .saturating_add((logit_rows as u64).saturating_mul(4 * c.vocab_size as u64))
 }
 
 /// New tokens of one sequence, appended after what the cache already holds for it.
@@ -169,6 +245,8 @@ impl Model {
             }
         }
 
+        check_finite(&x, hidden, || "embed_tokens".into())?;
+
         let mut moe_layer = 0;
         for (layer, weights) in self.weights.layers.iter().enumerate() {
             let h = rms_norm_rows(&x, hidden, &weights.input_norm, c.rms_norm_eps);
@@ -177,6 +255,7 @@ impl Model {
                 .all_reduce_sum(&mut attn)
                 .map_err(ForwardError::AllReduce)?;
             add_in_place(&mut x, &attn);
+            check_finite(&x, hidden, || format!("layer {layer} (self_attn)"))?;
             let h = rms_norm_rows(&x, hidden, &weights.post_attention_norm, c.rms_norm_eps);
             let mut mlp = match &weights.mlp {
                 MlpWeights::Dense(dense) => dense_mlp(backend, dense, &h, n),
@@ -195,6 +274,7 @@ impl Model {
                 .all_reduce_sum(&mut mlp)
                 .map_err(ForwardError::AllReduce)?;
             add_in_place(&mut x, &mlp);
+            check_finite(&x, hidden, || format!("layer {layer} (mlp)"))?;
         }
         for input in inputs {
             cache.commit(input.seq, input.tokens.len())?;
@@ -225,6 +305,9 @@ impl Model {
             self.weights.lm_head.view(),
             &mut values,
         );
+        check_finite(&values, c.vocab_size, || {
+            "the final norm and lm_head".into()
+        })?;
         Ok(Logits {
             rows: selected.len(),
             vocab: c.vocab_size,

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use kernels::mla::cache::PagedLatentCache;
 
 use crate::backend::Backend;
+use crate::config::ModelConfig;
 use crate::forward::{ForwardError, LogitRows, Model, SeqInput};
 use crate::sampler::{Sampler, SamplingParams};
 
@@ -14,6 +15,46 @@ pub struct GenerationRequest {
     pub prompt: Vec<u32>,
     pub max_new_tokens: usize,
     pub sampling: SamplingParams,
+}
+
+impl GenerationRequest {
+    /// Refuses a request the model cannot serve: an empty prompt, a token outside the
+    /// vocabulary, more positions than the context holds (saying how many new tokens fit), or
+    /// sampling parameters out of range.
+    pub fn validate(&self, config: &ModelConfig) -> Result<(), String> {
+        if self.prompt.is_empty() {
+            return Err("the prompt is empty".into());
+        }
+        if let Some(&token) = self
+            .prompt
+            .iter()
+            .find(|&&t| t as usize >= config.vocab_size)
+        {
+            return Err(format!(
+                "prompt token {token} is outside the vocabulary of {}",
+                config.vocab_size
+            ));
+        }
+        if self.max_new_tokens == 0 {
+            return Err("--max-new-tokens 0: nothing to generate".into());
+        }
+        let context = config.max_position_embeddings;
+        let prompt = self.prompt.len();
+        if prompt.saturating_add(self.max_new_tokens) > context {
+            return Err(if prompt >= context {
+                format!(
+                    "a {prompt}-token prompt leaves no room to generate in the context of {context} tokens (max_position_embeddings)"
+                )
+            } else {
+                format!(
+                    "--max-new-tokens {} after a {prompt}-token prompt exceeds the context of {context} tokens (max_position_embeddings): at most {} new tokens fit",
+                    self.max_new_tokens,
+                    context - prompt
+                )
+            });
+        }
+        self.sampling.validate()
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -56,6 +97,11 @@ pub fn generate(
     requests: &[GenerationRequest],
     mut on_token: impl FnMut(usize, u32),
 ) -> Result<(Vec<GenerationResult>, GenerationTiming), ForwardError> {
+    for request in requests {
+        request
+            .validate(&model.config)
+            .map_err(ForwardError::InvalidRequest)?;
+    }
     let eos = &model.config.eos_token_ids;
     let mut timing = GenerationTiming::default();
     let mut samplers: Vec<Sampler> = requests.iter().map(|r| Sampler::new(r.sampling)).collect();

@@ -6,7 +6,7 @@
 
 use std::path::Path;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -15,9 +15,10 @@ use serde_json::{Value, json};
 
 use crate::backend::Backend;
 use crate::checkpoint::KIMI_K25_PREFIX;
-use crate::checkpoint_writer::{OwnedTensor, write_sharded};
+use crate::checkpoint_writer::{OutputKind, OwnedTensor, StagedOutput, write_sharded};
 use crate::config::{CheckpointConfig, ModelConfig};
 use crate::forward::Model;
+use crate::input::InvalidInput;
 use crate::quantize::{
     calibrate, expert_tensors, hf_quant_config, quantize_experts, random_tokens,
 };
@@ -322,18 +323,29 @@ pub fn non_expert_tensors(prefix: &str, weights: &ModelWeights) -> Vec<OwnedTens
     t
 }
 
-/// Writes a random-weight NVFP4 checkpoint of `preset` into `out`.
+/// Writes a random-weight NVFP4 checkpoint of `preset` to `out` through a [`StagedOutput`]:
+/// an existing output is replaced, as a whole, only with `force`.
 pub fn generate_checkpoint(
     preset: Preset,
     out: &Path,
     seed: u64,
     backend: &dyn Backend,
+    force: bool,
 ) -> Result<()> {
     if preset == Preset::KimiK25 {
-        bail!(
+        return Err(InvalidInput(
             "the kimi-k2.5 preset has 1 T parameters; it exists for `model plan`, not for generation"
-        );
+                .into(),
+        )
+        .into());
     }
+    let stage = StagedOutput::new(out, &[], OutputKind::Folder, force)?;
+    write_checkpoint(preset, stage.path(), seed, backend)?;
+    stage.commit()
+}
+
+/// Writes the checkpoint's files into the folder `out`, which exists.
+fn write_checkpoint(preset: Preset, out: &Path, seed: u64, backend: &dyn Backend) -> Result<()> {
     let config = preset.model_config();
     let weights = random_weights(&config, seed);
     let model = Model::new(config.clone(), weights);
@@ -390,18 +402,18 @@ pub fn default_checkpoint(cache_dir: Option<std::path::PathBuf>) -> Result<std::
         return Ok(dir);
     }
     eprintln!("generating the mini model into {} (once)…", dir.display());
-    // Generated aside and renamed into place, so an interrupted run never leaves a half model.
-    let partial = base.join(format!(".mini-partial-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&partial);
-    generate_checkpoint(
+    // Staged aside and renamed into place, so an interrupted run never leaves a half model;
+    // what is there without `.complete` is an older layout, replaced.
+    let stage = StagedOutput::new(&dir, &[], OutputKind::Folder, true)?;
+    write_checkpoint(
         Preset::Mini,
-        &partial,
+        stage.path(),
         20261129,
         &crate::backend::CpuBackend,
     )?;
-    std::fs::write(partial.join(".complete"), b"")?;
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::rename(&partial, &dir)
+    std::fs::write(stage.path().join(".complete"), b"")?;
+    stage
+        .commit()
         .with_context(|| format!("moving the model into {}", dir.display()))?;
     Ok(dir)
 }

@@ -7,14 +7,18 @@
 //! - [`sampler`], [`generate`]: the decode loop.
 //! - [`generator`], [`quantize`], [`plan`]: checkpoint generation, NVFP4 quantization, memory
 //!   planning.
+//! - [`input`], [`cleanup`], [`checkpoint_writer`]: checks on what enters, and writers that
+//!   never destroy their input nor leave half-written output behind.
 
 pub mod backend;
 pub mod checkpoint;
 pub mod checkpoint_writer;
+pub mod cleanup;
 pub mod config;
 pub mod forward;
 pub mod generate;
 pub mod generator;
+pub mod input;
 pub mod nvfp4_file;
 pub mod plan;
 pub mod quantize;

@@ -1,7 +1,13 @@
 //! `model`: the command-line front end.
+//!
+//! Errors print as one `Error:` line with the cause chain; the exit code is 2 for input the
+//! engine refuses (arguments, config, checkpoint files, outputs that would destroy an input)
+//! and 1 for a failure while working. A panic is a bug: it is reported the same way with exit
+//! code 1, never Rust's 101.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::process::ExitCode;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
@@ -9,18 +15,19 @@ use kernels::formats::NVFP4_BLOCK;
 use kernels::formats::nvfp4::Nvfp4Matrix;
 use kernels::mla::cache::{KvCacheDtype, PAGE_TOKENS};
 use model::backend::{Backend, CpuBackend};
-use model::checkpoint::Checkpoint;
-use model::checkpoint_writer::{OwnedTensor, write_file};
-use model::config::KvCacheQuant;
-use model::forward::{LogitRows, Model, SeqInput};
+use model::checkpoint::{Checkpoint, CheckpointError};
+use model::checkpoint_writer::{OutputKind, OwnedTensor, StagedOutput, write_file};
+use model::config::{ConfigError, KvCacheQuant, ModelConfig};
+use model::forward::{ForwardError, LogitRows, Model, SeqInput, forward_bytes};
 use model::generate::{GenerationRequest, generate};
 use model::generator::{Preset, default_checkpoint, generate_checkpoint};
+use model::input::{InvalidInput, TokenIds, check_memory, largest_fitting};
 use model::nvfp4_file::{nvfp4_weight_names, read_nvfp4};
 use model::plan::{PlanRequest, plan};
 use model::quantize::{quantize_checkpoint, random_tokens};
 use model::sampler::SamplingParams;
-use model::tensor_file::TensorFile;
-use model::tp::{self, TpCpuBackend};
+use model::tensor_file::{TensorFile, TensorFileError};
+use model::tp::{self, RankFailed, TpCpuBackend};
 use model::weights::TpShard;
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
@@ -60,6 +67,9 @@ enum Command {
         out: PathBuf,
         #[arg(long, default_value_t = 20261129)]
         seed: u64,
+        /// Replace an existing output as a whole (without it, only a new or empty folder).
+        #[arg(long)]
+        force: bool,
     },
     /// Quantize a BF16 DeepSeek-V3 / Kimi checkpoint's routed experts to NVFP4 (ModelOpt
     /// layout), calibrating `input_scale` on a forward pass. Given a single `.safetensors`
@@ -67,12 +77,16 @@ enum Command {
     Quantize {
         #[arg(long)]
         input: PathBuf,
+        /// A new folder (or file); never the input, inside it, or around it.
         #[arg(long)]
         output: PathBuf,
         #[arg(long, default_value_t = 256)]
         calib_tokens: usize,
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Replace an existing output as a whole (without it, only a new or empty folder).
+        #[arg(long)]
+        force: bool,
     },
     /// Memory per GPU under tensor parallelism and the longest context that fits.
     Plan(PlanArgs),
@@ -83,9 +97,9 @@ enum Command {
 /// Tensor parallelism: N rank processes on CPU with the shared-memory all-reduce.
 #[derive(clap::Args, Clone)]
 struct TpArgs {
-    /// Ranks (1 = no tensor parallelism).
-    #[arg(long, default_value_t = 1)]
-    tp: usize,
+    /// Ranks (1 = no tensor parallelism; at most 8).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=8))]
+    tp: u16,
     /// Seconds a rank waits for its peers in a collective before failing.
     #[arg(long, default_value_t = 300)]
     tp_timeout_secs: u64,
@@ -100,8 +114,8 @@ struct LogitsArgs {
     #[arg(long)]
     checkpoint: PathBuf,
     /// Comma-separated token ids.
-    #[arg(long, value_delimiter = ',', required = true)]
-    tokens: Vec<u32>,
+    #[arg(long)]
+    tokens: TokenIds,
     #[arg(long)]
     out: PathBuf,
     /// Latent cache dtype. Scoring defaults to FP32, the reference; `bf16`/`fp8` (or `auto`,
@@ -120,21 +134,24 @@ struct RunArgs {
     /// Where the default model is cached.
     #[arg(long, env = "KIMI_SM120_CACHE")]
     cache_dir: Option<PathBuf>,
-    /// Comma-separated prompt token ids (default: 32 seeded random tokens).
-    #[arg(long, value_delimiter = ',')]
-    prompt: Vec<u32>,
-    #[arg(long, default_value_t = 32)]
+    /// Comma-separated prompt token ids (default: --prompt-len seeded random tokens).
+    #[arg(long)]
+    prompt: Option<TokenIds>,
+    #[arg(long, default_value_t = 32, value_parser = at_least_one)]
     prompt_len: usize,
-    #[arg(long, default_value_t = 64)]
+    /// New tokens per sequence; prompt plus these must fit the model's context.
+    #[arg(long, default_value_t = 64, value_parser = at_least_one)]
     max_new_tokens: usize,
     /// Sequences decoded together.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = at_least_one)]
     batch: usize,
-    #[arg(long, default_value_t = 0.0)]
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f32,
     #[arg(long, default_value_t = 0)]
     top_k: usize,
-    #[arg(long, default_value_t = 1.0)]
+    /// Nucleus mass in (0, 1]; 1 = no cut.
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     top_p: f32,
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -150,24 +167,123 @@ struct PlanArgs {
     checkpoint: Option<PathBuf>,
     #[arg(long, value_enum)]
     preset: Option<Preset>,
-    #[arg(long, default_value_t = 8)]
+    /// GPUs in the tensor-parallel group; the model must split evenly over them.
+    #[arg(long, default_value_t = 8, value_parser = at_least_one)]
     gpus: usize,
-    #[arg(long, default_value_t = 96.0)]
+    #[arg(long, default_value_t = 96.0, value_parser = positive_finite)]
     gpu_mem_gib: f64,
-    #[arg(long, default_value_t = 0.90)]
+    /// Share of each GPU's memory the engine may use, in (0, 1].
+    #[arg(long, default_value_t = 0.90, value_parser = fraction)]
     memory_utilization: f64,
     /// `bf16` or `fp8`; without it both are shown.
     #[arg(long)]
     kv_dtype: Option<String>,
     /// Default: the model's max_position_embeddings.
-    #[arg(long)]
+    #[arg(long, value_parser = at_least_one)]
     max_model_len: Option<usize>,
-    #[arg(long, default_value_t = 8192)]
+    #[arg(long, default_value_t = 8192, value_parser = at_least_one)]
     max_batched_tokens: usize,
 }
 
-fn main() -> Result<()> {
-    let cli = Cli::parse();
+fn at_least_one(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err("expected a whole number >= 1".into()),
+    }
+}
+
+fn positive_finite(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        _ => Err("expected a positive finite number".into()),
+    }
+}
+
+fn fraction(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(x) if x > 0.0 && x <= 1.0 => Ok(x),
+        _ => Err("expected a number in (0, 1]".into()),
+    }
+}
+
+fn main() -> ExitCode {
+    // Output into a closed pipe (`model inspect DIR | head -1`) ends the process quietly, as
+    // it does every Unix tool, instead of a panic in `println!`.
+    // SAFETY: setting a signal disposition before any thread exists.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if !e.use_stderr() => {
+            // --help and --version.
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            let text = e.render().to_string();
+            let text = text.strip_prefix("error: ").unwrap_or(&text);
+            eprint!("Error: {text}");
+            return ExitCode::from(2);
+        }
+    };
+    std::panic::set_hook(Box::new(|info| {
+        eprintln!("Error: internal failure (a bug, please report it): {info}");
+    }));
+    match std::panic::catch_unwind(|| dispatch(cli)) {
+        Ok(Ok(())) => ExitCode::SUCCESS,
+        Ok(Err(error)) => {
+            model::cleanup::wait_if_interrupted();
+            eprintln!("Error: {}", cause_chain(&error));
+            ExitCode::from(exit_code(&error))
+        }
+        // The hook has reported it.
+        Err(_) => ExitCode::from(1),
+    }
+}
+
+/// The error and its causes on one line, each said once.
+fn cause_chain(error: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in error.chain() {
+        let cause = cause.to_string();
+        // A cause that brings its own prefix (a library's message) must not double ours.
+        let cause = cause.trim_start_matches("Error: ");
+        if text.contains(cause) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(cause);
+    }
+    text
+}
+
+/// 2 when the error is about input the engine refuses, 1 otherwise (a rank reports its own
+/// code through the launcher).
+fn exit_code(error: &anyhow::Error) -> u8 {
+    for cause in error.chain() {
+        let refused = cause.is::<InvalidInput>()
+            || cause.is::<ConfigError>()
+            || cause.is::<CheckpointError>()
+            || cause.is::<TensorFileError>()
+            || cause
+                .downcast_ref::<ForwardError>()
+                .is_some_and(ForwardError::is_invalid_input);
+        if refused {
+            return 2;
+        }
+        if let Some(failed) = cause.downcast_ref::<RankFailed>() {
+            return if failed.status.code() == Some(2) {
+                2
+            } else {
+                1
+            };
+        }
+    }
+    1
+}
+
+fn dispatch(cli: Cli) -> Result<()> {
     // No subcommand means `run` with its defaults: the front door's main job.
     let command = match cli.command {
         Some(command) => command,
@@ -178,8 +294,13 @@ fn main() -> Result<()> {
     match command {
         Command::Run(args) => run(args),
         Command::Logits(args) => logits(args),
-        Command::GenerateCheckpoint { preset, out, seed } => {
-            generate_checkpoint(preset, &out, seed, &CpuBackend)?;
+        Command::GenerateCheckpoint {
+            preset,
+            out,
+            seed,
+            force,
+        } => {
+            generate_checkpoint(preset, &out, seed, &CpuBackend, force)?;
             println!("wrote the {} preset to {}", preset.id(), out.display());
             Ok(())
         }
@@ -188,11 +309,20 @@ fn main() -> Result<()> {
             output,
             calib_tokens,
             seed,
+            force,
         } => {
             if input.is_file() {
-                quantize_file(&input, &output)
+                quantize_file(&input, &output, force)
             } else {
-                quantize_checkpoint(&input, &output, &CpuBackend, calib_tokens, seed, 4 << 30)?;
+                quantize_checkpoint(
+                    &input,
+                    &output,
+                    &CpuBackend,
+                    calib_tokens,
+                    seed,
+                    4 << 30,
+                    force,
+                )?;
                 println!("wrote NVFP4 checkpoint {}", output.display());
                 Ok(())
             }
@@ -209,16 +339,23 @@ fn main() -> Result<()> {
 }
 
 fn resolve_kv_dtype(arg: KvDtypeArg, checkpoint: &Checkpoint) -> KvCacheDtype {
+    let asked = checkpoint
+        .config
+        .quant
+        .as_ref()
+        .and_then(|q| q.kv_cache_quant_algo);
+    kv_dtype_for(arg, asked)
+}
+
+/// The cache dtype `arg` means: `Auto` follows the checkpoint's `kv_cache_quant_algo`
+/// (`asked`), else BF16. Memory estimates made before the weights are loaded pass `None`,
+/// which errs on the larger BF16 side.
+fn kv_dtype_for(arg: KvDtypeArg, asked: Option<KvCacheQuant>) -> KvCacheDtype {
     match arg {
         KvDtypeArg::F32 => KvCacheDtype::F32,
         KvDtypeArg::Bf16 => KvCacheDtype::Bf16,
         KvDtypeArg::Fp8 => KvCacheDtype::Fp8E4m3,
-        KvDtypeArg::Auto => match checkpoint
-            .config
-            .quant
-            .as_ref()
-            .and_then(|q| q.kv_cache_quant_algo)
-        {
+        KvDtypeArg::Auto => match asked {
             Some(KvCacheQuant::Fp8) => KvCacheDtype::Fp8E4m3,
             None => KvCacheDtype::Bf16,
         },
@@ -228,25 +365,39 @@ fn resolve_kv_dtype(arg: KvDtypeArg, checkpoint: &Checkpoint) -> KvCacheDtype {
 fn load(dir: &Path, shard: TpShard) -> Result<(Checkpoint, Model)> {
     let checkpoint = Checkpoint::open(dir)?;
     let config = checkpoint.model_config().clone();
+    check_tensor_parallel(dir, &config, shard.world)?;
     let weights = checkpoint
         .load_weights()?
         .shard(&config, shard)
-        .map_err(|e| {
-            anyhow::anyhow!(
-                "{}: tensor parallelism over {} ranks: {e}",
-                dir.display(),
-                shard.world
-            )
-        })?;
+        .map_err(InvalidInput)?;
     Ok((checkpoint, Model::new(config, weights)))
 }
 
+fn check_tensor_parallel(dir: &Path, config: &ModelConfig, world: usize) -> Result<()> {
+    config.check_tensor_parallel(world).map_err(|e| {
+        InvalidInput(format!(
+            "{}: tensor parallelism over {world} ranks: {e}",
+            dir.display()
+        ))
+    })?;
+    Ok(())
+}
+
 impl TpArgs {
+    fn world(&self) -> usize {
+        usize::from(self.tp)
+    }
+
     fn shard(&self) -> TpShard {
         TpShard {
             rank: self.tp_rank.unwrap_or(0),
-            world: self.tp,
+            world: self.world(),
         }
+    }
+
+    /// Whether this process is the launcher of `--tp N` ranks (not a rank, not alone).
+    fn is_launcher(&self) -> bool {
+        self.tp > 1 && self.tp_rank.is_none()
     }
 }
 
@@ -263,8 +414,15 @@ fn rank_backend(tp: &TpArgs, max_elements: usize) -> Result<(TpShard, Box<dyn Ba
         .as_deref()
         .context("--tp-rank needs --tp-segment")?;
     let timeout = std::time::Duration::from_secs(tp.tp_timeout_secs);
-    let backend = TpCpuBackend::join(segment, rank, tp.tp, max_elements, timeout)?;
+    let backend = TpCpuBackend::join(segment, rank, tp.world(), max_elements, timeout)?;
     Ok((tp.shard(), Box::new(backend)))
+}
+
+/// In a rank process: stop when the launcher does (see [`tp`]).
+fn watch_launcher_if_rank(tp: &TpArgs) {
+    if tp.tp_rank.is_some() {
+        tp::watch_launcher(std::time::Duration::from_millis(100));
+    }
 }
 
 /// This invocation's arguments, for re-running it as each rank.
@@ -272,24 +430,81 @@ fn own_args() -> Vec<String> {
     std::env::args().skip(1).collect()
 }
 
+/// The requests of `model run`, checked against the model: prompt tokens in the vocabulary,
+/// prompt plus new tokens within the context, sampling parameters in range, and the whole
+/// batch's cache within the memory available.
+fn run_requests(args: &RunArgs, c: &ModelConfig, dir: &Path) -> Result<Vec<GenerationRequest>> {
+    let requests: Vec<GenerationRequest> = (0..args.batch)
+        .map(|i| GenerationRequest {
+            prompt: match &args.prompt {
+                Some(TokenIds(tokens)) => tokens.clone(),
+                None => random_tokens(args.prompt_len, c.vocab_size, args.seed + i as u64),
+            },
+            max_new_tokens: args.max_new_tokens,
+            sampling: SamplingParams {
+                temperature: args.temperature,
+                top_k: args.top_k,
+                top_p: args.top_p,
+                seed: args.seed + i as u64,
+            },
+        })
+        .collect();
+    if let Some(request) = requests.first() {
+        request
+            .validate(c)
+            .map_err(|e| InvalidInput(format!("{}: {e}", dir.display())))?;
+    }
+    let prompt = requests.first().map_or(0, |r| r.prompt.len());
+    let needed = |new_tokens: usize| {
+        // Pages are per sequence: round each sequence up to whole pages.
+        let per_sequence = (prompt + new_tokens).div_ceil(PAGE_TOKENS) * PAGE_TOKENS;
+        let rows = prompt.max(args.batch);
+        let one_rank = forward_bytes(
+            c,
+            kv_dtype_for(args.kv_dtype, None),
+            per_sequence.saturating_mul(args.batch),
+            rows,
+            args.batch,
+        );
+        // Every rank holds the whole latent cache.
+        one_rank.saturating_mul(args.tp.world() as u64)
+    };
+    check_memory(
+        &format!(
+            "the latent cache and activations of {} sequences of {} tokens",
+            args.batch,
+            prompt + args.max_new_tokens
+        ),
+        needed(args.max_new_tokens),
+        |available| match largest_fitting(args.max_new_tokens, |n| needed(n) <= available) {
+            Some(n) => format!("--max-new-tokens {n} fits at --batch {}", args.batch),
+            None => format!("lower --batch {} or the prompt", args.batch),
+        },
+    )?;
+    Ok(requests)
+}
+
 fn run(args: RunArgs) -> Result<()> {
+    watch_launcher_if_rank(&args.tp);
     let dir = match &args.checkpoint {
         Some(dir) => dir.clone(),
         None => default_checkpoint(args.cache_dir.clone())?,
     };
     let started = std::time::Instant::now();
-    let max_rows = args.prompt_len.max(args.prompt.len()).max(args.batch);
-    let hidden = Checkpoint::open(&dir)?.model_config().hidden_size;
-    if args.tp.tp > 1 && args.tp.tp_rank.is_none() {
+    let config = Checkpoint::open(&dir)?.model_config().clone();
+    let requests = run_requests(&args, &config, &dir)?;
+    let max_rows = requests[0].prompt.len().max(args.batch);
+    if args.tp.is_launcher() {
+        check_tensor_parallel(&dir, &config, args.tp.world())?;
         let mut rank_args = own_args();
         if args.checkpoint.is_none() {
             // The ranks must not race to generate the default model: pass the one made.
             rank_args.extend(["--checkpoint".to_string(), dir.display().to_string()]);
         }
-        return tp::launch_ranks(args.tp.tp, &rank_args);
+        return tp::launch_ranks(args.tp.world(), &rank_args);
     }
     let (checkpoint, model) = load(&dir, args.tp.shard())?;
-    let (shard, backend) = rank_backend(&args.tp, max_rows * hidden)?;
+    let (shard, backend) = rank_backend(&args.tp, max_rows * config.hidden_size)?;
     let quiet = shard.rank != 0;
     let kv_dtype = resolve_kv_dtype(args.kv_dtype, &checkpoint);
     let c = &model.config;
@@ -307,22 +522,6 @@ fn run(args: RunArgs) -> Result<()> {
             shard.world
         );
     }
-    let requests: Vec<GenerationRequest> = (0..args.batch.max(1))
-        .map(|i| GenerationRequest {
-            prompt: if args.prompt.is_empty() {
-                random_tokens(args.prompt_len, c.vocab_size, args.seed + i as u64)
-            } else {
-                args.prompt.clone()
-            },
-            max_new_tokens: args.max_new_tokens,
-            sampling: SamplingParams {
-                temperature: args.temperature,
-                top_k: args.top_k,
-                top_p: args.top_p,
-                seed: args.seed + i as u64,
-            },
-        })
-        .collect();
     // Pages are per sequence: round each sequence up to whole pages.
     let total_tokens: usize = requests
         .iter()
@@ -358,15 +557,20 @@ fn run(args: RunArgs) -> Result<()> {
 }
 
 fn logits(args: LogitsArgs) -> Result<()> {
-    let (dir, tokens, out) = (&args.checkpoint, &args.tokens, &args.out);
-    let hidden = Checkpoint::open(dir)?.model_config().hidden_size;
-    if args.tp.tp > 1 && args.tp.tp_rank.is_none() {
-        return tp::launch_ranks(args.tp.tp, &own_args());
+    watch_launcher_if_rank(&args.tp);
+    let (dir, TokenIds(tokens), out) = (&args.checkpoint, &args.tokens, &args.out);
+    let config = Checkpoint::open(dir)?.model_config().clone();
+    check_scoring_request(&args, &config)?;
+    // Checked here, before any work; the file itself is written by rank 0 at the end.
+    drop(logits_output(out, dir)?);
+    if args.tp.is_launcher() {
+        check_tensor_parallel(dir, &config, args.tp.world())?;
+        return tp::launch_ranks(args.tp.world(), &own_args());
     }
     // Load (and shard) before joining the collective, so a model that cannot be split fails
     // alone instead of leaving its peers waiting.
     let (checkpoint, model) = load(dir, args.tp.shard())?;
-    let (shard, backend) = rank_backend(&args.tp, tokens.len() * hidden)?;
+    let (shard, backend) = rank_backend(&args.tp, tokens.len() * config.hidden_size)?;
     let mut cache = model.new_cache(resolve_kv_dtype(args.kv_dtype, &checkpoint), tokens.len());
     let seq = cache.add_sequence();
     let logits = model.forward(
@@ -381,8 +585,10 @@ fn logits(args: LogitsArgs) -> Result<()> {
     }
     let bytes: &[u8] = bytemuck::cast_slice(&logits.values);
     let view = TensorView::new(Dtype::F32, vec![logits.rows, logits.vocab], bytes)?;
-    safetensors::serialize_to_file([("logits", view)], None, out)
+    let stage = logits_output(out, dir)?;
+    safetensors::serialize_to_file([("logits", view)], None, stage.path())
         .with_context(|| format!("writing {}", out.display()))?;
+    stage.commit()?;
     println!(
         "wrote logits [{}, {}] to {}",
         logits.rows,
@@ -392,20 +598,62 @@ fn logits(args: LogitsArgs) -> Result<()> {
     Ok(())
 }
 
+/// The logits file: replaced if it exists (a result, not a checkpoint), never inside the
+/// checkpoint, written whole or not at all.
+fn logits_output(out: &Path, checkpoint: &Path) -> Result<StagedOutput> {
+    StagedOutput::new(out, &[checkpoint], OutputKind::File, true)
+}
+
+/// Tokens in the vocabulary and within the context; cache, activations and the `[T, vocab]`
+/// logits within the memory available.
+fn check_scoring_request(args: &LogitsArgs, c: &ModelConfig) -> Result<()> {
+    let TokenIds(tokens) = &args.tokens;
+    let dir = args.checkpoint.display();
+    if let Some(&token) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+        bail!(InvalidInput(format!(
+            "{dir}: --tokens holds {token}, outside the vocabulary of {}",
+            c.vocab_size
+        )));
+    }
+    if tokens.len() > c.max_position_embeddings {
+        bail!(InvalidInput(format!(
+            "{dir}: --tokens holds {} tokens, more than the context of {} (max_position_embeddings)",
+            tokens.len(),
+            c.max_position_embeddings
+        )));
+    }
+    let kv_dtype = kv_dtype_for(args.kv_dtype, None);
+    let needed =
+        |t: usize| forward_bytes(c, kv_dtype, t, t, t).saturating_mul(args.tp.world() as u64);
+    check_memory(
+        &format!("scoring {} tokens", tokens.len()),
+        needed(tokens.len()),
+        |available| match largest_fitting(tokens.len(), |t| needed(t) <= available) {
+            Some(t) => format!("{t} tokens fit"),
+            None => "not even one token fits".into(),
+        },
+    )?;
+    Ok(())
+}
+
 fn plan_command(args: PlanArgs) -> Result<()> {
-    let (config, nvfp4) = match (&args.checkpoint, args.preset) {
+    let (config, nvfp4, model) = match (&args.checkpoint, args.preset) {
         (Some(dir), _) => {
             let checkpoint = Checkpoint::open(dir)?;
             let nvfp4 = checkpoint.config.quant.is_some();
-            (checkpoint.model_config().clone(), nvfp4)
+            (checkpoint.model_config().clone(), nvfp4, dir.clone())
         }
-        (None, Some(preset)) => (preset.model_config(), true),
-        (None, None) => bail!("give --checkpoint DIR or --preset NAME"),
+        (None, Some(preset)) => (preset.model_config(), true, PathBuf::from(preset.id())),
+        (None, None) => bail!(InvalidInput(
+            "give --checkpoint DIR or --preset NAME".into()
+        )),
     };
+    // The split `run --tp` would refuse is no plan.
+    check_tensor_parallel(&model, &config, args.gpus)?;
     let dtypes = match &args.kv_dtype {
         Some(text) => vec![
             KvCacheDtype::parse(text)
-                .with_context(|| format!("--kv-dtype {text}: expected bf16 or fp8"))?,
+                .ok_or_else(|| InvalidInput(format!("--kv-dtype {text}: expected bf16 or fp8")))?,
         ],
         None => vec![KvCacheDtype::Bf16, KvCacheDtype::Fp8E4m3],
     };
@@ -424,7 +672,9 @@ fn plan_command(args: PlanArgs) -> Result<()> {
         println!("{}", result.render(&request));
         contexts.push((kv_dtype, result.max_context_tokens));
     }
-    if let [(_, bf16), (_, fp8)] = contexts.as_slice() {
+    if let [(_, bf16), (_, fp8)] = contexts.as_slice()
+        && *bf16 > 0
+    {
         println!(
             "an FP8 latent cache holds {:.2}x the context of a BF16 one ({fp8} vs {bf16} tokens)",
             *fp8 as f64 / *bf16 as f64
@@ -484,7 +734,29 @@ fn inspect_checkpoint(dir: &Path) -> Result<()> {
     }
     let weights = checkpoint.load_weights()?;
     println!("  all {} layers load and validate", weights.layers.len());
+    let non_finite = checkpoint.non_finite_tensors()?;
+    refuse_non_finite(
+        non_finite
+            .iter()
+            .map(|(name, file, i)| (name.as_str(), file.as_path(), *i)),
+    )?;
+    println!("  every floating-point weight is finite");
     Ok(())
+}
+
+/// Fails naming each tensor that holds NaN or Inf (`(tensor, file, first element)`).
+fn refuse_non_finite<'a>(found: impl Iterator<Item = (&'a str, &'a Path, usize)>) -> Result<()> {
+    let found: Vec<String> = found
+        .map(|(name, file, i)| format!("`{name}` ({}) at element {i}", file.display()))
+        .collect();
+    if found.is_empty() {
+        return Ok(());
+    }
+    bail!(InvalidInput(format!(
+        "{} tensor(s) hold NaN or Inf: {}",
+        found.len(),
+        found.join(", ")
+    )))
 }
 
 fn inspect_file(path: &Path) -> Result<()> {
@@ -503,6 +775,13 @@ fn inspect_file(path: &Path) -> Result<()> {
     for (dtype, (count, bytes)) in &by_dtype {
         println!("  {dtype:>8}: {count:>5} tensors, {bytes:>12} bytes");
     }
+    let mut non_finite = Vec::new();
+    for name in file.names() {
+        if let Some(i) = file.first_non_finite(name)? {
+            non_finite.push((name, path, i));
+        }
+    }
+    refuse_non_finite(non_finite.into_iter())?;
     let nvfp4 = nvfp4_weight_names(&file);
     if !nvfp4.is_empty() {
         println!("\n  NVFP4 weights ({}):", nvfp4.len());
@@ -531,8 +810,9 @@ fn inspect_file(path: &Path) -> Result<()> {
     Ok(())
 }
 
-fn quantize_file(input: &Path, output: &Path) -> Result<()> {
+fn quantize_file(input: &Path, output: &Path, force: bool) -> Result<()> {
     let file = TensorFile::open(input)?;
+    let stage = StagedOutput::new(output, &[input], OutputKind::File, force)?;
     let mut out = Vec::new();
     for name in file.names() {
         let info = file.info(name)?;
@@ -542,7 +822,7 @@ fn quantize_file(input: &Path, output: &Path) -> Result<()> {
         }
         let (rows, cols) = (info.shape[0], info.shape[1]);
         let matrix = Nvfp4Matrix::quantize_weight(&file.f32_values(name)?, rows, cols)
-            .with_context(|| format!("{}: tensor `{name}`", input.display()))?;
+            .map_err(|e| InvalidInput(format!("{}: tensor `{name}`: {e}", input.display())))?;
         out.push(OwnedTensor::new(
             name,
             Dtype::U8,
@@ -562,12 +842,13 @@ fn quantize_file(input: &Path, output: &Path) -> Result<()> {
         println!("quantized {name} [{rows}, {cols}]");
     }
     if out.is_empty() {
-        bail!(
+        bail!(InvalidInput(format!(
             "{}: no 2-D floating-point `*.weight` tensor to quantize",
             input.display()
-        );
+        )));
     }
-    write_file(output, &out)?;
+    write_file(stage.path(), &out)?;
+    stage.commit()?;
     println!("wrote {}", output.display());
     Ok(())
 }

@@ -16,9 +16,10 @@ use serde_json::{Value, json};
 
 use crate::backend::Backend;
 use crate::checkpoint::{Checkpoint, INDEX_FILE};
-use crate::checkpoint_writer::{OwnedTensor, write_sharded};
+use crate::checkpoint_writer::{OutputKind, OwnedTensor, StagedOutput, write_sharded};
 use crate::config::ModelConfig;
-use crate::forward::{Calibration, LogitRows, Model, SeqInput};
+use crate::forward::{Calibration, LogitRows, Model, SeqInput, forward_bytes};
+use crate::input::{InvalidInput, check_memory, largest_fitting};
 use crate::weights::{ExpertMatrix, ExpertWeights, MlpWeights};
 
 /// One expert in the ModelOpt NVFP4 layout.
@@ -206,7 +207,32 @@ fn is_routed_expert_weight(name: &str) -> bool {
     name.contains(".mlp.experts.") && name.ends_with("_proj.weight")
 }
 
-/// `model quantize`: a BF16 DeepSeek-V3 / Kimi checkpoint to the ModelOpt NVFP4 layout.
+/// Refuses a calibration length the model cannot run as one sequence: zero, beyond the
+/// context, or more than the memory available.
+pub fn check_calibration_tokens(config: &ModelConfig, calib_tokens: usize) -> Result<()> {
+    let max = config.max_position_embeddings;
+    if !(1..=max).contains(&calib_tokens) {
+        return Err(InvalidInput(format!(
+            "--calib-tokens {calib_tokens}: calibration runs one sequence of 1 to {max} tokens (max_position_embeddings)"
+        ))
+        .into());
+    }
+    let needed = |tokens: usize| forward_bytes(config, KvCacheDtype::Bf16, tokens, tokens, 1);
+    check_memory(
+        &format!("calibrating on {calib_tokens} tokens"),
+        needed(calib_tokens),
+        |available| match largest_fitting(calib_tokens, |t| needed(t) <= available) {
+            Some(tokens) => format!("--calib-tokens {tokens} fits"),
+            None => "not even one token fits".into(),
+        },
+    )?;
+    Ok(())
+}
+
+/// `model quantize`: a BF16 DeepSeek-V3 / Kimi checkpoint to the ModelOpt NVFP4 layout, written
+/// through a [`StagedOutput`]: the output may not be, hold or lie inside the input, and an
+/// existing output is replaced only with `force`.
+#[allow(clippy::too_many_arguments)]
 pub fn quantize_checkpoint(
     input: &Path,
     output: &Path,
@@ -214,15 +240,19 @@ pub fn quantize_checkpoint(
     calib_tokens: usize,
     seed: u64,
     max_shard_bytes: usize,
+    force: bool,
 ) -> Result<()> {
     let checkpoint = Checkpoint::open(input)?;
     if checkpoint.config.quant.is_some() {
-        bail!(
+        return Err(InvalidInput(format!(
             "{}: already quantized ({:?})",
             input.display(),
             checkpoint.config.quant.as_ref().map(|q| q.quant_algo)
-        );
+        ))
+        .into());
     }
+    check_calibration_tokens(checkpoint.model_config(), calib_tokens)?;
+    let stage = StagedOutput::new(output, &[input], OutputKind::Folder, force)?;
     let model = Model::new(
         checkpoint.model_config().clone(),
         checkpoint.load_weights()?,
@@ -254,7 +284,8 @@ pub fn quantize_checkpoint(
         }
     }
     tensors.sort_by(|a, b| a.name.cmp(&b.name));
-    write_sharded(output, tensors, max_shard_bytes)?;
+    let dir = stage.path();
+    write_sharded(dir, tensors, max_shard_bytes)?;
     for entry in std::fs::read_dir(input)? {
         let path = entry?.path();
         let name = path
@@ -266,14 +297,14 @@ pub fn quantize_checkpoint(
             && name != INDEX_FILE
             && name != "hf_quant_config.json"
         {
-            std::fs::copy(&path, output.join(&name))
+            std::fs::copy(&path, dir.join(&name))
                 .with_context(|| format!("copying {}", path.display()))?;
         }
     }
     let quant = hf_quant_config(&checkpoint.prefix, &model.config);
     std::fs::write(
-        output.join("hf_quant_config.json"),
+        dir.join("hf_quant_config.json"),
         serde_json::to_string_pretty(&quant)?,
     )?;
-    Ok(())
+    stage.commit()
 }

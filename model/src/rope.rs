@@ -60,6 +60,14 @@ impl Rope {
         }
     }
 
+    /// Whether every frequency and the scale are finite and the scale positive (what
+    /// [`crate::config`] requires of the values it accepts).
+    pub fn is_finite(&self) -> bool {
+        self.attention_factor.is_finite()
+            && self.attention_factor > 0.0
+            && self.inv_freq.iter().all(|f| f.is_finite())
+    }
+
     /// Rotates `x` (`qk_rope_head_dim` values, pairs `(2i, 2i+1)`) for position `pos`, in place.
     #[inline]
     pub fn apply(&self, x: &mut [f32], pos: usize) {

@@ -24,6 +24,23 @@ impl SamplingParams {
             seed: 0,
         }
     }
+
+    /// Refuses values that would sample from NaN probabilities or an empty nucleus.
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return Err(format!(
+                "--temperature {}: it must be a finite number >= 0 (0 = greedy)",
+                self.temperature
+            ));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(format!(
+                "--top-p {}: it must lie in (0, 1] (1 = no nucleus cut)",
+                self.top_p
+            ));
+        }
+        Ok(())
+    }
 }
 
 pub struct Sampler {

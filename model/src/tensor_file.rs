@@ -91,6 +91,30 @@ impl TensorFile {
             path: path.clone(),
             source,
         })?;
+        Self::from_mmap(path, mmap)
+    }
+
+    /// Parses `bytes` as a safetensors file named `path` in errors (the parser the fuzz harness
+    /// drives; [`TensorFile::open`] runs the same one on a mapped file).
+    pub fn from_bytes(path: impl AsRef<Path>, bytes: &[u8]) -> Result<Self, TensorFileError> {
+        let path = path.as_ref().to_path_buf();
+        let open_error = |source| TensorFileError::Open {
+            path: path.clone(),
+            source,
+        };
+        let mut map = memmap2::MmapMut::map_anon(bytes.len().max(1)).map_err(open_error)?;
+        map[..bytes.len()].copy_from_slice(bytes);
+        let mmap = map.make_read_only().map_err(open_error)?;
+        if bytes.is_empty() {
+            return Err(TensorFileError::Malformed {
+                path,
+                reason: "the file is empty".into(),
+            });
+        }
+        Self::from_mmap(path, mmap)
+    }
+
+    fn from_mmap(path: PathBuf, mmap: Mmap) -> Result<Self, TensorFileError> {
         let malformed = |reason: String| TensorFileError::Malformed {
             path: path.clone(),
             reason,
@@ -256,6 +280,31 @@ impl TensorFile {
             ));
         }
         Ok(value)
+    }
+
+    /// The index of the first NaN or infinite element of a floating-point tensor (F32, F16,
+    /// BF16, F8_E4M3, F8_E5M2), read from the raw bits; `None` for other dtypes or when every
+    /// element is finite.
+    pub fn first_non_finite(&self, name: &str) -> Result<Option<usize>, TensorFileError> {
+        let info = self.info(name)?;
+        let bytes = &self.mmap[info.byte_range.clone()];
+        let all_ones = |bits: u32, mask: u32| bits & mask == mask;
+        let found = match info.dtype {
+            Dtype::F32 => bytes
+                .chunks_exact(4)
+                .position(|b| all_ones(u32::from_le_bytes([b[0], b[1], b[2], b[3]]), 0x7F80_0000)),
+            Dtype::BF16 => bytes
+                .chunks_exact(2)
+                .position(|b| all_ones(u16::from_le_bytes([b[0], b[1]]).into(), 0x7F80)),
+            Dtype::F16 => bytes
+                .chunks_exact(2)
+                .position(|b| all_ones(u16::from_le_bytes([b[0], b[1]]).into(), 0x7C00)),
+            // E4M3FN has no infinities; S.1111.111 is its NaN.
+            Dtype::F8_E4M3 => bytes.iter().position(|&b| all_ones(b.into(), 0x7F)),
+            Dtype::F8_E5M2 => bytes.iter().position(|&b| all_ones(b.into(), 0x7C)),
+            _ => None,
+        };
+        Ok(found)
     }
 
     /// A byte tensor (U8 or an FP8 dtype viewed as its codes).

@@ -4,12 +4,19 @@
 //!
 //! `model run --tp N` / `model logits --tp N` re-run this binary N times with `--tp-rank R`;
 //! rank 0 prints or writes the result, the parent waits for every rank and fails if any does.
+//!
+//! Ranks die with their launcher, however it ends: each gets SIGTERM as its parent-death signal
+//! (`PR_SET_PDEATHSIG`, set between fork and exec), and a watchdog thread in each rank also
+//! stops it when its parent changes (the signal's blind spots: a launcher that died before the
+//! signal was armed, or a rank started by something else). Either way the rank unlinks the
+//! all-reduce segment name on its way out, so nothing is left in `/dev/shm`.
 
-use std::process::{Child, Command};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::{Child, Command, ExitStatus};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use kernels::allreduce::{AllReduce, CpuCommunicator, CpuConfig};
 use kernels::matrix::MatrixView;
 use kernels::mla::cache::{CacheError, PagedLatentCache};
@@ -22,6 +29,8 @@ use crate::backend::{Backend, CpuBackend};
 pub struct TpCpuBackend {
     compute: CpuBackend,
     communicator: Mutex<CpuCommunicator>,
+    /// Unlinks the segment name if this rank is interrupted before rank 0 has done so.
+    _segment_cleanup: crate::cleanup::Registration,
 }
 
 impl TpCpuBackend {
@@ -39,6 +48,7 @@ impl TpCpuBackend {
             capacity_bytes: (max_elements * 4).max(1 << 16),
             ..CpuConfig::default()
         };
+        let segment_cleanup = crate::cleanup::register_segment(segment);
         let communicator =
             CpuCommunicator::new(segment, rank, world, config).with_context(|| {
                 format!("rank {rank} of {world}: joining all-reduce segment {segment}")
@@ -46,6 +56,7 @@ impl TpCpuBackend {
         Ok(Self {
             compute: CpuBackend,
             communicator: Mutex::new(communicator),
+            _segment_cleanup: segment_cleanup,
         })
     }
 }
@@ -93,19 +104,43 @@ impl Backend for TpCpuBackend {
     }
 }
 
+/// A rank process that failed, as its launcher reports it.
+#[derive(Debug, thiserror::Error)]
+#[error("tensor-parallel rank {rank} of {world} failed ({status})")]
+pub struct RankFailed {
+    pub rank: usize,
+    pub world: usize,
+    pub status: ExitStatus,
+}
+
 /// Starts `world` rank processes of this binary with `args` plus `--tp-rank R --tp-segment S`,
 /// and waits for all of them. If one fails, the others are stopped and the error names it.
 pub fn launch_ranks(world: usize, args: &[String]) -> Result<()> {
     if !(2..=8).contains(&world) {
-        bail!("--tp {world}: tensor parallelism on CPU runs 2 to 8 ranks");
+        return Err(crate::input::InvalidInput(format!(
+            "--tp {world}: tensor parallelism on CPU runs 2 to 8 ranks"
+        ))
+        .into());
     }
     let exe = std::env::current_exe().context("locating the model binary")?;
     let segment = kernels::allreduce::shm::unique_segment_name("model-tp");
+    // Interrupted, the launcher unlinks the name itself; its ranks follow it (see above).
+    let _registration = crate::cleanup::register_segment(&segment);
+    let launcher = std::process::id();
     let mut children: Vec<Child> = Vec::new();
     for rank in 0..world {
-        let child = Command::new(&exe)
+        let mut command = Command::new(&exe);
+        command
             .args(args)
-            .args(["--tp-rank", &rank.to_string(), "--tp-segment", &segment])
+            .args(["--tp-rank", &rank.to_string(), "--tp-segment", &segment]);
+        // SAFETY: between fork and exec only async-signal-safe calls (prctl, getppid, _exit).
+        unsafe {
+            command.pre_exec(move || {
+                die_with_parent(launcher);
+                Ok(())
+            });
+        }
+        let child = command
             .spawn()
             .with_context(|| format!("starting rank {rank}"))?;
         children.push(child);
@@ -138,7 +173,63 @@ pub fn launch_ranks(world: usize, args: &[String]) -> Result<()> {
     kernels::allreduce::shm::remove_segment(&segment)
         .with_context(|| format!("removing {segment}"))?;
     match failure {
-        Some((rank, status)) => bail!("tensor-parallel rank {rank} of {world} failed ({status})"),
+        // Rank 0 writing into a closed pipe (`model run --tp 2 | head -1`) ends quietly, and
+        // so does its launcher, the way a single process would.
+        Some((_, status)) if status.signal() == Some(libc::SIGPIPE) => {
+            // SAFETY: plain libc calls; SIGPIPE's default action ends the process.
+            unsafe {
+                libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+                libc::raise(libc::SIGPIPE);
+            }
+            Err(RankFailed {
+                rank: 0,
+                world,
+                status,
+            }
+            .into())
+        }
+        Some((rank, status)) => Err(RankFailed {
+            rank,
+            world,
+            status,
+        }
+        .into()),
         None => Ok(()),
     }
+}
+
+/// In a freshly forked rank: arms SIGTERM as the parent-death signal, and exits at once if the
+/// launcher already died before it was armed. Async-signal-safe.
+fn die_with_parent(launcher: u32) {
+    #[cfg(target_os = "linux")]
+    // SAFETY: prctl, getppid and _exit are async-signal-safe and touch no Rust state.
+    unsafe {
+        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+        if libc::getppid() as u32 != launcher {
+            libc::_exit(1);
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = launcher;
+}
+
+/// In a rank process: a thread that stops the rank within `period` of its parent (the
+/// launcher) exiting, removing what [`crate::cleanup`] holds first.
+pub fn watch_launcher(period: Duration) {
+    // SAFETY: getppid has no preconditions.
+    let parent = unsafe { libc::getppid() };
+    let spawned = std::thread::Builder::new()
+        .name("launcher-watchdog".into())
+        .spawn(move || {
+            loop {
+                std::thread::sleep(period);
+                // SAFETY: as above.
+                if unsafe { libc::getppid() } != parent {
+                    crate::cleanup::remove_all();
+                    eprintln!("Error: the tensor-parallel launcher (pid {parent}) exited; stopping this rank");
+                    std::process::exit(1);
+                }
+            }
+        });
+    drop(spawned);
 }

@@ -359,17 +359,8 @@ impl ModelWeights {
         if shard.world == 1 {
             return Ok(self.clone());
         }
-        let w = shard.world;
-        let heads = config.num_attention_heads;
-        let check = |what: &str, total: usize, align: usize| -> Result<(usize, usize), String> {
-            if !total.is_multiple_of(w) || !(total / w).is_multiple_of(align) {
-                return Err(format!(
-                    "{what} = {total} cannot be split over {w} ranks in multiples of {align}"
-                ));
-            }
-            Ok(shard.range(total))
-        };
-        let (h0, h1) = check("num_attention_heads", heads, 1)?;
+        config.check_tensor_parallel(shard.world)?;
+        let (h0, h1) = shard.range(config.num_attention_heads);
         let (qk, kv_rows, v) = (
             config.qk_head_dim(),
             config.qk_nope_head_dim + config.v_head_dim,
@@ -399,15 +390,11 @@ impl ModelWeights {
                 };
                 let mlp = match &layer.mlp {
                     MlpWeights::Dense(d) => {
-                        let (s, e) = check("intermediate_size", d.gate.rows, 1)?;
+                        let (s, e) = shard.range(d.gate.rows);
                         MlpWeights::Dense(d.shard(s, e))
                     }
                     MlpWeights::Moe(m) => {
-                        let (s, e) = check(
-                            "moe_intermediate_size",
-                            config.moe_intermediate_size,
-                            kernels::formats::NVFP4_BLOCK,
-                        )?;
+                        let (s, e) = shard.range(config.moe_intermediate_size);
                         let experts = m
                             .experts
                             .iter()
@@ -419,7 +406,7 @@ impl ModelWeights {
                             .collect();
                         let shared = match &m.shared {
                             Some(d) => {
-                                let (s, e) = check("shared expert intermediate", d.gate.rows, 1)?;
+                                let (s, e) = shard.range(d.gate.rows);
                                 Some(d.shard(s, e))
                             }
                             None => None,
@@ -432,14 +419,14 @@ impl ModelWeights {
                         })
                     }
                 };
-                Ok(LayerWeights {
+                LayerWeights {
                     input_norm: layer.input_norm.clone(),
                     attention,
                     post_attention_norm: layer.post_attention_norm.clone(),
                     mlp,
-                })
+                }
             })
-            .collect::<Result<Vec<_>, String>>()?;
+            .collect();
         Ok(Self {
             embed: self.embed.clone(),
             layers,

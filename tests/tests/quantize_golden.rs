@@ -12,7 +12,7 @@ fn quantized_expert_bytes_equal_modelopt() {
     let source = golden_path("models").join("dsv3-mini-unsharded-bf16");
     let expected = Checkpoint::open(&golden_path("models").join("dsv3-mini-unsharded")).unwrap();
     let out = tempfile::tempdir().unwrap();
-    quantize_checkpoint(&source, out.path(), &CpuBackend, 64, 7, 1 << 20).unwrap();
+    quantize_checkpoint(&source, out.path(), &CpuBackend, 64, 7, 1 << 20, false).unwrap();
     let ours = Checkpoint::open(out.path()).unwrap();
     assert!(ours.config.quant.is_some(), "hf_quant_config.json written");
 
