@@ -16,8 +16,10 @@
 //!   [`Device`](crate::device::Device), and `gpu_check.md` describes the on-GPU check
 //!   (`bin/mla-gpu-check.rs`).
 //! - [`golden_hash`]: the closed-form cache contents of the MLA goldens.
+//! - [`check`]: the golden and append checks every device's runs go through.
 
 pub mod cache;
+pub mod check;
 pub mod cpu;
 pub mod golden_hash;
 pub mod kernel_model;

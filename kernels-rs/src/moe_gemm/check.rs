@@ -266,6 +266,18 @@ pub fn check_case<D: Device>(
     dev: &(MoeDeviceWeights<D>, MoeDeviceRouting<D>),
     case: &Case,
 ) -> Result<Compare, String> {
+    check_case_with(gpu, kernels, dev, case, |_| {})
+}
+
+/// [`check_case`], calling `before_run(run)` before each of the two runs (the host layer
+/// changes its thread and block schedule there, so the runs execute in different orders).
+pub fn check_case_with<D: Device>(
+    gpu: &D,
+    kernels: &MoeKernels<D>,
+    dev: &(MoeDeviceWeights<D>, MoeDeviceRouting<D>),
+    case: &Case,
+    mut before_run: impl FnMut(usize),
+) -> Result<Compare, String> {
     let (w, r) = dev;
     let a = r.host.assignments();
     let mut acts = MoeDeviceActivations::new(
@@ -284,6 +296,7 @@ pub fn check_case<D: Device>(
         if run > 0 {
             acts.poison(gpu).map_err(|e| e.to_string())?;
         }
+        before_run(run);
         kernels
             .run(gpu, w, r, &mut acts)
             .map_err(|e| e.to_string())?;

@@ -1,0 +1,134 @@
+//! Every gated MoE tactic — the real `moe_gemm.cu`, compiled for the CPU and run by the host
+//! execution layer (`cuda-host`) — against the PyTorch + ModelOpt goldens.
+//!
+//! The same launcher (`moe_gemm::launch`) and harness (`moe_gemm::check`) a GPU run uses:
+//! buffers poisoned before each run (the NVFP4 intermediate with E4M3 NaN, so an unwritten
+//! scale fails), two runs per case in different thread and block orders (forward, then a
+//! seeded shuffle), and the GPU check's tolerance. The native SM120 tactics execute the
+//! block-scaled FP4 `mma.sync` through the host layer's implementation of the instruction;
+//! the portable ones the BF16 `mma.sync`; the emulated ones their shuffle-based emulation.
+
+use std::time::Instant;
+
+use cuda_host::{HostDevice, Schedule};
+use half::bf16;
+use kernels::moe_gemm::check::{self, check_case_with};
+use kernels::moe_gemm::launch::{
+    ExpertWeights, GroupedRouting, MoeDeviceRouting, MoeDeviceWeights, MoeKernels, MoeWeightsHost,
+    check_problem,
+};
+use kernels::moe_gemm::{MoeGemmTactic, ScaleLoad, Sm};
+use project_tests::moe_goldens::{self, hashed_source, load_file};
+
+/// A golden case in the kernels' layout.
+fn kernel_case(g: &moe_goldens::Case) -> check::Case {
+    let experts: Vec<ExpertWeights> = g
+        .experts
+        .iter()
+        .map(|e| ExpertWeights {
+            gate: e.mats[0].view(),
+            up: e.mats[1].view(),
+            down: e.mats[2].view(),
+            gate_up_input_scale: e.gate_up_input_scale,
+            down_input_scale: e.down_input_scale,
+        })
+        .collect();
+    let x_bf16: Vec<u16> = g
+        .x
+        .iter()
+        .map(|&v| {
+            let b = bf16::from_f32(v);
+            assert_eq!(b.to_f32(), v, "{}: x must be exact in BF16", g.name);
+            b.to_bits()
+        })
+        .collect();
+    check::Case {
+        name: g.name.clone(),
+        hidden: g.hidden,
+        inter: g.experts[0].mats[0].rows,
+        weights: MoeWeightsHost::from_experts(&experts).unwrap(),
+        routing: g.routing.clone(),
+        x_bf16,
+        reference: g.out.clone(),
+    }
+}
+
+fn golden_cases() -> Vec<check::Case> {
+    let mut cases: Vec<check::Case> = load_file("moe/kernel_tiles.safetensors", hashed_source)
+        .iter()
+        .map(kernel_case)
+        .collect();
+    cases.extend(
+        load_file("moe/kimi.safetensors", hashed_source)
+            .iter()
+            .filter(|c| c.name.contains("tp8"))
+            .map(kernel_case),
+    );
+    cases
+}
+
+#[test]
+fn every_moe_tactic_matches_the_goldens_on_the_host() {
+    let filter = std::env::var("HOST_TACTICS").unwrap_or_default();
+    let cases = golden_cases();
+    let layouts = [ScaleLoad::Swizzled128x4, ScaleLoad::RowMajor];
+    let mut failures = Vec::new();
+    let mut ran = 0;
+    let mut worst = (0.0f64, String::new());
+    for sm in Sm::ALL {
+        let dev = HostDevice::new(sm);
+        let uploaded: Vec<_> = cases
+            .iter()
+            .map(|c| {
+                let w = MoeDeviceWeights::upload(&dev, &c.weights, &layouts).unwrap();
+                let g = GroupedRouting::new(&c.routing, c.experts()).unwrap();
+                (w, MoeDeviceRouting::upload(&dev, g).unwrap())
+            })
+            .collect();
+        for t in MoeGemmTactic::enumerate(sm) {
+            if !t.id().contains(&filter) {
+                continue;
+            }
+            let k = MoeKernels::load(&dev, t).unwrap();
+            for (case, up) in cases.iter().zip(&uploaded) {
+                check_problem(&t, case.hidden, case.inter).unwrap();
+                let start = Instant::now();
+                let result = check_case_with(&dev, &k, up, case, |run| {
+                    dev.set_schedule(if run == 0 {
+                        Schedule::Forward
+                    } else {
+                        Schedule::Shuffled(0x5eed + run as u64)
+                    })
+                });
+                let history = dev.take_history();
+                let mma: u64 = history.iter().map(|h| h.stats.mma).sum();
+                ran += 1;
+                match result {
+                    Ok(c) => {
+                        println!(
+                            "{} {sm} {t} {}: rel L2 {:.2e} max {:.2e} rerun {:.0e}; {} launches, {mma} \
+                             MMAs, {:.2} s",
+                            if c.passed() { "PASS" } else { "FAIL" },
+                            case.name,
+                            c.rel_l2,
+                            c.max_abs_rel,
+                            c.run_to_run,
+                            history.len(),
+                            start.elapsed().as_secs_f64()
+                        );
+                        if c.rel_l2 > worst.0 {
+                            worst = (c.rel_l2, format!("{t} on {}", case.name));
+                        }
+                        if !c.passed() {
+                            failures.push(format!("{t} {}: {c:?}", case.name));
+                        }
+                    }
+                    Err(e) => failures.push(format!("{t} {}: {e}", case.name)),
+                }
+            }
+        }
+    }
+    println!("host MoE: {ran} (tactic, case) runs; worst rel L2 {:.2e} ({})", worst.0, worst.1);
+    assert!(ran > 0, "no tactic matched HOST_TACTICS={filter:?}");
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+}
