@@ -342,7 +342,11 @@ fn wrapper(index: usize, u: &Unit, f: &SourceFacts) -> String {
     w
 }
 
-fn compile_all(compiler: &cc::Tool, obj_dir: &Path, jobs: &[(PathBuf, Vec<String>, u64)]) -> Vec<PathBuf> {
+fn compile_all(
+    compiler: &cc::Tool,
+    obj_dir: &Path,
+    jobs: &[(PathBuf, Vec<String>, u64)],
+) -> Vec<PathBuf> {
     let objects: Vec<PathBuf> = jobs
         .iter()
         .map(|(_, _, key)| obj_dir.join(format!("{key:016x}.o")))

@@ -33,15 +33,14 @@ fn kernel_case(g: &moe_goldens::Case) -> check::Case {
             down_input_scale: e.down_input_scale,
         })
         .collect();
-    let x_bf16: Vec<u16> = g
-        .x
-        .iter()
-        .map(|&v| {
-            let b = bf16::from_f32(v);
-            assert_eq!(b.to_f32(), v, "{}: x must be exact in BF16", g.name);
-            b.to_bits()
-        })
-        .collect();
+    let x_bf16: Vec<u16> =
+        g.x.iter()
+            .map(|&v| {
+                let b = bf16::from_f32(v);
+                assert_eq!(b.to_f32(), v, "{}: x must be exact in BF16", g.name);
+                b.to_bits()
+            })
+            .collect();
     check::Case {
         name: g.name.clone(),
         hidden: g.hidden,
@@ -128,7 +127,15 @@ fn every_moe_tactic_matches_the_goldens_on_the_host() {
             }
         }
     }
-    println!("host MoE: {ran} (tactic, case) runs; worst rel L2 {:.2e} ({})", worst.0, worst.1);
+    println!(
+        "host MoE: {ran} (tactic, case) runs; worst rel L2 {:.2e} ({})",
+        worst.0, worst.1
+    );
     assert!(ran > 0, "no tactic matched HOST_TACTICS={filter:?}");
-    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }

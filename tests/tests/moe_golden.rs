@@ -106,12 +106,7 @@ fn kimi_shaped_cases_match_modelopt_and_torch() {
 fn kernel_tile_cases_match_modelopt_and_torch() {
     let cases = load_file("moe/kernel_tiles.safetensors", hashed_source);
     // What the file is for: an expert with more tokens than the largest token tile (32).
-    let most = cases[0]
-        .routing
-        .experts
-        .iter()
-        .filter(|&&e| e == 0)
-        .count();
+    let most = cases[0].routing.experts.iter().filter(|&&e| e == 0).count();
     assert!(most > 32, "{most} tokens on expert 0");
     run_all(&cases);
 }

@@ -21,9 +21,16 @@ constexpr unsigned kFullMask = 0xffffffffu;
 
 float bf16_value(uint32_t reg, unsigned half) { return __uint_as_float((reg >> (16 * half)) << 16); }
 
-double e4m3_value(uint32_t reg, unsigned byte) {
-  return numerics::decode(numerics::kE4m3, (reg >> (8 * byte)) & 0xff);
-}
+// Every E4M3 code's value, decoded once.
+struct E4m3Table {
+  double v[256];
+  E4m3Table() {
+    for (unsigned c = 0; c < 256; ++c) v[c] = numerics::decode(numerics::kE4m3, c);
+  }
+};
+const E4m3Table kE4m3Values;
+
+double e4m3_value(uint32_t reg, unsigned byte) { return kE4m3Values.v[(reg >> (8 * byte)) & 0xff]; }
 
 double e2m1_value(uint32_t reg, unsigned nibble) {
   static const double magnitude[8] = {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0};
@@ -32,9 +39,7 @@ double e2m1_value(uint32_t reg, unsigned nibble) {
 }
 
 // UE4M3: E4M3 without a sign; the top bit of the byte is not part of the value.
-double ue4m3_value(uint32_t reg, unsigned byte) {
-  return numerics::decode(numerics::kE4m3, (reg >> (8 * byte)) & 0x7f);
-}
+double ue4m3_value(uint32_t reg, unsigned byte) { return kE4m3Values.v[(reg >> (8 * byte)) & 0x7f]; }
 
 template <class T>
 T lane_in(const LaneIo* l) {
@@ -178,11 +183,16 @@ void mma_nvf4_compute(LaneIo* const* lanes, unsigned mask, const void*) {
     if (!have_sb[n]) kernel_error("%s: no lane supplies the scales of column %u", what, n);
   // Every product of two scaled E2M1 values is a multiple of 2^-20 below 2^23, so the sum of
   // 64 of them is exact in double: the result does not depend on the order.
+  double as[16][64], bs[8][64];
+  for (unsigned r = 0; r < 16; ++r)
+    for (unsigned k = 0; k < 64; ++k) as[r][k] = a[r][k] * sa[r][k / 16];
+  for (unsigned n = 0; n < 8; ++n)
+    for (unsigned k = 0; k < 64; ++k) bs[n][k] = b[k][n] * sb[n][k / 16];
   double acc[16][8];
   for (unsigned r = 0; r < 16; ++r)
     for (unsigned n = 0; n < 8; ++n) {
       double s = 0.0;
-      for (unsigned k = 0; k < 64; ++k) s += (a[r][k] * sa[r][k / 16]) * (b[k][n] * sb[n][k / 16]);
+      for (unsigned k = 0; k < 64; ++k) s += as[r][k] * bs[n][k];
       acc[r][n] = s;
     }
   write_d(lanes, acc);

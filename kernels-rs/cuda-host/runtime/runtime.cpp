@@ -287,14 +287,29 @@ struct Worker {
   Context scheduler;
   sigjmp_buf abort_jump;
   volatile sig_atomic_t in_kernel = 0;
-  // Fiber stacks, kept across launches on this thread.
+  // Fiber stacks, kept across launches on this thread and handed to the shared pool when
+  // the thread ends (launches start worker threads; mapping fresh stacks every time would
+  // cost two system calls and the page faults per fiber).
   std::vector<unsigned char*> stacks;
   uint64_t switches = 0;
-  ~Worker() {
-    const size_t page = size_t(sysconf(_SC_PAGESIZE));
-    for (unsigned char* s : stacks) munmap(s - page, kFiberStack + page);
-  }
+  ~Worker();
 };
+
+// Stacks of finished worker threads, for the next ones.
+std::mutex g_stack_pool_mu;
+std::vector<unsigned char*> g_stack_pool;
+constexpr size_t kStackPoolMax = 8192;
+
+Worker::~Worker() {
+  std::lock_guard<std::mutex> g(g_stack_pool_mu);
+  const size_t page = size_t(sysconf(_SC_PAGESIZE));
+  for (unsigned char* s : stacks) {
+    if (g_stack_pool.size() < kStackPoolMax)
+      g_stack_pool.push_back(s);
+    else
+      munmap(s - page, kFiberStack + page);
+  }
+}
 
 __thread Worker* tl_worker;
 
@@ -344,17 +359,22 @@ uint64_t next_random(uint64_t& s) {
 
 // Orders fibers that become ready together (launch start, barrier release, collective end)
 // by the launch's schedule.
-void order(Block& b, const Launch& l, std::vector<unsigned>& ids) {
+void order(Block& b, const Launch& l, unsigned* ids, size_t n) {
   switch (l.opt.schedule) {
     case CUHOST_SCHEDULE_REVERSE:
-      std::sort(ids.begin(), ids.end(), std::greater<unsigned>());
+      if (!std::is_sorted(ids, ids + n, std::greater<unsigned>()))
+        std::sort(ids, ids + n, std::greater<unsigned>());
       break;
     case CUHOST_SCHEDULE_SHUFFLED:
-      for (size_t i = ids.size(); i > 1; --i) std::swap(ids[i - 1], ids[next_random(b.rng) % i]);
+      for (size_t i = n; i > 1; --i) std::swap(ids[i - 1], ids[next_random(b.rng) % i]);
       break;
     default:
-      std::sort(ids.begin(), ids.end());
+      if (!std::is_sorted(ids, ids + n)) std::sort(ids, ids + n);
   }
+}
+
+void order(Block& b, const Launch& l, std::vector<unsigned>& ids) {
+  order(b, l, ids.data(), ids.size());
 }
 
 void check_deadline(Worker* w) {
@@ -446,6 +466,13 @@ void fiber_entry(void* arg) {
 }
 
 unsigned char* stack_for(Worker* w, size_t i) {
+  if (w->stacks.size() <= i) {
+    std::lock_guard<std::mutex> g(g_stack_pool_mu);
+    while (w->stacks.size() <= i && !g_stack_pool.empty()) {
+      w->stacks.push_back(g_stack_pool.back());
+      g_stack_pool.pop_back();
+    }
+  }
   while (w->stacks.size() <= i) {
     const size_t page = size_t(sysconf(_SC_PAGESIZE));
     void* m = mmap(nullptr, kFiberStack + page, PROT_READ | PROT_WRITE,
@@ -785,11 +812,12 @@ void warp_collective(unsigned mask, const char* kind, CollectiveFn fn, const voi
       lanes[l] = ((mask >> l) & 1) ? &b.fibers[f.warp * 32 + l].io : nullptr;
     fn(lanes, mask, ctx);
     g->active = false;
-    std::vector<unsigned> waiters;
+    unsigned waiters[32];
+    size_t n = 0;
     for (unsigned l = 0; l < 32; ++l)
-      if (((mask >> l) & 1) && l != lane) waiters.push_back(f.warp * 32 + l);
-    order(b, *w->launch, waiters);
-    for (unsigned id : waiters) make_ready(b, b.fibers[id]);
+      if (((mask >> l) & 1) && l != lane) waiters[n++] = f.warp * 32 + l;
+    order(b, *w->launch, waiters, n);
+    for (size_t i = 0; i < n; ++i) make_ready(b, b.fibers[waiters[i]]);
     w->launch->collectives.fetch_add(1, std::memory_order_relaxed);
     if (counts_as_mma) w->launch->mma.fetch_add(1, std::memory_order_relaxed);
   } else {

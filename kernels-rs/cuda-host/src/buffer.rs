@@ -54,7 +54,8 @@ impl DeviceBuffer {
         }
         let map = map.cast::<u8>();
         // SAFETY: [p, p + body) lies inside the mapping.
-        let rc = unsafe { libc::mprotect(map.add(p).cast(), body, libc::PROT_READ | libc::PROT_WRITE) };
+        let rc =
+            unsafe { libc::mprotect(map.add(p).cast(), body, libc::PROT_READ | libc::PROT_WRITE) };
         if rc != 0 {
             // SAFETY: unmapping what was just mapped.
             unsafe { libc::munmap(map.cast(), map_len) };

@@ -35,7 +35,6 @@ pub use buffer::DeviceBuffer;
 pub use device::{HostDevice, HostKernel, LaunchRecord};
 pub use kernels::device::{KernelParams, LaunchConfig};
 
-
 include!(concat!(env!("OUT_DIR"), "/modules.rs"));
 
 #[derive(Debug, thiserror::Error)]
@@ -128,10 +127,7 @@ impl Module {
         self.kernels()
             .iter()
             .find(|k| text(k.name) == name)
-            .map(|raw| Function {
-                raw,
-                module: *self,
-            })
+            .map(|raw| Function { raw, module: *self })
             .ok_or_else(|| HostError::NoKernel {
                 family: self.family_name().into(),
                 tactic: self.tactic().into(),

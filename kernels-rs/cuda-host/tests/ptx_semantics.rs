@@ -175,7 +175,11 @@ fn block_scaled_fp4_mma_agrees_with_the_register_model_and_the_dequantized_produ
 /// ISA: `(row, col)` of A, `(k, n)` of B, `(row, col)` of C/D.
 fn a_pos_16816(lane: usize, i: usize) -> (usize, usize) {
     let (g, t) = (lane / 4, lane % 4);
-    let row = if i < 2 || (4..6).contains(&i) { g } else { g + 8 };
+    let row = if i < 2 || (4..6).contains(&i) {
+        g
+    } else {
+        g + 8
+    };
     (row, 2 * t + (i & 1) + if i >= 4 { 8 } else { 0 })
 }
 fn b_pos_16816(lane: usize, i: usize) -> (usize, usize) {
@@ -184,7 +188,11 @@ fn b_pos_16816(lane: usize, i: usize) -> (usize, usize) {
 }
 fn a_pos_16832(lane: usize, i: usize) -> (usize, usize) {
     let (g, t) = (lane / 4, lane % 4);
-    let row = if i < 4 || (8..12).contains(&i) { g } else { g + 8 };
+    let row = if i < 4 || (8..12).contains(&i) {
+        g
+    } else {
+        g + 8
+    };
     (row, 4 * t + (i & 3) + if i >= 8 { 16 } else { 0 })
 }
 fn b_pos_16832(lane: usize, i: usize) -> (usize, usize) {
@@ -201,12 +209,22 @@ fn bf16_mma_computes_the_product_in_the_isa_fragment_layout() {
     let mut rng = SplitMix(5);
     for case in 0..20 {
         let a: Vec<Vec<u16>> = (0..16)
-            .map(|_| (0..16).map(|_| half::bf16::from_f32(rng.unit() * 8.0).to_bits()).collect())
+            .map(|_| {
+                (0..16)
+                    .map(|_| half::bf16::from_f32(rng.unit() * 8.0).to_bits())
+                    .collect()
+            })
             .collect();
         let b: Vec<Vec<u16>> = (0..16)
-            .map(|_| (0..8).map(|_| half::bf16::from_f32(rng.unit() * 8.0).to_bits()).collect())
+            .map(|_| {
+                (0..8)
+                    .map(|_| half::bf16::from_f32(rng.unit() * 8.0).to_bits())
+                    .collect()
+            })
             .collect();
-        let c: Vec<Vec<f32>> = (0..16).map(|_| (0..8).map(|_| rng.unit()).collect()).collect();
+        let c: Vec<Vec<f32>> = (0..16)
+            .map(|_| (0..8).map(|_| rng.unit()).collect())
+            .collect();
         let mut lanes = [LaneOperands::default(); 32];
         for (lane, l) in lanes.iter_mut().enumerate() {
             for i in 0..8 {
@@ -229,7 +247,11 @@ fn bf16_mma_computes_the_product_in_the_isa_fragment_layout() {
                 let (r, n) = c_pos(lane, i);
                 let dot: f64 = (0..16).map(|k| f(a[r][k]) * f(b[k][n])).sum();
                 let want = (dot + f64::from(c[r][n])) as f32;
-                assert_eq!(got.to_bits(), want.to_bits(), "case {case} lane {lane} d[{i}]");
+                assert_eq!(
+                    got.to_bits(),
+                    want.to_bits(),
+                    "case {case} lane {lane} d[{i}]"
+                );
             }
         }
     }
@@ -246,9 +268,15 @@ fn e4m3_mma_computes_the_product_in_the_isa_fragment_layout() {
                 break c;
             }
         };
-        let a: Vec<Vec<u8>> = (0..16).map(|_| (0..32).map(|_| code(&mut rng)).collect()).collect();
-        let b: Vec<Vec<u8>> = (0..32).map(|_| (0..8).map(|_| code(&mut rng)).collect()).collect();
-        let c: Vec<Vec<f32>> = (0..16).map(|_| (0..8).map(|_| rng.unit()).collect()).collect();
+        let a: Vec<Vec<u8>> = (0..16)
+            .map(|_| (0..32).map(|_| code(&mut rng)).collect())
+            .collect();
+        let b: Vec<Vec<u8>> = (0..32)
+            .map(|_| (0..8).map(|_| code(&mut rng)).collect())
+            .collect();
+        let c: Vec<Vec<f32>> = (0..16)
+            .map(|_| (0..8).map(|_| rng.unit()).collect())
+            .collect();
         let mut lanes = [LaneOperands::default(); 32];
         for (lane, l) in lanes.iter_mut().enumerate() {
             for i in 0..16 {
@@ -272,7 +300,11 @@ fn e4m3_mma_computes_the_product_in_the_isa_fragment_layout() {
                     .map(|k| f64::from(e4m3_to_f32(a[r][k])) * f64::from(e4m3_to_f32(b[k][n])))
                     .sum();
                 let want = (dot + f64::from(c[r][n])) as f32;
-                assert_eq!(got.to_bits(), want.to_bits(), "case {case} lane {lane} d[{i}]");
+                assert_eq!(
+                    got.to_bits(),
+                    want.to_bits(),
+                    "case {case} lane {lane} d[{i}]"
+                );
             }
         }
     }
@@ -293,8 +325,15 @@ fn ldmatrix_gives_each_lane_its_row_pair_plain_and_transposed() {
             args.arg(&t).arg(&o).arg(&num).arg(&trans);
             // 32 rows × 48 bytes of staging.
             // SAFETY: live buffers of the sizes the probe uses.
-            unsafe { launch(&probe("probe_ldmatrix"), one_warp(32 * 48), &args, &LaunchOptions::default()) }
-                .unwrap();
+            unsafe {
+                launch(
+                    &probe("probe_ldmatrix"),
+                    one_warp(32 * 48),
+                    &args,
+                    &LaunchOptions::default(),
+                )
+            }
+            .unwrap();
             let regs: Vec<u32> = out.to_vec();
             for lane in 0..32usize {
                 for m in 0..4usize {
@@ -329,19 +368,35 @@ fn cp_async_lands_only_at_the_wait_that_covers_its_group() {
     let p: Vec<u64> = outs.iter().map(|b| b.ptr()).collect();
     let s = src_buf.ptr();
     let mut args = KernelParams::new();
-    args.arg(&s).arg(&p[0]).arg(&p[1]).arg(&p[2]).arg(&zero_fill_from);
+    args.arg(&s)
+        .arg(&p[0])
+        .arg(&p[1])
+        .arg(&p[2])
+        .arg(&zero_fill_from);
     let cfg = LaunchConfig {
         grid_dim: (1, 1, 1),
         block_dim: (threads, 1, 1),
         shared_mem_bytes: n as u32,
     };
     // SAFETY: live buffers of n bytes; the probe touches bytes [0, n).
-    unsafe { launch(&probe("probe_cp_async"), cfg, &args, &LaunchOptions::default()) }.unwrap();
+    unsafe {
+        launch(
+            &probe("probe_cp_async"),
+            cfg,
+            &args,
+            &LaunchOptions::default(),
+        )
+    }
+    .unwrap();
     let [early, middle, late] = [0, 1, 2].map(|i| outs[i].to_vec::<u8>());
     let half = n / 2;
     let expect = |i: usize| {
         let thread = (i % half) / 16;
-        if thread < zero_fill_from as usize { src[i] } else { 0 }
+        if thread < zero_fill_from as usize {
+            src[i]
+        } else {
+            0
+        }
     };
     for i in 0..half {
         assert_eq!(early[i], 0xFF, "byte {i} visible before any wait");
@@ -357,7 +412,9 @@ fn cp_async_lands_only_at_the_wait_that_covers_its_group() {
 
 #[test]
 fn shuffles_and_votes_follow_the_segment_rules() {
-    let input: Vec<i32> = (0..32).map(|l| (l * 37 + 11) % 100 + if l == 7 { 2000 } else { 0 }).collect();
+    let input: Vec<i32> = (0..32)
+        .map(|l| (l * 37 + 11) % 100 + if l == 7 { 2000 } else { 0 })
+        .collect();
     let in_buf = DeviceBuffer::from_slice(&input).unwrap();
     for schedule in [Schedule::Forward, Schedule::Reverse, Schedule::Shuffled(3)] {
         let out = DeviceBuffer::zeroed(32 * 9 * 4).unwrap();
@@ -416,11 +473,20 @@ fn acquire_release_flags_between_co_resident_blocks() {
         };
         // SAFETY: three live 8-byte buffers.
         unsafe { launch(&probe("probe_flags"), cfg, &args, &opts) }.unwrap();
-        assert_eq!(seen.to_vec::<u64>()[0], 0x1234_5678_90ab_cdef, "{schedule:?}");
+        assert_eq!(
+            seen.to_vec::<u64>()[0],
+            0x1234_5678_90ab_cdef,
+            "{schedule:?}"
+        );
     }
 }
 
-fn launch_error(kernel: &str, cfg: LaunchConfig, args: &KernelParams<'_>, opts: &LaunchOptions) -> String {
+fn launch_error(
+    kernel: &str,
+    cfg: LaunchConfig,
+    args: &KernelParams<'_>,
+    opts: &LaunchOptions,
+) -> String {
     // SAFETY: the probes only touch the buffers passed (or fault, which is the point).
     match unsafe { launch(&probe(kernel), cfg, args, opts) } {
         Ok(_) => panic!("{kernel} must fail"),
@@ -441,7 +507,10 @@ fn misuse_is_reported_with_the_kernel_block_and_thread() {
     };
     let opts = LaunchOptions::default();
     let e = launch_error("probe_barrier_divergence", block(128), &args, &opts);
-    assert!(e.contains("barrier divergence") && e.contains("probe_barrier_divergence"), "{e}");
+    assert!(
+        e.contains("barrier divergence") && e.contains("probe_barrier_divergence"),
+        "{e}"
+    );
     let e = launch_error("probe_shuffle_divergence", block(64), &args, &opts);
     assert!(e.contains("warp divergence") && e.contains("lane 5"), "{e}");
 
@@ -452,7 +521,10 @@ fn misuse_is_reported_with_the_kernel_block_and_thread() {
     let mut args = KernelParams::new();
     args.arg(&xp).arg(&yp).arg(&n);
     let e = launch_error("probe_out_of_bounds", block(32), &args, &opts);
-    assert!(e.contains("illegal memory access") && e.contains("thread (0,0,0)"), "{e}");
+    assert!(
+        e.contains("illegal memory access") && e.contains("thread (0,0,0)"),
+        "{e}"
+    );
 
     let n = 256i32;
     let mut args = KernelParams::new();
@@ -496,8 +568,15 @@ fn arguments_and_configurations_are_checked_before_running() {
     let mut wrong = KernelParams::new();
     wrong.arg(&x).arg(&one); // …this one passes an int where a pointer goes
     // SAFETY: rejected before anything runs.
-    let e = unsafe { launch(&probe("probe_warp"), one_warp(0), &wrong, &LaunchOptions::default()) }
-        .unwrap_err();
+    let e = unsafe {
+        launch(
+            &probe("probe_warp"),
+            one_warp(0),
+            &wrong,
+            &LaunchOptions::default(),
+        )
+    }
+    .unwrap_err();
     assert!(matches!(e, HostError::Arguments { .. }), "{e}");
     assert!(e.to_string().contains("[8, 8]"), "{e}");
 
@@ -517,8 +596,15 @@ fn arguments_and_configurations_are_checked_before_running() {
         ..one_warp(0)
     };
     // SAFETY: rejected before anything runs.
-    let e = unsafe { launch(&probe("probe_warp"), no_threads, &args, &LaunchOptions::default()) }
-        .unwrap_err();
+    let e = unsafe {
+        launch(
+            &probe("probe_warp"),
+            no_threads,
+            &args,
+            &LaunchOptions::default(),
+        )
+    }
+    .unwrap_err();
     assert!(e.to_string().contains("invalid configuration"), "{e}");
 }
 

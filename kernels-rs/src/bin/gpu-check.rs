@@ -35,6 +35,8 @@ use std::time::Instant;
 
 use cudarc::driver::CudaEvent;
 use half::bf16;
+use kernels::cuda::{GpuContext, default_ptx_dir, median};
+use kernels::formats::nvfp4::{Nvfp4Matrix, amax, global_scale_for_amax};
 use kernels::moe_gemm::check::{
     Case, Compare, MAX_ABS_TOL, REL_L2_TOL, Rng, check_case, compare, kernel_model, random_case,
 };
@@ -42,8 +44,6 @@ use kernels::moe_gemm::launch::{
     ExpertWeights, GroupedRouting, MoeDeviceActivations, MoeDeviceRouting, MoeDeviceWeights,
     MoeKernels, MoeWeightsHost, check_problem,
 };
-use kernels::cuda::{GpuContext, default_ptx_dir, median};
-use kernels::formats::nvfp4::{Nvfp4Matrix, amax, global_scale_for_amax};
 use kernels::moe_gemm::reference::Routing;
 use kernels::moe_gemm::{KernelVariant, MoeGemmTactic, ScaleLoad};
 use serde_json::{Value, json};

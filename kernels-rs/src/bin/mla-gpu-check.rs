@@ -104,7 +104,11 @@ fn run() -> Result<bool, String> {
                             c.row_err,
                             c.lse_err,
                             if c.non_finite { " NON-FINITE" } else { "" },
-                            if c.reproducible { "" } else { " NOT REPRODUCIBLE" }
+                            if c.reproducible {
+                                ""
+                            } else {
+                                " NOT REPRODUCIBLE"
+                            }
                         );
                         c.passed()
                     }

@@ -502,7 +502,9 @@ impl Device for GpuContext {
         if threads as i64 > kernel.max_threads_per_block as i64 {
             return Err(CudaError::TacticNotRunnable {
                 tactic: kernel.tactic.clone(),
-                sm: GpuContext::sm(self).map(|s| s.to_string()).unwrap_or_default(),
+                sm: GpuContext::sm(self)
+                    .map(|s| s.to_string())
+                    .unwrap_or_default(),
                 why: format!(
                     "{}: the driver allows {} threads per block, the launch has {threads}",
                     kernel.name, kernel.max_threads_per_block

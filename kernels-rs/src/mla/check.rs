@@ -236,8 +236,7 @@ pub fn check_decode<D: Device>(
     let (out, lse) = &runs[0];
     let (row_err, lse_err, non_finite) = compare(out, lse, &want.0, &want.1);
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
-    let reproducible =
-        bits(&runs[0].0) == bits(&runs[1].0) && bits(&runs[0].1) == bits(&runs[1].1);
+    let reproducible = bits(&runs[0].0) == bits(&runs[1].0) && bits(&runs[0].1) == bits(&runs[1].1);
     Ok(DecodeCheck {
         row_err,
         lse_err,
@@ -357,4 +356,3 @@ pub fn check_append<D: Device>(
         further: far,
     })
 }
-

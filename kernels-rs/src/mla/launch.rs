@@ -351,7 +351,9 @@ impl<D: Device> MlaKernels<D> {
             || norm_weight.len() != LATENT
             || slots.iter().any(|&s| s >= cache.slots as i32)
         {
-            return Err(DeviceError::Invalid("mla_append: inconsistent inputs".into()));
+            return Err(DeviceError::Invalid(
+                "mla_append: inconsistent inputs".into(),
+            ));
         }
         let w: Vec<u16> = norm_weight
             .iter()

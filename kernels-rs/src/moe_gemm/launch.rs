@@ -67,7 +67,6 @@ const _: () = {
     assert!(std::mem::offset_of!(MoeArgs, out) == 120);
 };
 
-
 /// One expert's weights as a checkpoint holds them (row-major scales).
 #[derive(Clone, Copy, Debug)]
 pub struct ExpertWeights<'a> {

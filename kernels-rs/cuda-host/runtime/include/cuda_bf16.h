@@ -27,7 +27,14 @@ inline __nv_bfloat16 bf16_from_double(double v) {
 }  // namespace cuhost::detail
 
 inline float __bfloat162float(__nv_bfloat16 h) { return __uint_as_float(unsigned(h.__x) << 16); }
-inline __nv_bfloat16 __float2bfloat16_rn(float f) { return ::cuhost::detail::bf16_from_double(f); }
+// BF16 is the upper half of an f32, so rounding the f32's bits to nearest even at bit 16 is
+// the correctly rounded conversion for every finite value (subnormals included; a carry
+// into the exponent is the right next binade, up to infinity).
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+  const unsigned u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return __nv_bfloat16{0x7fff};
+  return __nv_bfloat16{static_cast<unsigned short>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
+}
 inline __nv_bfloat16 __float2bfloat16(float f) { return __float2bfloat16_rn(f); }
 inline __nv_bfloat162 __floats2bfloat162_rn(float lo, float hi) {
   return __nv_bfloat162{__float2bfloat16_rn(lo), __float2bfloat16_rn(hi)};
