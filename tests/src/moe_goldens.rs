@@ -9,9 +9,9 @@
 //! quantization of them must reproduce ModelOpt's `weight_scale_2` bit for bit and its packed
 //! codes and block scales up to a checksum stored in the file.
 
-use kernels::formats::nvfp4::{Nvfp4Matrix, amax, global_scale_for_amax};
+use kernels::formats::nvfp4::Nvfp4Matrix;
 use kernels::matrix::MatrixView;
-use kernels::moe_gemm::golden_data::{checksum, hashed_values};
+use kernels::moe_gemm::golden_data::{self, checksum};
 use kernels::moe_gemm::reference::{ExpertView, Routing};
 use model::nvfp4_file::read_nvfp4;
 use model::tensor_file::TensorFile;
@@ -164,8 +164,7 @@ fn intermediate_from_name(name: &str) -> Result<usize, String> {
         .ok_or_else(|| format!("{name}: no intermediate size in the case name"))
 }
 
-/// Quantizes the hashed expert as ModelOpt's fused export does (gate and up share
-/// `weight_scale_2`) and checks the result against the file.
+/// The hashed expert, quantized as ModelOpt's fused export does, checked against the file.
 fn hashed_expert(
     file: &TensorFile,
     prefix: &str,
@@ -174,20 +173,7 @@ fn hashed_expert(
     hidden: usize,
     inter: usize,
 ) -> Result<[Nvfp4Matrix; 3], String> {
-    let base = stream + 1000 * (e as u32 + 1);
-    let gate = hashed_values(inter * hidden, base + 1, 12);
-    let up = hashed_values(inter * hidden, base + 2, 12);
-    let down = hashed_values(hidden * inter, base + 3, 10);
-    let shared = global_scale_for_amax(amax(&gate).max(amax(&up)));
-    let q = |v: &[f32], r, c, g| {
-        Nvfp4Matrix::quantize_with_global_scale(v, r, c, g).map_err(|e| e.to_string())
-    };
-    let down_global = global_scale_for_amax(amax(&down));
-    let mats = [
-        q(&gate, inter, hidden, shared)?,
-        q(&up, inter, hidden, shared)?,
-        q(&down, hidden, inter, down_global)?,
-    ];
+    let mats = golden_data::hashed_expert(stream, e, hidden, inter)?;
     for (p, m) in PROJECTIONS.iter().zip(&mats) {
         let golden_scale = file
             .f32_scalar(&format!("{prefix}.{p}.weight_scale_2"))
@@ -221,16 +207,11 @@ pub fn load_file(path: &str, source: impl Fn(&str) -> WeightSource) -> Vec<Case>
     cases
 }
 
-/// gen_moe.py's hash stream of each case whose weights are not stored.
+/// Where the weights of a case without stored weights come from (gen_moe.py's hash stream).
 pub fn hashed_source(name: &str) -> WeightSource {
-    let stream = if name.starts_with("tiles_") {
-        200_000
-    } else if name.ends_with("_i2048") {
-        100_000
-    } else {
-        0
-    };
-    WeightSource::Hashed { stream }
+    WeightSource::Hashed {
+        stream: golden_data::case_stream(name),
+    }
 }
 
 /// Relative L2 distance and max abs difference relative to the golden's max magnitude.

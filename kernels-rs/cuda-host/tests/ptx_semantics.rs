@@ -13,24 +13,19 @@ use cuda_host::{
     launch,
 };
 use kernels::formats::{e2m1_to_f32, e4m3_to_f32, ue4m3_to_f32};
+use kernels::moe_gemm::check::Rng;
 use kernels::moe_gemm::mma_sm120::{
     self, LaneOperands, MMA_K, MMA_M, MMA_N, MmaTile, SF_PER_K, ScaleSelector,
 };
 
-struct SplitMix(u64);
+/// `moe_gemm::check`'s SplitMix64, with the two draws these tests need.
+struct SplitMix(Rng);
 impl SplitMix {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
     fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
+        self.0.below(n as usize) as u64
     }
     fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        self.0.sym()
     }
 }
 
@@ -128,7 +123,7 @@ fn random_nvf4_tile(rng: &mut SplitMix) -> MmaTile {
 
 #[test]
 fn block_scaled_fp4_mma_agrees_with_the_register_model_and_the_dequantized_product() {
-    let mut rng = SplitMix(11);
+    let mut rng = SplitMix(Rng(11));
     let sel = ScaleSelector::default();
     for case in 0..40 {
         let tile = random_nvf4_tile(&mut rng);
@@ -206,7 +201,7 @@ fn c_pos(lane: usize, i: usize) -> (usize, usize) {
 
 #[test]
 fn bf16_mma_computes_the_product_in_the_isa_fragment_layout() {
-    let mut rng = SplitMix(5);
+    let mut rng = SplitMix(Rng(5));
     for case in 0..20 {
         let a: Vec<Vec<u16>> = (0..16)
             .map(|_| {
@@ -259,7 +254,7 @@ fn bf16_mma_computes_the_product_in_the_isa_fragment_layout() {
 
 #[test]
 fn e4m3_mma_computes_the_product_in_the_isa_fragment_layout() {
-    let mut rng = SplitMix(6);
+    let mut rng = SplitMix(Rng(6));
     for case in 0..20 {
         // Any code but NaN (0x7F / 0xFF).
         let code = |rng: &mut SplitMix| loop {

@@ -27,7 +27,7 @@
 //! Exit status: 0 when every tactic passed, 1 when any failed, 2 when no check could run
 //! (no driver, no device, unsupported GPU, bad arguments).
 
-use kernels::moe_gemm::golden_data::{checksum, hashed_values};
+use kernels::moe_gemm::golden_data::{self, checksum};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -36,7 +36,7 @@ use std::time::Instant;
 use cudarc::driver::CudaEvent;
 use half::bf16;
 use kernels::cuda::{GpuContext, default_ptx_dir, median};
-use kernels::formats::nvfp4::{Nvfp4Matrix, amax, global_scale_for_amax};
+use kernels::formats::nvfp4::Nvfp4Matrix;
 use kernels::moe_gemm::check::{
     Case, Compare, MAX_ABS_TOL, REL_L2_TOL, Rng, check_case, compare, kernel_model, random_case,
 };
@@ -169,8 +169,8 @@ impl GoldenFile<'_> {
     }
 }
 
-/// Expert `e` of a hashed case, quantized as ModelOpt's fused export does (gate and up share
-/// `weight_scale_2`), and checked against the file's `weight_scale_2` and checksums.
+/// Expert `e` of a hashed case (`golden_data::hashed_expert`), checked against the file's
+/// `weight_scale_2` and checksums.
 fn hashed_expert(
     f: &GoldenFile<'_>,
     prefix: &str,
@@ -179,19 +179,7 @@ fn hashed_expert(
     hidden: usize,
     inter: usize,
 ) -> Result<[Nvfp4Matrix; 3], String> {
-    let base = stream + 1000 * (e as u32 + 1);
-    let gate = hashed_values(inter * hidden, base + 1, 12);
-    let up = hashed_values(inter * hidden, base + 2, 12);
-    let down = hashed_values(hidden * inter, base + 3, 10);
-    let shared = global_scale_for_amax(amax(&gate).max(amax(&up)));
-    let q = |v: &[f32], r, c, g| {
-        Nvfp4Matrix::quantize_with_global_scale(v, r, c, g).map_err(|e| e.to_string())
-    };
-    let mats = [
-        q(&gate, inter, hidden, shared)?,
-        q(&up, inter, hidden, shared)?,
-        q(&down, hidden, inter, global_scale_for_amax(amax(&down)))?,
-    ];
+    let mats = golden_data::hashed_expert(stream, e, hidden, inter)?;
     for (p, m) in ["gate_proj", "up_proj", "down_proj"].iter().zip(&mats) {
         let golden = f.scalar(&format!("{prefix}.{p}.weight_scale_2"))?;
         if golden.to_bits() != m.global_scale.to_bits() {
@@ -255,14 +243,12 @@ fn load_golden_case(f: &GoldenFile<'_>, file: &str, name: &str) -> Result<Case, 
             };
             [read("gate_proj")?, read("up_proj")?, read("down_proj")?]
         } else {
-            // Kimi-shaped cases: `…_i256` / `…_i2048` name the intermediate size; gen_moe.py
-            // uses stream 100000 for the i2048 case and 0 otherwise.
+            // Hashed cases: `…_i256` / `…_i2048` name the intermediate size.
             let inter: usize = name
                 .rsplit_once("_i")
                 .and_then(|(_, i)| i.parse().ok())
                 .ok_or_else(|| format!("{name}: no stored weights and no _i<inter> in the name"))?;
-            let stream = if name.ends_with("_i2048") { 100_000 } else { 0 };
-            hashed_expert(f, &prefix, stream, e, hidden, inter)?
+            hashed_expert(f, &prefix, golden_data::case_stream(name), e, hidden, inter)?
         };
         scales.push((
             f.scalar(&format!("{prefix}.gate_up_proj.input_scale"))?,
