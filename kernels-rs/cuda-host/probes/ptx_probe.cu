@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 #include "ptx_helpers.cuh"
 
@@ -148,6 +149,23 @@ extern "C" __global__ void probe_flags(uint64_t* flag, uint64_t* data, uint64_t*
       }
     }
     seen[0] = data[0];
+  }
+}
+
+// The number conversions of cuda_bf16.h / cuda_fp8.h on every input: f32 → BF16 (round to
+// nearest even), f32 → E4M3 saturating and not, f32 → E5M2 saturating, BF16 product.
+extern "C" __global__ void probe_convert(const float* in, uint16_t* bf16, uint8_t* e4m3_sat,
+                                         uint8_t* e4m3_nosat, uint8_t* e5m2_sat,
+                                         uint16_t* bf16_square, int n) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    const float x = in[i];
+    const __nv_bfloat16 b = __float2bfloat16_rn(x);
+    bf16[i] = *reinterpret_cast<const uint16_t*>(&b);
+    e4m3_sat[i] = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+    e4m3_nosat[i] = __nv_cvt_float_to_fp8(x, __NV_NOSAT, __NV_E4M3);
+    e5m2_sat[i] = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E5M2);
+    const __nv_bfloat16 sq = __hmul(b, b);
+    bf16_square[i] = *reinterpret_cast<const uint16_t*>(&sq);
   }
 }
 

@@ -625,3 +625,84 @@ fn every_family_has_its_tactics_compiled() {
         kernels::allreduce::tactic::AllReduceTactic::images().len()
     );
 }
+
+/// E5M2 (3 significant bits, bias 15, max 57344) written here from its definition: the exact
+/// value rounded to nearest even in f64, for comparing the host header's conversion.
+fn e5m2_saturating(x: f32) -> u8 {
+    if x.is_nan() {
+        return 0x7F;
+    }
+    let sign = if x.is_sign_negative() { 0x80 } else { 0 };
+    let a = f64::from(x.abs()).min(57344.0);
+    if a == 0.0 {
+        return sign;
+    }
+    let e = a.log2().floor().max(-14.0) as i32; // the binade, subnormals share 2^-14's ulp
+    let ulp = 2f64.powi(e - 2);
+    let q = (a / ulp).round_ties_even() * ulp;
+    let q = q.min(57344.0);
+    if q < 2f64.powi(-14) {
+        return sign | (q / 2f64.powi(-16)) as u8;
+    }
+    let e = q.log2().floor() as i32;
+    let frac = ((q / 2f64.powi(e) - 1.0) * 4.0) as u8;
+    sign | (((e + 15) as u8) << 2) | frac
+}
+
+#[test]
+fn number_conversions_of_the_host_cuda_headers_round_like_the_references() {
+    use kernels::formats::e4m3::{Overflow, f32_to_e4m3};
+    let mut values: Vec<f32> = vec![
+        0.0, -0.0, 448.0, -448.0, 464.0, 463.99, 464.01, 480.0, 1e30, f32::INFINITY,
+        f32::NEG_INFINITY, f32::NAN, 2f32.powi(-9), 2f32.powi(-10), 3.0 * 2f32.powi(-11),
+        2f32.powi(-6), 2f32.powi(-7) * 1.9375, 57344.0, 61440.0, 1.0e-45, 1.0e-38,
+    ];
+    let mut rng = Rng(99);
+    for _ in 0..200_000 {
+        // Random sign, exponent in [-24, 20], mantissa: every rounding case in every binade.
+        let bits = (rng.next_u64() as u32 & 0x807F_FFFF) | ((rng.below(45) as u32 + 103) << 23);
+        values.push(f32::from_bits(bits));
+    }
+    let n = values.len();
+    let input = DeviceBuffer::from_slice(&values).unwrap();
+    let outs: Vec<DeviceBuffer> = [2, 1, 1, 1, 2]
+        .iter()
+        .map(|&w| DeviceBuffer::zeroed(w * n).unwrap())
+        .collect();
+    let ptrs: Vec<u64> = std::iter::once(input.ptr())
+        .chain(outs.iter().map(DeviceBuffer::ptr))
+        .collect();
+    let count = n as i32;
+    let mut args = KernelParams::new();
+    for p in &ptrs {
+        args.arg(p);
+    }
+    args.arg(&count);
+    let cfg = LaunchConfig {
+        grid_dim: (8, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: every buffer holds n elements of its type.
+    unsafe { launch(&probe("probe_convert"), cfg, &args, &LaunchOptions::default()) }.unwrap();
+    let bf16: Vec<u16> = outs[0].to_vec();
+    let (sat, nosat, e5m2) = (outs[1].bytes(), outs[2].bytes(), outs[3].bytes());
+    let square: Vec<u16> = outs[4].to_vec();
+    for (i, &x) in values.iter().enumerate() {
+        let want = half::bf16::from_f32(x);
+        if x.is_nan() {
+            assert_eq!(bf16[i], 0x7FFF, "NaN → canonical BF16 NaN");
+        } else {
+            assert_eq!(bf16[i], want.to_bits(), "bf16({x:e})");
+        }
+        assert_eq!(sat[i], f32_to_e4m3(x, Overflow::Saturate), "e4m3 satfinite({x:e})");
+        assert_eq!(nosat[i], f32_to_e4m3(x, Overflow::Nan), "e4m3 nosat({x:e})");
+        assert_eq!(e5m2[i], e5m2_saturating(x), "e5m2 satfinite({x:e})");
+        // Squares of BF16 values are exact in f32 away from its subnormals and overflow.
+        let b = want.to_f32();
+        if b.is_finite() && b.abs() > 1e-18 && b.abs() < 1e18 {
+            let sq = half::bf16::from_f32(b * b).to_bits();
+            assert_eq!(square[i], sq, "bf16 {b:e} squared");
+        }
+    }
+}

@@ -32,8 +32,33 @@ inline __nv_fp8_storage_t fp8_from_double(double x, __nv_saturation_t sat,
 }
 }  // namespace cuhost::detail
 
+namespace cuhost::detail {
+// E4M3 from f32 with integer rounding (the kernels' hot conversion): the same results as
+// fp8_from_double, which stays the definition (and E5M2's path).
+inline __nv_fp8_storage_t e4m3_from_float(float x, __nv_saturation_t sat) {
+  const unsigned u = __float_as_uint(x);
+  const unsigned sign = (u >> 24) & 0x80u;
+  const unsigned a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return 0x7f;  // NaN
+  const float mag = __uint_as_float(a);
+  unsigned code;
+  if (mag < 0.015625f) {  // below 2^-6: subnormal codes, multiples of 2^-9
+    code = unsigned(nearbyintf(mag * 512.0f));  // exact scaling, ties to even; 8 is 2^-6
+  } else {
+    // Round the 23-bit mantissa to 3 bits, ties to even; a carry moves to the next binade.
+    const unsigned exp = (a >> 23) - 127 + 7;
+    const unsigned m = a & 0x7fffffu;
+    const unsigned rounded = (m + 0x7ffffu + ((m >> 20) & 1u)) >> 20;
+    code = exp > 15 ? 0x7f : (exp << 3) + rounded;  // exp > 15: far beyond 448 (or inf)
+  }
+  if (code > 0x7e) return __nv_fp8_storage_t(sign | (sat == __NV_SATFINITE ? 0x7e : 0x7f));
+  return __nv_fp8_storage_t(sign | code);
+}
+}  // namespace cuhost::detail
+
 inline __nv_fp8_storage_t __nv_cvt_float_to_fp8(float x, __nv_saturation_t sat,
                                                 __nv_fp8_interpretation_t interp) {
+  if (interp == __NV_E4M3) return ::cuhost::detail::e4m3_from_float(x, sat);
   return ::cuhost::detail::fp8_from_double(x, sat, interp);
 }
 inline __nv_fp8_storage_t __nv_cvt_double_to_fp8(double x, __nv_saturation_t sat,
