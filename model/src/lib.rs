@@ -21,5 +21,6 @@ pub mod quantize;
 pub mod rope;
 pub mod sampler;
 pub mod tensor_file;
+pub mod tokenizer;
 pub mod tp;
 pub mod weights;
