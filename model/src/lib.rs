@@ -10,6 +10,7 @@
 
 pub mod backend;
 pub mod checkpoint;
+pub mod chat_template;
 pub mod checkpoint_writer;
 pub mod config;
 pub mod forward;
@@ -22,5 +23,6 @@ pub mod rope;
 pub mod sampler;
 pub mod tensor_file;
 pub mod tokenizer;
+pub mod tool_declaration;
 pub mod tp;
 pub mod weights;
