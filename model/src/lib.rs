@@ -17,6 +17,7 @@ pub mod forward;
 pub mod generate;
 pub mod generator;
 pub mod nvfp4_file;
+pub mod parsers;
 pub mod plan;
 pub mod quantize;
 pub mod rope;
