@@ -126,7 +126,10 @@ impl ChatTemplate {
     pub fn render(&self, request: &RenderRequest<'_>) -> Result<String, TemplateError> {
         let mut context = Map::new();
         context.insert("messages".into(), Value::Array(request.messages.to_vec()));
-        context.insert("add_generation_prompt".into(), request.add_generation_prompt.into());
+        context.insert(
+            "add_generation_prompt".into(),
+            request.add_generation_prompt.into(),
+        );
         // Kimi's tokenizer passes `thinking=True` unless told otherwise.
         context.insert("thinking".into(), true.into());
         match request.tools {
@@ -217,7 +220,10 @@ mod tests {
                 ..Default::default()
             })
             .unwrap();
-        assert!(on.ends_with("<|im_assistant|>assistant<|im_middle|><think>"), "{on}");
+        assert!(
+            on.ends_with("<|im_assistant|>assistant<|im_middle|><think>"),
+            "{on}"
+        );
         let off_kwargs = json!({"thinking": false});
         let off = t
             .render(&RenderRequest {

@@ -7,12 +7,16 @@
 //! - [`sampler`], [`generate`]: the decode loop.
 //! - [`generator`], [`quantize`], [`plan`]: checkpoint generation, NVFP4 quantization, memory
 //!   planning.
+//! - [`tokenizer`], [`chat_template`], [`tool_declaration`], [`parsers`]: text in and out (Kimi's
+//!   tiktoken BPE, the chat template, reasoning and tool-call parsing on token ids).
+//! - [`engine`], [`server`]: continuous batching and the OpenAI-compatible server.
 
 pub mod backend;
-pub mod checkpoint;
 pub mod chat_template;
+pub mod checkpoint;
 pub mod checkpoint_writer;
 pub mod config;
+pub mod engine;
 pub mod forward;
 pub mod generate;
 pub mod generator;
@@ -22,6 +26,8 @@ pub mod plan;
 pub mod quantize;
 pub mod rope;
 pub mod sampler;
+pub mod server;
+pub mod serving_cli;
 pub mod tensor_file;
 pub mod tokenizer;
 pub mod tool_declaration;

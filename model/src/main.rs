@@ -11,7 +11,6 @@ use kernels::mla::cache::{KvCacheDtype, PAGE_TOKENS};
 use model::backend::{Backend, CpuBackend};
 use model::checkpoint::Checkpoint;
 use model::checkpoint_writer::{OwnedTensor, write_file};
-use model::config::KvCacheQuant;
 use model::forward::{LogitRows, Model, SeqInput};
 use model::generate::{GenerationRequest, generate};
 use model::generator::{Preset, default_checkpoint, generate_checkpoint};
@@ -19,6 +18,7 @@ use model::nvfp4_file::{nvfp4_weight_names, read_nvfp4};
 use model::plan::{PlanRequest, plan};
 use model::quantize::{quantize_checkpoint, random_tokens};
 use model::sampler::SamplingParams;
+use model::serving_cli::{self, ChatArgs, ServeArgs, TokenizeArgs};
 use model::tensor_file::TensorFile;
 use model::tp::{self, TpCpuBackend};
 use model::weights::TpShard;
@@ -29,7 +29,7 @@ use safetensors::tensor::TensorView;
 #[command(
     name = "model",
     version,
-    about = "Kimi-K2.5-NVFP4 on CPU and GPU: run, score, generate, quantize, plan, inspect"
+    about = "Kimi-K2.5-NVFP4 on CPU and GPU: chat, serve, run, score, generate, quantize, plan, inspect"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -48,6 +48,14 @@ enum KvDtypeArg {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Chat in the terminal: streamed answers, reasoning dimmed, tok/s (default: the small
+    /// trained `kimi-chat-tiny`). With no command at all, `model` asks it one question.
+    Chat(ChatArgs),
+    /// An OpenAI-compatible HTTP server with continuous batching (`/v1/chat/completions`,
+    /// `/v1/completions`, `/v1/models`, `/health`, `/metrics`).
+    Serve(ServeArgs),
+    /// Text on stdin to token ids, printed as one JSON array (needs only the tokenizer files).
+    Tokenize(TokenizeArgs),
     /// Run the decode loop on CPU (default: the generated `mini` model, made once and cached).
     Run(RunArgs),
     /// Score a prompt: logits for every position from one prefill, as float32 `[T, vocab]`.
@@ -168,14 +176,15 @@ struct PlanArgs {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
-    // No subcommand means `run` with its defaults: the front door's main job.
+    // No subcommand: the front door's main job, a question in, reasoning and answer out.
     let command = match cli.command {
         Some(command) => command,
-        None => Cli::parse_from(["model", "run"])
-            .command
-            .expect("`run` parses"),
+        None => Command::Chat(serving_cli::demo_chat_args()),
     };
     match command {
+        Command::Chat(args) => serving_cli::run_chat(args),
+        Command::Serve(args) => serving_cli::run_serve(args),
+        Command::Tokenize(args) => serving_cli::run_tokenize(args),
         Command::Run(args) => run(args),
         Command::Logits(args) => logits(args),
         Command::GenerateCheckpoint { preset, out, seed } => {
@@ -213,15 +222,7 @@ fn resolve_kv_dtype(arg: KvDtypeArg, checkpoint: &Checkpoint) -> KvCacheDtype {
         KvDtypeArg::F32 => KvCacheDtype::F32,
         KvDtypeArg::Bf16 => KvCacheDtype::Bf16,
         KvDtypeArg::Fp8 => KvCacheDtype::Fp8E4m3,
-        KvDtypeArg::Auto => match checkpoint
-            .config
-            .quant
-            .as_ref()
-            .and_then(|q| q.kv_cache_quant_algo)
-        {
-            Some(KvCacheQuant::Fp8) => KvCacheDtype::Fp8E4m3,
-            None => KvCacheDtype::Bf16,
-        },
+        KvDtypeArg::Auto => checkpoint.kv_cache_dtype(),
     }
 }
 

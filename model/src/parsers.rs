@@ -57,6 +57,24 @@ pub enum OutputEvent {
     },
 }
 
+impl OutputEvent {
+    /// The text of a reasoning or content event.
+    pub fn text(&self) -> Option<&str> {
+        match self {
+            Self::Reasoning(t) | Self::Content(t) => Some(t),
+            _ => None,
+        }
+    }
+
+    /// The same kind of text event with other text (reasoning stays reasoning).
+    pub fn with_text(&self, text: String) -> Self {
+        match self {
+            Self::Reasoning(_) => Self::Reasoning(text),
+            _ => Self::Content(text),
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Phase {
     Reasoning,
@@ -268,19 +286,9 @@ pub fn parse_output(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use base64::Engine as _;
-    use std::path::Path;
 
     /// Byte-level ranks plus Kimi's named specials in their slots (after 256 ranks).
     fn kimi_toy() -> Tokenizer {
-        let lines: Vec<String> = (0..=255u8)
-            .map(|b| {
-                format!(
-                    "{} {b}",
-                    base64::engine::general_purpose::STANDARD.encode([b])
-                )
-            })
-            .collect();
         let names = [
             (2, "<|im_end|>"),
             (11, "<|tool_calls_section_begin|>"),
@@ -291,18 +299,7 @@ mod tests {
             (22, "<think>"),
             (23, "</think>"),
         ];
-        let added: serde_json::Map<String, serde_json::Value> = names
-            .iter()
-            .map(|(offset, name)| ((256 + offset).to_string(), serde_json::json!({"content": name})))
-            .collect();
-        let config = serde_json::json!({ "added_tokens_decoder": added });
-        Tokenizer::from_parts(
-            Path::new("toy"),
-            &lines.join("\n"),
-            Path::new("toy.json"),
-            Some(&config),
-        )
-        .unwrap()
+        crate::tokenizer::byte_level_tokenizer(&[], &names)
     }
 
     #[test]

@@ -113,24 +113,25 @@ impl Tokenizer {
         let mut named_roles = BTreeMap::new();
         if let Some(config) = config {
             if let Some(added) = config.get("added_tokens_decoder") {
-                let added = added
-                    .as_object()
-                    .ok_or_else(|| TokenizerError::BadConfig {
-                        path: config_path.to_path_buf(),
-                        message: "`added_tokens_decoder` is not an object".into(),
-                    })?;
+                let added = added.as_object().ok_or_else(|| TokenizerError::BadConfig {
+                    path: config_path.to_path_buf(),
+                    message: "`added_tokens_decoder` is not an object".into(),
+                })?;
                 for (id, entry) in added {
                     let id: u32 = id.parse().map_err(|_| TokenizerError::BadConfig {
                         path: config_path.to_path_buf(),
                         message: format!("`added_tokens_decoder`: key `{id}` is not a token id"),
                     })?;
-                    let content = entry
-                        .get("content")
-                        .and_then(Value::as_str)
-                        .ok_or_else(|| TokenizerError::BadConfig {
-                            path: config_path.to_path_buf(),
-                            message: format!("`added_tokens_decoder.{id}` has no string `content`"),
-                        })?;
+                    let content =
+                        entry
+                            .get("content")
+                            .and_then(Value::as_str)
+                            .ok_or_else(|| TokenizerError::BadConfig {
+                                path: config_path.to_path_buf(),
+                                message: format!(
+                                    "`added_tokens_decoder.{id}` has no string `content`"
+                                ),
+                            })?;
                     named.insert(id, content.to_string());
                 }
             }
@@ -151,10 +152,7 @@ impl Tokenizer {
             special_ids.insert(name.clone(), id);
             special_names.insert(id, name);
         }
-        if let Some((&id, name)) = named
-            .iter()
-            .find(|(id, _)| !special_names.contains_key(id))
-        {
+        if let Some((&id, name)) = named.iter().find(|(id, _)| !special_names.contains_key(id)) {
             return Err(TokenizerError::BadConfig {
                 path: config_path.to_path_buf(),
                 message: format!(
@@ -417,28 +415,46 @@ impl StreamDecoder {
     }
 }
 
+/// A test vocabulary: the 256 bytes, then `merges` as ranks 256…, then specials named at
+/// offsets from the first special slot.
+#[cfg(test)]
+pub(crate) fn byte_level_tokenizer(merges: &[&str], specials: &[(u32, &str)]) -> Tokenizer {
+    use base64::engine::general_purpose::STANDARD;
+    let mut lines: Vec<String> = (0..=255u8)
+        .map(|b| format!("{} {b}", STANDARD.encode([b])))
+        .collect();
+    for (i, merge) in merges.iter().enumerate() {
+        lines.push(format!("{} {}", STANDARD.encode(merge), 256 + i));
+    }
+    let first_special = 256 + merges.len() as u32;
+    let added: serde_json::Map<String, Value> = specials
+        .iter()
+        .map(|(offset, name)| {
+            (
+                (first_special + offset).to_string(),
+                serde_json::json!({ "content": name }),
+            )
+        })
+        .collect();
+    let config = serde_json::json!({ "added_tokens_decoder": added });
+    Tokenizer::from_parts(
+        Path::new("test.model"),
+        &lines.join("\n"),
+        Path::new("test.json"),
+        Some(&config),
+    )
+    .expect("a valid test vocabulary")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// A byte-level vocabulary (256 single bytes) plus a few merges.
     fn toy() -> Tokenizer {
-        use base64::engine::general_purpose::STANDARD;
-        let mut lines: Vec<String> = (0..=255u8)
-            .map(|b| format!("{} {}", STANDARD.encode([b]), b))
-            .collect();
-        for (i, merge) in ["he", "ll", "hell", "hello", " w", "or"].iter().enumerate() {
-            lines.push(format!("{} {}", STANDARD.encode(merge), 256 + i));
-        }
-        let config = serde_json::json!({"added_tokens_decoder": {
-            "262": {"content": "[BOS]"}, "264": {"content": "<|im_end|>"}}});
-        Tokenizer::from_parts(
-            Path::new("toy.model"),
-            &lines.join("\n"),
-            Path::new("toy.json"),
-            Some(&config),
+        byte_level_tokenizer(
+            &["he", "ll", "hell", "hello", " w", "or"],
+            &[(0, "[BOS]"), (2, "<|im_end|>")],
         )
-        .unwrap()
     }
 
     #[test]

@@ -71,7 +71,11 @@ fn encode_function(function: &Map<String, Value>) -> Result<String, EncodeError>
         Some(Value::Object(p)) => p,
         None | Some(Value::Null) => &empty,
         Some(other) if is_falsy(other) => &empty,
-        Some(other) => return Err(EncodeError(format!("parameters must be an object: {other}"))),
+        Some(other) => {
+            return Err(EncodeError(format!(
+                "parameters must be an object: {other}"
+            )));
+        }
     };
     let parsed = ObjectType::parse(parameters, &mut registry)?;
 
@@ -259,7 +263,9 @@ impl ObjectType {
             None | Some(Value::Null) => None,
             Some(Value::Bool(true)) => Some(Additional::Any),
             Some(Value::Bool(false)) => Some(Additional::Never),
-            Some(v @ Value::Object(_)) => Some(Additional::Type(Box::new(parse_type(v, registry)?))),
+            Some(v @ Value::Object(_)) => {
+                Some(Additional::Type(Box::new(parse_type(v, registry)?)))
+            }
             Some(other) => {
                 return Err(EncodeError(format!(
                     "unknown additionalProperties: {other}"
@@ -595,7 +601,11 @@ fn python_repr(v: &Value) -> String {
         Value::Object(map) => format!(
             "{{{}}}",
             map.iter()
-                .map(|(k, v)| format!("{}: {}", python_repr(&Value::String(k.clone())), python_repr(v)))
+                .map(|(k, v)| format!(
+                    "{}: {}",
+                    python_repr(&Value::String(k.clone())),
+                    python_repr(v)
+                ))
                 .collect::<Vec<_>>()
                 .join(", ")
         ),
@@ -709,7 +719,10 @@ mod tests {
         assert_eq!(python_float(2.5e20), "2.5e+20");
         assert_eq!(python_str(&json!(true)), "True");
         assert_eq!(python_str(&json!(["a", 1, null])), "['a', 1, None]");
-        assert_eq!(python_json(&json!({"a": [1, 2.0], "b": "é\n"})), "{\"a\": [1, 2.0], \"b\": \"é\\n\"}");
+        assert_eq!(
+            python_json(&json!({"a": [1, 2.0], "b": "é\n"})),
+            "{\"a\": [1, 2.0], \"b\": \"é\\n\"}"
+        );
     }
 
     #[test]

@@ -23,7 +23,12 @@ fn typescript_tool_declarations_equal_kimis_encoder() {
         };
         let sorted: Vec<Value> = tools.iter().map(deep_sort).collect();
         let ours = encode_tools(&sorted).unwrap();
-        assert_eq!(ours, case["tools_ts_str"].as_str().unwrap(), "case {}", case["name"]);
+        assert_eq!(
+            ours,
+            case["tools_ts_str"].as_str().unwrap(),
+            "case {}",
+            case["name"]
+        );
         checked += 1;
     }
     assert!(checked >= 5);
@@ -45,6 +50,11 @@ fn minijinja_renders_what_jinja2_renders() {
                 kwargs: case["kwargs"].as_object(),
             })
             .unwrap_or_else(|e| panic!("case {}: {e}", case["name"]));
-        assert_eq!(rendered, case["rendered"].as_str().unwrap(), "case {}", case["name"]);
+        assert_eq!(
+            rendered,
+            case["rendered"].as_str().unwrap(),
+            "case {}",
+            case["name"]
+        );
     }
 }
