@@ -191,13 +191,14 @@ fn main() -> Result<()> {
             .and_then(|v| v.parse().ok())
             .unwrap_or(default)
     };
-    let clients = value("--clients", 12);
-    let per_client = value("--requests-per-client", 8);
-    let burst = value("--burst", 48);
+    let clients = value("--clients", 16);
+    let per_client = value("--requests-per-client", 24);
+    let burst = value("--burst", 64);
     let write = !args.iter().any(|a| a == "--no-write");
     let max_num_seqs = 8;
     let max_waiting = 16;
 
+    let load_before = load_average();
     let checkpoint = default_chat_checkpoint(None)?;
     let (ready_tx, ready_rx) = mpsc::channel();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -367,8 +368,10 @@ fn main() -> Result<()> {
     )?;
     writeln!(
         out,
-        "batch: up to {} sequences in one forward step (kimi_batch_sequences_max); {} steps held one or more sequences",
+        "batch: up to {} sequences in one forward step (kimi_batch_sequences_max), {:.2} on average over {} steps",
         metric(&metrics_text, "kimi_batch_sequences_max "),
+        metric(&metrics_text, "kimi_batch_sequences_sum ")
+            / metric(&metrics_text, "kimi_batch_sequences_count "),
         metric(&metrics_text, "kimi_batch_sequences_count "),
     )?;
     writeln!(
