@@ -317,10 +317,9 @@ fn main() -> Result<()> {
     )?;
     writeln!(
         out,
-        "# {} | {} | load average before: {}",
+        "# {} | {} | load average before: {load_before}",
         utc_date(),
         cpu_model(),
-        load_average()
     )?;
     writeln!(
         out,
