@@ -14,6 +14,18 @@ fn model(cache: &std::path::Path) -> Command {
     cmd
 }
 
+/// Runs `cmd` with `input` on stdin.
+fn run_with_stdin(cmd: &mut Command, input: &[u8]) -> std::process::Output {
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(input).unwrap();
+    child.wait_with_output().unwrap()
+}
+
 #[test]
 fn the_front_door_answers_with_reasoning() {
     let cache = tempfile::tempdir().unwrap();
@@ -42,20 +54,10 @@ fn the_front_door_answers_with_reasoning() {
 #[test]
 fn chat_keeps_the_conversation_and_can_answer_without_thinking() {
     let cache = tempfile::tempdir().unwrap();
-    let mut child = model(cache.path())
-        .args(["chat", "--temperature", "0", "--no-thinking"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(b"What is the capital of Japan?\nWhat is 7 + 5?\n/exit\n")
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = run_with_stdin(
+        model(cache.path()).args(["chat", "--temperature", "0", "--no-thinking"]),
+        b"What is the capital of Japan?\nWhat is 7 + 5?\n/exit\n",
+    );
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}");
     assert!(
@@ -84,21 +86,13 @@ fn tokenize_prints_the_ids_python_tiktoken_gives() {
         std::fs::copy(dir.join(file), tokenizer_only.path().join(file)).unwrap();
     }
     let cache = tempfile::tempdir().unwrap();
-    let mut child = model(cache.path())
-        .arg("tokenize")
-        .arg("--checkpoint")
-        .arg(tokenizer_only.path())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(case["prompt"].as_str().unwrap().as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = run_with_stdin(
+        model(cache.path())
+            .arg("tokenize")
+            .arg("--checkpoint")
+            .arg(tokenizer_only.path()),
+        case["prompt"].as_str().unwrap().as_bytes(),
+    );
     assert!(out.status.success());
     let ids: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(ids, case["prompt_ids"]);
