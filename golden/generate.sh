@@ -10,9 +10,10 @@ if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
 stamp="$venv/.requirements.sha256"
-want="$(sha256sum "$here/requirements.txt" | cut -d' ' -f1)"
+want="$(cat "$here/requirements.txt" "$here/requirements-data.txt" | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$venv/bin/pip" install --quiet -r "$here/requirements.txt"
+  "$venv/bin/pip" install --quiet --no-deps -r "$here/requirements-data.txt"
   echo "$want" > "$stamp"
 fi
 export CUDA_VISIBLE_DEVICES=""   # CPU only: the goldens must not depend on a GPU being present
@@ -28,10 +29,10 @@ for script in gen_*.py; do
   "$venv/bin/python" -W ignore "$script" --out "$out"
 done
 if [ "${1:-}" = "--check" ]; then
-  ( cd "$out" && find . -name '*.safetensors' -o -name '*.json' | sort | xargs sha256sum ) > "$out/.sums"
-  ( cd "$here/data" && find . -name '*.safetensors' -o -name '*.json' | sort | xargs sha256sum ) | diff - "$out/.sums" \
+  ( cd "$out" && find . -name '*.safetensors' -o -name '*.json' -o -name '*.model' -o -name '*.jinja' | sort | xargs sha256sum ) > "$out/.sums"
+  ( cd "$here/data" && find . -name '*.safetensors' -o -name '*.json' -o -name '*.model' -o -name '*.jinja' | sort | xargs sha256sum ) | diff - "$out/.sums" \
     && echo "golden/data is reproduced byte for byte"
   exit
 fi
-( cd "$out" && find . -name '*.safetensors' -o -name '*.json' | sort | xargs sha256sum > SHA256SUMS )
+( cd "$out" && find . -name '*.safetensors' -o -name '*.json' -o -name '*.model' -o -name '*.jinja' | sort | xargs sha256sum > SHA256SUMS )
 echo "goldens written to $out"

@@ -14,7 +14,7 @@ use safetensors::Dtype;
 use serde::Deserialize;
 use thiserror::Error;
 
-use crate::config::{CheckpointConfig, ConfigError, ModelConfig};
+use crate::config::{CheckpointConfig, ConfigError, KvCacheQuant, ModelConfig};
 use crate::tensor_file::{TensorFile, TensorFileError};
 use crate::weights::*;
 
@@ -143,6 +143,20 @@ impl Checkpoint {
             })
             .collect::<Result<Vec<_>, TensorFileError>>()?;
         Ok(found.into_iter().flatten().collect())
+    }
+
+    /// The latent cache dtype the checkpoint asks for (`kv_cache_quant_algo`), else BF16.
+    pub fn kv_cache_dtype(&self) -> kernels::mla::cache::KvCacheDtype {
+        use kernels::mla::cache::KvCacheDtype;
+        match self
+            .config
+            .quant
+            .as_ref()
+            .and_then(|q| q.kv_cache_quant_algo)
+        {
+            Some(KvCacheQuant::Fp8) => KvCacheDtype::Fp8E4m3,
+            None => KvCacheDtype::Bf16,
+        }
     }
 
     pub fn model_config(&self) -> &ModelConfig {

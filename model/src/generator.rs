@@ -384,10 +384,10 @@ fn write_checkpoint(preset: Preset, out: &Path, seed: u64, backend: &dyn Backend
     Ok(())
 }
 
-/// The default model of `model run`: the `mini` preset, generated once into `cache_dir`
-/// (default `$XDG_CACHE_HOME/kimi-sm120` or `~/.cache/kimi-sm120`) and reused afterwards.
-pub fn default_checkpoint(cache_dir: Option<std::path::PathBuf>) -> Result<std::path::PathBuf> {
-    let base = cache_dir.unwrap_or_else(|| {
+/// Where generated and unpacked default models live: `cache_dir`, else
+/// `$XDG_CACHE_HOME/kimi-sm120` or `~/.cache/kimi-sm120`.
+pub fn cache_base(cache_dir: Option<std::path::PathBuf>) -> std::path::PathBuf {
+    cache_dir.unwrap_or_else(|| {
         std::env::var_os("XDG_CACHE_HOME")
             .map(std::path::PathBuf::from)
             .or_else(|| {
@@ -395,7 +395,13 @@ pub fn default_checkpoint(cache_dir: Option<std::path::PathBuf>) -> Result<std::
             })
             .unwrap_or_else(std::env::temp_dir)
             .join("kimi-sm120")
-    });
+    })
+}
+
+/// The default model of `model run`: the `mini` preset, generated once into `cache_dir`
+/// (default `$XDG_CACHE_HOME/kimi-sm120` or `~/.cache/kimi-sm120`) and reused afterwards.
+pub fn default_checkpoint(cache_dir: Option<std::path::PathBuf>) -> Result<std::path::PathBuf> {
+    let base = cache_base(cache_dir);
     // The folder name carries the crate version so a changed generator makes a new model.
     let dir = base.join(format!("mini-{}", env!("CARGO_PKG_VERSION")));
     if dir.join(".complete").exists() {

@@ -9,21 +9,31 @@
 //!   planning.
 //! - [`input`], [`cleanup`], [`checkpoint_writer`]: checks on what enters, and writers that
 //!   never destroy their input nor leave half-written output behind.
+//! - [`tokenizer`], [`chat_template`], [`tool_declaration`], [`parsers`]: text in and out (Kimi's
+//!   tiktoken BPE, the chat template, reasoning and tool-call parsing on token ids).
+//! - [`engine`], [`server`]: continuous batching and the OpenAI-compatible server.
 
 pub mod backend;
+pub mod chat_template;
 pub mod checkpoint;
 pub mod checkpoint_writer;
 pub mod cleanup;
 pub mod config;
+pub mod engine;
 pub mod forward;
 pub mod generate;
 pub mod generator;
 pub mod input;
 pub mod nvfp4_file;
+pub mod parsers;
 pub mod plan;
 pub mod quantize;
 pub mod rope;
 pub mod sampler;
+pub mod server;
+pub mod serving_cli;
 pub mod tensor_file;
+pub mod tokenizer;
+pub mod tool_declaration;
 pub mod tp;
 pub mod weights;

@@ -26,6 +26,7 @@ use model::nvfp4_file::{nvfp4_weight_names, read_nvfp4};
 use model::plan::{PlanRequest, plan};
 use model::quantize::{quantize_checkpoint, random_tokens};
 use model::sampler::SamplingParams;
+use model::serving_cli::{self, ChatArgs, ServeArgs, TokenizeArgs};
 use model::tensor_file::{TensorFile, TensorFileError};
 use model::tp::{self, RankFailed, TpCpuBackend};
 use model::weights::TpShard;
@@ -36,7 +37,7 @@ use safetensors::tensor::TensorView;
 #[command(
     name = "model",
     version,
-    about = "Kimi-K2.5-NVFP4 on CPU and GPU: run, score, generate, quantize, plan, inspect"
+    about = "Kimi-K2.5-NVFP4 on CPU and GPU: chat, serve, run, score, generate, quantize, plan, inspect"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -55,6 +56,14 @@ enum KvDtypeArg {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Chat in the terminal: streamed answers, reasoning dimmed, tok/s (default: the small
+    /// trained `kimi-chat-tiny`). With no command at all, `model` asks it one question.
+    Chat(ChatArgs),
+    /// An OpenAI-compatible HTTP server with continuous batching (`/v1/chat/completions`,
+    /// `/v1/completions`, `/v1/models`, `/health`, `/metrics`).
+    Serve(ServeArgs),
+    /// Text on stdin to token ids, printed as one JSON array (needs only the tokenizer files).
+    Tokenize(TokenizeArgs),
     /// Run the decode loop on CPU (default: the generated `mini` model, made once and cached).
     Run(RunArgs),
     /// Score a prompt: logits for every position from one prefill, as float32 `[T, vocab]`.
@@ -207,10 +216,6 @@ fn fraction(text: &str) -> Result<f64, String> {
 }
 
 fn main() -> ExitCode {
-    // Output into a closed pipe (`model inspect DIR | head -1`) ends the process quietly, as
-    // it does every Unix tool, instead of a panic in `println!`.
-    // SAFETY: setting a signal disposition before any thread exists.
-    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) if !e.use_stderr() => {
@@ -225,6 +230,13 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // Output into a closed pipe (`model inspect DIR | head -1`) ends the process quietly, as
+    // it does every Unix tool, instead of a panic in `println!`. Not for the server: a client
+    // that hangs up must cost it a write error, not its life.
+    if !matches!(cli.command, Some(Command::Serve(_))) {
+        // SAFETY: setting a signal disposition before any thread exists.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
     std::panic::set_hook(Box::new(|info| {
         eprintln!("Error: internal failure (a bug, please report it): {info}");
     }));
@@ -284,14 +296,15 @@ fn exit_code(error: &anyhow::Error) -> u8 {
 }
 
 fn dispatch(cli: Cli) -> Result<()> {
-    // No subcommand means `run` with its defaults: the front door's main job.
+    // No subcommand: the front door's main job, a question in, reasoning and answer out.
     let command = match cli.command {
         Some(command) => command,
-        None => Cli::parse_from(["model", "run"])
-            .command
-            .expect("`run` parses"),
+        None => Command::Chat(serving_cli::demo_chat_args()),
     };
     match command {
+        Command::Chat(args) => serving_cli::run_chat(args),
+        Command::Serve(args) => serving_cli::run_serve(args),
+        Command::Tokenize(args) => serving_cli::run_tokenize(args),
         Command::Run(args) => run(args),
         Command::Logits(args) => logits(args),
         Command::GenerateCheckpoint {

@@ -653,9 +653,27 @@ fn e5m2_saturating(x: f32) -> u8 {
 fn number_conversions_of_the_host_cuda_headers_round_like_the_references() {
     use kernels::formats::e4m3::{Overflow, f32_to_e4m3};
     let mut values: Vec<f32> = vec![
-        0.0, -0.0, 448.0, -448.0, 464.0, 463.99, 464.01, 480.0, 1e30, f32::INFINITY,
-        f32::NEG_INFINITY, f32::NAN, 2f32.powi(-9), 2f32.powi(-10), 3.0 * 2f32.powi(-11),
-        2f32.powi(-6), 2f32.powi(-7) * 1.9375, 57344.0, 61440.0, 1.0e-45, 1.0e-38,
+        0.0,
+        -0.0,
+        448.0,
+        -448.0,
+        464.0,
+        463.99,
+        464.01,
+        480.0,
+        1e30,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        2f32.powi(-9),
+        2f32.powi(-10),
+        3.0 * 2f32.powi(-11),
+        2f32.powi(-6),
+        2f32.powi(-7) * 1.9375,
+        57344.0,
+        61440.0,
+        1.0e-45,
+        1.0e-38,
     ];
     let mut rng = Rng(99);
     for _ in 0..200_000 {
@@ -684,7 +702,15 @@ fn number_conversions_of_the_host_cuda_headers_round_like_the_references() {
         shared_mem_bytes: 0,
     };
     // SAFETY: every buffer holds n elements of its type.
-    unsafe { launch(&probe("probe_convert"), cfg, &args, &LaunchOptions::default()) }.unwrap();
+    unsafe {
+        launch(
+            &probe("probe_convert"),
+            cfg,
+            &args,
+            &LaunchOptions::default(),
+        )
+    }
+    .unwrap();
     let bf16: Vec<u16> = outs[0].to_vec();
     let (sat, nosat, e5m2) = (outs[1].bytes(), outs[2].bytes(), outs[3].bytes());
     let square: Vec<u16> = outs[4].to_vec();
@@ -695,7 +721,11 @@ fn number_conversions_of_the_host_cuda_headers_round_like_the_references() {
         } else {
             assert_eq!(bf16[i], want.to_bits(), "bf16({x:e})");
         }
-        assert_eq!(sat[i], f32_to_e4m3(x, Overflow::Saturate), "e4m3 satfinite({x:e})");
+        assert_eq!(
+            sat[i],
+            f32_to_e4m3(x, Overflow::Saturate),
+            "e4m3 satfinite({x:e})"
+        );
         assert_eq!(nosat[i], f32_to_e4m3(x, Overflow::Nan), "e4m3 nosat({x:e})");
         assert_eq!(e5m2[i], e5m2_saturating(x), "e5m2 satfinite({x:e})");
         // Squares of BF16 values are exact in f32 away from its subnormals and overflow.

@@ -1,0 +1,662 @@
+//! The OpenAI request surface: parsing and validating request bodies field by field (so that
+//! every bad input gets a 4xx naming its field), and the error body
+//! `{"error": {"message", "type", "param", "code"}}`.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::{Map, Value, json};
+
+/// An OpenAI-style error response.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    pub fn invalid(param: impl Into<Option<&'static str>>, message: impl Into<String>) -> Self {
+        let param: Option<&'static str> = param.into();
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: param.map(String::from),
+            code: None,
+        }
+    }
+
+    pub fn model_not_found(model: &str) -> Self {
+        Self {
+            status: StatusCode::NOT_FOUND,
+            message: format!("The model `{model}` does not exist."),
+            kind: "invalid_request_error",
+            param: Some("model".into()),
+            code: Some("model_not_found"),
+        }
+    }
+
+    pub fn too_many_requests(message: String) -> Self {
+        Self {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            message,
+            kind: "rate_limit_error",
+            param: None,
+            code: Some("rate_limit_exceeded"),
+        }
+    }
+
+    pub fn unavailable(message: String) -> Self {
+        Self {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message,
+            kind: "server_error",
+            param: None,
+            code: Some("service_unavailable"),
+        }
+    }
+
+    pub fn internal(message: String) -> Self {
+        Self {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message,
+            kind: "server_error",
+            param: None,
+            code: None,
+        }
+    }
+
+    pub fn not_found_route(path: &str) -> Self {
+        Self {
+            status: StatusCode::NOT_FOUND,
+            message: format!("No route {path}"),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("unknown_url"),
+        }
+    }
+
+    pub fn body(&self) -> Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.code,
+        }})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, axum::Json(self.body())).into_response()
+    }
+}
+
+/// Sampling and length settings shared by both endpoints.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingRequest {
+    pub max_tokens: Option<usize>,
+    pub temperature: f32,
+    pub top_p: f32,
+    pub top_k: usize,
+    pub seed: Option<u64>,
+    pub stop: Vec<String>,
+    pub n: usize,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum ToolChoice {
+    None,
+    Auto,
+    Required,
+    Function(String),
+}
+
+#[derive(Clone, Debug)]
+pub struct ChatRequest {
+    pub model: Option<String>,
+    pub messages: Vec<Value>,
+    pub tools: Vec<Value>,
+    pub tool_choice: ToolChoice,
+    pub template_kwargs: Map<String, Value>,
+    pub sampling: SamplingRequest,
+}
+
+#[derive(Clone, Debug)]
+pub enum PromptInput {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+#[derive(Clone, Debug)]
+pub struct CompletionRequest {
+    pub model: Option<String>,
+    pub prompt: PromptInput,
+    pub echo: bool,
+    pub sampling: SamplingRequest,
+}
+
+const MAX_N: usize = 16;
+
+/// Parses a body as a JSON object.
+pub fn parse_body(bytes: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    let value: Value = serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::invalid(None, format!("the request body is not valid JSON: {e}")))?;
+    match value {
+        Value::Object(map) => Ok(map),
+        other => Err(ApiError::invalid(
+            None,
+            format!(
+                "the request body must be a JSON object, not {}",
+                kind(&other)
+            ),
+        )),
+    }
+}
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+fn present<'a>(body: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
+    body.get(key).filter(|v| !v.is_null())
+}
+
+fn opt_string(body: &Map<String, Value>, key: &'static str) -> Result<Option<String>, ApiError> {
+    match present(body, key) {
+        None => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(other) => Err(ApiError::invalid(
+            key,
+            format!("`{key}` must be a string, not {}", kind(other)),
+        )),
+    }
+}
+
+fn opt_bool(body: &Map<String, Value>, key: &'static str) -> Result<Option<bool>, ApiError> {
+    match present(body, key) {
+        None => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(other) => Err(ApiError::invalid(
+            key,
+            format!("`{key}` must be a boolean, not {}", kind(other)),
+        )),
+    }
+}
+
+fn opt_number(body: &Map<String, Value>, key: &'static str) -> Result<Option<f64>, ApiError> {
+    match present(body, key) {
+        None => Ok(None),
+        Some(Value::Number(n)) => Ok(n.as_f64()),
+        Some(other) => Err(ApiError::invalid(
+            key,
+            format!("`{key}` must be a number, not {}", kind(other)),
+        )),
+    }
+}
+
+fn opt_integer(body: &Map<String, Value>, key: &'static str) -> Result<Option<i64>, ApiError> {
+    match present(body, key) {
+        None => Ok(None),
+        Some(Value::Number(n)) => match (n.as_i64(), n.as_u64()) {
+            (Some(i), _) => Ok(Some(i)),
+            (None, Some(u)) => Ok(Some(i64::try_from(u).unwrap_or(i64::MAX))),
+            _ => Err(ApiError::invalid(
+                key,
+                format!("`{key}` must be an integer, not {n}"),
+            )),
+        },
+        Some(other) => Err(ApiError::invalid(
+            key,
+            format!("`{key}` must be an integer, not {}", kind(other)),
+        )),
+    }
+}
+
+fn parse_sampling(
+    body: &Map<String, Value>,
+    default_max_tokens: Option<usize>,
+) -> Result<SamplingRequest, ApiError> {
+    // `max_completion_tokens` wins over the deprecated `max_tokens`.
+    let max_tokens = match opt_integer(body, "max_completion_tokens")? {
+        Some(v) => Some(("max_completion_tokens", v)),
+        None => opt_integer(body, "max_tokens")?.map(|v| ("max_tokens", v)),
+    };
+    let max_tokens = match max_tokens {
+        Some((key, v)) if v < 1 => {
+            return Err(ApiError::invalid(
+                if key == "max_tokens" {
+                    "max_tokens"
+                } else {
+                    "max_completion_tokens"
+                },
+                format!("`{key}` must be at least 1, got {v}"),
+            ));
+        }
+        Some((_, v)) => Some(v as usize),
+        None => default_max_tokens,
+    };
+    let temperature = opt_number(body, "temperature")?.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::invalid(
+            "temperature",
+            format!("`temperature` must be between 0 and 2, got {temperature}"),
+        ));
+    }
+    let top_p = opt_number(body, "top_p")?.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::invalid(
+            "top_p",
+            format!("`top_p` must be in (0, 1], got {top_p}"),
+        ));
+    }
+    let top_k = match opt_integer(body, "top_k")? {
+        None | Some(-1) | Some(0) => 0,
+        Some(k) if k > 0 => k as usize,
+        Some(k) => {
+            return Err(ApiError::invalid(
+                "top_k",
+                format!("`top_k` must be -1 (off) or positive, got {k}"),
+            ));
+        }
+    };
+    let seed = opt_integer(body, "seed")?.map(|s| s as u64);
+    let stop = match present(body, "stop") {
+        None => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|s| {
+                s.as_str().map(String::from).ok_or_else(|| {
+                    ApiError::invalid("stop", "`stop` must be a string or a list of strings")
+                })
+            })
+            .collect::<Result<_, _>>()?,
+        Some(other) => {
+            return Err(ApiError::invalid(
+                "stop",
+                format!(
+                    "`stop` must be a string or a list of strings, not {}",
+                    kind(other)
+                ),
+            ));
+        }
+    };
+    if stop.iter().any(String::is_empty) {
+        return Err(ApiError::invalid(
+            "stop",
+            "`stop` strings must not be empty",
+        ));
+    }
+    let n = opt_integer(body, "n")?.unwrap_or(1);
+    if !(1..=MAX_N as i64).contains(&n) {
+        return Err(ApiError::invalid(
+            "n",
+            format!("`n` must be between 1 and {MAX_N}, got {n}"),
+        ));
+    }
+    let stream = opt_bool(body, "stream")?.unwrap_or(false);
+    let include_usage = match present(body, "stream_options") {
+        None => false,
+        Some(Value::Object(o)) => opt_bool(o, "include_usage")
+            .map_err(|_| {
+                ApiError::invalid(
+                    "stream_options",
+                    "`stream_options.include_usage` must be a boolean",
+                )
+            })?
+            .unwrap_or(false),
+        Some(other) => {
+            return Err(ApiError::invalid(
+                "stream_options",
+                format!("`stream_options` must be an object, not {}", kind(other)),
+            ));
+        }
+    };
+    if opt_bool(body, "logprobs")?.unwrap_or(false) {
+        return Err(ApiError::invalid(
+            "logprobs",
+            "`logprobs` are not supported by this server",
+        ));
+    }
+    Ok(SamplingRequest {
+        max_tokens,
+        temperature: temperature as f32,
+        top_p: top_p as f32,
+        top_k,
+        seed,
+        stop,
+        n: n as usize,
+        stream,
+        include_usage,
+    })
+}
+
+const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+
+fn parse_message(index: usize, message: &Value) -> Result<Value, ApiError> {
+    let at = |what: String| ApiError::invalid("messages", format!("messages[{index}]: {what}"));
+    let Value::Object(m) = message else {
+        return Err(at(format!("must be an object, not {}", kind(message))));
+    };
+    let role = match m.get("role") {
+        Some(Value::String(r)) if ROLES.contains(&r.as_str()) => r.clone(),
+        Some(Value::String(r)) => {
+            return Err(at(format!(
+                "unknown role `{r}` (expected one of {})",
+                ROLES.join(", ")
+            )));
+        }
+        Some(other) => return Err(at(format!("`role` must be a string, not {}", kind(other)))),
+        None => return Err(at("has no `role`".into())),
+    };
+    let mut out = m.clone();
+    match m.get("content") {
+        None | Some(Value::Null) => {
+            let has_calls = matches!(m.get("tool_calls"), Some(Value::Array(c)) if !c.is_empty());
+            if !(role == "assistant" && has_calls) {
+                return Err(at("has no `content`".into()));
+            }
+        }
+        Some(Value::String(_)) => {}
+        Some(Value::Array(parts)) => {
+            for (j, part) in parts.iter().enumerate() {
+                let ok = match part {
+                    Value::Object(p) => match p.get("type").and_then(Value::as_str) {
+                        Some("text") => p.get("text").is_some_and(Value::is_string),
+                        Some(_) => true,
+                        None => false,
+                    },
+                    _ => false,
+                };
+                if !ok {
+                    return Err(at(format!(
+                        "content[{j}] must be an object with a `type` (and a string `text` for text parts)"
+                    )));
+                }
+            }
+        }
+        Some(other) => {
+            return Err(at(format!(
+                "`content` must be a string, a list of parts or null, not {}",
+                kind(other)
+            )));
+        }
+    }
+    if let Some(calls) = m.get("tool_calls").filter(|v| !v.is_null()) {
+        let Value::Array(calls) = calls else {
+            return Err(at("`tool_calls` must be a list".into()));
+        };
+        for (j, call) in calls.iter().enumerate() {
+            let name = call.pointer("/function/name").and_then(Value::as_str);
+            let args = call.pointer("/function/arguments");
+            if name.is_none() || !matches!(args, Some(Value::String(_)) | Some(Value::Object(_))) {
+                return Err(at(format!(
+                    "tool_calls[{j}] needs `function.name` (a string) and `function.arguments` (a JSON string)"
+                )));
+            }
+        }
+    }
+    // Earlier reasoning comes back as `reasoning` (vLLM's output name) or `reasoning_content`.
+    if let Some(reasoning) = m.get("reasoning").filter(|r| r.is_string())
+        && !m.get("reasoning_content").is_some_and(Value::is_string)
+    {
+        out.insert("reasoning_content".into(), reasoning.clone());
+    }
+    if out.get("reasoning_content").is_some_and(Value::is_null) {
+        out.remove("reasoning_content");
+    }
+    Ok(Value::Object(out))
+}
+
+/// Parses a `/v1/chat/completions` body.
+pub fn parse_chat(body: &Map<String, Value>) -> Result<ChatRequest, ApiError> {
+    let model = opt_string(body, "model")?;
+    let messages = match body.get("messages") {
+        None | Some(Value::Null) => {
+            return Err(ApiError::invalid("messages", "`messages` is required"));
+        }
+        Some(Value::Array(m)) if m.is_empty() => {
+            return Err(ApiError::invalid(
+                "messages",
+                "`messages` must not be empty",
+            ));
+        }
+        Some(Value::Array(m)) => m
+            .iter()
+            .enumerate()
+            .map(|(i, msg)| parse_message(i, msg))
+            .collect::<Result<Vec<_>, _>>()?,
+        Some(other) => {
+            return Err(ApiError::invalid(
+                "messages",
+                format!("`messages` must be a list, not {}", kind(other)),
+            ));
+        }
+    };
+    let tools = match present(body, "tools") {
+        None => Vec::new(),
+        Some(Value::Array(tools)) => {
+            for (i, tool) in tools.iter().enumerate() {
+                let ok = tool.get("type").and_then(Value::as_str) == Some("function")
+                    && tool.pointer("/function/name").is_some_and(Value::is_string);
+                if !ok {
+                    return Err(ApiError::invalid(
+                        "tools",
+                        format!(
+                            "tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": …}}}}"
+                        ),
+                    ));
+                }
+            }
+            tools.clone()
+        }
+        Some(other) => {
+            return Err(ApiError::invalid(
+                "tools",
+                format!("`tools` must be a list, not {}", kind(other)),
+            ));
+        }
+    };
+    let tool_choice = match present(body, "tool_choice") {
+        None => ToolChoice::Auto,
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => ToolChoice::None,
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
+            other => {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    format!(
+                        "`tool_choice` must be none, auto, required or a function, not `{other}`"
+                    ),
+                ));
+            }
+        },
+        Some(v @ Value::Object(_)) => match v.pointer("/function/name").and_then(Value::as_str) {
+            Some(name) => ToolChoice::Function(name.to_string()),
+            None => {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    "`tool_choice.function.name` is required",
+                ));
+            }
+        },
+        Some(other) => {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                format!(
+                    "`tool_choice` must be a string or an object, not {}",
+                    kind(other)
+                ),
+            ));
+        }
+    };
+    if matches!(tool_choice, ToolChoice::Required | ToolChoice::Function(_)) && tools.is_empty() {
+        return Err(ApiError::invalid(
+            "tool_choice",
+            "`tool_choice` asks for a tool but `tools` is empty",
+        ));
+    }
+    if let ToolChoice::Function(name) = &tool_choice
+        && !tools
+            .iter()
+            .any(|t| t.pointer("/function/name").and_then(Value::as_str) == Some(name))
+    {
+        return Err(ApiError::invalid(
+            "tool_choice",
+            format!("`tool_choice` names `{name}`, which is not in `tools`"),
+        ));
+    }
+    let template_kwargs = match present(body, "chat_template_kwargs") {
+        None => Map::new(),
+        Some(Value::Object(k)) => k.clone(),
+        Some(other) => {
+            return Err(ApiError::invalid(
+                "chat_template_kwargs",
+                format!(
+                    "`chat_template_kwargs` must be an object, not {}",
+                    kind(other)
+                ),
+            ));
+        }
+    };
+    Ok(ChatRequest {
+        model,
+        messages,
+        tools,
+        tool_choice,
+        template_kwargs,
+        sampling: parse_sampling(body, None)?,
+    })
+}
+
+/// Parses a `/v1/completions` body (OpenAI's default `max_tokens` there is 16).
+pub fn parse_completion(body: &Map<String, Value>) -> Result<CompletionRequest, ApiError> {
+    let model = opt_string(body, "model")?;
+    let prompt = match body.get("prompt") {
+        None | Some(Value::Null) => {
+            return Err(ApiError::invalid("prompt", "`prompt` is required"));
+        }
+        Some(Value::String(s)) => PromptInput::Text(s.clone()),
+        Some(Value::Array(items)) if items.len() == 1 && items[0].is_string() => {
+            PromptInput::Text(items[0].as_str().expect("checked").to_string())
+        }
+        Some(Value::Array(items)) if !items.is_empty() && items.iter().all(Value::is_u64) => {
+            PromptInput::Tokens(
+                items
+                    .iter()
+                    .map(|v| u32::try_from(v.as_u64().expect("checked")).unwrap_or(u32::MAX))
+                    .collect(),
+            )
+        }
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "prompt",
+                "`prompt` must be a string, a list with one string, or a list of token ids",
+            ));
+        }
+    };
+    if matches!(&prompt, PromptInput::Text(t) if t.is_empty()) {
+        return Err(ApiError::invalid("prompt", "`prompt` must not be empty"));
+    }
+    Ok(CompletionRequest {
+        model,
+        prompt,
+        echo: opt_bool(body, "echo")?.unwrap_or(false),
+        sampling: parse_sampling(body, Some(16))?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(body: Value) -> Result<ChatRequest, ApiError> {
+        parse_chat(body.as_object().unwrap())
+    }
+
+    #[test]
+    fn the_smoke_test_body_parses() {
+        let r = chat(
+            json!({"model": "nvidia/Kimi-K2.5-NVFP4", "messages": [{"role": "user",
+            "content": "What is the capital of France? Answer in one sentence."}],
+            "max_tokens": 256, "temperature": 0.6, "unknown_field": [1]}),
+        )
+        .unwrap();
+        assert_eq!(r.sampling.max_tokens, Some(256));
+        assert_eq!(r.sampling.temperature, 0.6);
+        assert_eq!(r.tool_choice, ToolChoice::Auto);
+    }
+
+    #[test]
+    fn bad_fields_name_themselves() {
+        let user = json!([{"role": "user", "content": "hi"}]);
+        let cases = [
+            (json!({"messages": []}), "messages"),
+            (json!({"messages": "hi"}), "messages"),
+            (
+                json!({"messages": [{"role": "wizard", "content": "x"}]}),
+                "messages",
+            ),
+            (json!({"messages": [{"role": "user"}]}), "messages"),
+            (
+                json!({"messages": user, "temperature": -0.5}),
+                "temperature",
+            ),
+            (
+                json!({"messages": user, "temperature": "hot"}),
+                "temperature",
+            ),
+            (json!({"messages": user, "max_tokens": 0}), "max_tokens"),
+            (
+                json!({"messages": user, "max_completion_tokens": -3}),
+                "max_completion_tokens",
+            ),
+            (json!({"messages": user, "top_p": 0}), "top_p"),
+            (json!({"messages": user, "n": 0}), "n"),
+            (json!({"messages": user, "stop": 5}), "stop"),
+            (
+                json!({"messages": user, "tools": [{"type": "function"}]}),
+                "tools",
+            ),
+            (
+                json!({"messages": user, "tool_choice": "required"}),
+                "tool_choice",
+            ),
+            (json!({"messages": user, "stream": "yes"}), "stream"),
+            (
+                json!({"messages": user, "chat_template_kwargs": []}),
+                "chat_template_kwargs",
+            ),
+        ];
+        for (body, param) in cases {
+            let err = chat(body.clone()).unwrap_err();
+            assert_eq!(err.status, StatusCode::BAD_REQUEST, "{body}");
+            assert_eq!(err.param.as_deref(), Some(param), "{body}: {}", err.message);
+        }
+        assert!(parse_body(b"{not json").is_err());
+        assert!(parse_body(b"[1]").is_err());
+    }
+
+    #[test]
+    fn max_completion_tokens_wins_and_reasoning_is_accepted_back() {
+        let r = chat(json!({"messages": [{"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b", "reasoning": "r"}],
+            "max_tokens": 5, "max_completion_tokens": 7}))
+        .unwrap();
+        assert_eq!(r.sampling.max_tokens, Some(7));
+        assert_eq!(r.messages[1]["reasoning_content"], "r");
+    }
+}
