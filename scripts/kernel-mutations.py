@@ -6,8 +6,10 @@ tactics that execute the mutated line. A mutation is caught when the test fails 
 kernels no longer build). Restores every source afterwards, whatever happens.
 
 Usage: scripts/kernel-mutations.py [--only SUBSTRING] [--out FILE]
-Writes a Markdown table (default: stdout). Takes about two minutes per mutation on two cores
-(the mutated family is recompiled for the CPU).
+Writes a Markdown table (default: stdout); exits 1 when a mutation that is not marked
+equivalent survives. Takes 10-40 s per mutation on two cores (the mutated family is
+recompiled for the CPU; objects of the others are cached). The last run's table is
+kernels-rs/cuda-host/MUTATIONS.md.
 """
 
 import argparse
@@ -19,6 +21,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MOE = "kernels-rs/src/moe_gemm/moe_gemm.cu"
 MLA = "kernels-rs/src/mla/mla_decode.cu"
+
+# A mutation that cannot change the result on any input the tests can build: listed to show
+# where the tests cannot tell, not expected to be caught.
+EQUIVALENT = "(equivalent) "
 
 # (file, original text, mutated text, what it breaks, test, tactic filter)
 MUTATIONS = [
@@ -63,8 +69,8 @@ MUTATIONS = [
      "cache slot of a token (pos → pos + 1 in the page)", "host_mla", "fp8_h16_t32_w4_s2"),
     (MLA, "  for (int s = 0; s < splits; ++s) m = fmaxf(m, pl[s]);",
      "  for (int s = 0; s < splits - 1; ++s) m = fmaxf(m, pl[s]);",
-     "combine: max over all but the last split (equivalent unless exp overflows: the max only "
-     "shifts the log-sum-exp)", "host_mla", "bf16_h16_t32_w4_s2"),
+     EQUIVALENT + "combine: max over all but the last split (the max only shifts the "
+     "log-sum-exp: it matters only when exp would overflow)", "host_mla", "bf16_h16_t32_w4_s2"),
     (MLA, "  for (int s = 0; s < splits; ++s) total += pl[s] == -INFINITY ? 0.f : __expf(pl[s] - m);",
      "  for (int s = 0; s < splits - 1; ++s) total += pl[s] == -INFINITY ? 0.f : __expf(pl[s] - m);",
      "combine: normalizer over all but the last split", "host_mla", "bf16_h16_t32_w4_s2"),
@@ -87,9 +93,9 @@ def run_test(test: str, tactic: str) -> tuple[bool, str, float]:
     env = dict(**__import__("os").environ, HOST_TACTICS=tactic)
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     out = p.stdout + p.stderr
-    lines = [l for l in out.splitlines()
-             if "FAIL" in l or "error" in l.lower() or "panicked" in l or "differ" in l]
-    return p.returncode != 0, "; ".join(lines[:3])[:300], time.time() - start
+    lines = [l.strip() for l in out.splitlines()
+             if l.startswith("FAIL ") or "error:" in l.lower()]
+    return p.returncode != 0, (lines[0] if lines else "")[:160], time.time() - start
 
 
 def main() -> int:
@@ -97,7 +103,7 @@ def main() -> int:
     ap.add_argument("--only", default="")
     ap.add_argument("--out")
     args = ap.parse_args()
-    rows = ["| source | mutation | test (tactics) | caught | evidence | s |",
+    rows = ["| source | mutation | test (tactics) | caught | first failure | s |",
             "|---|---|---|---|---|---|"]
     caught_all = True
     for path, old, new, what, test, tactic in MUTATIONS:
@@ -114,7 +120,8 @@ def main() -> int:
             failed, evidence, secs = run_test(test, tactic)
         finally:
             f.write_text(original)
-        caught_all &= failed
+        if not what.startswith(EQUIVALENT):
+            caught_all &= failed
         rows.append(f"| `{Path(path).name}` | {what} | `{test}` ({tactic}) | "
                     f"{'yes' if failed else '**no**'} | {evidence.replace('|', '/')} | {secs:.0f} |")
         print(rows[-1], flush=True)
