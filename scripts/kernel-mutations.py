@@ -93,9 +93,16 @@ def run_test(test: str, tactic: str) -> tuple[bool, str, float]:
     env = dict(**__import__("os").environ, HOST_TACTICS=tactic)
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     out = p.stdout + p.stderr
-    lines = [l.strip() for l in out.splitlines()
-             if l.startswith("FAIL ") or "error:" in l.lower()]
-    return p.returncode != 0, (lines[0] if lines else "")[:160], time.time() - start
+    lines = out.splitlines()
+    # The first golden comparison that failed, else the first failure the test listed (a
+    # launch error: a fault, a bad launch), else the build error.
+    evidence = next((l.strip() for l in lines if l.startswith("FAIL ")), "")
+    if not evidence:
+        after = [l for i, l in enumerate(lines) if i > 0 and "failures:" in lines[i - 1]]
+        evidence = next((l.strip() for l in after if l.strip()), "")
+    if not evidence:
+        evidence = next((l.strip() for l in lines if l.startswith("error")), "")
+    return p.returncode != 0, evidence[:200], time.time() - start
 
 
 def main() -> int:

@@ -1,8 +1,10 @@
 // Probe kernels for the PTX helpers (kernels-rs/include/ptx_helpers.cuh): each runs one
 // instruction on operands read from global memory and writes what every lane got back, so the
-// host execution layer's semantics can be checked against independent references (and, on a
-// GPU, against the hardware). Also kernels that break the programming model on purpose, to
-// check that the host layer reports them instead of hanging or passing.
+// host execution layer's semantics can be checked against independent references
+// (tests/ptx_semantics.rs) and, on a GPU, against the hardware (the `ptx-probe-check` binary:
+// the same inputs on the device and on the host layer, compared). Also kernels that break the
+// programming model on purpose, to check that the host layer reports them instead of hanging
+// or passing: those are never launched on a GPU.
 
 #include <cstdint>
 #include <cuda_bf16.h>
@@ -54,13 +56,18 @@ extern "C" __global__ void probe_mma_e4m3(const MmaOperands o) {
   store_lane(o, acc);
 }
 
+// The block-scaled FP4 MMA exists only on sm_120a; elsewhere this probe traps.
 extern "C" __global__ void probe_mma_nvf4(const MmaOperands o) {
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM120_ALL)
+  __trap();
+#else
   uint32_t a[4], b[2];
   float acc[4];
   load_lane(o, a, b, acc);
   const int l = threadIdx.x & 31;
   mma_nvf4_4x(acc, a, b, o.sfa[l], o.sfb[l]);
   store_lane(o, acc);
+#endif
 }
 
 // ldmatrix: `tile` holds four 8×8 matrices of b16 values, row-major; they are staged in shared
