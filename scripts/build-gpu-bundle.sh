@@ -4,6 +4,8 @@
 #   BUNDLE/gpu-check                 release binary, feature `cuda` (driver opened at run time)
 #   BUNDLE/mla-gpu-check             the MLA decode check (same feature)
 #   BUNDLE/allreduce-gpu-check       the CUDA all-reduce check (same feature)
+#   BUNDLE/ptx-probe-check           the host execution layer's probe kernels on the GPU
+#                                    against the host layer (crate cuda-host, feature cuda)
 #   BUNDLE/ptx/moe_gemm/<sm>/*.cubin the compile gate's kernels (+ manifest; .ptx on request)
 #   BUNDLE/golden/data/moe/          MoE goldens, if the repository has them
 #   BUNDLE/scripts/gpu-check.sh      the runner (see its header for how to run)
@@ -29,13 +31,14 @@ n=$(find ptx/moe_gemm -name '*.cubin' 2>/dev/null | wc -l)
 [[ "$n" -gt 0 ]] || { echo "build-gpu-bundle: no cubins under ptx/moe_gemm (run the gate)" >&2; exit 1; }
 
 cargo build --release --features cuda -p kernels --bin gpu-check --bin mla-gpu-check --bin allreduce-gpu-check
+cargo build --release --features cuda -p cuda-host --bin ptx-probe-check
 BIN="$ROOT/target/release/gpu-check"
 
 rm -rf "$BUNDLE"
 mkdir -p "$BUNDLE/scripts" "$BUNDLE/ptx"
 # Debug info (profile.release debug = 1) is most of the binary's size; the bundle must stay
 # well under the device tool's 64 MiB.
-for name in gpu-check mla-gpu-check allreduce-gpu-check; do
+for name in gpu-check mla-gpu-check allreduce-gpu-check ptx-probe-check; do
   if command -v strip >/dev/null; then
     strip -o "$BUNDLE/$name" "$ROOT/target/release/$name"
   else
@@ -44,6 +47,7 @@ for name in gpu-check mla-gpu-check allreduce-gpu-check; do
 done
 (cd ptx && find mla -name '*.cubin' -exec cp --parents {} "$BUNDLE/ptx/" \;) 2>/dev/null || true
 (cd ptx && find allreduce -name '*.cubin' -exec cp --parents {} "$BUNDLE/ptx/" \;) 2>/dev/null || true
+(cd ptx && find ptx_probe -name '*.cubin' -exec cp --parents {} "$BUNDLE/ptx/" \;) 2>/dev/null || true
 cp scripts/gpu-check.sh "$BUNDLE/scripts/"
 cp ptx/manifest.json "$BUNDLE/ptx/"
 if [[ "${WITH_PTX:-0}" == 1 ]]; then

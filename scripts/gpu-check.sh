@@ -17,6 +17,8 @@
 #                             and golden/data/mla/
 #   allreduce-gpu-check       the all-reduce check (feature `cuda`), with
 #                             ptx/allreduce/<sm>/*.cubin
+#   ptx-probe-check           the host execution layer's instruction semantics against this
+#                             GPU (crate cuda-host, feature `cuda`), with ptx/ptx_probe/<sm>/
 #
 # Run there, from the bundle root (or a checkout with target/release/gpu-check):
 #   scripts/gpu-check.sh [gpu-check flags...]     e.g. --tactics portable --iters 50
@@ -57,10 +59,12 @@ fi
 n_cubins=$(find "$KIMI_PTX_DIR" -name '*.cubin' 2>/dev/null | wc -l)
 echo "gpu-check.sh: $BIN, $n_cubins cubins under $KIMI_PTX_DIR, results to $OUT_DIR"
 
-# Three checks, each: goldens for every tactic runnable on this GPU, then timing against the
-# copy bandwidth measured in the same run. Each has its own time limit (the sum stays under
-# 8 minutes on one H200), so a hang becomes a reported failure instead of a lost session.
-# Exit status: the worst of the three (1 a failure or timeout, 2 could not run, 0 all passed).
+# First the probe check (seconds): does the host execution layer, which CI runs every kernel
+# on, compute what this GPU computes? Then three checks, each: goldens for every tactic
+# runnable on this GPU, then timing against the copy bandwidth measured in the same run. Each
+# has its own time limit (the sum stays under 8 minutes on one H200), so a hang becomes a
+# reported failure instead of a lost session. Exit status: the worst (1 a failure or timeout,
+# 2 could not run, 0 all passed).
 rc=0
 find_bin() {  # find_bin NAME [OVERRIDE]: the bundle's binary, or a checkout's release build
   local name=$1 override=${2:-}
@@ -84,6 +88,11 @@ run_check() {  # run_check LABEL BINARY LIMIT_S ARGS...
   [[ $r == 124 ]] && { echo "gpu-check.sh: $label timed out after $limit s" >&2; r=1; }
   if [[ $r == 1 || ( $r == 2 && $rc == 0 ) ]]; then rc=$r; fi
 }
+
+if [[ "${SKIP_PROBES:-0}" != 1 ]]; then
+  run_check ptx-probe-check "$(find_bin ptx-probe-check "${PROBE_CHECK_BIN:-}")" \
+    "${PROBE_CHECK_TIMEOUT:-60}" --ptx-dir "$KIMI_PTX_DIR" --out "$OUT_DIR"
+fi
 
 # MoE grouped GEMM: every tactic vs the CPU reference and the ModelOpt goldens, then weight
 # bandwidth and TFLOPS.

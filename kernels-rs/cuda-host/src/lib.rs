@@ -26,6 +26,7 @@
 mod buffer;
 mod device;
 pub mod ffi;
+pub mod probes;
 
 use std::ffi::CStr;
 use std::fmt;

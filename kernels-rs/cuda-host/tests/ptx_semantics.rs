@@ -8,26 +8,15 @@
 
 use std::time::Duration;
 
+use cuda_host::probes::{self, inputs};
 use cuda_host::{
-    DeviceBuffer, Function, HostError, KernelParams, LaunchConfig, LaunchOptions, Module, Schedule,
-    launch,
+    DeviceBuffer, Function, HostDevice, HostError, KernelParams, LaunchConfig, LaunchOptions,
+    Module, Schedule, launch,
 };
 use kernels::formats::{e2m1_to_f32, e4m3_to_f32, ue4m3_to_f32};
+use kernels::moe_gemm::Sm;
 use kernels::moe_gemm::check::Rng;
-use kernels::moe_gemm::mma_sm120::{
-    self, LaneOperands, MMA_K, MMA_M, MMA_N, MmaTile, SF_PER_K, ScaleSelector,
-};
-
-/// `moe_gemm::check`'s SplitMix64, with the two draws these tests need.
-struct SplitMix(Rng);
-impl SplitMix {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0.below(n as usize) as u64
-    }
-    fn unit(&mut self) -> f32 {
-        self.0.sym()
-    }
-}
+use kernels::moe_gemm::mma_sm120::{self, LaneOperands, MMA_K, MMA_M, MMA_N, ScaleSelector};
 
 fn probe(name: &str) -> Function {
     Module::find("ptx_probe", "default")
@@ -44,91 +33,29 @@ fn one_warp(shared: u32) -> LaunchConfig {
     }
 }
 
-/// `struct MmaOperands` of the probe: six device pointers.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct MmaOperands {
-    a: u64,
-    b: u64,
-    c: u64,
-    sfa: u64,
-    sfb: u64,
-    d: u64,
+/// A host device emulating SM120 with the given schedule.
+fn host(schedule: Schedule) -> HostDevice {
+    let dev = HostDevice::new(Sm::Sm120);
+    dev.set_schedule(schedule);
+    dev
 }
 
-/// Runs one probe MMA on per-lane registers; returns every lane's D.
+/// Runs one probe MMA on the host layer; checks it was one warp-collective MMA.
 fn run_mma(kernel: &str, lanes: &[LaneOperands; 32], schedule: Schedule) -> [[f32; 4]; 32] {
-    let a: Vec<u32> = lanes.iter().flat_map(|l| l.a).collect();
-    let b: Vec<u32> = lanes.iter().flat_map(|l| l.b).collect();
-    let c: Vec<f32> = lanes.iter().flat_map(|l| l.c).collect();
-    let sfa: Vec<u32> = lanes.iter().map(|l| l.sfa).collect();
-    let sfb: Vec<u32> = lanes.iter().map(|l| l.sfb).collect();
-    let bufs = [
-        DeviceBuffer::from_slice(&a).unwrap(),
-        DeviceBuffer::from_slice(&b).unwrap(),
-        DeviceBuffer::from_slice(&c).unwrap(),
-        DeviceBuffer::from_slice(&sfa).unwrap(),
-        DeviceBuffer::from_slice(&sfb).unwrap(),
-    ];
-    let mut d = DeviceBuffer::zeroed(32 * 4 * 4).unwrap();
-    d.fill(0xFF);
-    let ops = MmaOperands {
-        a: bufs[0].ptr(),
-        b: bufs[1].ptr(),
-        c: bufs[2].ptr(),
-        sfa: bufs[3].ptr(),
-        sfb: bufs[4].ptr(),
-        d: d.ptr(),
-    };
-    let mut args = KernelParams::new();
-    args.arg(&ops);
-    let opts = LaunchOptions {
-        schedule,
-        ..LaunchOptions::default()
-    };
-    // SAFETY: every pointer is a live buffer of the sizes the probe reads and writes.
-    let stats = unsafe { launch(&probe(kernel), one_warp(0), &args, &opts) }.unwrap();
-    assert_eq!(stats.mma, 1, "{kernel}: one warp-collective MMA");
-    let v: Vec<f32> = d.to_vec();
-    let mut out = [[0f32; 4]; 32];
-    for (lane, o) in out.iter_mut().enumerate() {
-        o.copy_from_slice(&v[4 * lane..4 * lane + 4]);
-    }
-    out
-}
-
-fn random_nvf4_tile(rng: &mut SplitMix) -> MmaTile {
-    let mut t = MmaTile {
-        a: [[0; MMA_K]; MMA_M],
-        b_t: [[0; MMA_K]; MMA_N],
-        sfa: [[0; SF_PER_K]; MMA_M],
-        sfb: [[0; SF_PER_K]; MMA_N],
-        c: [[0.0; MMA_N]; MMA_M],
-    };
-    for row in t.a.iter_mut() {
-        row.iter_mut().for_each(|v| *v = rng.below(16) as u8);
-    }
-    for row in t.b_t.iter_mut() {
-        row.iter_mut().for_each(|v| *v = rng.below(16) as u8);
-    }
-    // Finite UE4M3 codes (0x7F is NaN), spread over the whole exponent range.
-    for s in t.sfa.iter_mut().flatten().chain(t.sfb.iter_mut().flatten()) {
-        *s = rng.below(0x7F) as u8;
-    }
-    for c in t.c.iter_mut().flatten() {
-        *c = rng.unit() * 100.0;
-    }
-    t
+    let dev = host(schedule);
+    let d = probes::mma(&dev, kernel, lanes).unwrap();
+    let mma: u64 = dev.take_history().iter().map(|h| h.stats.mma).sum();
+    assert_eq!(mma, 1, "{kernel}: one warp-collective MMA");
+    d
 }
 
 #[test]
 fn block_scaled_fp4_mma_agrees_with_the_register_model_and_the_dequantized_product() {
-    let mut rng = SplitMix(Rng(11));
+    let mut rng = Rng(11);
     let sel = ScaleSelector::default();
     for case in 0..40 {
-        let tile = random_nvf4_tile(&mut rng);
-        // Lanes the selectors do not read hold garbage: it must be ignored.
-        let lanes = mma_sm120::tile_to_lanes(&tile, sel, sel, 0x7F7F_7F7F).unwrap();
+        // Lanes the selectors do not read hold garbage scales: they must be ignored.
+        let (tile, lanes) = inputs::nvf4_problem(&mut rng);
         let schedule = if case % 2 == 0 {
             Schedule::Forward
         } else {
@@ -166,80 +93,16 @@ fn block_scaled_fp4_mma_agrees_with_the_register_model_and_the_dequantized_produ
     }
 }
 
-/// Element i of a lane's fragment for the m16n8k16 BF16 and m16n8k32 E4M3 layouts of the PTX
-/// ISA: `(row, col)` of A, `(k, n)` of B, `(row, col)` of C/D.
-fn a_pos_16816(lane: usize, i: usize) -> (usize, usize) {
-    let (g, t) = (lane / 4, lane % 4);
-    let row = if i < 2 || (4..6).contains(&i) {
-        g
-    } else {
-        g + 8
-    };
-    (row, 2 * t + (i & 1) + if i >= 4 { 8 } else { 0 })
-}
-fn b_pos_16816(lane: usize, i: usize) -> (usize, usize) {
-    let (g, t) = (lane / 4, lane % 4);
-    (2 * t + (i & 1) + if i >= 2 { 8 } else { 0 }, g)
-}
-fn a_pos_16832(lane: usize, i: usize) -> (usize, usize) {
-    let (g, t) = (lane / 4, lane % 4);
-    let row = if i < 4 || (8..12).contains(&i) {
-        g
-    } else {
-        g + 8
-    };
-    (row, 4 * t + (i & 3) + if i >= 8 { 16 } else { 0 })
-}
-fn b_pos_16832(lane: usize, i: usize) -> (usize, usize) {
-    let (g, t) = (lane / 4, lane % 4);
-    (4 * t + (i & 3) + if i >= 4 { 16 } else { 0 }, g)
-}
-fn c_pos(lane: usize, i: usize) -> (usize, usize) {
-    let (g, t) = (lane / 4, lane % 4);
-    (if i < 2 { g } else { g + 8 }, 2 * t + (i & 1))
-}
-
 #[test]
 fn bf16_mma_computes_the_product_in_the_isa_fragment_layout() {
-    let mut rng = SplitMix(Rng(5));
+    let mut rng = Rng(5);
     for case in 0..20 {
-        let a: Vec<Vec<u16>> = (0..16)
-            .map(|_| {
-                (0..16)
-                    .map(|_| half::bf16::from_f32(rng.unit() * 8.0).to_bits())
-                    .collect()
-            })
-            .collect();
-        let b: Vec<Vec<u16>> = (0..16)
-            .map(|_| {
-                (0..8)
-                    .map(|_| half::bf16::from_f32(rng.unit() * 8.0).to_bits())
-                    .collect()
-            })
-            .collect();
-        let c: Vec<Vec<f32>> = (0..16)
-            .map(|_| (0..8).map(|_| rng.unit()).collect())
-            .collect();
-        let mut lanes = [LaneOperands::default(); 32];
-        for (lane, l) in lanes.iter_mut().enumerate() {
-            for i in 0..8 {
-                let (r, k) = a_pos_16816(lane, i);
-                l.a[i / 2] |= u32::from(a[r][k]) << (16 * (i % 2));
-            }
-            for i in 0..4 {
-                let (k, n) = b_pos_16816(lane, i);
-                l.b[i / 2] |= u32::from(b[k][n]) << (16 * (i % 2));
-            }
-            for i in 0..4 {
-                let (r, n) = c_pos(lane, i);
-                l.c[i] = c[r][n];
-            }
-        }
+        let (a, b, c, lanes) = inputs::bf16_problem(&mut rng);
         let d = run_mma("probe_mma_bf16", &lanes, Schedule::Shuffled(case));
         let f = |h: u16| f64::from(half::bf16::from_bits(h).to_f32());
         for (lane, regs) in d.iter().enumerate() {
             for (i, &got) in regs.iter().enumerate() {
-                let (r, n) = c_pos(lane, i);
+                let (r, n) = inputs::c_pos(lane, i);
                 let dot: f64 = (0..16).map(|k| f(a[r][k]) * f(b[k][n])).sum();
                 let want = (dot + f64::from(c[r][n])) as f32;
                 assert_eq!(
@@ -254,43 +117,13 @@ fn bf16_mma_computes_the_product_in_the_isa_fragment_layout() {
 
 #[test]
 fn e4m3_mma_computes_the_product_in_the_isa_fragment_layout() {
-    let mut rng = SplitMix(Rng(6));
+    let mut rng = Rng(6);
     for case in 0..20 {
-        // Any code but NaN (0x7F / 0xFF).
-        let code = |rng: &mut SplitMix| loop {
-            let c = rng.below(256) as u8;
-            if c & 0x7F != 0x7F {
-                break c;
-            }
-        };
-        let a: Vec<Vec<u8>> = (0..16)
-            .map(|_| (0..32).map(|_| code(&mut rng)).collect())
-            .collect();
-        let b: Vec<Vec<u8>> = (0..32)
-            .map(|_| (0..8).map(|_| code(&mut rng)).collect())
-            .collect();
-        let c: Vec<Vec<f32>> = (0..16)
-            .map(|_| (0..8).map(|_| rng.unit()).collect())
-            .collect();
-        let mut lanes = [LaneOperands::default(); 32];
-        for (lane, l) in lanes.iter_mut().enumerate() {
-            for i in 0..16 {
-                let (r, k) = a_pos_16832(lane, i);
-                l.a[i / 4] |= u32::from(a[r][k]) << (8 * (i % 4));
-            }
-            for i in 0..8 {
-                let (k, n) = b_pos_16832(lane, i);
-                l.b[i / 4] |= u32::from(b[k][n]) << (8 * (i % 4));
-            }
-            for i in 0..4 {
-                let (r, n) = c_pos(lane, i);
-                l.c[i] = c[r][n];
-            }
-        }
+        let (a, b, c, lanes) = inputs::e4m3_problem(&mut rng);
         let d = run_mma("probe_mma_e4m3", &lanes, Schedule::Reverse);
         for (lane, regs) in d.iter().enumerate() {
             for (i, &got) in regs.iter().enumerate() {
-                let (r, n) = c_pos(lane, i);
+                let (r, n) = inputs::c_pos(lane, i);
                 let dot: f64 = (0..32)
                     .map(|k| f64::from(e4m3_to_f32(a[r][k])) * f64::from(e4m3_to_f32(b[k][n])))
                     .sum();
@@ -307,29 +140,11 @@ fn e4m3_mma_computes_the_product_in_the_isa_fragment_layout() {
 
 #[test]
 fn ldmatrix_gives_each_lane_its_row_pair_plain_and_transposed() {
-    // Four 8×8 matrices of distinct b16 values: matrix m, row r, column c → 0x1000·m + 8r + c.
-    let tile: Vec<u16> = (0..4 * 64)
-        .map(|i| (0x1000 * (i / 64) + i % 64) as u16)
-        .collect();
-    let tile_buf = DeviceBuffer::from_slice(&tile).unwrap();
+    let tile = inputs::ldmatrix_tile();
+    let dev = host(Schedule::Forward);
     for num in [1i32, 2, 4] {
         for trans in [0i32, 1] {
-            let mut out = DeviceBuffer::zeroed(32 * 4 * 4).unwrap();
-            let (t, o) = (tile_buf.ptr(), out.ptr());
-            let mut args = KernelParams::new();
-            args.arg(&t).arg(&o).arg(&num).arg(&trans);
-            // 32 rows × 48 bytes of staging.
-            // SAFETY: live buffers of the sizes the probe uses.
-            unsafe {
-                launch(
-                    &probe("probe_ldmatrix"),
-                    one_warp(32 * 48),
-                    &args,
-                    &LaunchOptions::default(),
-                )
-            }
-            .unwrap();
-            let regs: Vec<u32> = out.to_vec();
+            let regs = probes::ldmatrix(&dev, &tile, num, trans).unwrap();
             for lane in 0..32usize {
                 for m in 0..4usize {
                     let got = regs[4 * lane + m];
@@ -347,7 +162,6 @@ fn ldmatrix_gives_each_lane_its_row_pair_plain_and_transposed() {
                     assert_eq!(got, want, "x{num} trans {trans}: lane {lane} reg {m}");
                 }
             }
-            let _ = &mut out;
         }
     }
 }
@@ -357,33 +171,8 @@ fn cp_async_lands_only_at_the_wait_that_covers_its_group() {
     let threads = 64u32;
     let n = 2 * 16 * threads as usize;
     let src: Vec<u8> = (0..n).map(|i| (i * 7 + 1) as u8 | 1).collect();
-    let src_buf = DeviceBuffer::from_slice(&src).unwrap();
     let zero_fill_from = 48i32;
-    let mut outs: Vec<DeviceBuffer> = (0..3).map(|_| DeviceBuffer::zeroed(n).unwrap()).collect();
-    let p: Vec<u64> = outs.iter().map(|b| b.ptr()).collect();
-    let s = src_buf.ptr();
-    let mut args = KernelParams::new();
-    args.arg(&s)
-        .arg(&p[0])
-        .arg(&p[1])
-        .arg(&p[2])
-        .arg(&zero_fill_from);
-    let cfg = LaunchConfig {
-        grid_dim: (1, 1, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: n as u32,
-    };
-    // SAFETY: live buffers of n bytes; the probe touches bytes [0, n).
-    unsafe {
-        launch(
-            &probe("probe_cp_async"),
-            cfg,
-            &args,
-            &LaunchOptions::default(),
-        )
-    }
-    .unwrap();
-    let [early, middle, late] = [0, 1, 2].map(|i| outs[i].to_vec::<u8>());
+    let view = probes::cp_async(&host(Schedule::Forward), &src, threads, zero_fill_from).unwrap();
     let half = n / 2;
     let expect = |i: usize| {
         let thread = (i % half) / 16;
@@ -394,35 +183,21 @@ fn cp_async_lands_only_at_the_wait_that_covers_its_group() {
         }
     };
     for i in 0..half {
-        assert_eq!(early[i], 0xFF, "byte {i} visible before any wait");
+        assert_eq!(view.early[i], 0xFF, "byte {i} visible before any wait");
     }
     for i in 0..n {
         let first_group = i < half;
         let want_middle = if first_group { expect(i) } else { 0xFF };
-        assert_eq!(middle[i], want_middle, "after wait_group 1, byte {i}");
-        assert_eq!(late[i], expect(i), "after wait_group 0, byte {i}");
+        assert_eq!(view.middle[i], want_middle, "after wait_group 1, byte {i}");
+        assert_eq!(view.late[i], expect(i), "after wait_group 0, byte {i}");
     }
-    outs.clear();
 }
 
 #[test]
 fn shuffles_and_votes_follow_the_segment_rules() {
-    let input: Vec<i32> = (0..32)
-        .map(|l| (l * 37 + 11) % 100 + if l == 7 { 2000 } else { 0 })
-        .collect();
-    let in_buf = DeviceBuffer::from_slice(&input).unwrap();
+    let input = inputs::warp_input();
     for schedule in [Schedule::Forward, Schedule::Reverse, Schedule::Shuffled(3)] {
-        let out = DeviceBuffer::zeroed(32 * 9 * 4).unwrap();
-        let (i, o) = (in_buf.ptr(), out.ptr());
-        let mut args = KernelParams::new();
-        args.arg(&i).arg(&o);
-        let opts = LaunchOptions {
-            schedule,
-            ..LaunchOptions::default()
-        };
-        // SAFETY: live buffers of the probe's sizes.
-        unsafe { launch(&probe("probe_warp"), one_warp(0), &args, &opts) }.unwrap();
-        let got: Vec<i32> = out.to_vec();
+        let got = probes::warp(&host(schedule), &input).unwrap();
         let ballot = input
             .iter()
             .enumerate()
@@ -652,87 +427,35 @@ fn e5m2_saturating(x: f32) -> u8 {
 #[test]
 fn number_conversions_of_the_host_cuda_headers_round_like_the_references() {
     use kernels::formats::e4m3::{Overflow, f32_to_e4m3};
-    let mut values: Vec<f32> = vec![
-        0.0,
-        -0.0,
-        448.0,
-        -448.0,
-        464.0,
-        463.99,
-        464.01,
-        480.0,
-        1e30,
-        f32::INFINITY,
-        f32::NEG_INFINITY,
-        f32::NAN,
-        2f32.powi(-9),
-        2f32.powi(-10),
-        3.0 * 2f32.powi(-11),
-        2f32.powi(-6),
-        2f32.powi(-7) * 1.9375,
-        57344.0,
-        61440.0,
-        1.0e-45,
-        1.0e-38,
-    ];
-    let mut rng = Rng(99);
-    for _ in 0..200_000 {
-        // Random sign, exponent in [-24, 20], mantissa: every rounding case in every binade.
-        let bits = (rng.next_u64() as u32 & 0x807F_FFFF) | ((rng.below(45) as u32 + 103) << 23);
-        values.push(f32::from_bits(bits));
-    }
-    let n = values.len();
-    let input = DeviceBuffer::from_slice(&values).unwrap();
-    let outs: Vec<DeviceBuffer> = [2, 1, 1, 1, 2]
-        .iter()
-        .map(|&w| DeviceBuffer::zeroed(w * n).unwrap())
-        .collect();
-    let ptrs: Vec<u64> = std::iter::once(input.ptr())
-        .chain(outs.iter().map(DeviceBuffer::ptr))
-        .collect();
-    let count = n as i32;
-    let mut args = KernelParams::new();
-    for p in &ptrs {
-        args.arg(p);
-    }
-    args.arg(&count);
-    let cfg = LaunchConfig {
-        grid_dim: (8, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: every buffer holds n elements of its type.
-    unsafe {
-        launch(
-            &probe("probe_convert"),
-            cfg,
-            &args,
-            &LaunchOptions::default(),
-        )
-    }
-    .unwrap();
-    let bf16: Vec<u16> = outs[0].to_vec();
-    let (sat, nosat, e5m2) = (outs[1].bytes(), outs[2].bytes(), outs[3].bytes());
-    let square: Vec<u16> = outs[4].to_vec();
+    let values = inputs::conversion_values(&mut Rng(99), 200_000);
+    let out = probes::convert(&host(Schedule::Forward), &values).unwrap();
     for (i, &x) in values.iter().enumerate() {
         let want = half::bf16::from_f32(x);
         if x.is_nan() {
-            assert_eq!(bf16[i], 0x7FFF, "NaN → canonical BF16 NaN");
+            assert_eq!(out.bf16[i], 0x7FFF, "NaN → canonical BF16 NaN");
         } else {
-            assert_eq!(bf16[i], want.to_bits(), "bf16({x:e})");
+            assert_eq!(out.bf16[i], want.to_bits(), "bf16({x:e})");
         }
         assert_eq!(
-            sat[i],
+            out.e4m3_satfinite[i],
             f32_to_e4m3(x, Overflow::Saturate),
             "e4m3 satfinite({x:e})"
         );
-        assert_eq!(nosat[i], f32_to_e4m3(x, Overflow::Nan), "e4m3 nosat({x:e})");
-        assert_eq!(e5m2[i], e5m2_saturating(x), "e5m2 satfinite({x:e})");
+        assert_eq!(
+            out.e4m3_nosat[i],
+            f32_to_e4m3(x, Overflow::Nan),
+            "e4m3 nosat({x:e})"
+        );
+        assert_eq!(
+            out.e5m2_satfinite[i],
+            e5m2_saturating(x),
+            "e5m2 satfinite({x:e})"
+        );
         // Squares of BF16 values are exact in f32 away from its subnormals and overflow.
         let b = want.to_f32();
         if b.is_finite() && b.abs() > 1e-18 && b.abs() < 1e18 {
             let sq = half::bf16::from_f32(b * b).to_bits();
-            assert_eq!(square[i], sq, "bf16 {b:e} squared");
+            assert_eq!(out.bf16_square[i], sq, "bf16 {b:e} squared");
         }
     }
 }
