@@ -48,6 +48,7 @@ done
 (cd ptx && find mla -name '*.cubin' -exec cp --parents {} "$BUNDLE/ptx/" \;) 2>/dev/null || true
 (cd ptx && find allreduce -name '*.cubin' -exec cp --parents {} "$BUNDLE/ptx/" \;) 2>/dev/null || true
 (cd ptx && find ptx_probe -name '*.cubin' -exec cp --parents {} "$BUNDLE/ptx/" \;) 2>/dev/null || true
+(cd ptx && find layers -name '*.cubin' -exec cp --parents {} "$BUNDLE/ptx/" \;) 2>/dev/null || true
 cp scripts/gpu-check.sh "$BUNDLE/scripts/"
 cp ptx/manifest.json "$BUNDLE/ptx/"
 if [[ "${WITH_PTX:-0}" == 1 ]]; then

@@ -201,6 +201,11 @@ fn units(src: &Path) -> Vec<Unit> {
         .map(|t| (t.image_id(), t.nvcc_defines()))
         .collect();
     add("allreduce", "allreduce/allreduce.cu", ar);
+    add(
+        "layers",
+        "layers/layers.cu",
+        BTreeMap::from([(kernels::layers::IMAGE.to_string(), Vec::new())]),
+    );
     out
 }
 

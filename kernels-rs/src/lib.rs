@@ -6,6 +6,8 @@
 //! - [`mla`]: MLA decode attention over the paged latent cache;
 //! - [`dense`]: BF16/NVFP4 dense products for everything else;
 //! - [`allreduce`]: the PCIe-aware all-reduce of tensor parallelism;
+//! - [`layers`]: the small kernels of a decode step between those (embedding, norms, RoPE,
+//!   routing, expert grouping, decode-shaped BF16 products, greedy sampling);
 //! - [`device`]: the seam kernel launchers are written against; `cuda` (cargo feature `cuda`)
 //!   implements it on a GPU through the CUDA driver, the `cuda-host` crate on the CPU.
 //!
@@ -18,6 +20,7 @@ pub mod cuda;
 pub mod dense;
 pub mod device;
 pub mod formats;
+pub mod layers;
 pub mod matrix;
 pub mod mla;
 pub mod moe_gemm;

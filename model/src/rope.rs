@@ -68,6 +68,16 @@ impl Rope {
             && self.inv_freq.iter().all(|f| f.is_finite())
     }
 
+    /// One inverse frequency per rotated pair (what a device kernel is given).
+    pub fn inv_freq(&self) -> &[f32] {
+        &self.inv_freq
+    }
+
+    /// The cos/sin multiplier.
+    pub fn attention_factor(&self) -> f32 {
+        self.attention_factor
+    }
+
     /// Rotates `x` (`qk_rope_head_dim` values, pairs `(2i, 2i+1)`) for position `pos`, in place.
     #[inline]
     pub fn apply(&self, x: &mut [f32], pos: usize) {

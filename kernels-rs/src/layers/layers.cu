@@ -1,0 +1,289 @@
+// The decode step's small kernels, around the MoE, MLA and all-reduce families: what the CPU
+// forward pass (model/src/forward.rs) does on the host between products, as device work, so a
+// whole step can stay on the device and be captured as a CUDA graph.
+//
+//   embed_gather     token ids → FP32 rows of the BF16 embedding table
+//   add_rms_norm     residual += x (optional), out = RMSNorm(residual) · w   (one row per CTA)
+//   rope_interleaved rotate pairs (2i, 2i+1) of strided slices by position (YaRN frequencies)
+//   route_noaux_tc   DeepSeek-V3 / Kimi routing: sigmoid scores, correction bias for choosing
+//                    only, group-limited top-k, normalized weights × scaling factor
+//   group_by_expert  routing → expert_offsets / sorted_token_ids / sorted_weights, the MoE
+//                    kernels' layout (tokens in increasing order within an expert)
+//   dense_bf16       y[t] = x[t] · Wᵀ, W BF16 [N, K] row-major (the decode-shaped products)
+//   silu_mul         h = SiLU(gate) · up over [rows, 2·I] = gate ‖ up
+//   argmax_rows      greedy sampling, the first index on ties
+//
+// Every kernel takes its sizes as arguments (no tactic macros): one image per SM.
+// Numerics follow the CPU forward pass: FP32 accumulation; RMSNorm as x · rsqrt(mean(x²) +
+// eps) · w; RoPE angles in FP32 as HF computes them; ties in routing to the lower index.
+
+#include <cstdint>
+#include <cuda_bf16.h>
+
+namespace layers {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Sum over the CTA (kThreads threads); every thread gets the result.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  v = warp_sum(v);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) total += scratch[w];
+  __syncthreads();  // scratch is reused by the next reduction
+  return total;
+}
+
+// Largest of (value, index) pairs, the lower index on ties; -inf never wins over a finite.
+__device__ __forceinline__ void better(float& v, int& i, float ov, int oi) {
+  if (ov > v || (ov == v && oi < i)) {
+    v = ov;
+    i = oi;
+  }
+}
+
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+    better(v, i, ov, oi);
+  }
+}
+
+}  // namespace layers
+
+using namespace layers;
+
+// grid: tokens; block: kThreads. An id outside [0, vocab) records itself in *bad_id (the first
+// one wins) and writes zeros, so the host learns of it at its next synchronization.
+extern "C" __global__ void __launch_bounds__(kThreads) embed_gather(
+    const int* ids, const __nv_bfloat16* table, int vocab, int hidden, float* out, int* bad_id) {
+  const int t = blockIdx.x;
+  const int id = ids[t];
+  const bool ok = id >= 0 && id < vocab;
+  if (!ok && threadIdx.x == 0) atomicCAS(bad_id, -1, id);
+  for (int i = threadIdx.x; i < hidden; i += kThreads)
+    out[size_t(t) * hidden + i] = ok ? __bfloat162float(table[size_t(id) * hidden + i]) : 0.f;
+}
+
+// grid: rows; block: kThreads. `x` may be null (plain RMSNorm of `residual`).
+extern "C" __global__ void __launch_bounds__(kThreads) add_rms_norm(
+    float* residual, const float* x, const __nv_bfloat16* weight, float eps, int dim, float* out) {
+  __shared__ float scratch[kWarps];
+  float* r = residual + size_t(blockIdx.x) * dim;
+  const float* xr = x ? x + size_t(blockIdx.x) * dim : nullptr;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < dim; i += kThreads) {
+    float v = r[i];
+    if (xr) {
+      v += xr[i];
+      r[i] = v;
+    }
+    ss += v * v;
+  }
+  const float total = block_sum(ss, scratch);
+  const float inv = 1.f / sqrtf(total / float(dim) + eps);
+  float* o = out + size_t(blockIdx.x) * dim;
+  for (int i = threadIdx.x; i < dim; i += kThreads)
+    o[i] = __bfloat162float(weight[i]) * (r[i] * inv);
+}
+
+// Rotates `count` slices of `dim` values (pairs 2i, 2i+1) of every row in place: slice s of
+// row r starts at x + r·row_stride + offset + s·slice_stride (q: one slice per head after its
+// no-RoPE part; the compressed KV: one slice after the latent). grid: rows; block: kThreads.
+extern "C" __global__ void __launch_bounds__(kThreads) rope_interleaved(
+    float* x, int row_stride, int offset, int slice_stride, int count, int dim,
+    const int* positions, const float* inv_freq, float attention_factor) {
+  const int r = blockIdx.x;
+  const float pos = float(positions[r]);
+  const int half = dim / 2;
+  for (int i = threadIdx.x; i < count * half; i += kThreads) {
+    const int s = i / half, p = i % half;
+    float* pair = x + size_t(r) * row_stride + offset + size_t(s) * slice_stride + 2 * p;
+    const float angle = pos * inv_freq[p];
+    const float c = cosf(angle) * attention_factor, sn = sinf(angle) * attention_factor;
+    const float a = pair[0], b = pair[1];
+    pair[0] = a * c - b * sn;
+    pair[1] = b * c + a * sn;
+  }
+}
+
+// One CTA per token: `noaux_tc` as the CPU forward pass routes (experts ≤ 1024, Kimi 384;
+// n_group ≤ 64, experts divisible by n_group; the launcher checks). Dynamic shared memory:
+// 2·experts + n_group floats.
+extern "C" __global__ void __launch_bounds__(kThreads) route_noaux_tc(
+    const float* logits, const float* bias, int experts, int n_group, int topk_group, int top_k,
+    int norm_topk_prob, float routed_scaling_factor, int* ids, float* weights) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  float* scores = reinterpret_cast<float*>(smem);
+  float* choice = scores + experts;
+  float* group_score = choice + experts;
+  __shared__ float best_v[kWarps];
+  __shared__ int best_i[kWarps];
+  __shared__ float weight_sum;
+  __shared__ uint64_t kept_groups;
+  const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int e = threadIdx.x; e < experts; e += kThreads) {
+    const float s = 1.f / (1.f + expf(-logits[size_t(t) * experts + e]));
+    scores[e] = s;
+    choice[e] = s + bias[e];
+  }
+  __syncthreads();
+  const int per_group = experts / n_group;
+  if (n_group > 1) {
+    // A group's score is the sum of its two best biased scores.
+    for (int g = threadIdx.x; g < n_group; g += kThreads) {
+      float a = -INFINITY, b = -INFINITY;
+      for (int j = 0; j < per_group; ++j) {
+        const float v = choice[g * per_group + j];
+        if (v > a) {
+          b = a;
+          a = v;
+        } else if (v > b) {
+          b = v;
+        }
+      }
+      group_score[g] = per_group > 1 ? a + b : a;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      // Keep the topk_group best groups, ties to the lower index (n_group <= 64).
+      uint64_t kept = 0;
+      for (int round = 0; round < topk_group && round < n_group; ++round) {
+        int bi = -1;
+        for (int g = 0; g < n_group; ++g)
+          if (!(kept >> g & 1) && (bi < 0 || group_score[g] > group_score[bi])) bi = g;
+        kept |= uint64_t(1) << bi;
+      }
+      kept_groups = kept;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < experts; e += kThreads)
+      if (!(kept_groups >> (e / per_group) & 1)) choice[e] = -INFINITY;
+    __syncthreads();
+  }
+  // top_k rounds of a CTA-wide argmax, each removing its winner.
+  for (int k = 0; k < top_k; ++k) {
+    float v = -INFINITY;
+    int i = 0x7fffffff;
+    for (int e = threadIdx.x; e < experts; e += kThreads) better(v, i, choice[e], e);
+    warp_argmax(v, i);
+    if (lane == 0) {
+      best_v[warp] = v;
+      best_i[warp] = i;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float bv = best_v[0];
+      int bi = best_i[0];
+      for (int w = 1; w < kWarps; ++w) better(bv, bi, best_v[w], best_i[w]);
+      ids[size_t(t) * top_k + k] = bi;
+      weights[size_t(t) * top_k + k] = scores[bi];
+      choice[bi] = -INFINITY;
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    float s = 0.f;
+    for (int k = 0; k < top_k; ++k) s += weights[size_t(t) * top_k + k];
+    weight_sum = s + 1e-20f;
+  }
+  __syncthreads();
+  for (int k = threadIdx.x; k < top_k; k += kThreads) {
+    float w = weights[size_t(t) * top_k + k];
+    if (norm_topk_prob) w /= weight_sum;
+    weights[size_t(t) * top_k + k] = w * routed_scaling_factor;
+  }
+}
+
+// One CTA: a stable counting sort of `assignments` (= tokens · top_k) routing entries by
+// expert. Writes expert_offsets [experts + 1], sorted_token_ids and sorted_weights
+// [assignments]; within an expert, tokens keep their order (t, then slot k), as
+// moe_gemm::launch::GroupedRouting does on the host.
+extern "C" __global__ void __launch_bounds__(kThreads) group_by_expert(
+    const int* ids, const float* weights, int assignments, int top_k, int experts,
+    int* expert_offsets, int* sorted_token_ids, float* sorted_weights) {
+  // Counts, then an exclusive scan by thread 0 (experts ≤ a few thousand).
+  for (int e = threadIdx.x; e <= experts; e += kThreads) expert_offsets[e] = 0;
+  __syncthreads();
+  for (int a = threadIdx.x; a < assignments; a += kThreads) atomicAdd(&expert_offsets[ids[a] + 1], 1);
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int e = 1; e <= experts; ++e) expert_offsets[e] += expert_offsets[e - 1];
+  __syncthreads();
+  // Stable placement: each expert's entries in assignment order, one thread per expert.
+  for (int e = threadIdx.x; e < experts; e += kThreads) {
+    int at = expert_offsets[e];
+    for (int a = 0; a < assignments; ++a) {
+      if (ids[a] == e) {
+        sorted_token_ids[at] = a / top_k;
+        sorted_weights[at] = weights[a];
+        ++at;
+      }
+    }
+  }
+}
+
+// y [T, N] = x [T, K] · Wᵀ with W BF16 [N, K]; one warp per (token, output row), K strided
+// over the lanes in FP32, then a warp sum. grid: (ceil(N / kWarps), T); block: kThreads.
+// `accumulate` adds into y instead of overwriting it.
+extern "C" __global__ void __launch_bounds__(kThreads) dense_bf16(
+    const float* x, const __nv_bfloat16* w, int k, int n, float* y, int accumulate) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int row = blockIdx.x * kWarps + warp, t = blockIdx.y;
+  if (row >= n) return;
+  const float* xr = x + size_t(t) * k;
+  const __nv_bfloat16* wr = w + size_t(row) * k;
+  float acc = 0.f;
+  for (int i = lane; i < k; i += 32) acc += xr[i] * __bfloat162float(wr[i]);
+  acc = warp_sum(acc);
+  if (lane == 0) {
+    float* dst = y + size_t(t) * n + row;
+    *dst = accumulate ? *dst + acc : acc;
+  }
+}
+
+// h [rows, I] = SiLU(g) · u for gate_up [rows, 2·I] = gate ‖ up. grid: rows; block: kThreads.
+extern "C" __global__ void __launch_bounds__(kThreads) silu_mul(const float* gate_up, int inter,
+                                                                float* h) {
+  const size_t r = blockIdx.x;
+  for (int i = threadIdx.x; i < inter; i += kThreads) {
+    const float g = gate_up[r * 2 * inter + i], u = gate_up[r * 2 * inter + inter + i];
+    h[r * inter + i] = g / (1.f + expf(-g)) * u;
+  }
+}
+
+// ids[r] = the index of row r's largest logit, the first on ties. grid: rows; block: kThreads.
+extern "C" __global__ void __launch_bounds__(kThreads) argmax_rows(const float* logits, int vocab,
+                                                                   int* ids) {
+  __shared__ float best_v[kWarps];
+  __shared__ int best_i[kWarps];
+  const float* row = logits + size_t(blockIdx.x) * vocab;
+  float v = -INFINITY;
+  int i = 0x7fffffff;
+  for (int j = threadIdx.x; j < vocab; j += kThreads) better(v, i, row[j], j);
+  warp_argmax(v, i);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) {
+    best_v[warp] = v;
+    best_i[warp] = i;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float bv = best_v[0];
+    int bi = best_i[0];
+    for (int w = 1; w < kWarps; ++w) better(bv, bi, best_v[w], best_i[w]);
+    ids[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;
+  }
+}

@@ -1,0 +1,482 @@
+//! The decode step's small kernels (`layers.cu`): embedding gather, residual add + RMSNorm,
+//! interleaved RoPE, `noaux_tc` routing, expert grouping, BF16 decode-shaped products,
+//! SiLU·up and greedy argmax. They are the device counterparts of what the CPU forward pass
+//! does between products, so that a whole step can stay on the device.
+//!
+//! One image per SM (tactic [`IMAGE`]): the kernels take their sizes as arguments. Every
+//! launcher checks the sizes against the buffers it is given before launching, since the
+//! kernels trust them.
+//!
+//! Their CPU references are the model's own functions (`model::forward::route`,
+//! `model::forward::rms_norm`, `model::rope::Rope`, `model::sampler::argmax`) and
+//! [`GroupedRouting`](crate::moe_gemm::launch::GroupedRouting); `tests/tests/host_layers.rs`
+//! runs these kernels through the host execution layer against them.
+
+use crate::device::{Device, DeviceError, DeviceMemory, KernelParams, LaunchConfig, Result};
+
+pub const FAMILY: &str = "layers";
+/// The only image of the family.
+pub const IMAGE: &str = "default";
+/// Threads per block of every kernel (`kThreads`, their `__launch_bounds__`).
+pub const THREADS: u32 = 256;
+const WARPS: u32 = THREADS / 32;
+/// Experts `route_noaux_tc` handles (its dynamic shared memory grows with them).
+pub const MAX_EXPERTS: usize = 1024;
+/// Expert groups `route_noaux_tc` handles (a 64-bit mask of the kept ones).
+pub const MAX_GROUPS: usize = 64;
+
+const KERNELS: [&str; 8] = [
+    "embed_gather",
+    "add_rms_norm",
+    "rope_interleaved",
+    "route_noaux_tc",
+    "group_by_expert",
+    "dense_bf16",
+    "silu_mul",
+    "argmax_rows",
+];
+
+/// The router's configuration (the checkpoint's `n_routed_experts`, `n_group`, `topk_group`,
+/// `num_experts_per_tok`, `norm_topk_prob`, `routed_scaling_factor`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RouterShape {
+    pub experts: usize,
+    pub n_group: usize,
+    pub topk_group: usize,
+    pub top_k: usize,
+    pub norm_topk_prob: bool,
+    pub routed_scaling_factor: f32,
+}
+
+impl RouterShape {
+    /// What `route_noaux_tc` needs of the configuration.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |why: String| Err(DeviceError::Invalid(format!("router: {why}")));
+        if self.experts == 0 || self.experts > MAX_EXPERTS {
+            return bad(format!(
+                "{} experts; the kernel handles 1 to {MAX_EXPERTS}",
+                self.experts
+            ));
+        }
+        if self.n_group == 0 || self.n_group > MAX_GROUPS || !self.experts.is_multiple_of(self.n_group) {
+            return bad(format!(
+                "{} groups of {} experts; groups must divide the experts and number at most \
+                 {MAX_GROUPS}",
+                self.n_group, self.experts
+            ));
+        }
+        let selectable = if self.n_group > 1 {
+            self.topk_group.min(self.n_group) * (self.experts / self.n_group)
+        } else {
+            self.experts
+        };
+        if self.top_k == 0 || self.top_k > selectable {
+            return bad(format!(
+                "top_k {} with {selectable} selectable experts ({} of {} groups kept)",
+                self.top_k, self.topk_group, self.n_group
+            ));
+        }
+        if self.n_group > 1 && self.topk_group == 0 {
+            return bad("topk_group is 0".into());
+        }
+        Ok(())
+    }
+
+    fn dynamic_shared(&self) -> usize {
+        (2 * self.experts + self.n_group) * 4
+    }
+}
+
+/// Where the RoPE'd values sit in a row: `count` slices of `2 · pairs` values, the first at
+/// `offset`, each `stride` after the previous (Kimi's q: offset 128, stride 192, 64 slices of
+/// 32 pairs; the compressed KV: offset 512, one slice).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RopeSlices {
+    pub offset: usize,
+    pub stride: usize,
+    pub count: usize,
+    pub pairs: usize,
+}
+
+/// The family's kernels, loaded once.
+pub struct LayerKernels<D: Device> {
+    kernels: Vec<D::Kernel>,
+    /// Dynamic shared memory `route_noaux_tc` was loaded with.
+    route_shared: usize,
+}
+
+fn need(memory: &impl DeviceMemory, bytes: usize, kernel: &str, what: &str) -> Result<()> {
+    if memory.len() < bytes {
+        return Err(DeviceError::Invalid(format!(
+            "{kernel}: {what} holds {} B, the launch needs {bytes} B",
+            memory.len()
+        )));
+    }
+    Ok(())
+}
+
+fn as_i32(value: usize, kernel: &str, what: &str) -> Result<i32> {
+    i32::try_from(value)
+        .map_err(|_| DeviceError::Invalid(format!("{kernel}: {what} {value} exceeds an int")))
+}
+
+fn rows_config(rows: usize, kernel: &str) -> Result<LaunchConfig> {
+    let rows = u32::try_from(rows)
+        .ok()
+        .filter(|&r| r > 0 && r < i32::MAX as u32)
+        .ok_or_else(|| DeviceError::Invalid(format!("{kernel}: {rows} rows")))?;
+    Ok(LaunchConfig {
+        grid_dim: (rows, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+const F32: usize = 4;
+const BF16: usize = 2;
+const I32: usize = 4;
+
+impl<D: Device> LayerKernels<D> {
+    /// Loads the kernels; `route_noaux_tc` with the dynamic shared memory of up to
+    /// [`MAX_EXPERTS`] experts and [`MAX_GROUPS`] groups.
+    pub fn load(dev: &D) -> Result<Self> {
+        let route_shared = (2 * MAX_EXPERTS + MAX_GROUPS) * F32;
+        let kernels = KERNELS
+            .iter()
+            .map(|&name| {
+                let shared = if name == "route_noaux_tc" {
+                    route_shared
+                } else {
+                    0
+                };
+                dev.load_kernel(FAMILY, IMAGE, name, shared)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            kernels,
+            route_shared,
+        })
+    }
+
+    fn kernel(&self, name: &str) -> &D::Kernel {
+        &self.kernels[KERNELS.iter().position(|&k| k == name).unwrap()]
+    }
+
+    /// `out [tokens][hidden]` f32 = rows `ids [tokens]` of the BF16 `table [vocab][hidden]`.
+    /// An id outside the table writes a zero row and records itself in `bad_id` (one i32 the
+    /// caller sets to -1 and reads back at its next synchronization).
+    #[allow(clippy::too_many_arguments)]
+    pub fn embed_gather(
+        &self,
+        dev: &D,
+        ids: &D::Memory,
+        tokens: usize,
+        table: &D::Memory,
+        vocab: usize,
+        hidden: usize,
+        out: &D::Memory,
+        bad_id: &D::Memory,
+    ) -> Result<()> {
+        const K: &str = "embed_gather";
+        need(ids, tokens * I32, K, "ids")?;
+        need(table, vocab * hidden * BF16, K, "table")?;
+        need(out, tokens * hidden * F32, K, "out")?;
+        need(bad_id, I32, K, "bad_id")?;
+        let (ids_p, table_p, out_p, bad_p) = (
+            ids.device_ptr(),
+            table.device_ptr(),
+            out.device_ptr(),
+            bad_id.device_ptr(),
+        );
+        let (vocab, hidden) = (as_i32(vocab, K, "vocab")?, as_i32(hidden, K, "hidden")?);
+        let mut p = KernelParams::new();
+        p.arg(&ids_p)
+            .arg(&table_p)
+            .arg(&vocab)
+            .arg(&hidden)
+            .arg(&out_p)
+            .arg(&bad_p);
+        // SAFETY: the signature is `embed_gather(const int*, const bf16*, int, int, float*,
+        // int*)`; every buffer was checked against the sizes above and ids are range-checked
+        // by the kernel.
+        unsafe { dev.launch(self.kernel(K), rows_config(tokens, K)?, &p) }
+    }
+
+    /// Per row of `[rows][dim]`: `residual += x` when `x` is given, then
+    /// `out = RMSNorm(residual) · weight` (BF16 `weight [dim]`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_rms_norm(
+        &self,
+        dev: &D,
+        residual: &D::Memory,
+        x: Option<&D::Memory>,
+        weight: &D::Memory,
+        eps: f32,
+        rows: usize,
+        dim: usize,
+        out: &D::Memory,
+    ) -> Result<()> {
+        const K: &str = "add_rms_norm";
+        need(residual, rows * dim * F32, K, "residual")?;
+        if let Some(x) = x {
+            need(x, rows * dim * F32, K, "x")?;
+        }
+        need(weight, dim * BF16, K, "weight")?;
+        need(out, rows * dim * F32, K, "out")?;
+        let (r, xp, w, o) = (
+            residual.device_ptr(),
+            x.map_or(0, |x| x.device_ptr()),
+            weight.device_ptr(),
+            out.device_ptr(),
+        );
+        let dim = as_i32(dim, K, "dim")?;
+        let mut p = KernelParams::new();
+        p.arg(&r).arg(&xp).arg(&w).arg(&eps).arg(&dim).arg(&o);
+        // SAFETY: `add_rms_norm(float*, const float*, const bf16*, float, int, float*)`, a null
+        // `x` meaning no add; sizes checked above.
+        unsafe { dev.launch(self.kernel(K), rows_config(rows, K)?, &p) }
+    }
+
+    /// Rotates, in every row `r` of `x` (f32, rows `row_stride` values apart), the slices
+    /// [`RopeSlices`] names, by `positions[r]`: pairs `(2i, 2i+1)` by angle
+    /// `position · inv_freq[i]`, cos and sin times `attention_factor`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_interleaved(
+        &self,
+        dev: &D,
+        x: &D::Memory,
+        rows: usize,
+        row_stride: usize,
+        slices: RopeSlices,
+        positions: &D::Memory,
+        inv_freq: &D::Memory,
+        attention_factor: f32,
+    ) -> Result<()> {
+        const K: &str = "rope_interleaved";
+        let RopeSlices {
+            offset,
+            stride,
+            count,
+            pairs,
+        } = slices;
+        let dim = 2 * pairs;
+        let end = offset + count.saturating_sub(1) * stride + dim;
+        if count == 0 || pairs == 0 || end > row_stride || (count > 1 && stride < dim) {
+            return Err(DeviceError::Invalid(format!(
+                "{K}: {count} slices of {dim} values, {stride} apart from {offset}, in rows of \
+                 {row_stride}"
+            )));
+        }
+        need(x, rows * row_stride * F32, K, "x")?;
+        need(positions, rows * I32, K, "positions")?;
+        need(inv_freq, pairs * F32, K, "inv_freq")?;
+        let (xp, pos, freq) = (
+            x.device_ptr(),
+            positions.device_ptr(),
+            inv_freq.device_ptr(),
+        );
+        let (row_stride, offset, stride, count, dim) = (
+            as_i32(row_stride, K, "row stride")?,
+            as_i32(offset, K, "offset")?,
+            as_i32(stride, K, "slice stride")?,
+            as_i32(count, K, "count")?,
+            as_i32(dim, K, "dim")?,
+        );
+        let mut p = KernelParams::new();
+        p.arg(&xp)
+            .arg(&row_stride)
+            .arg(&offset)
+            .arg(&stride)
+            .arg(&count)
+            .arg(&dim)
+            .arg(&pos)
+            .arg(&freq)
+            .arg(&attention_factor);
+        // SAFETY: `rope_interleaved(float*, int, int, int, int, int, const int*, const float*,
+        // float)`; every slice lies inside its row (checked above) and rows inside `x`.
+        unsafe { dev.launch(self.kernel(K), rows_config(rows, K)?, &p) }
+    }
+
+    /// Routes every token of `logits [tokens][experts]` with the correction `bias [experts]`:
+    /// `ids` and `weights` `[tokens][top_k]`, in the CPU router's order.
+    #[allow(clippy::too_many_arguments)]
+    pub fn route(
+        &self,
+        dev: &D,
+        shape: &RouterShape,
+        logits: &D::Memory,
+        bias: &D::Memory,
+        tokens: usize,
+        ids: &D::Memory,
+        weights: &D::Memory,
+    ) -> Result<()> {
+        const K: &str = "route_noaux_tc";
+        shape.validate()?;
+        debug_assert!(shape.dynamic_shared() <= self.route_shared);
+        need(logits, tokens * shape.experts * F32, K, "logits")?;
+        need(bias, shape.experts * F32, K, "bias")?;
+        need(ids, tokens * shape.top_k * I32, K, "ids")?;
+        need(weights, tokens * shape.top_k * F32, K, "weights")?;
+        let (l, b, i, w) = (
+            logits.device_ptr(),
+            bias.device_ptr(),
+            ids.device_ptr(),
+            weights.device_ptr(),
+        );
+        let (experts, n_group, topk_group, top_k, norm) = (
+            shape.experts as i32,
+            shape.n_group as i32,
+            shape.topk_group as i32,
+            shape.top_k as i32,
+            i32::from(shape.norm_topk_prob),
+        );
+        let scale = shape.routed_scaling_factor;
+        let mut p = KernelParams::new();
+        p.arg(&l)
+            .arg(&b)
+            .arg(&experts)
+            .arg(&n_group)
+            .arg(&topk_group)
+            .arg(&top_k)
+            .arg(&norm)
+            .arg(&scale)
+            .arg(&i)
+            .arg(&w);
+        let mut cfg = rows_config(tokens, K)?;
+        cfg.shared_mem_bytes = shape.dynamic_shared() as u32;
+        // SAFETY: `route_noaux_tc(const float*, const float*, int, int, int, int, int, float,
+        // int*, float*)`; the shape was validated (so the shared memory fits what was opted
+        // into at load) and the buffers checked.
+        unsafe { dev.launch(self.kernel(K), cfg, &p) }
+    }
+
+    /// Groups `tokens · top_k` routing entries (`ids`, `weights`, as [`route`](Self::route)
+    /// writes them) by expert: `expert_offsets [experts + 1]`, `sorted_token_ids` and
+    /// `sorted_weights [tokens · top_k]`, the MoE kernels' layout, tokens in increasing order
+    /// within an expert. Ids must be below `experts` (the router guarantees it).
+    #[allow(clippy::too_many_arguments)]
+    pub fn group_by_expert(
+        &self,
+        dev: &D,
+        ids: &D::Memory,
+        weights: &D::Memory,
+        tokens: usize,
+        top_k: usize,
+        experts: usize,
+        expert_offsets: &D::Memory,
+        sorted_token_ids: &D::Memory,
+        sorted_weights: &D::Memory,
+    ) -> Result<()> {
+        const K: &str = "group_by_expert";
+        let assignments = tokens * top_k;
+        need(ids, assignments * I32, K, "ids")?;
+        need(weights, assignments * F32, K, "weights")?;
+        need(expert_offsets, (experts + 1) * I32, K, "expert_offsets")?;
+        need(sorted_token_ids, assignments * I32, K, "sorted_token_ids")?;
+        need(sorted_weights, assignments * F32, K, "sorted_weights")?;
+        let (i, w, o, st, sw) = (
+            ids.device_ptr(),
+            weights.device_ptr(),
+            expert_offsets.device_ptr(),
+            sorted_token_ids.device_ptr(),
+            sorted_weights.device_ptr(),
+        );
+        let (a, k, e) = (
+            as_i32(assignments, K, "assignments")?,
+            as_i32(top_k, K, "top_k")?,
+            as_i32(experts, K, "experts")?,
+        );
+        let mut p = KernelParams::new();
+        p.arg(&i)
+            .arg(&w)
+            .arg(&a)
+            .arg(&k)
+            .arg(&e)
+            .arg(&o)
+            .arg(&st)
+            .arg(&sw);
+        // SAFETY: `group_by_expert(const int*, const float*, int, int, int, int*, int*,
+        // float*)`, one block; sizes checked above.
+        unsafe { dev.launch(self.kernel(K), rows_config(1, K)?, &p) }
+    }
+
+    /// `y [tokens][n] (+)= x [tokens][k] · Wᵀ` with BF16 `w [n][k]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn dense_bf16(
+        &self,
+        dev: &D,
+        x: &D::Memory,
+        tokens: usize,
+        w: &D::Memory,
+        k: usize,
+        n: usize,
+        y: &D::Memory,
+        accumulate: bool,
+    ) -> Result<()> {
+        const K: &str = "dense_bf16";
+        need(x, tokens * k * F32, K, "x")?;
+        need(w, n * k * BF16, K, "w")?;
+        need(y, tokens * n * F32, K, "y")?;
+        let (xp, wp, yp) = (x.device_ptr(), w.device_ptr(), y.device_ptr());
+        let (kk, nn, acc) = (
+            as_i32(k, K, "k")?,
+            as_i32(n, K, "n")?,
+            i32::from(accumulate),
+        );
+        let mut p = KernelParams::new();
+        p.arg(&xp).arg(&wp).arg(&kk).arg(&nn).arg(&yp).arg(&acc);
+        let tokens = u32::try_from(tokens)
+            .ok()
+            .filter(|&t| t > 0 && t <= 65_535)
+            .ok_or_else(|| DeviceError::Invalid(format!("{K}: {tokens} tokens (1 to 65535)")))?;
+        let cfg = LaunchConfig {
+            grid_dim: ((n as u32).div_ceil(WARPS), tokens, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: `dense_bf16(const float*, const bf16*, int, int, float*, int)`; the grid
+        // covers n rows × tokens and the kernel skips rows past n; sizes checked above.
+        unsafe { dev.launch(self.kernel(K), cfg, &p) }
+    }
+
+    /// `h [rows][inter] = SiLU(gate) · up` for `gate_up [rows][2 · inter]` = gate ‖ up.
+    pub fn silu_mul(
+        &self,
+        dev: &D,
+        gate_up: &D::Memory,
+        rows: usize,
+        inter: usize,
+        h: &D::Memory,
+    ) -> Result<()> {
+        const K: &str = "silu_mul";
+        need(gate_up, rows * 2 * inter * F32, K, "gate_up")?;
+        need(h, rows * inter * F32, K, "h")?;
+        let (g, hp) = (gate_up.device_ptr(), h.device_ptr());
+        let inter = as_i32(inter, K, "inter")?;
+        let mut p = KernelParams::new();
+        p.arg(&g).arg(&inter).arg(&hp);
+        // SAFETY: `silu_mul(const float*, int, float*)`; sizes checked above.
+        unsafe { dev.launch(self.kernel(K), rows_config(rows, K)?, &p) }
+    }
+
+    /// `ids [rows]` = the index of each row's largest value in `logits [rows][vocab]`, the
+    /// first on ties.
+    pub fn argmax_rows(
+        &self,
+        dev: &D,
+        logits: &D::Memory,
+        rows: usize,
+        vocab: usize,
+        ids: &D::Memory,
+    ) -> Result<()> {
+        const K: &str = "argmax_rows";
+        need(logits, rows * vocab * F32, K, "logits")?;
+        need(ids, rows * I32, K, "ids")?;
+        let (l, i) = (logits.device_ptr(), ids.device_ptr());
+        let vocab = as_i32(vocab, K, "vocab")?;
+        let mut p = KernelParams::new();
+        p.arg(&l).arg(&vocab).arg(&i);
+        // SAFETY: `argmax_rows(const float*, int, int*)`; sizes checked above.
+        unsafe { dev.launch(self.kernel(K), rows_config(rows, K)?, &p) }
+    }
+}
