@@ -32,17 +32,24 @@ n=$(find ptx/moe_gemm -name '*.cubin' 2>/dev/null | wc -l)
 
 cargo build --release --features cuda -p kernels --bin gpu-check --bin mla-gpu-check --bin allreduce-gpu-check
 cargo build --release --features cuda -p cuda-host --bin ptx-probe-check
+# The layers kernels' GPU test is a cargo test binary: find its path from cargo's messages.
+layers_test="$(cargo test --release --no-run --features cuda -p project-tests --test gpu_layers \
+  --message-format=json 2>/dev/null | grep -o '"executable":"[^"]*gpu_layers[^"]*"' | tail -1 \
+  | cut -d'"' -f4)"
+[[ -x "$layers_test" ]] || { echo "build-gpu-bundle: gpu_layers test binary not built" >&2; exit 1; }
 BIN="$ROOT/target/release/gpu-check"
 
 rm -rf "$BUNDLE"
 mkdir -p "$BUNDLE/scripts" "$BUNDLE/ptx"
 # Debug info (profile.release debug = 1) is most of the binary's size; the bundle must stay
 # well under the device tool's 64 MiB.
-for name in gpu-check mla-gpu-check allreduce-gpu-check ptx-probe-check; do
+for name in gpu-check mla-gpu-check allreduce-gpu-check ptx-probe-check gpu-layers; do
+  src="$ROOT/target/release/$name"
+  [[ $name == gpu-layers ]] && src="$layers_test"
   if command -v strip >/dev/null; then
-    strip -o "$BUNDLE/$name" "$ROOT/target/release/$name"
+    strip -o "$BUNDLE/$name" "$src"
   else
-    cp "$ROOT/target/release/$name" "$BUNDLE/"
+    cp "$src" "$BUNDLE/$name"
   fi
 done
 (cd ptx && find mla -name '*.cubin' -exec cp --parents {} "$BUNDLE/ptx/" \;) 2>/dev/null || true

@@ -19,6 +19,8 @@
 #                             ptx/allreduce/<sm>/*.cubin
 #   ptx-probe-check           the host execution layer's instruction semantics against this
 #                             GPU (crate cuda-host, feature `cuda`), with ptx/ptx_probe/<sm>/
+#   gpu-layers                the decode step's small kernels against the CPU forward pass
+#                             (the test binary of tests/tests/gpu_layers.rs), ptx/layers/<sm>/
 #
 # Run there, from the bundle root (or a checkout with target/release/gpu-check):
 #   scripts/gpu-check.sh [gpu-check flags...]     e.g. --tactics portable --iters 50
@@ -92,6 +94,12 @@ run_check() {  # run_check LABEL BINARY LIMIT_S ARGS...
 if [[ "${SKIP_PROBES:-0}" != 1 ]]; then
   run_check ptx-probe-check "$(find_bin ptx-probe-check "${PROBE_CHECK_BIN:-}")" \
     "${PROBE_CHECK_TIMEOUT:-60}" --ptx-dir "$KIMI_PTX_DIR" --out "$OUT_DIR"
+fi
+
+# The decode step's small kernels (seconds): the checks host_layers.rs runs in CI, on this GPU.
+if [[ "${SKIP_LAYERS:-0}" != 1 ]]; then
+  run_check gpu-layers "$(find_bin gpu-layers "${LAYERS_CHECK_BIN:-}")" \
+    "${LAYERS_CHECK_TIMEOUT:-30}" --ignored --nocapture
 fi
 
 # MoE grouped GEMM: every tactic vs the CPU reference and the ModelOpt goldens, then weight

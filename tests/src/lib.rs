@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 
+pub mod layer_checks;
 pub mod moe_goldens;
 
 /// `golden/data/NAME` in the repository.

@@ -1,483 +1,64 @@
-//! The decode step's small kernels (`kernels-rs/src/layers/layers.cu`), compiled for the CPU and
-//! run by the host execution layer, against the CPU forward pass's own functions: the router
-//! (`model::forward::route`), RMSNorm, YaRN RoPE (`model::rope::Rope`), greedy sampling and the
-//! MoE grouping (`GroupedRouting`). Kimi-K2.5's real sizes (hidden 7168, 384 experts, 64 heads
-//! of 128 + 64) and DeepSeek-V3's group-limited routing. Every output is poisoned with NaN
-//! before the launch, so an element a kernel fails to write shows up.
+//! The decode step's small kernels (`layers.cu`), compiled for the CPU and run by the host
+//! execution layer, through the checks of `project_tests::layer_checks` (the same ones
+//! `gpu_layers.rs` runs on a GPU).
 
 use cuda_host::HostDevice;
-use half::bf16;
-use kernels::device::{Device, DeviceExt};
-use kernels::layers::{LayerKernels, RopeSlices, RouterShape};
+use kernels::layers::LayerKernels;
 use kernels::moe_gemm::Sm;
-use kernels::moe_gemm::check::Rng;
-use kernels::moe_gemm::launch::GroupedRouting;
-use kernels::moe_gemm::reference::{Routing, silu};
-use model::config::ModelConfig;
-use model::generator::Preset;
-use model::rope::Rope;
+use project_tests::layer_checks;
 
-type Memory = <HostDevice as Device>::Memory;
-
-fn setup() -> (HostDevice, LayerKernels<HostDevice>) {
+fn run(check: layer_checks::Check<HostDevice>) {
     let dev = HostDevice::new(Sm::Sm120);
-    let k = LayerKernels::load(&dev).unwrap();
-    (dev, k)
+    let kernels = LayerKernels::load(&dev).unwrap();
+    check(&dev, &kernels);
 }
-
-/// A zeroed-then-NaN-poisoned output of `count` f32 or i32 (0xFFFFFFFF: NaN, or -1).
-fn poisoned(dev: &HostDevice, count: usize) -> Memory {
-    let mut m = dev.alloc_elements::<f32>(count).unwrap();
-    dev.fill(&mut m, 0xFF).unwrap();
-    m
-}
-
-fn random(rng: &mut Rng, count: usize, scale: f32) -> Vec<f32> {
-    (0..count).map(|_| rng.sym() * scale).collect()
-}
-
-fn bf16_bits(values: &[f32]) -> Vec<u16> {
-    values
-        .iter()
-        .map(|&v| bf16::from_f32(v).to_bits())
-        .collect()
-}
-
-fn from_bits(bits: &[u16]) -> Vec<f32> {
-    bits.iter().map(|&b| bf16::from_bits(b).to_f32()).collect()
-}
-
-/// Largest |a - b| / (|b| + floor) over two slices of equal length.
-fn worst_rel(a: &[f32], b: &[f32], floor: f32) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| {
-            assert!(x.is_finite(), "non-finite output {x} (unwritten?)");
-            (x - y).abs() / (y.abs() + floor)
-        })
-        .fold(0.0, f32::max)
-}
-
-const KIMI_HIDDEN: usize = 7168;
 
 #[test]
 fn embed_gather_copies_rows_and_reports_a_bad_id() {
-    let (dev, k) = setup();
-    let mut rng = Rng(1);
-    let (vocab, hidden) = (1000, KIMI_HIDDEN);
-    let table = bf16_bits(&random(&mut rng, vocab * hidden, 1.0));
-    let table_d = dev.upload(&table).unwrap();
-    let table_f = from_bits(&table);
-    for (ids, bad) in [(vec![0i32, 999, 17, 17, 500], -1), (vec![3, 1000, 5], 1000)] {
-        let ids_d = dev.upload(&ids).unwrap();
-        let out = poisoned(&dev, ids.len() * hidden);
-        let bad_d = dev.upload(&[-1i32]).unwrap();
-        k.embed_gather(
-            &dev,
-            &ids_d,
-            ids.len(),
-            &table_d,
-            vocab,
-            hidden,
-            &out,
-            &bad_d,
-        )
-        .unwrap();
-        let got: Vec<f32> = dev.download(&out).unwrap();
-        for (t, &id) in ids.iter().enumerate() {
-            let row = &got[t * hidden..(t + 1) * hidden];
-            if (0..vocab as i32).contains(&id) {
-                let want = &table_f[id as usize * hidden..(id as usize + 1) * hidden];
-                assert_eq!(row, want, "token {t} (id {id})");
-            } else {
-                assert!(row.iter().all(|&v| v == 0.0), "bad id {id} row not zeroed");
-            }
-        }
-        assert_eq!(dev.download::<i32>(&bad_d).unwrap()[0], bad);
-    }
+    run(layer_checks::embed_gather_copies_rows_and_reports_a_bad_id);
 }
 
 #[test]
 fn add_rms_norm_matches_the_cpu_norm() {
-    let (dev, k) = setup();
-    let mut rng = Rng(2);
-    // The residual stream (7168), the q LoRA (1536) and the compressed KV (512) norms.
-    for (rows, dim, add) in [(5, KIMI_HIDDEN, true), (3, 1536, false), (4, 512, false)] {
-        let residual = random(&mut rng, rows * dim, 3.0);
-        let x = random(&mut rng, rows * dim, 1.0);
-        let weight = bf16_bits(&random(&mut rng, dim, 2.0));
-        let eps = 1e-6;
-        let residual_d = dev.upload(&residual).unwrap();
-        let x_d = dev.upload(&x).unwrap();
-        let weight_d = dev.upload(&weight).unwrap();
-        let out = poisoned(&dev, rows * dim);
-        k.add_rms_norm(
-            &dev,
-            &residual_d,
-            add.then_some(&x_d),
-            &weight_d,
-            eps,
-            rows,
-            dim,
-            &out,
-        )
-        .unwrap();
-        let summed: Vec<f32> = if add {
-            residual.iter().zip(&x).map(|(r, x)| r + x).collect()
-        } else {
-            residual.clone()
-        };
-        assert_eq!(dev.download::<f32>(&residual_d).unwrap(), summed);
-        let w = from_bits(&weight);
-        let want: Vec<f32> = summed
-            .chunks_exact(dim)
-            .flat_map(|row| model::forward::rms_norm(row, &w, eps as f64))
-            .collect();
-        let got: Vec<f32> = dev.download(&out).unwrap();
-        // The CTA sums squares in another order than the CPU's sequential sum.
-        let err = worst_rel(&got, &want, 1e-3);
-        assert!(err < 1e-5, "dim {dim}: worst relative error {err}");
-    }
+    run(layer_checks::add_rms_norm_matches_the_cpu_norm);
 }
 
 #[test]
 fn rope_matches_yarn_rope_on_q_and_kv_layouts() {
-    let (dev, k) = setup();
-    let c = Preset::KimiK25.model_config();
-    let rope = Rope::new(&c);
-    let (nope, rope_dim, heads) = (c.qk_nope_head_dim, c.qk_rope_head_dim, 8);
-    let positions = [0i32, 1, 4095, 4096, 131_071, 262_143];
-    let freq_d = dev.upload(rope.inv_freq()).unwrap();
-    let pos_d = dev.upload(&positions).unwrap();
-    let mut rng = Rng(3);
-    let head = nope + rope_dim;
-    let latent = c.kv_lora_rank;
-    for (row_stride, slices) in [
-        (
-            heads * head,
-            RopeSlices {
-                offset: nope,
-                stride: head,
-                count: heads,
-                pairs: rope_dim / 2,
-            },
-        ),
-        (
-            latent + rope_dim,
-            RopeSlices {
-                offset: latent,
-                stride: rope_dim,
-                count: 1,
-                pairs: rope_dim / 2,
-            },
-        ),
-    ] {
-        let x = random(&mut rng, positions.len() * row_stride, 2.0);
-        let x_d = dev.upload(&x).unwrap();
-        k.rope_interleaved(
-            &dev,
-            &x_d,
-            positions.len(),
-            row_stride,
-            slices,
-            &pos_d,
-            &freq_d,
-            rope.attention_factor(),
-        )
-        .unwrap();
-        let mut want = x.clone();
-        for (r, &p) in positions.iter().enumerate() {
-            for s in 0..slices.count {
-                let at = r * row_stride + slices.offset + s * slices.stride;
-                rope.apply(&mut want[at..at + rope_dim], p as usize);
-            }
-        }
-        let got: Vec<f32> = dev.download(&x_d).unwrap();
-        let err = got
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0, f32::max);
-        assert!(
-            err < 1e-5,
-            "row stride {row_stride}: worst difference {err}"
-        );
-        // Values outside the slices are untouched.
-        for r in 0..positions.len() {
-            for i in 0..slices.offset {
-                assert_eq!(got[r * row_stride + i], x[r * row_stride + i]);
-            }
-        }
-    }
-}
-
-fn grouped_config(n_group: usize, topk_group: usize, experts: usize) -> ModelConfig {
-    let mut json = Preset::KimiK25.config_json();
-    let t = &mut json["text_config"];
-    t["n_group"] = n_group.into();
-    t["topk_group"] = topk_group.into();
-    t["n_routed_experts"] = experts.into();
-    t["routed_scaling_factor"] = 2.5.into();
-    model::config::CheckpointConfig::from_json(std::path::Path::new("dsv3"), &json, None)
-        .unwrap()
-        .model
-}
-
-fn router_shape(c: &ModelConfig) -> RouterShape {
-    RouterShape {
-        experts: c.n_routed_experts,
-        n_group: c.n_group,
-        topk_group: c.topk_group,
-        top_k: c.num_experts_per_tok,
-        norm_topk_prob: c.norm_topk_prob,
-        routed_scaling_factor: c.routed_scaling_factor as f32,
-    }
-}
-
-/// Routes `logits` on the device and on the CPU; returns the device's routing after checking
-/// that the ids are equal and the weights agree.
-fn route_both(
-    dev: &HostDevice,
-    k: &LayerKernels<HostDevice>,
-    c: &ModelConfig,
-    logits: &[f32],
-    bias: &[f32],
-) -> Routing {
-    let shape = router_shape(c);
-    let tokens = logits.len() / shape.experts;
-    let (logits_d, bias_d) = (dev.upload(logits).unwrap(), dev.upload(bias).unwrap());
-    let ids_d = poisoned(dev, tokens * shape.top_k);
-    let weights_d = poisoned(dev, tokens * shape.top_k);
-    k.route(dev, &shape, &logits_d, &bias_d, tokens, &ids_d, &weights_d)
-        .unwrap();
-    let ids: Vec<i32> = dev.download(&ids_d).unwrap();
-    let weights: Vec<f32> = dev.download(&weights_d).unwrap();
-    let want = model::forward::route(logits, bias, c);
-    let got_ids: Vec<u32> = ids.iter().map(|&i| i as u32).collect();
-    assert_eq!(got_ids, want.experts, "chosen experts");
-    let err = worst_rel(&weights, &want.weights, 0.0);
-    assert!(err < 1e-6, "routing weights: worst relative error {err}");
-    Routing {
-        top_k: shape.top_k,
-        experts: got_ids,
-        weights,
-    }
+    run(layer_checks::rope_matches_yarn_rope_on_q_and_kv_layouts);
 }
 
 #[test]
 fn router_matches_the_cpu_router_kimi_and_grouped() {
-    let (dev, k) = setup();
-    let mut rng = Rng(4);
-    let kimi = Preset::KimiK25.model_config();
-    let dsv3 = grouped_config(8, 4, 256);
-    for c in [&kimi, &dsv3] {
-        let experts = c.n_routed_experts;
-        let tokens = 24;
-        let bias = random(&mut rng, experts, 0.05);
-        // Continuous logits; then logits on a coarse grid, so scores tie and the lower index
-        // must win; then a zero bias (ties in the biased choice too).
-        let smooth = random(&mut rng, tokens * experts, 4.0);
-        let coarse: Vec<f32> = smooth.iter().map(|v| v.round()).collect();
-        route_both(&dev, &k, c, &smooth, &bias);
-        route_both(&dev, &k, c, &coarse, &bias);
-        route_both(&dev, &k, c, &coarse, &vec![0.0; experts]);
-    }
+    run(layer_checks::router_matches_the_cpu_router_kimi_and_grouped);
 }
 
 #[test]
 fn router_rejects_shapes_it_cannot_route() {
-    let (dev, k) = setup();
-    let base = router_shape(&Preset::KimiK25.model_config());
-    let bad = [
-        RouterShape {
-            experts: 2048,
-            ..base
-        },
-        RouterShape { n_group: 5, ..base },
-        RouterShape { top_k: 0, ..base },
-        RouterShape {
-            n_group: 8,
-            topk_group: 1,
-            top_k: 49,
-            ..base
-        },
-    ];
-    let m = dev.alloc_elements::<f32>(1 << 16).unwrap();
-    for shape in bad {
-        let err = k.route(&dev, &shape, &m, &m, 1, &m, &m).unwrap_err();
-        assert!(err.to_string().starts_with("router:"), "{shape:?}: {err}");
-    }
+    run(layer_checks::router_rejects_shapes_it_cannot_route);
 }
 
 #[test]
 fn expert_grouping_matches_grouped_routing() {
-    let (dev, k) = setup();
-    let mut rng = Rng(5);
-    let c = Preset::KimiK25.model_config();
-    let experts = c.n_routed_experts;
-    // Decode batches (1 and 64 tokens) and a prefill chunk; coarse logits for the larger ones
-    // so that many tokens share experts.
-    for (tokens, scale) in [(1, 4.0), (64, 4.0), (300, 0.5)] {
-        let logits: Vec<f32> = random(&mut rng, tokens * experts, scale)
-            .iter()
-            .map(|v| (v * 2.0).round())
-            .collect();
-        let routing = route_both(&dev, &k, &c, &logits, &vec![0.0; experts]);
-        let ids: Vec<i32> = routing.experts.iter().map(|&e| e as i32).collect();
-        let (ids_d, weights_d) = (
-            dev.upload(&ids).unwrap(),
-            dev.upload(&routing.weights).unwrap(),
-        );
-        let a = ids.len();
-        let (offsets_d, tokens_d, sorted_w_d) = (
-            poisoned(&dev, experts + 1),
-            poisoned(&dev, a),
-            poisoned(&dev, a),
-        );
-        k.group_by_expert(
-            &dev,
-            &ids_d,
-            &weights_d,
-            tokens,
-            routing.top_k,
-            experts,
-            &offsets_d,
-            &tokens_d,
-            &sorted_w_d,
-        )
-        .unwrap();
-        let want = GroupedRouting::new(&routing, experts).unwrap();
-        assert_eq!(
-            dev.download::<i32>(&offsets_d).unwrap(),
-            want.expert_offsets
-        );
-        assert_eq!(
-            dev.download::<i32>(&tokens_d).unwrap(),
-            want.sorted_token_ids
-        );
-        assert_eq!(
-            dev.download::<f32>(&sorted_w_d).unwrap(),
-            want.sorted_weights
-        );
-    }
+    run(layer_checks::expert_grouping_matches_grouped_routing);
 }
 
 #[test]
 fn dense_bf16_matches_a_double_precision_product() {
-    let (dev, k) = setup();
-    let mut rng = Rng(6);
-    // n not a multiple of the 8 rows a block covers; K of Kimi's hidden size.
-    let (tokens, kk, n) = (3, KIMI_HIDDEN, 101);
-    let x = random(&mut rng, tokens * kk, 1.0);
-    let w = bf16_bits(&random(&mut rng, n * kk, 0.05));
-    let prior = random(&mut rng, tokens * n, 1.0);
-    let wf = from_bits(&w);
-    let (x_d, w_d) = (dev.upload(&x).unwrap(), dev.upload(&w).unwrap());
-    for accumulate in [false, true] {
-        let y_d = if accumulate {
-            dev.upload(&prior).unwrap()
-        } else {
-            poisoned(&dev, tokens * n)
-        };
-        k.dense_bf16(&dev, &x_d, tokens, &w_d, kk, n, &y_d, accumulate)
-            .unwrap();
-        let got: Vec<f32> = dev.download(&y_d).unwrap();
-        for t in 0..tokens {
-            for r in 0..n {
-                let xs = &x[t * kk..(t + 1) * kk];
-                let ws = &wf[r * kk..(r + 1) * kk];
-                let dot: f64 = xs.iter().zip(ws).map(|(a, b)| *a as f64 * *b as f64).sum();
-                let mag: f64 = xs.iter().zip(ws).map(|(a, b)| (*a * *b).abs() as f64).sum();
-                let base = if accumulate {
-                    prior[t * n + r] as f64
-                } else {
-                    0.0
-                };
-                let diff = (got[t * n + r] as f64 - (base + dot)).abs();
-                assert!(
-                    diff <= 1e-6 * (mag + base.abs()),
-                    "token {t} row {r}: {} vs {}",
-                    got[t * n + r],
-                    base + dot
-                );
-            }
-        }
-    }
+    run(layer_checks::dense_bf16_matches_a_double_precision_product);
 }
 
 #[test]
 fn silu_mul_matches_the_reference_silu() {
-    let (dev, k) = setup();
-    let mut rng = Rng(7);
-    let (rows, inter) = (5, 2048);
-    let gate_up = random(&mut rng, rows * 2 * inter, 8.0);
-    let gate_up_d = dev.upload(&gate_up).unwrap();
-    let h = poisoned(&dev, rows * inter);
-    k.silu_mul(&dev, &gate_up_d, rows, inter, &h).unwrap();
-    let want: Vec<f32> = gate_up
-        .chunks_exact(2 * inter)
-        .flat_map(|r| {
-            let (g, u) = r.split_at(inter);
-            g.iter()
-                .zip(u)
-                .map(|(&g, &u)| silu(g) * u)
-                .collect::<Vec<_>>()
-        })
-        .collect();
-    let err = worst_rel(&dev.download::<f32>(&h).unwrap(), &want, 1e-6);
-    assert!(err < 1e-6, "worst relative error {err}");
+    run(layer_checks::silu_mul_matches_the_reference_silu);
 }
 
 #[test]
 fn argmax_matches_greedy_sampling_with_ties() {
-    let (dev, k) = setup();
-    let mut rng = Rng(8);
-    let vocab = 163_840;
-    let mut logits = random(&mut rng, 4 * vocab, 10.0);
-    // Row 1: a tie between two far-apart indices; row 2: all equal; row 3: the maximum last.
-    logits[vocab + 5] = 50.0;
-    logits[vocab + 150_000] = 50.0;
-    logits[2 * vocab..3 * vocab].fill(-1.0);
-    logits[4 * vocab - 1] = 60.0;
-    let logits_d = dev.upload(&logits).unwrap();
-    let ids = poisoned(&dev, 4);
-    k.argmax_rows(&dev, &logits_d, 4, vocab, &ids).unwrap();
-    let want: Vec<i32> = logits
-        .chunks_exact(vocab)
-        .map(|r| model::sampler::argmax(r) as i32)
-        .collect();
-    assert_eq!(want[1..], [5, 0, vocab as i32 - 1]);
-    assert_eq!(dev.download::<i32>(&ids).unwrap(), want);
+    run(layer_checks::argmax_matches_greedy_sampling_with_ties);
 }
 
 #[test]
 fn launchers_name_the_kernel_and_buffer_that_is_too_small() {
-    let (dev, k) = setup();
-    let small = dev.alloc_elements::<f32>(10).unwrap();
-    let big = dev.alloc_elements::<f32>(1 << 16).unwrap();
-    let err = k
-        .dense_bf16(&dev, &big, 1, &small, 64, 64, &big, false)
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("dense_bf16") && err.contains(" w "), "{err}");
-    let err = k
-        .argmax_rows(&dev, &small, 2, 10, &big)
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("argmax_rows") && err.contains("logits"),
-        "{err}"
-    );
-    let slices = RopeSlices {
-        offset: 60,
-        stride: 64,
-        count: 1,
-        pairs: 32,
-    };
-    let err = k
-        .rope_interleaved(&dev, &big, 1, 100, slices, &big, &big, 1.0)
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("rope_interleaved"), "{err}");
+    run(layer_checks::launchers_name_the_kernel_and_buffer_that_is_too_small);
 }
