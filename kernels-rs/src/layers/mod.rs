@@ -58,7 +58,10 @@ impl RouterShape {
                 self.experts
             ));
         }
-        if self.n_group == 0 || self.n_group > MAX_GROUPS || !self.experts.is_multiple_of(self.n_group) {
+        if self.n_group == 0
+            || self.n_group > MAX_GROUPS
+            || !self.experts.is_multiple_of(self.n_group)
+        {
             return bad(format!(
                 "{} groups of {} experts; groups must divide the experts and number at most \
                  {MAX_GROUPS}",
