@@ -100,7 +100,10 @@ fn prefill_logits_match_hf_w4a4() {
             "{name}: rel L2 {err:.2e}, top-1 agreement {top1:.3} over {} positions",
             g.tokens.len()
         );
-        assert!(err <= 1e-2, "{name}: relative L2 {err}");
+        // Measured 5.7e-6 to 9.6e-6 (AVX-512): FP32 summation order against PyTorch's, plus
+        // the rare activation whose NVFP4 rounding that order flips. 1e-4 leaves a 10× margin
+        // for the AVX2 path's other order; a real error in any layer is far above it.
+        assert!(err <= 1e-4, "{name}: relative L2 {err}");
         assert!(top1 >= 0.95, "{name}: top-1 agreement {top1}");
     }
 }
