@@ -72,6 +72,18 @@ MODELS = {
         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
         text_model_type="deepseek_v3", scale_shape=[1], bf16_source=True,
     ),
+    # The kernels' dimensions: Kimi-K2.5's MLA latent 512 and RoPE 64, 16 heads (one MLA decode
+    # block of heads), hidden and expert widths that the MoE tiles divide (256). Small in every
+    # other way, so the device executor (kernels on the GPU or the host execution layer) can be
+    # checked end to end against HF; the other models' latent 64 / RoPE 16 cannot run there.
+    "kimi-kernel-dims": dict(
+        layout="kimi_k25", seed=404, shards=2,
+        vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
+        num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=16,
+        q_lora_rank=128, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+        text_model_type="kimi_k2", scale_shape=[],
+    ),
 }
 
 COMMON_TEXT = dict(
