@@ -61,6 +61,21 @@ __device__ __forceinline__ void warp_argmax(float& v, int& i) {
   }
 }
 
+// CTA-wide argmax of every thread's (v, i); the result is valid in thread 0 only. Ends with
+// a barrier, so the scratch arrays may be reused at once.
+__device__ __forceinline__ void block_argmax(float& v, int& i, float* best_v, int* best_i) {
+  warp_argmax(v, i);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) {
+    best_v[warp] = v;
+    best_i[warp] = i;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int w = 1; w < kWarps; ++w) better(v, i, best_v[w], best_i[w]);
+  __syncthreads();
+}
+
 }  // namespace layers
 
 using namespace layers;
@@ -133,7 +148,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) route_noaux_tc(
   __shared__ int best_i[kWarps];
   __shared__ float weight_sum;
   __shared__ uint64_t kept_groups;
-  const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int t = blockIdx.x;
   for (int e = threadIdx.x; e < experts; e += kThreads) {
     const float s = 1.f / (1.f + expf(-logits[size_t(t) * experts + e]));
     scores[e] = s;
@@ -178,19 +193,11 @@ extern "C" __global__ void __launch_bounds__(kThreads) route_noaux_tc(
     float v = -INFINITY;
     int i = 0x7fffffff;
     for (int e = threadIdx.x; e < experts; e += kThreads) better(v, i, choice[e], e);
-    warp_argmax(v, i);
-    if (lane == 0) {
-      best_v[warp] = v;
-      best_i[warp] = i;
-    }
-    __syncthreads();
+    block_argmax(v, i, best_v, best_i);
     if (threadIdx.x == 0) {
-      float bv = best_v[0];
-      int bi = best_i[0];
-      for (int w = 1; w < kWarps; ++w) better(bv, bi, best_v[w], best_i[w]);
-      ids[size_t(t) * top_k + k] = bi;
-      weights[size_t(t) * top_k + k] = scores[bi];
-      choice[bi] = -INFINITY;
+      ids[size_t(t) * top_k + k] = i;
+      weights[size_t(t) * top_k + k] = scores[i];
+      choice[i] = -INFINITY;
     }
     __syncthreads();
   }
@@ -273,17 +280,6 @@ extern "C" __global__ void __launch_bounds__(kThreads) argmax_rows(const float* 
   float v = -INFINITY;
   int i = 0x7fffffff;
   for (int j = threadIdx.x; j < vocab; j += kThreads) better(v, i, row[j], j);
-  warp_argmax(v, i);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) {
-    best_v[warp] = v;
-    best_i[warp] = i;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float bv = best_v[0];
-    int bi = best_i[0];
-    for (int w = 1; w < kWarps; ++w) better(bv, bi, best_v[w], best_i[w]);
-    ids[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;
-  }
+  block_argmax(v, i, best_v, best_i);
+  if (threadIdx.x == 0) ids[blockIdx.x] = i == 0x7fffffff ? 0 : i;
 }
