@@ -330,9 +330,12 @@ pub fn allreduce_host(ranks: u32) -> Host {
     Host::new(topo)
 }
 
+/// 16-byte peer loads (or stores) each all-reduce thread keeps in flight (an assumption).
+const LOADS_IN_FLIGHT: f64 = 4.0;
+
 /// One all-reduce of `shape` by tactic `t`: the link model's time for its algorithm, with the
-/// bandwidth its blocks × threads can drive (each thread one 16-byte access per link round
-/// trip) as the achieved fraction of the links.
+/// bandwidth its blocks × threads can drive (each thread [`LOADS_IN_FLIGHT`] 16-byte accesses per
+/// link round trip, a few in flight) as the achieved fraction of the links.
 pub fn allreduce(host: &Host, t: &AllReduceTactic, shape: &ProblemShape) -> Option<Predicted> {
     let ProblemShape::AllReduce {
         elements, dtype, ..
@@ -345,7 +348,8 @@ pub fn allreduce(host: &Host, t: &AllReduceTactic, shape: &ProblemShape) -> Opti
     }
     let bytes = *elements as usize * t.dtype.size();
     let mut p = LinkParams::default();
-    let per_block_gbps = f64::from(t.threads) * 16.0 / (2.0 * p.hop_latency_us * 1e-6) / 1e9;
+    let per_block_gbps =
+        f64::from(t.threads) * 16.0 * LOADS_IN_FLIGHT / (2.0 * p.hop_latency_us * 1e-6) / 1e9;
     p.bandwidth_scale = (f64::from(t.blocks) * per_block_gbps / p.one_hop_gbps).min(1.0);
     let us = host.predict_us(t.algorithm, bytes, &p);
     Some(Predicted {
@@ -354,4 +358,79 @@ pub fn allreduce(host: &Host, t: &AllReduceTactic, shape: &ProblemShape) -> Opti
         flops: 0.0,
         bound: "link",
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kernels::arch::RTX_PRO_6000;
+    use kernels::tactic::Tactic;
+
+    fn batch1() -> ProblemShape {
+        ProblemShape::Moe {
+            tokens_per_expert: 1,
+            active_experts: 8,
+            hidden: 7168,
+            inter: 256,
+        }
+    }
+
+    #[test]
+    fn predictions_respect_the_memory_roofline() {
+        let m = Model::new(&RTX_PRO_6000);
+        let bw = RTX_PRO_6000.mem_bandwidth_gbs * 1e9;
+        for t in MoeGemmTactic::space(Sm::Sm120) {
+            let p = m.moe(&t, None, &batch1(), 384).unwrap();
+            assert!(p.us > p.bytes / bw * 1e6, "{t}: {p:?}");
+        }
+        for t in MlaTactic::space(Sm::Sm120) {
+            let s = ProblemShape::Mla {
+                batch: 8,
+                heads: 8,
+                context: 8192,
+                fp8_cache: t.kind.is_fp8(),
+            };
+            let p = m.mla(&t, None, &s).unwrap();
+            assert!(p.us > p.bytes / bw * 1e6, "{t}: {p:?}");
+        }
+    }
+
+    /// `moe_gate_up`/`moe_down` launch `grid.y` over all 384 experts: at batch 1, 376 of them
+    /// have no tokens. The model charges their CTAs; a grid over the active experts would not.
+    #[test]
+    fn idle_experts_ctas_cost_time_at_batch_one() {
+        let m = Model::new(&RTX_PRO_6000);
+        let t = MoeGemmTactic::heuristic_default(Sm::Sm120, &batch1()).unwrap();
+        let all = m.moe(&t, None, &batch1(), 384).unwrap();
+        let active_only = m.moe(&t, None, &batch1(), 8).unwrap();
+        println!(
+            "{t} at batch 1 (predicted): grid over 384 experts {:.1} µs, over the 8 active {:.1} µs",
+            all.us, active_only.us
+        );
+        assert!(active_only.us < all.us);
+    }
+
+    #[test]
+    fn more_blocks_never_slow_the_predicted_all_reduce_down() {
+        let host = allreduce_host(8);
+        let s = ProblemShape::AllReduce {
+            elements: 7168 * 32,
+            dtype: "bf16".into(),
+            ranks: 8,
+        };
+        for t in AllReduceTactic::space(Sm::Sm120)
+            .iter()
+            .filter(|t| t.serves(&s))
+        {
+            let mut more = *t;
+            more.blocks = 8;
+            let (a, b) = (
+                allreduce(&host, t, &s).map(|p| p.us),
+                allreduce(&host, &more, &s).map(|p| p.us),
+            );
+            if let (Some(a), Some(b)) = (a, b) {
+                assert!(b <= a + 1e-9, "{t}: {a} < {b}");
+            }
+        }
+    }
 }

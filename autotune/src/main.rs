@@ -65,6 +65,9 @@ enum Command {
         /// Folder for the table (txt, json) and the chart (svg).
         #[arg(long, default_value = "bench/results")]
         out_dir: PathBuf,
+        /// A tactic cache whose winners are compared with the heuristic defaults.
+        #[arg(long)]
+        tactics: Option<PathBuf>,
     },
 }
 
@@ -97,8 +100,15 @@ fn run() -> Result<ExitCode> {
             model.num_attention_heads
         );
     }
-    if let Some(Command::StepTime { out_dir }) = &cli.command {
-        let text = autotune::steptime::write_report(&model, &model_name, cli.tp, out_dir)?;
+    if let Some(Command::StepTime { out_dir, tactics }) = &cli.command {
+        let text = autotune::steptime::write_report(
+            &model,
+            &model_name,
+            cli.tp,
+            out_dir,
+            &cli.manifest,
+            tactics.as_deref(),
+        )?;
         print!("{text}");
         return Ok(ExitCode::SUCCESS);
     }
@@ -127,7 +137,11 @@ fn run() -> Result<ExitCode> {
         perturb: cli.perturb.clone(),
         filter: cli.filter.clone(),
         progress: !cli.quiet,
-        command: std::env::args().collect::<Vec<_>>().join(" "),
+        // Without argv[0]: a machine path has no place in a committed cache.
+        command: std::iter::once("autotune".to_string())
+            .chain(std::env::args().skip(1))
+            .collect::<Vec<_>>()
+            .join(" "),
     };
     eprintln!(
         "autotune: {model_name} at TP{} on {} — stages: static (manifest), correct (goldens), \
