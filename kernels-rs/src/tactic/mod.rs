@@ -49,8 +49,10 @@ pub enum KernelFamily {
     /// The NVFP4 grouped GEMM of the routed experts (`moe_gemm.cu`).
     MoeGemm,
     /// MLA decode attention (`mla_decode.cu`).
+    #[serde(rename = "mla")]
     MlaDecode,
     /// The CUDA IPC all-reduce (`allreduce.cu`).
+    #[serde(rename = "allreduce")]
     AllReduce,
     /// The decode step's small kernels and BF16 decode products (`layers.cu`).
     Layers,
@@ -503,6 +505,8 @@ mod tests {
         assert_ne!(a.bucket(), b.bucket());
         for f in KernelFamily::ALL {
             assert_eq!(KernelFamily::parse(f.id()), Some(f));
+            // The cache's JSON names families by their id.
+            assert_eq!(serde_json::to_value(f).unwrap(), f.id());
         }
     }
 }
