@@ -16,7 +16,7 @@ use kernels::device::Device;
 use kernels::layers::LayerKernels;
 use kernels::mla::check::{Golden, build_cache, check_decode, load_golden};
 use kernels::mla::launch::{DecodeBatch, DeviceCache, MlaKernels};
-use kernels::mla::{KvCacheDtype, MlaTactic};
+use kernels::mla::{KvCacheDtype, MlaSplitTactic};
 use kernels::moe_gemm::MoeGemmTactic;
 use kernels::moe_gemm::check::{self, check_case_with};
 use kernels::moe_gemm::launch::{
@@ -81,10 +81,11 @@ pub fn moe<D: Device>(dev: &D, t: MoeGemmTactic, g: &Goldens) -> Result<String, 
     })
 }
 
-/// The MLA tactic on the golden of its cache dtype, with one split and with several (which
-/// adds `mla_combine`).
-pub fn mla<D: Device>(dev: &D, t: MlaTactic, g: &Goldens, sms: usize) -> Result<String, String> {
-    guarded(&t.id(), || {
+/// The MLA tactic on the golden of its cache dtype, with its split count (more than one adds
+/// `mla_combine`; splits past a short request's tiles are empty, which the kernel handles).
+pub fn mla<D: Device>(dev: &D, st: MlaSplitTactic, g: &Goldens) -> Result<String, String> {
+    let t = st.kernel;
+    guarded(&st.id(), || {
         let k = MlaKernels::load(dev, t).map_err(|e| e.to_string())?;
         let mut detail = Vec::new();
         for golden in g
@@ -110,9 +111,8 @@ pub fn mla<D: Device>(dev: &D, t: MlaTactic, g: &Goldens, sms: usize) -> Result<
                 t.max_splits as usize,
             )
             .map_err(|e| e.to_string())?;
-            let max_len = golden.lens.iter().copied().max().unwrap_or(0);
-            let planned = t.plan_splits(golden.lens.len(), golden.heads, max_len, sms);
-            for splits in [1, planned.max(2)] {
+            {
+                let splits = st.splits;
                 let c = check_decode(dev, &k, golden, &dcache, &mut batch, splits, &want, |_| {})?;
                 let line = format!("{} splits {splits}: row err {:.1e}", golden.name, c.row_err);
                 if !c.passed() {

@@ -23,7 +23,7 @@ use kernels::allreduce::cost::{Host, LinkParams};
 use kernels::allreduce::tactic::AllReduceTactic;
 use kernels::allreduce::topology::{Topology, fixtures};
 use kernels::arch::{GpuSpec, Sm};
-use kernels::mla::{MlaKind, MlaTactic};
+use kernels::mla::{MlaKind, MlaSplitTactic, MlaTactic};
 use kernels::moe_gemm::{KernelVariant, MoeGemmTactic};
 use kernels::tactic::ProblemShape;
 
@@ -215,13 +215,14 @@ impl<'a> Model<'a> {
         Some(self.kernel(&gate_up).add(self.kernel(&down)))
     }
 
-    /// `mla_decode` (+ `mla_combine` when split) for `shape`.
+    /// `mla_decode` (+ `mla_combine` when split) for `shape`, with the tactic's split count.
     pub fn mla(
         &self,
-        t: &MlaTactic,
+        st: &MlaSplitTactic,
         image: Option<&Image>,
         shape: &ProblemShape,
     ) -> Option<Predicted> {
+        let t: &MlaTactic = &st.kernel;
         let ProblemShape::Mla {
             batch,
             heads,
@@ -234,12 +235,7 @@ impl<'a> Model<'a> {
         if t.kind.is_fp8() != fp8_cache {
             return None;
         }
-        let splits = t.plan_splits(
-            batch as usize,
-            heads as usize,
-            context as usize,
-            self.gpu.sms as usize,
-        );
+        let splits = st.splits;
         let groups = f64::from(heads.div_ceil(t.heads_per_block));
         let b = f64::from(batch);
         let c = f64::from(context);
@@ -383,12 +379,12 @@ mod tests {
             let p = m.moe(&t, None, &batch1(), 384).unwrap();
             assert!(p.us > p.bytes / bw * 1e6, "{t}: {p:?}");
         }
-        for t in MlaTactic::space(Sm::Sm120) {
+        for t in MlaSplitTactic::space(Sm::Sm120) {
             let s = ProblemShape::Mla {
                 batch: 8,
                 heads: 8,
                 context: 8192,
-                fp8_cache: t.kind.is_fp8(),
+                fp8_cache: t.kernel.kind.is_fp8(),
             };
             let p = m.mla(&t, None, &s).unwrap();
             assert!(p.us > p.bytes / bw * 1e6, "{t}: {p:?}");

@@ -16,7 +16,7 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use kernels::allreduce::tactic::AllReduceTactic;
 use kernels::arch::{GpuSpec, Sm};
-use kernels::mla::MlaTactic;
+use kernels::mla::MlaSplitTactic;
 use kernels::moe_gemm::MoeGemmTactic;
 use kernels::tactic::cache::{CacheLookup, Expected, load};
 use kernels::tactic::{KernelFamily, ProblemShape};
@@ -164,11 +164,11 @@ fn step(c: &Ctx<'_>, batch: u32) -> Result<Step> {
     };
     let mla_t = c
         .lookup
-        .choose::<MlaTactic>(c.sm, &mla_shape)
+        .choose::<MlaSplitTactic>(c.sm, &mla_shape)
         .context("no MLA tactic serves the shape")?;
     let image = c
         .manifest
-        .image(KernelFamily::MlaDecode, c.sm, &mla_t.tactic.id());
+        .image(KernelFamily::MlaDecode, c.sm, &mla_t.tactic.kernel.id());
     let pred = c
         .model
         .mla(&mla_t.tactic, image, &mla_shape)

@@ -10,7 +10,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use kernels::allreduce::tactic::AllReduceTactic;
 use kernels::arch::Sm;
 use kernels::layers::LayersTactic;
-use kernels::mla::MlaTactic;
+use kernels::mla::MlaSplitTactic;
 use kernels::moe_gemm::MoeGemmTactic;
 use kernels::tactic::cache::{
     CacheEntry, FORMAT, FigureSource, NO_GPU, Provenance, TacticCache, TacticFigure,
@@ -78,7 +78,7 @@ pub struct Report {
 #[derive(Clone, Debug)]
 enum Any {
     Moe(MoeGemmTactic),
-    Mla(MlaTactic),
+    Mla(MlaSplitTactic),
     Ar(AllReduceTactic),
     Layers(LayersTactic),
 }
@@ -125,7 +125,10 @@ impl Any {
 fn space(family: KernelFamily, sm: Sm) -> Vec<Any> {
     match family {
         KernelFamily::MoeGemm => MoeGemmTactic::space(sm).into_iter().map(Any::Moe).collect(),
-        KernelFamily::MlaDecode => MlaTactic::space(sm).into_iter().map(Any::Mla).collect(),
+        KernelFamily::MlaDecode => MlaSplitTactic::space(sm)
+            .into_iter()
+            .map(Any::Mla)
+            .collect(),
         KernelFamily::AllReduce => AllReduceTactic::space(sm)
             .into_iter()
             .map(Any::Ar)
@@ -192,7 +195,6 @@ fn correct_check(
     perturb: Option<&str>,
 ) -> Result<String, String> {
     let dev = correct::host_device(sm);
-    let sms = sm.reference_gpu().sms as usize;
     match (t, perturb) {
         (Any::Moe(m), Some(p)) if p == m.id() => correct::moe(
             &Perturbed {
@@ -209,10 +211,9 @@ fn correct_check(
             },
             *m,
             goldens,
-            sms,
         ),
         (Any::Moe(m), _) => correct::moe(&dev, *m, goldens),
-        (Any::Mla(m), _) => correct::mla(&dev, *m, goldens, sms),
+        (Any::Mla(m), _) => correct::mla(&dev, *m, goldens),
         (Any::Ar(a), _) => correct::allreduce(a),
         (Any::Layers(_), _) => correct::layers(&dev),
     }

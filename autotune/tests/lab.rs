@@ -40,7 +40,7 @@ fn passed(r: &Report, family: KernelFamily, sm: Sm) -> BTreeSet<String> {
         .collect();
     let all: Vec<String> = match family {
         KernelFamily::MoeGemm => MoeGemmTactic::space(sm).iter().map(|t| t.id()).collect(),
-        KernelFamily::MlaDecode => kernels::mla::MlaTactic::space(sm)
+        KernelFamily::MlaDecode => kernels::mla::MlaSplitTactic::space(sm)
             .iter()
             .map(|t| t.id())
             .collect(),

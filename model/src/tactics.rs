@@ -13,7 +13,7 @@ use crate::config::ModelConfig;
 use kernels::allreduce::tactic::AllReduceTactic;
 use kernels::arch::Sm;
 use kernels::layers::LayersTactic;
-use kernels::mla::MlaTactic;
+use kernels::mla::MlaSplitTactic;
 use kernels::moe_gemm::MoeGemmTactic;
 use kernels::tactic::cache::{self, CacheLookup, Expected};
 use kernels::tactic::{KernelFamily, ProblemShape};
@@ -259,7 +259,7 @@ pub fn tactic_lines(path: Option<&Path>, cfg: &ModelConfig, run: &RunShapes) -> 
     ));
     lines.push(describe(
         lookup
-            .choose::<MlaTactic>(run.sm, &mla)
+            .choose::<MlaSplitTactic>(run.sm, &mla)
             .map(|c| c.describe()),
         "mla",
         &mla,

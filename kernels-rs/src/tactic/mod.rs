@@ -20,7 +20,7 @@ use crate::allreduce::element::DType;
 use crate::allreduce::tactic::{AllReduceTactic, default_blocks};
 use crate::arch::Sm;
 use crate::layers::LayersTactic;
-use crate::mla::{MlaKind, MlaTactic};
+use crate::mla::{MlaKind, MlaSplitTactic, MlaTactic};
 use crate::moe_gemm::MoeGemmTactic;
 
 pub mod cache;
@@ -328,6 +328,62 @@ impl Tactic for MlaTactic {
     }
 }
 
+/// MLA decode with a fixed split count: the family's tuned launch tactic (the kernel's image
+/// is [`MlaTactic`]'s).
+impl Tactic for MlaSplitTactic {
+    const FAMILY: KernelFamily = KernelFamily::MlaDecode;
+
+    fn tactic_id(&self) -> String {
+        self.id()
+    }
+
+    fn parse_id(id: &str) -> Result<Self, TacticError> {
+        MlaSplitTactic::parse(id)
+    }
+
+    fn image_id(&self) -> String {
+        self.kernel.id()
+    }
+
+    fn validate_for(&self, sm: Sm) -> Result<(), TacticError> {
+        self.validate()?;
+        self.kernel.validate_for(sm)
+    }
+
+    fn smem_bytes(&self) -> usize {
+        self.kernel.smem().total
+    }
+
+    fn space(sm: Sm) -> Vec<Self> {
+        MlaSplitTactic::enumerate(sm)
+    }
+
+    fn serves(&self, shape: &ProblemShape) -> bool {
+        self.kernel.serves(shape)
+    }
+
+    /// The default kernel with the split count the planner picks for the reference GPU.
+    fn heuristic_default(sm: Sm, shape: &ProblemShape) -> Option<Self> {
+        let kernel = MlaTactic::heuristic_default(sm, shape)?;
+        let ProblemShape::Mla {
+            batch,
+            heads,
+            context,
+            ..
+        } = *shape
+        else {
+            return None;
+        };
+        let splits = kernel.plan_splits(
+            batch as usize,
+            heads as usize,
+            context as usize,
+            sm.reference_gpu().sms as usize,
+        );
+        Some(MlaSplitTactic { kernel, splits })
+    }
+}
+
 impl Tactic for AllReduceTactic {
     const FAMILY: KernelFamily = KernelFamily::AllReduce;
 
@@ -450,6 +506,7 @@ mod tests {
     fn every_family_round_trips_and_fits_where_it_is_built() {
         round_trips::<MoeGemmTactic>();
         round_trips::<MlaTactic>();
+        round_trips::<MlaSplitTactic>();
         round_trips::<AllReduceTactic>();
         round_trips::<LayersTactic>();
     }
