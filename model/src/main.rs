@@ -133,6 +133,52 @@ struct LogitsArgs {
     kv_dtype: KvDtypeArg,
     #[command(flatten)]
     tp: TpArgs,
+    #[command(flatten)]
+    tactics: TacticsArgs,
+}
+
+/// The tuning lab's tactic cache (`autotune --out FILE`).
+#[derive(clap::Args, Clone)]
+struct TacticsArgs {
+    /// Tactic cache to read at start; the tactic per kernel family (or the warning and the
+    /// heuristic default, for a missing, corrupt or stale cache) is logged to stderr.
+    #[arg(long)]
+    tactics: Option<PathBuf>,
+    /// The SM whose tactics the GPU executor would run: 120 (RTX PRO 6000) or 90 (H200).
+    #[arg(long, default_value = "120", value_parser = parse_sm)]
+    tactics_sm: kernels::arch::Sm,
+}
+
+fn parse_sm(s: &str) -> std::result::Result<kernels::arch::Sm, String> {
+    kernels::arch::Sm::parse(s).ok_or_else(|| format!("{s:?}: expected 120 or 90"))
+}
+
+/// Logs, once per command (not per rank), the tactic each GPU family uses for this run.
+fn log_tactics(
+    args: &TacticsArgs,
+    tp: &TpArgs,
+    config: &model::config::ModelConfig,
+    tokens: usize,
+    context: usize,
+    kv: KvCacheDtype,
+) {
+    if tp.tp_rank.is_some() || args.tactics.is_none() {
+        return;
+    }
+    let run = model::tactics::RunShapes {
+        sm: args.tactics_sm,
+        tp: tp.world() as u32,
+        tokens: tokens as u32,
+        context: context as u32,
+        fp8_cache: kv == KvCacheDtype::Fp8E4m3,
+    };
+    eprintln!(
+        "tactics for {} (the GPU executor's kernels; this run computes on the CPU):",
+        args.tactics_sm
+    );
+    for line in model::tactics::tactic_lines(args.tactics.as_deref(), config, &run) {
+        eprintln!("  {line}");
+    }
 }
 
 #[derive(clap::Args, Clone)]
@@ -168,6 +214,8 @@ struct RunArgs {
     kv_dtype: KvDtypeArg,
     #[command(flatten)]
     tp: TpArgs,
+    #[command(flatten)]
+    tactics: TacticsArgs,
 }
 
 #[derive(clap::Args)]
@@ -504,8 +552,18 @@ fn run(args: RunArgs) -> Result<()> {
         None => default_checkpoint(args.cache_dir.clone())?,
     };
     let started = std::time::Instant::now();
-    let config = Checkpoint::open(&dir)?.model_config().clone();
+    let opened = Checkpoint::open(&dir)?;
+    let config = opened.model_config().clone();
     let requests = run_requests(&args, &config, &dir)?;
+    log_tactics(
+        &args.tactics,
+        &args.tp,
+        &config,
+        args.batch,
+        requests[0].prompt.len() + args.max_new_tokens,
+        resolve_kv_dtype(args.kv_dtype, &opened),
+    );
+    drop(opened);
     let max_rows = requests[0].prompt.len().max(args.batch);
     if args.tp.is_launcher() {
         check_tensor_parallel(&dir, &config, args.tp.world())?;
@@ -572,8 +630,18 @@ fn run(args: RunArgs) -> Result<()> {
 fn logits(args: LogitsArgs) -> Result<()> {
     watch_launcher_if_rank(&args.tp);
     let (dir, TokenIds(tokens), out) = (&args.checkpoint, &args.tokens, &args.out);
-    let config = Checkpoint::open(dir)?.model_config().clone();
+    let opened = Checkpoint::open(dir)?;
+    let config = opened.model_config().clone();
     check_scoring_request(&args, &config)?;
+    log_tactics(
+        &args.tactics,
+        &args.tp,
+        &config,
+        tokens.len(),
+        tokens.len(),
+        resolve_kv_dtype(args.kv_dtype, &opened),
+    );
+    drop(opened);
     // Checked here, before any work; the file itself is written by rank 0 at the end.
     drop(logits_output(out, dir)?);
     if args.tp.is_launcher() {

@@ -28,4 +28,4 @@ pub mod reference;
 pub mod tactic;
 
 pub use cache::{CacheError, KvCacheDtype, LatentCacheShape, PAGE_TOKENS, PagedLatentCache, SeqId};
-pub use tactic::{MlaKind, MlaSmem, MlaTactic};
+pub use tactic::{MlaKind, MlaSmem, MlaSplitTactic, MlaTactic};

@@ -10,8 +10,8 @@
 
 use std::fmt;
 
-use crate::moe_gemm::Sm;
-use crate::moe_gemm::tactic::{MAX_THREADS_PER_BLOCK, TacticError, WARP_SIZE};
+use crate::arch::{MAX_THREADS_PER_BLOCK, Sm, WARP_SIZE};
+use crate::tactic::TacticError;
 
 /// Latent values per cached token (`kv_lora_rank`); the kernel is specialized to it.
 pub const LATENT: usize = 512;
@@ -293,6 +293,69 @@ impl MlaTactic {
     }
 }
 
+/// Split counts the tuning lab tries (each at most the kernel's `max_splits`).
+pub const SPLIT_CHOICES: [u32; 7] = [1, 2, 4, 8, 16, 32, 64];
+
+/// A launch tactic of MLA decode: a compiled kernel ([`MlaTactic`]) and a fixed number of KV
+/// splits, instead of [`MlaTactic::plan_splits`]'s choice. Same image for every split count:
+/// the split count is a launch parameter (as the all-reduce's block count), so it needs no
+/// compile-gate entry of its own; `mla_decode` handles empty splits (short requests).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MlaSplitTactic {
+    pub kernel: MlaTactic,
+    pub splits: u32,
+}
+
+impl MlaSplitTactic {
+    /// `<kernel id>_x<splits>`, e.g. `fp8_h16_t32_w4_s2_sp64_x16`.
+    pub fn id(&self) -> String {
+        format!("{}_x{}", self.kernel.id(), self.splits)
+    }
+
+    pub fn parse(id: &str) -> Result<Self, TacticError> {
+        let err = || TacticError::Parse(id.to_string());
+        let (kernel, splits) = id.rsplit_once("_x").ok_or_else(err)?;
+        let t = MlaSplitTactic {
+            kernel: MlaTactic::parse(kernel)?,
+            splits: splits.parse().map_err(|_| err())?,
+        };
+        t.validate()?;
+        Ok(t)
+    }
+
+    pub fn validate(&self) -> Result<(), TacticError> {
+        self.kernel.validate()?;
+        if self.splits == 0 || self.splits > self.kernel.max_splits {
+            return Err(TacticError::Invalid(format!(
+                "{}: {} splits (1..={})",
+                self.id(),
+                self.splits,
+                self.kernel.max_splits
+            )));
+        }
+        Ok(())
+    }
+
+    /// Every gated kernel of `sm` with every split count of [`SPLIT_CHOICES`] it allows.
+    pub fn enumerate(sm: Sm) -> Vec<MlaSplitTactic> {
+        MlaTactic::enumerate(sm)
+            .into_iter()
+            .flat_map(|kernel| {
+                SPLIT_CHOICES
+                    .into_iter()
+                    .filter(move |&s| s <= kernel.max_splits)
+                    .map(move |splits| MlaSplitTactic { kernel, splits })
+            })
+            .collect()
+    }
+}
+
+impl fmt::Display for MlaSplitTactic {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.id())
+    }
+}
+
 impl fmt::Display for MlaTactic {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.id())
@@ -341,6 +404,23 @@ mod tests {
         assert!(t.smem().total > Sm::Sm120.smem_optin_per_block());
         assert!(!t.fits(Sm::Sm120));
         assert!(t.fits(Sm::Sm90));
+    }
+
+    #[test]
+    fn split_tactics_round_trip_and_respect_max_splits() {
+        for sm in Sm::ALL {
+            let all = MlaSplitTactic::enumerate(sm);
+            assert_eq!(
+                all.len(),
+                MlaTactic::enumerate(sm).len() * SPLIT_CHOICES.len()
+            );
+            for t in all {
+                assert_eq!(MlaSplitTactic::parse(&t.id()).unwrap(), t);
+            }
+        }
+        assert!(MlaSplitTactic::parse("fp8_h16_t32_w4_s2_sp64_x65").is_err());
+        assert!(MlaSplitTactic::parse("fp8_h16_t32_w4_s2_sp64_x0").is_err());
+        assert!(MlaSplitTactic::parse("fp8_h16_t32_w4_s2_sp64").is_err());
     }
 
     #[test]
