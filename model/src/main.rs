@@ -11,10 +11,11 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
+use kernels::cpu_tactic::CpuTactic;
 use kernels::formats::NVFP4_BLOCK;
 use kernels::formats::nvfp4::Nvfp4Matrix;
 use kernels::mla::cache::{KvCacheDtype, PAGE_TOKENS};
-use model::backend::{Backend, CpuBackend};
+use model::backend::{Backend, CpuBackend, TunedCpuBackend, install_cpu_threads};
 use model::checkpoint::{Checkpoint, CheckpointError};
 use model::checkpoint_writer::{OutputKind, OwnedTensor, StagedOutput, write_file};
 use model::config::{ConfigError, KvCacheQuant, ModelConfig};
@@ -103,6 +104,31 @@ enum Command {
     Inspect { path: PathBuf },
 }
 
+/// The CPU kernels' tactic (tile sizes, parallel thresholds, threads).
+#[derive(clap::Args, Clone, Default)]
+struct CpuTacticArgs {
+    /// A CPU kernel tactic id, e.g. `moe_item=64k,dense_min=256k,threads=2` (keys left out keep
+    /// the default's value); default: the built-in constants.
+    #[arg(long)]
+    cpu_tactic: Option<CpuTactic>,
+}
+
+impl CpuTacticArgs {
+    /// The tactic this process runs its CPU kernels with; applies its thread count to the
+    /// process's pool and logs it (unless `quiet`, a rank other than 0).
+    fn apply(&self, quiet: bool) -> Result<CpuTactic> {
+        let (tactic, source) = match self.cpu_tactic {
+            Some(t) => (t, "--cpu-tactic"),
+            None => (CpuTactic::DEFAULT, "default"),
+        };
+        install_cpu_threads(&tactic).map_err(anyhow::Error::msg)?;
+        if !quiet {
+            eprintln!("tactic cpu ({source}): {tactic}");
+        }
+        Ok(tactic)
+    }
+}
+
 /// Tensor parallelism: N rank processes on CPU with the shared-memory all-reduce.
 #[derive(clap::Args, Clone)]
 struct TpArgs {
@@ -133,6 +159,8 @@ struct LogitsArgs {
     kv_dtype: KvDtypeArg,
     #[command(flatten)]
     tp: TpArgs,
+    #[command(flatten)]
+    cpu: CpuTacticArgs,
 }
 
 #[derive(clap::Args, Clone)]
@@ -168,6 +196,8 @@ struct RunArgs {
     kv_dtype: KvDtypeArg,
     #[command(flatten)]
     tp: TpArgs,
+    #[command(flatten)]
+    cpu: CpuTacticArgs,
 }
 
 #[derive(clap::Args)]
@@ -408,6 +438,12 @@ impl TpArgs {
         }
     }
 
+    /// Whether this process logs nothing of its own: the launcher of `--tp N` ranks (rank 0
+    /// speaks for them) or a rank other than 0.
+    fn quiet(&self) -> bool {
+        self.is_launcher() || self.tp_rank.is_some_and(|r| r != 0)
+    }
+
     /// Whether this process is the launcher of `--tp N` ranks (not a rank, not alone).
     fn is_launcher(&self) -> bool {
         self.tp > 1 && self.tp_rank.is_none()
@@ -415,9 +451,14 @@ impl TpArgs {
 }
 
 /// The backend of this process as one rank (the single rank when `--tp 1`).
-fn rank_backend(tp: &TpArgs, max_elements: usize) -> Result<(TpShard, Box<dyn Backend>)> {
+fn rank_backend(
+    tp: &TpArgs,
+    max_elements: usize,
+    tactic: CpuTactic,
+) -> Result<(TpShard, Box<dyn Backend>)> {
+    let compute = TunedCpuBackend::new(tactic);
     if tp.tp == 1 {
-        return Ok((TpShard::SINGLE, Box::new(CpuBackend)));
+        return Ok((TpShard::SINGLE, Box::new(compute)));
     }
     let rank = tp
         .tp_rank
@@ -427,7 +468,7 @@ fn rank_backend(tp: &TpArgs, max_elements: usize) -> Result<(TpShard, Box<dyn Ba
         .as_deref()
         .context("--tp-rank needs --tp-segment")?;
     let timeout = std::time::Duration::from_secs(tp.tp_timeout_secs);
-    let backend = TpCpuBackend::join(segment, rank, tp.world(), max_elements, timeout)?;
+    let backend = TpCpuBackend::join(compute, segment, rank, tp.world(), max_elements, timeout)?;
     Ok((tp.shard(), Box::new(backend)))
 }
 
@@ -499,6 +540,8 @@ fn run_requests(args: &RunArgs, c: &ModelConfig, dir: &Path) -> Result<Vec<Gener
 
 fn run(args: RunArgs) -> Result<()> {
     watch_launcher_if_rank(&args.tp);
+    // First: the thread count sizes rayon's pool, which must not have been used yet.
+    let tactic = args.cpu.apply(args.tp.quiet())?;
     let dir = match &args.checkpoint {
         Some(dir) => dir.clone(),
         None => default_checkpoint(args.cache_dir.clone())?,
@@ -517,7 +560,7 @@ fn run(args: RunArgs) -> Result<()> {
         return tp::launch_ranks(args.tp.world(), &rank_args);
     }
     let (checkpoint, model) = load(&dir, args.tp.shard())?;
-    let (shard, backend) = rank_backend(&args.tp, max_rows * config.hidden_size)?;
+    let (shard, backend) = rank_backend(&args.tp, max_rows * config.hidden_size, tactic)?;
     let quiet = shard.rank != 0;
     let kv_dtype = resolve_kv_dtype(args.kv_dtype, &checkpoint);
     let c = &model.config;
@@ -571,6 +614,7 @@ fn run(args: RunArgs) -> Result<()> {
 
 fn logits(args: LogitsArgs) -> Result<()> {
     watch_launcher_if_rank(&args.tp);
+    let tactic = args.cpu.apply(args.tp.quiet())?;
     let (dir, TokenIds(tokens), out) = (&args.checkpoint, &args.tokens, &args.out);
     let config = Checkpoint::open(dir)?.model_config().clone();
     check_scoring_request(&args, &config)?;
@@ -583,7 +627,7 @@ fn logits(args: LogitsArgs) -> Result<()> {
     // Load (and shard) before joining the collective, so a model that cannot be split fails
     // alone instead of leaving its peers waiting.
     let (checkpoint, model) = load(dir, args.tp.shard())?;
-    let (shard, backend) = rank_backend(&args.tp, tokens.len() * config.hidden_size)?;
+    let (shard, backend) = rank_backend(&args.tp, tokens.len() * config.hidden_size, tactic)?;
     let mut cache = model.new_cache(resolve_kv_dtype(args.kv_dtype, &checkpoint), tokens.len());
     let seq = cache.add_sequence();
     let logits = model.forward(
