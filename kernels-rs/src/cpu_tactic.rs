@@ -309,6 +309,25 @@ impl FromStr for CpuTactic {
     }
 }
 
+/// FNV-1a 64 (16 hex digits) over the sources of the CPU kernels a [`CpuTactic`] tunes, as
+/// this binary was built from them: a tactic cache records it, and a cache tuned on other
+/// sources is stale.
+pub fn cpu_kernel_source_hash() -> String {
+    let sources: [&[u8]; 5] = [
+        include_bytes!("cpu_tactic.rs"),
+        include_bytes!("dense.rs"),
+        include_bytes!("moe_gemm/cpu.rs"),
+        include_bytes!("moe_gemm/cpu_simd.rs"),
+        include_bytes!("mla/cpu.rs"),
+    ];
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in sources.iter().flat_map(|s| s.iter()) {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
 fn size(bytes: usize) -> String {
     if bytes != 0 && bytes.is_multiple_of(1 << 20) {
         format!("{}m", bytes >> 20)
