@@ -12,10 +12,14 @@
 //! - [`device`]: the seam kernel launchers are written against; `cuda` (cargo feature `cuda`)
 //!   implements it on a GPU through the CUDA driver, the `cuda-host` crate on the CPU.
 //!
+//! [`arch`] holds the SM targets, their limits and the reference GPUs' figures; [`tactic`]
+//! the tactic abstraction every family implements and the tactic cache the runtime reads.
+//!
 //! [`formats`] holds the number formats every family shares: E2M1, E4M3/UE4M3, NVFP4
 //! two-level quantization and the scale-factor swizzle; [`matrix`] the borrowed weight views.
 
 pub mod allreduce;
+pub mod arch;
 pub mod cpu_tactic;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -26,3 +30,4 @@ pub mod layers;
 pub mod matrix;
 pub mod mla;
 pub mod moe_gemm;
+pub mod tactic;

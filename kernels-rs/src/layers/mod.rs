@@ -17,6 +17,10 @@ use crate::device::{Device, DeviceError, DeviceMemory, KernelParams, LaunchConfi
 pub const FAMILY: &str = "layers";
 /// The only image of the family.
 pub const IMAGE: &str = "default";
+/// The family's tactic: its one image, compiled with every kernel; the kernels take their
+/// sizes as arguments, so there is nothing to choose yet (see `kernels::tactic::Tactic`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct LayersTactic;
 /// Threads per block of every kernel (`kThreads`, their `__launch_bounds__`).
 pub const THREADS: u32 = 256;
 const WARPS: u32 = THREADS / 32;

@@ -10,8 +10,8 @@
 
 use std::fmt;
 
-use crate::moe_gemm::Sm;
-use crate::moe_gemm::tactic::{MAX_THREADS_PER_BLOCK, TacticError, WARP_SIZE};
+use crate::arch::{MAX_THREADS_PER_BLOCK, Sm, WARP_SIZE};
+use crate::tactic::TacticError;
 
 /// Latent values per cached token (`kv_lora_rank`); the kernel is specialized to it.
 pub const LATENT: usize = 512;

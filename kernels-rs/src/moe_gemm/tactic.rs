@@ -11,70 +11,16 @@
 use std::fmt;
 use std::str::FromStr;
 
-/// SM120 (RTX PRO 6000 / RTX 5090): opt-in dynamic shared memory per block. Far below SM100's
-/// 232,448: stage counts that fit a B200 overflow here.
-pub const SM120_SMEM_OPTIN_PER_BLOCK: usize = 101_376;
-/// SM90 (H100/H200): opt-in dynamic shared memory per block.
-pub const SM90_SMEM_OPTIN_PER_BLOCK: usize = 232_448;
-/// Static `__shared__` arrays may not exceed this on any SM; larger tiles need the opt-in.
-pub const STATIC_SMEM_LIMIT: usize = 49_152;
-/// Architectural register ceiling per thread (ptxas never exceeds it; it spills instead).
-pub const MAX_REGS_PER_THREAD: u32 = 255;
-pub const MAX_THREADS_PER_BLOCK: u32 = 1024;
-pub const WARP_SIZE: u32 = 32;
+pub use crate::arch::{
+    MAX_REGS_PER_THREAD, MAX_THREADS_PER_BLOCK, SM90_SMEM_OPTIN_PER_BLOCK,
+    SM120_SMEM_OPTIN_PER_BLOCK, STATIC_SMEM_LIMIT, Sm, WARP_SIZE,
+};
+pub use crate::tactic::TacticError;
 
 /// NVFP4 elements per block scale.
 const SF_VEC: usize = 16;
 /// cp.async chunk; every shared-memory region starts on one.
 const SMEM_ALIGN: usize = 16;
-
-/// A compile target of the gate.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Sm {
-    Sm90,
-    Sm120,
-}
-
-impl Sm {
-    pub const ALL: [Sm; 2] = [Sm::Sm90, Sm::Sm120];
-
-    /// The `a` targets: the block-scaled MMA exists only for sm_120a, and sm_90a keeps the
-    /// compiled code off future SMs that would need a rebuild anyway.
-    pub fn arch(self) -> &'static str {
-        match self {
-            Sm::Sm90 => "sm_90a",
-            Sm::Sm120 => "sm_120a",
-        }
-    }
-
-    pub fn compute(self) -> &'static str {
-        match self {
-            Sm::Sm90 => "compute_90a",
-            Sm::Sm120 => "compute_120a",
-        }
-    }
-
-    pub fn smem_optin_per_block(self) -> usize {
-        match self {
-            Sm::Sm90 => SM90_SMEM_OPTIN_PER_BLOCK,
-            Sm::Sm120 => SM120_SMEM_OPTIN_PER_BLOCK,
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<Sm> {
-        match s {
-            "sm_90a" | "sm90" | "90" => Some(Sm::Sm90),
-            "sm_120a" | "sm120" | "120" => Some(Sm::Sm120),
-            _ => None,
-        }
-    }
-}
-
-impl fmt::Display for Sm {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.arch())
-    }
-}
 
 /// How the MMA itself is executed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -198,23 +144,6 @@ impl SmemFootprint {
         self.gate_up.max(self.down)
     }
 }
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum TacticError {
-    Parse(String),
-    Invalid(String),
-}
-
-impl fmt::Display for TacticError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            TacticError::Parse(s) => write!(f, "cannot parse tactic id: {s}"),
-            TacticError::Invalid(s) => write!(f, "invalid tactic: {s}"),
-        }
-    }
-}
-
-impl std::error::Error for TacticError {}
 
 const fn align(n: usize) -> usize {
     n.div_ceil(SMEM_ALIGN) * SMEM_ALIGN

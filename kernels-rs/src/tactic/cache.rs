@@ -1,0 +1,567 @@
+//! The tactic cache: what the tuning lab (`autotune`) found, per (family, SM, shape bucket),
+//! with where it was found, as JSON. The runtime (`model run`, `model logits`, the GPU
+//! executor) reads it at start through [`load`].
+//!
+//! A cache that is missing, corrupt, of another format, or stale — written for another SM,
+//! another driver, or other kernel sources than the ones this binary was built from — is never
+//! an error: [`load`] returns a one-line warning and no cache, and the caller uses each
+//! family's [`heuristic_default`](super::Tactic::heuristic_default).
+//!
+//! Figures carry their [`FigureSource`]: a predicted time (the cost model, without a device)
+//! is never presented as measured.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use super::{KernelFamily, ProblemShape, Tactic};
+use crate::arch::Sm;
+
+/// Version of the JSON layout; a cache of another version is not read.
+pub const FORMAT: u32 = 1;
+/// `provenance.sm` of a cache of the CPU kernels.
+pub const CPU_TARGET: &str = "cpu";
+/// `driver_version` / `cuda_version` when the cache was written without a GPU.
+pub const NO_GPU: &str = "none (no GPU)";
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TacticCache {
+    pub format: u32,
+    pub provenance: Provenance,
+    pub entries: Vec<CacheEntry>,
+}
+
+/// Where and from what a cache was made.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Provenance {
+    /// The GPU's name, or the CPU's model for CPU caches.
+    pub gpu_or_cpu_model: String,
+    /// `sm_120a`, `sm_90a`, or [`CPU_TARGET`].
+    pub sm: String,
+    /// The NVIDIA driver, or [`NO_GPU`].
+    pub driver_version: String,
+    /// The CUDA version the driver supports, or [`NO_GPU`].
+    pub cuda_version: String,
+    /// `git rev-parse HEAD` of the tree that was tuned, or `unknown`.
+    pub commit: String,
+    /// FNV-1a 64 of `ptx/manifest.json` as the static stage read it.
+    pub manifest_hash: String,
+    /// FNV-1a 64 of each family's kernel source (and `ptx_helpers`), as in the manifest.
+    pub kernel_source_hashes: BTreeMap<String, String>,
+    /// The command that wrote the cache.
+    #[serde(default)]
+    pub command: String,
+}
+
+/// The tuning result of one (family, SM, shape bucket).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CacheEntry {
+    pub family: KernelFamily,
+    pub sm: String,
+    pub bucket: String,
+    pub shape: ProblemShape,
+    pub winner: TacticFigure,
+    /// The next best, fastest first.
+    pub runners_up: Vec<TacticFigure>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FigureSource {
+    /// Timed on the device (or on this CPU for CPU tactics).
+    Measured,
+    /// The cost model's prediction; no device of this SM timed it.
+    Predicted,
+}
+
+impl fmt::Display for FigureSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            FigureSource::Measured => "measured",
+            FigureSource::Predicted => "predicted",
+        })
+    }
+}
+
+/// One tactic's time on a shape.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TacticFigure {
+    pub tactic: String,
+    pub median_us: f64,
+    /// Max − min over the `n` samples (0 for a prediction).
+    pub spread_us: f64,
+    pub n: u32,
+    pub source: FigureSource,
+}
+
+/// FNV-1a 64 as the compile gate writes it into the manifest (16 hex digits).
+pub fn fnv1a64(bytes: &[u8]) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+/// Hashes of the kernel sources this binary was built from, keyed as the manifest's
+/// `sources` (plus `layers`, which the manifest does not list).
+pub fn built_source_hashes() -> BTreeMap<String, String> {
+    let sources: [(&str, &[u8]); 5] = [
+        ("moe_gemm", include_bytes!("../moe_gemm/moe_gemm.cu")),
+        ("mla", include_bytes!("../mla/mla_decode.cu")),
+        ("allreduce", include_bytes!("../allreduce/allreduce.cu")),
+        ("layers", include_bytes!("../layers/layers.cu")),
+        (
+            "ptx_helpers",
+            include_bytes!("../../include/ptx_helpers.cuh"),
+        ),
+    ];
+    sources
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), fnv1a64(v)))
+        .collect()
+}
+
+/// What the reader runs on: a cache must match it to be used.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Expected {
+    /// `sm_120a`, `sm_90a` or [`CPU_TARGET`].
+    pub sm: String,
+    /// The driver in use; `None` when there is none (a CPU run): not compared.
+    pub driver_version: Option<String>,
+    /// The sources of the kernels that will run ([`built_source_hashes`]).
+    pub kernel_source_hashes: BTreeMap<String, String>,
+}
+
+impl Expected {
+    /// A reader that will run the kernels of this binary on `sm` under `driver`.
+    pub fn for_sm(sm: Sm, driver_version: Option<String>) -> Self {
+        Expected {
+            sm: sm.arch().to_string(),
+            driver_version,
+            kernel_source_hashes: built_source_hashes(),
+        }
+    }
+}
+
+/// What [`load`] found: a usable cache, or the one-line reason there is none.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CacheLookup {
+    pub cache: Option<TacticCache>,
+    pub warning: Option<String>,
+}
+
+/// A choice for one family and shape, and whether it came from the cache.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Chosen<T> {
+    pub tactic: T,
+    /// The cache entry's winning figure; `None`: the heuristic default.
+    pub figure: Option<TacticFigure>,
+    pub bucket: Option<String>,
+}
+
+impl<T: Tactic> Chosen<T> {
+    /// One log line: `moe_gemm: native_… (cache, moe_t1_…, 12.3 µs predicted)` or
+    /// `moe_gemm: native_… (heuristic default)`.
+    pub fn describe(&self) -> String {
+        match (&self.figure, &self.bucket) {
+            (Some(f), Some(b)) => format!(
+                "{}: {} (tactic cache, bucket {b}, {:.2} µs {})",
+                T::FAMILY,
+                self.tactic.tactic_id(),
+                f.median_us,
+                f.source
+            ),
+            _ => format!(
+                "{}: {} (heuristic default)",
+                T::FAMILY,
+                self.tactic.tactic_id()
+            ),
+        }
+    }
+}
+
+impl CacheLookup {
+    /// No cache was asked for.
+    pub fn none() -> Self {
+        CacheLookup {
+            cache: None,
+            warning: None,
+        }
+    }
+
+    /// The tuned tactic of `T`'s family for `shape` on `sm` (the entry of the same bucket,
+    /// else the nearest one of the same kind), or the heuristic default. A cached id that no
+    /// longer parses or no longer fits `sm` is ignored (with the default).
+    pub fn choose<T: Tactic>(&self, sm: Sm, shape: &ProblemShape) -> Option<Chosen<T>> {
+        if let Some(entry) = self
+            .cache
+            .as_ref()
+            .and_then(|c| c.nearest(T::FAMILY, sm.arch(), shape))
+            && let Ok(t) = T::parse_id(&entry.winner.tactic)
+            && t.fits_on(sm)
+            && t.serves(shape)
+        {
+            return Some(Chosen {
+                tactic: t,
+                figure: Some(entry.winner.clone()),
+                bucket: Some(entry.bucket.clone()),
+            });
+        }
+        T::heuristic_default(sm, shape).map(|tactic| Chosen {
+            tactic,
+            figure: None,
+            bucket: None,
+        })
+    }
+}
+
+/// Distance between two shapes of the same kind and fixed dimensions (`None`: not
+/// comparable): the log ratio of the dimension that varies with the batch.
+fn shape_distance(a: &ProblemShape, b: &ProblemShape) -> Option<f64> {
+    let ratio = |x: f64, y: f64| (x.max(1.0) / y.max(1.0)).ln().abs();
+    match (a, b) {
+        (
+            ProblemShape::Moe {
+                tokens_per_expert: t1,
+                active_experts: e1,
+                hidden: h1,
+                inter: i1,
+            },
+            ProblemShape::Moe {
+                tokens_per_expert: t2,
+                active_experts: e2,
+                hidden: h2,
+                inter: i2,
+            },
+        ) if h1 == h2 && i1 == i2 => {
+            Some(ratio(*t1 as f64, *t2 as f64) + ratio(*e1 as f64, *e2 as f64))
+        }
+        (
+            ProblemShape::Mla {
+                batch: b1,
+                heads: h1,
+                context: c1,
+                fp8_cache: f1,
+            },
+            ProblemShape::Mla {
+                batch: b2,
+                heads: h2,
+                context: c2,
+                fp8_cache: f2,
+            },
+        ) if h1 == h2 && f1 == f2 => {
+            Some(ratio(*b1 as f64, *b2 as f64) + ratio(*c1 as f64, *c2 as f64))
+        }
+        (
+            ProblemShape::AllReduce {
+                elements: e1,
+                dtype: d1,
+                ranks: r1,
+            },
+            ProblemShape::AllReduce {
+                elements: e2,
+                dtype: d2,
+                ranks: r2,
+            },
+        ) if d1 == d2 && r1 == r2 => Some(ratio(*e1 as f64, *e2 as f64)),
+        (
+            ProblemShape::Dense {
+                m: m1,
+                n: n1,
+                k: k1,
+            },
+            ProblemShape::Dense {
+                m: m2,
+                n: n2,
+                k: k2,
+            },
+        ) if n1 == n2 && k1 == k2 => Some(ratio(*m1 as f64, *m2 as f64)),
+        _ => None,
+    }
+}
+
+impl TacticCache {
+    /// The entry of `family` on `sm` whose shape is `shape`'s bucket, else the nearest
+    /// comparable one.
+    pub fn nearest(
+        &self,
+        family: KernelFamily,
+        sm: &str,
+        shape: &ProblemShape,
+    ) -> Option<&CacheEntry> {
+        let bucket = shape.bucket();
+        let candidates = self
+            .entries
+            .iter()
+            .filter(|e| e.family == family && e.sm == sm);
+        let mut best: Option<(f64, &CacheEntry)> = None;
+        for e in candidates {
+            if e.bucket == bucket {
+                return Some(e);
+            }
+            if let Some(d) = shape_distance(&e.shape, shape)
+                && best.is_none_or(|(bd, _)| d < bd)
+            {
+                best = Some((d, e));
+            }
+        }
+        best.map(|(_, e)| e)
+    }
+
+    /// Why this cache may not be used by `expected`, if it may not.
+    pub fn staleness(&self, expected: &Expected) -> Option<String> {
+        if self.format != FORMAT {
+            return Some(format!(
+                "format {} (this build reads {FORMAT})",
+                self.format
+            ));
+        }
+        let p = &self.provenance;
+        if p.sm != expected.sm {
+            return Some(format!("tuned for {} (this run is {})", p.sm, expected.sm));
+        }
+        if let Some(driver) = &expected.driver_version
+            && &p.driver_version != driver
+        {
+            return Some(format!(
+                "tuned under driver {} (this run has {driver})",
+                p.driver_version
+            ));
+        }
+        for (family, hash) in &p.kernel_source_hashes {
+            match expected.kernel_source_hashes.get(family) {
+                Some(h) if h == hash => {}
+                Some(h) => {
+                    return Some(format!(
+                        "tuned for other {family} kernel sources ({hash}; this build {h})"
+                    ));
+                }
+                None => {}
+            }
+        }
+        if p.kernel_source_hashes.is_empty() && expected.sm != CPU_TARGET {
+            return Some("no kernel source hashes in its provenance".to_string());
+        }
+        None
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("a tactic cache serializes") + "\n"
+    }
+
+    pub fn from_json(text: &str) -> Result<Self, String> {
+        serde_json::from_str(text).map_err(|e| e.to_string())
+    }
+}
+
+/// Reads the cache at `path` for a reader that expects `expected`. Never fails: a missing,
+/// unreadable, corrupt or stale cache gives a one-line warning and no cache.
+pub fn load(path: &Path, expected: &Expected) -> CacheLookup {
+    let warn = |why: String| CacheLookup {
+        cache: None,
+        warning: Some(format!(
+            "warning: tactic cache {}: {why}; using the heuristic defaults",
+            path.display()
+        )),
+    };
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return warn("not found".to_string());
+        }
+        Err(e) => return warn(format!("cannot read it ({e})")),
+    };
+    let cache = match TacticCache::from_json(&text) {
+        Ok(c) => c,
+        Err(e) => return warn(format!("corrupt ({})", e.replace('\n', " "))),
+    };
+    if let Some(why) = cache.staleness(expected) {
+        return warn(format!("stale: {why}"));
+    }
+    CacheLookup {
+        cache: Some(cache),
+        warning: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mla::MlaTactic;
+    use crate::moe_gemm::MoeGemmTactic;
+
+    fn shape(tpe: u32) -> ProblemShape {
+        ProblemShape::Moe {
+            tokens_per_expert: tpe,
+            active_experts: 8,
+            hidden: 7168,
+            inter: 256,
+        }
+    }
+
+    fn cache_for(sm: Sm) -> (TacticCache, MoeGemmTactic) {
+        // The last tactic of the space: not the heuristic default for one token.
+        let t = *MoeGemmTactic::enumerate(sm).last().unwrap();
+        let fig = |id: String, us| TacticFigure {
+            tactic: id,
+            median_us: us,
+            spread_us: 0.0,
+            n: 1,
+            source: FigureSource::Predicted,
+        };
+        let cache = TacticCache {
+            format: FORMAT,
+            provenance: Provenance {
+                gpu_or_cpu_model: sm.reference_gpu().name.into(),
+                sm: sm.arch().into(),
+                driver_version: NO_GPU.into(),
+                cuda_version: NO_GPU.into(),
+                commit: "unknown".into(),
+                manifest_hash: "0".into(),
+                kernel_source_hashes: built_source_hashes(),
+                command: "test".into(),
+            },
+            entries: vec![CacheEntry {
+                family: KernelFamily::MoeGemm,
+                sm: sm.arch().into(),
+                bucket: shape(1).bucket(),
+                shape: shape(1),
+                winner: fig(t.id(), 10.0),
+                runners_up: vec![fig("x".into(), 11.0)],
+            }],
+        };
+        (cache, t)
+    }
+
+    fn write(dir: &Path, name: &str, text: &str) -> std::path::PathBuf {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+
+    fn tmp() -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!(
+            "tactic-cache-test-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn a_fresh_cache_is_used_and_its_winner_chosen() {
+        let sm = Sm::Sm120;
+        let (cache, t) = cache_for(sm);
+        let dir = tmp();
+        let p = write(&dir, "fresh.json", &cache.to_json());
+        let lookup = load(&p, &Expected::for_sm(sm, None));
+        assert_eq!(lookup.warning, None);
+        assert_eq!(lookup.cache.as_ref(), Some(&cache));
+        let chosen = lookup.choose::<MoeGemmTactic>(sm, &shape(1)).unwrap();
+        assert_eq!(chosen.tactic, t);
+        assert!(
+            chosen.describe().contains("predicted"),
+            "{}",
+            chosen.describe()
+        );
+        // A nearby shape (2 tokens per expert) uses the nearest bucket.
+        let near = lookup.choose::<MoeGemmTactic>(sm, &shape(2)).unwrap();
+        assert_eq!(near.tactic, t);
+        // Another family has no entry: its default.
+        let mla = ProblemShape::Mla {
+            batch: 1,
+            heads: 8,
+            context: 128,
+            fp8_cache: false,
+        };
+        let d = lookup.choose::<MlaTactic>(sm, &mla).unwrap();
+        assert!(d.figure.is_none() && d.describe().contains("heuristic default"));
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    fn assert_default(lookup: &CacheLookup, what: &str) {
+        let w = lookup
+            .warning
+            .as_deref()
+            .unwrap_or_else(|| panic!("{what}: no warning"));
+        assert!(!w.contains('\n'), "{what}: {w}");
+        assert!(w.contains(what), "{what}: {w}");
+        assert!(lookup.cache.is_none());
+        let sm = Sm::Sm120;
+        let chosen = lookup.choose::<MoeGemmTactic>(sm, &shape(1)).unwrap();
+        assert_eq!(
+            chosen.tactic,
+            MoeGemmTactic::heuristic_default(sm, &shape(1)).unwrap()
+        );
+        assert!(chosen.figure.is_none());
+    }
+
+    #[test]
+    fn missing_corrupt_and_stale_caches_warn_and_give_the_default() {
+        let sm = Sm::Sm120;
+        let dir = tmp();
+        let expected = Expected::for_sm(sm, None);
+        assert_default(&load(&dir.join("absent.json"), &expected), "not found");
+        let (cache, _) = cache_for(sm);
+        let text = cache.to_json();
+        for (name, bad) in [
+            ("truncated", &text[..text.len() / 2]),
+            ("empty", ""),
+            ("not-json", "\u{0}\u{1}garbage"),
+            ("wrong-type", "{\"format\": \"one\"}"),
+        ] {
+            let p = write(&dir, name, bad);
+            assert_default(&load(&p, &expected), "corrupt");
+        }
+        // Written for SM90.
+        let (other_sm, _) = cache_for(Sm::Sm90);
+        let p = write(&dir, "sm90.json", &other_sm.to_json());
+        assert_default(&load(&p, &expected), "stale: tuned for sm_90a");
+        // Other kernel sources.
+        let mut edited = cache.clone();
+        edited
+            .provenance
+            .kernel_source_hashes
+            .insert("moe_gemm".into(), "0123456789abcdef".into());
+        let p = write(&dir, "src.json", &edited.to_json());
+        assert_default(&load(&p, &expected), "other moe_gemm kernel sources");
+        // Another driver, when the reader has one.
+        let p = write(&dir, "drv.json", &cache.to_json());
+        let with_driver = Expected::for_sm(sm, Some("580.95".into()));
+        assert_default(&load(&p, &with_driver), "driver");
+        // Another format version.
+        let mut v2 = cache.clone();
+        v2.format = FORMAT + 1;
+        let p = write(&dir, "v2.json", &v2.to_json());
+        assert_default(&load(&p, &expected), "format");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_cached_tactic_that_does_not_fit_is_ignored() {
+        let sm = Sm::Sm120;
+        let (mut cache, _) = cache_for(sm);
+        // An SM90-only tactic recorded in an SM120 cache (hand-edited): never offered.
+        cache.entries[0].winner.tactic = MoeGemmTactic::enumerate(Sm::Sm90)[0].id();
+        let lookup = CacheLookup {
+            cache: Some(cache),
+            warning: None,
+        };
+        let chosen = lookup.choose::<MoeGemmTactic>(sm, &shape(1)).unwrap();
+        assert!(chosen.figure.is_none());
+        assert!(chosen.tactic.fits(sm));
+    }
+
+    #[test]
+    fn built_hashes_match_the_manifest_format() {
+        let h = built_source_hashes();
+        assert_eq!(h.len(), 5);
+        assert!(h.values().all(|v| v.len() == 16));
+        assert_eq!(fnv1a64(b""), "cbf29ce484222325");
+    }
+}
