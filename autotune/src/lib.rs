@@ -3,3 +3,5 @@
 //! layer when no device is present) and timed (on the device, else predicted by a cost model)
 //! — and the winner per problem shape is written to the tactic cache
 //! (`kernels::tactic::cache`) that the model reads at start.
+
+pub mod cpu;

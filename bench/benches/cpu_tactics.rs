@@ -209,7 +209,6 @@ fn chart(
         .margin(15)
         .x_label_area_size(50)
         .y_label_area_size(60)
-        .right_y_label_area_size(10)
         .build_cartesian_2d(
             -0.3f64..(shapes.len() as f64 - 0.7),
             (lo * 0.95)..(hi * 1.05),

@@ -4,8 +4,8 @@
 //! 1. **kernels:** per family (grouped GEMM, dense products, MLA), every tactic of the family's
 //!    knobs on the model's decode shapes, each in isolation; the per-shape figures go to the
 //!    cache as that family's entries.
-//! 2. **decode:** the whole model's decode step, one knob group at a time (coordinate descent
-//!    from the default: MoE, dense, MLA, threads). A change is kept only when its median step
+//! 2. **decode:** the whole model's decode step, one knob at a time (coordinate descent from
+//!    the default: MoE item size, dense threshold and rows, MLA chunk and tasks, threads). A change is kept only when its median step
 //!    beats the current tactic's by more than both spreads' noise (see [`clearly_faster`]),
 //!    so a machine where the constants are already best keeps them. The result is the one
 //!    [`CpuTactic`] `model run --tactics FILE` applies.
@@ -38,6 +38,8 @@ pub struct Figure {
     pub median: f64,
     /// Max − min over the samples, seconds.
     pub spread: f64,
+    /// Interquartile range of the samples, seconds (robust to a preempted sample).
+    pub iqr: f64,
     pub n: usize,
 }
 
@@ -106,10 +108,13 @@ pub fn interleaved(
         .map(|(&tactic, mut s)| {
             let n = s.len();
             let (median, rel) = median_spread(&mut s);
+            // `s` is sorted now.
+            let q = |p: f64| s[((n - 1) as f64 * p).round() as usize];
             Figure {
                 tactic,
                 median,
                 spread: rel * median,
+                iqr: if n > 0 { q(0.75) - q(0.25) } else { f64::NAN },
                 n,
             }
         })
@@ -119,10 +124,12 @@ pub fn interleaved(
 }
 
 /// Whether `a` is faster than `b` beyond noise: a lower median by more than 2 % and by more
-/// than a quarter of the larger spread.
+/// than two standard errors of the difference of the medians (each ≈ 0.93 · IQR / √n for a
+/// normal sample; the IQR, unlike max − min, ignores the odd preempted sample).
 pub fn clearly_faster(a: &Figure, b: &Figure) -> bool {
     let gain = b.median - a.median;
-    gain > 0.02 * b.median && gain > 0.25 * a.spread.max(b.spread)
+    let se = |f: &Figure| 0.93 * f.iqr / (f.n.max(1) as f64).sqrt();
+    gain > 0.02 * b.median && gain > 2.0 * se(a).hypot(se(b))
 }
 
 /// One sample of a kernel case under `tactic`: enough calls to last ≥ 2 ms, per call.
@@ -191,7 +198,9 @@ impl DecodeBench {
     /// decodes `new_tokens` greedily.
     pub fn load(dir: &std::path::Path, prompt_len: usize, new_tokens: usize) -> Result<Self> {
         let checkpoint = Checkpoint::open(dir)?;
-        let config = checkpoint.model_config().clone();
+        let mut config = checkpoint.model_config().clone();
+        // Every sample decodes all its tokens (as `model run --ignore-eos`).
+        config.eos_token_ids.clear();
         let kv = checkpoint.kv_cache_dtype();
         let weights = checkpoint.load_weights()?;
         let name = dir
@@ -211,10 +220,10 @@ impl DecodeBench {
         self.prompt.len() + self.new_tokens
     }
 
-    /// Seconds per decode step of one greedy generation under `tactic` (its own pool).
+    /// Seconds per decode step of one greedy generation under `tactic`.
     pub fn step_seconds(&self, tactic: &CpuTactic) -> Result<f64> {
-        let pool = tactic.build_pool().context("building the rayon pool")?;
-        let backend = TunedCpuBackend::new(*tactic);
+        // As `model run` runs: called from this thread, the backend owning any pool of its own.
+        let backend = TunedCpuBackend::new(*tactic).map_err(anyhow::Error::msg)?;
         let request = GenerationRequest {
             prompt: self.prompt.clone(),
             max_new_tokens: self.new_tokens,
@@ -226,8 +235,7 @@ impl DecodeBench {
             },
         };
         let mut cache = self.model.new_cache(self.kv, self.context());
-        let (_, timing) = pool
-            .install(|| generate(&self.model, &backend, &mut cache, &[request], |_, _| {}))
+        let (_, timing) = generate(&self.model, &backend, &mut cache, &[request], |_, _| {})
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         Ok(timing.decode_time.as_secs_f64() / timing.decode_steps.max(1) as f64)
     }
@@ -268,10 +276,45 @@ pub fn tune(
     }
 
     // Stage 2: whole decode steps, one knob group at a time.
-    let groups: [(&str, KnobGroup); 4] = [
-        ("moe", |s, b| s.moe(b)),
-        ("dense", |s, b| s.dense(b)),
-        ("mla", |s, b| s.mla(b)),
+    // One knob at a time (a group of 48 dense pairs would get too few rounds per candidate).
+    let groups: [(&str, KnobGroup); 6] = [
+        ("moe_item", |s, b| s.moe(b)),
+        ("dense_min", |s, b| {
+            s.dense_parallel_min_bytes
+                .iter()
+                .map(|&v| CpuTactic {
+                    dense_parallel_min_bytes: v,
+                    ..b
+                })
+                .collect()
+        }),
+        ("dense_rows", |s, b| {
+            s.dense_rows_per_task
+                .iter()
+                .map(|&v| CpuTactic {
+                    dense_rows_per_task: v,
+                    ..b
+                })
+                .collect()
+        }),
+        ("mla_chunk", |s, b| {
+            s.mla_min_chunk
+                .iter()
+                .map(|&v| CpuTactic {
+                    mla_min_chunk: v,
+                    ..b
+                })
+                .collect()
+        }),
+        ("mla_tasks", |s, b| {
+            s.mla_tasks_per_thread
+                .iter()
+                .map(|&v| CpuTactic {
+                    mla_tasks_per_thread: v,
+                    ..b
+                })
+                .collect()
+        }),
         ("threads", |s, b| s.threads(b)),
     ];
     progress.stage("decode", groups.len() as u64 + 1);
@@ -343,12 +386,13 @@ pub fn tune(
 mod tests {
     use super::*;
 
-    fn fig(median: f64, spread: f64) -> Figure {
+    fn fig(median: f64, iqr: f64) -> Figure {
         Figure {
             tactic: CpuTactic::DEFAULT,
             median,
-            spread,
-            n: 5,
+            spread: 2.0 * iqr,
+            iqr,
+            n: 9,
         }
     }
 
@@ -357,7 +401,7 @@ mod tests {
         assert!(clearly_faster(&fig(0.90, 0.01), &fig(1.0, 0.01)));
         // 1 % faster: within the 2 % margin.
         assert!(!clearly_faster(&fig(0.99, 0.0), &fig(1.0, 0.0)));
-        // 10 % faster but the samples spread over 50 %.
+        // 10 % faster but the samples' quartiles 50 % apart.
         assert!(!clearly_faster(&fig(0.90, 0.5), &fig(1.0, 0.1)));
         assert!(!clearly_faster(&fig(1.0, 0.0), &fig(1.0, 0.0)));
     }

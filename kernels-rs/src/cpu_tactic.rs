@@ -21,8 +21,13 @@
 //! process (the `model` binary at start, a benchmark around each measurement) builds the pool
 //! with [`CpuTactic::threads`].
 
+use std::collections::BTreeMap;
 use std::fmt;
+use std::path::Path;
 use std::str::FromStr;
+
+use crate::tactic::cache::{self, CPU_TARGET, Expected};
+use crate::tactic::{KernelFamily, ProblemShape};
 
 /// Tokens the MLA kernel dequantizes together; a split-KV chunk is a multiple of it.
 pub const MLA_TILE: usize = 16;
@@ -328,6 +333,118 @@ pub fn cpu_kernel_source_hash() -> String {
     format!("{h:016x}")
 }
 
+/// Bucket prefix of the tactic cache entry that holds the tuned tactic of a model's decode
+/// step (`autotune --cpu` writes `cpu_decode_b1_<model>`).
+pub const DECODE_BUCKET_PREFIX: &str = "cpu_decode_b1_";
+/// Key of [`cpu_kernel_source_hash`] in a cache's `kernel_source_hashes`.
+pub const CPU_SOURCES_KEY: &str = "cpu";
+
+/// The shape a model's decode entry is filed under: its MoE layer at one token (`top_k` of
+/// `experts` experts, one token each), which tells models apart.
+pub fn decode_entry_shape(
+    hidden: usize,
+    inter: usize,
+    experts: usize,
+    top_k: usize,
+) -> ProblemShape {
+    let active = top_k.min(experts).max(1);
+    ProblemShape::Moe {
+        tokens_per_expert: top_k.div_ceil(active) as u32,
+        active_experts: active as u32,
+        hidden: hidden as u32,
+        inter: inter as u32,
+    }
+}
+
+/// The CPU tactic a run uses, and the line it logs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CpuChoice {
+    pub tactic: CpuTactic,
+    /// `tactic cpu: <id> (<where it came from>)`.
+    pub description: String,
+    /// Why the cache could not be used (missing, corrupt, stale, no CPU entry), one line.
+    pub warning: Option<String>,
+}
+
+impl CpuChoice {
+    /// No cache: the default.
+    pub fn default_choice() -> Self {
+        Self {
+            tactic: CpuTactic::DEFAULT,
+            description: format!("tactic cpu: {} (default)", CpuTactic::DEFAULT),
+            warning: None,
+        }
+    }
+}
+
+/// The CPU tactic of the tactic cache at `path` for the decode of the model whose MoE layer at
+/// one token is `decode_shape` (the entry of that model, else any CPU decode entry). Never
+/// fails: a missing, corrupt or stale cache (another target, other CPU kernel sources), one
+/// without a CPU entry, or an entry whose id does not parse gives a warning and the default.
+pub fn choose_from_cache(path: &Path, decode_shape: &ProblemShape) -> CpuChoice {
+    let expected = Expected {
+        sm: CPU_TARGET.to_string(),
+        driver_version: None,
+        kernel_source_hashes: BTreeMap::from([(
+            CPU_SOURCES_KEY.to_string(),
+            cpu_kernel_source_hash(),
+        )]),
+    };
+    let lookup = cache::load(path, &expected);
+    let fallback = |warning: String| CpuChoice {
+        warning: Some(warning),
+        ..CpuChoice::default_choice()
+    };
+    let Some(cache) = lookup.cache else {
+        return fallback(
+            lookup
+                .warning
+                .unwrap_or_else(|| format!("warning: tactic cache {}: not usable", path.display())),
+        );
+    };
+    let entries: Vec<_> = cache
+        .entries
+        .iter()
+        .filter(|e| {
+            e.family == KernelFamily::Cpu
+                && e.sm == CPU_TARGET
+                && e.bucket.starts_with(DECODE_BUCKET_PREFIX)
+        })
+        .collect();
+    let Some(entry) = entries
+        .iter()
+        .find(|e| &e.shape == decode_shape)
+        .or(entries.first())
+    else {
+        return fallback(format!(
+            "warning: tactic cache {}: no CPU decode entry; using the default CPU tactic",
+            path.display()
+        ));
+    };
+    match CpuTactic::parse(&entry.winner.tactic) {
+        Ok(tactic) => CpuChoice {
+            tactic,
+            description: format!(
+                "tactic cpu: {tactic} (tactic cache, bucket {}, {:.1} µs per decode step {}{})",
+                entry.bucket,
+                entry.winner.median_us,
+                entry.winner.source,
+                if tactic == CpuTactic::DEFAULT {
+                    "; the constants were best"
+                } else {
+                    ""
+                }
+            ),
+            warning: None,
+        },
+        Err(e) => fallback(format!(
+            "warning: tactic cache {}: bucket {}: {e}; using the default CPU tactic",
+            path.display(),
+            entry.bucket
+        )),
+    }
+}
+
 fn size(bytes: usize) -> String {
     if bytes != 0 && bytes.is_multiple_of(1 << 20) {
         format!("{}m", bytes >> 20)
@@ -425,6 +542,132 @@ mod tests {
             prop_assert!(t.validate().is_ok());
             prop_assert_eq!(CpuTactic::parse(&t.id()).unwrap(), t);
             prop_assert_eq!(t.to_string().parse::<CpuTactic>().unwrap(), t);
+        }
+    }
+
+    mod cache_reading {
+        use super::super::*;
+        use crate::tactic::cache::{
+            CacheEntry, FORMAT, FigureSource, NO_GPU, Provenance, TacticCache, TacticFigure,
+        };
+
+        fn shape(hidden: u32) -> ProblemShape {
+            ProblemShape::Moe {
+                tokens_per_expert: 1,
+                active_experts: 8,
+                hidden,
+                inter: 64,
+            }
+        }
+
+        fn entry(bucket: &str, hidden: u32, tactic: &str) -> CacheEntry {
+            let figure = |t: &str| TacticFigure {
+                tactic: t.to_string(),
+                median_us: 100.0,
+                spread_us: 3.0,
+                n: 5,
+                source: FigureSource::Measured,
+            };
+            CacheEntry {
+                family: KernelFamily::Cpu,
+                sm: CPU_TARGET.into(),
+                bucket: bucket.into(),
+                shape: shape(hidden),
+                winner: figure(tactic),
+                runners_up: vec![figure("default")],
+            }
+        }
+
+        fn cache(entries: Vec<CacheEntry>) -> TacticCache {
+            TacticCache {
+                format: FORMAT,
+                provenance: Provenance {
+                    gpu_or_cpu_model: "test CPU".into(),
+                    sm: CPU_TARGET.into(),
+                    driver_version: NO_GPU.into(),
+                    cuda_version: NO_GPU.into(),
+                    commit: "unknown".into(),
+                    manifest_hash: "none".into(),
+                    kernel_source_hashes: BTreeMap::from([(
+                        CPU_SOURCES_KEY.to_string(),
+                        cpu_kernel_source_hash(),
+                    )]),
+                    command: "test".into(),
+                },
+                entries,
+            }
+        }
+
+        fn dir() -> std::path::PathBuf {
+            let d = std::env::temp_dir().join(format!(
+                "cpu-tactic-cache-{}-{:?}",
+                std::process::id(),
+                std::thread::current().id()
+            ));
+            std::fs::create_dir_all(&d).unwrap();
+            d
+        }
+
+        #[test]
+        fn the_models_decode_entry_is_chosen_and_logged() {
+            let d = dir();
+            let path = d.join("fresh.json");
+            let tuned = CpuTactic {
+                threads: 1,
+                ..CpuTactic::DEFAULT
+            };
+            let c = cache(vec![
+                entry("cpu_moe_x", 64, "threads=2"),
+                entry("cpu_decode_b1_other", 128, "moe_item=64k"),
+                entry("cpu_decode_b1_this", 64, &tuned.id()),
+            ]);
+            std::fs::write(&path, c.to_json()).unwrap();
+            let choice = choose_from_cache(&path, &shape(64));
+            assert_eq!(choice.warning, None);
+            assert_eq!(choice.tactic, tuned);
+            assert!(choice.description.contains("cpu_decode_b1_this"));
+            assert!(choice.description.contains("measured"));
+            // Another model: the other decode entry is the nearest there is, not a default.
+            let other = choose_from_cache(&path, &shape(4096));
+            assert!(other.warning.is_none());
+            std::fs::remove_dir_all(d).unwrap();
+        }
+
+        #[test]
+        fn missing_corrupt_stale_and_empty_caches_warn_and_give_the_default() {
+            let d = dir();
+            let good = cache(vec![entry("cpu_decode_b1_m", 64, "threads=1")]);
+            let mut other_sources = good.clone();
+            other_sources
+                .provenance
+                .kernel_source_hashes
+                .insert(CPU_SOURCES_KEY.into(), "0123456789abcdef".into());
+            let mut gpu = good.clone();
+            gpu.provenance.sm = "sm_120a".into();
+            let mut bad_id = good.clone();
+            bad_id.entries[0].winner.tactic = "dense_rows=0".into();
+            let cases = [
+                ("corrupt", good.to_json()[..40].to_string()),
+                ("stale", other_sources.to_json()),
+                ("stale", gpu.to_json()),
+                ("no CPU decode entry", cache(vec![]).to_json()),
+                ("outside", bad_id.to_json()),
+            ];
+            assert!(
+                choose_from_cache(&d.join("absent.json"), &shape(64))
+                    .warning
+                    .unwrap()
+                    .contains("not found")
+            );
+            for (i, (want, text)) in cases.iter().enumerate() {
+                let path = d.join(format!("{i}.json"));
+                std::fs::write(&path, text).unwrap();
+                let c = choose_from_cache(&path, &shape(64));
+                let w = c.warning.unwrap_or_default();
+                assert!(w.contains(want) && !w.contains('\n'), "{want}: {w}");
+                assert_eq!(c.tactic, CpuTactic::DEFAULT, "{want}");
+            }
+            std::fs::remove_dir_all(d).unwrap();
         }
     }
 }

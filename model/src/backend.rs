@@ -1,6 +1,8 @@
 //! The small set of operations a compute backend provides to the forward pass. The CPU backend
 //! implements it with the kernels crate's CPU paths; a CUDA backend implements the same calls.
 
+use std::sync::Arc;
+
 use kernels::cpu_tactic::CpuTactic;
 use kernels::matrix::MatrixView;
 use kernels::mla::cache::{CacheError, PagedLatentCache};
@@ -47,22 +49,41 @@ pub trait Backend: Send + Sync {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuBackend;
 
-/// The CPU backend under a chosen [`CpuTactic`] (`model run --tactics FILE`, autotune). Its
-/// thread count applies to the rayon pool the calls run in, which the process owner builds
-/// (see [`CpuTactic::threads`]); every other knob is passed to the kernels with each call.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// The CPU backend under a chosen [`CpuTactic`] (`model run --tactics FILE`, autotune). Every
+/// knob but the thread count is passed to the kernels with each call; a tactic with a thread
+/// count of its own runs the calls in a rayon pool of that size, owned by the backend (so no
+/// process-wide setting: a call is handed to that pool exactly as a call from outside rayon's
+/// global pool is handed to the global one).
+#[derive(Clone, Debug, Default)]
 pub struct TunedCpuBackend {
-    pub tactic: CpuTactic,
+    tactic: CpuTactic,
+    pool: Option<Arc<rayon::ThreadPool>>,
 }
 
 impl TunedCpuBackend {
-    /// # Panics
-    /// If the tactic is invalid (a parsed tactic has been validated).
-    pub fn new(tactic: CpuTactic) -> Self {
-        if let Err(e) = tactic.validate() {
-            panic!("{e}");
+    /// # Errors
+    /// If the tactic is invalid or its thread pool cannot be built.
+    pub fn new(tactic: CpuTactic) -> Result<Self, String> {
+        tactic.validate().map_err(|e| e.to_string())?;
+        let pool = if tactic.threads == 0 {
+            None
+        } else {
+            Some(Arc::new(tactic.build_pool().map_err(|e| {
+                format!("cpu tactic threads={}: {e}", tactic.threads)
+            })?))
+        };
+        Ok(Self { tactic, pool })
+    }
+
+    pub fn tactic(&self) -> &CpuTactic {
+        &self.tactic
+    }
+
+    fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        match &self.pool {
+            Some(pool) => pool.install(f),
+            None => f(),
         }
-        Self { tactic }
     }
 }
 
@@ -72,7 +93,7 @@ impl Backend for TunedCpuBackend {
     }
 
     fn matmul(&self, x: &[f32], tokens: usize, w: MatrixView<'_>, out: &mut [f32]) {
-        kernels::dense::matmul_transposed_tuned(&self.tactic, x, tokens, w, out);
+        self.run(|| kernels::dense::matmul_transposed_tuned(&self.tactic, x, tokens, w, out));
     }
 
     fn moe(
@@ -84,16 +105,18 @@ impl Backend for TunedCpuBackend {
         out: &mut [f32],
         amax: Option<&mut ExpertInputAmax>,
     ) {
-        kernels::moe_gemm::cpu::moe_cpu_tuned(
-            &self.tactic,
-            Isa::detect(),
-            x,
-            hidden,
-            routing,
-            experts,
-            out,
-            amax,
-        );
+        self.run(|| {
+            kernels::moe_gemm::cpu::moe_cpu_tuned(
+                &self.tactic,
+                Isa::detect(),
+                x,
+                hidden,
+                routing,
+                experts,
+                out,
+                amax,
+            )
+        });
     }
 
     fn mla_attention(
@@ -103,7 +126,7 @@ impl Backend for TunedCpuBackend {
         out: &mut [f32],
         lse: &mut [f32],
     ) -> Result<(), CacheError> {
-        kernels::mla::cpu::mla_attention_tuned(&self.tactic, cache, problem, out, lse)
+        self.run(|| kernels::mla::cpu::mla_attention_tuned(&self.tactic, cache, problem, out, lse))
     }
 }
 
@@ -136,30 +159,5 @@ impl Backend for CpuBackend {
         lse: &mut [f32],
     ) -> Result<(), CacheError> {
         kernels::mla::cpu::mla_attention(cache, problem, out, lse)
-    }
-}
-
-/// Applies a tactic's thread count to this process: builds rayon's global pool with
-/// [`CpuTactic::threads`] threads (0 leaves rayon's default, every core). It must run before
-/// anything uses rayon, once per process, which is why it lives at the binary's start and not
-/// in the backend: the pool is process-wide and can be built only once.
-///
-/// # Errors
-/// If the global pool was already built with another size.
-pub fn install_cpu_threads(tactic: &CpuTactic) -> Result<(), String> {
-    if tactic.threads == 0 {
-        return Ok(());
-    }
-    match rayon::ThreadPoolBuilder::new()
-        .num_threads(tactic.threads)
-        .build_global()
-    {
-        Ok(()) => Ok(()),
-        Err(_) if rayon::current_num_threads() == tactic.threads => Ok(()),
-        Err(e) => Err(format!(
-            "cpu tactic threads={}: rayon's pool already has {} threads ({e})",
-            tactic.threads,
-            rayon::current_num_threads()
-        )),
     }
 }

@@ -11,11 +11,12 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
-use kernels::cpu_tactic::CpuTactic;
+use kernels::cpu_tactic::{CpuChoice, CpuTactic, choose_from_cache, decode_entry_shape};
 use kernels::formats::NVFP4_BLOCK;
 use kernels::formats::nvfp4::Nvfp4Matrix;
 use kernels::mla::cache::{KvCacheDtype, PAGE_TOKENS};
-use model::backend::{Backend, CpuBackend, TunedCpuBackend, install_cpu_threads};
+use kernels::tactic::ProblemShape;
+use model::backend::{Backend, CpuBackend, TunedCpuBackend};
 use model::checkpoint::{Checkpoint, CheckpointError};
 use model::checkpoint_writer::{OutputKind, OwnedTensor, StagedOutput, write_file};
 use model::config::{ConfigError, KvCacheQuant, ModelConfig};
@@ -107,26 +108,47 @@ enum Command {
 /// The CPU kernels' tactic (tile sizes, parallel thresholds, threads).
 #[derive(clap::Args, Clone, Default)]
 struct CpuTacticArgs {
+    /// A tactic cache (`autotune --cpu --out FILE`): the CPU kernels run with its tuned
+    /// tactic for this model. A missing, corrupt or stale cache warns and runs the defaults.
+    #[arg(long)]
+    tactics: Option<PathBuf>,
     /// A CPU kernel tactic id, e.g. `moe_item=64k,dense_min=256k,threads=2` (keys left out keep
-    /// the default's value); default: the built-in constants.
+    /// the default's value); overrides the cache's.
     #[arg(long)]
     cpu_tactic: Option<CpuTactic>,
 }
 
 impl CpuTacticArgs {
-    /// The tactic this process runs its CPU kernels with; applies its thread count to the
-    /// process's pool and logs it (unless `quiet`, a rank other than 0).
-    fn apply(&self, quiet: bool) -> Result<CpuTactic> {
-        let (tactic, source) = match self.cpu_tactic {
-            Some(t) => (t, "--cpu-tactic"),
-            None => (CpuTactic::DEFAULT, "default"),
+    /// The CPU tactic this process runs `config`'s model with; logs it (and any warning about
+    /// the cache) unless `quiet` (the launcher of ranks, or a rank other than 0).
+    fn choose(&self, config: &ModelConfig, quiet: bool) -> CpuTactic {
+        let choice = match (&self.cpu_tactic, &self.tactics) {
+            (Some(t), _) => CpuChoice {
+                tactic: *t,
+                description: format!("tactic cpu: {t} (--cpu-tactic)"),
+                warning: None,
+            },
+            (None, Some(path)) => choose_from_cache(path, &decode_shape(config)),
+            (None, None) => CpuChoice::default_choice(),
         };
-        install_cpu_threads(&tactic).map_err(anyhow::Error::msg)?;
         if !quiet {
-            eprintln!("tactic cpu ({source}): {tactic}");
+            if let Some(w) = &choice.warning {
+                eprintln!("{w}");
+            }
+            eprintln!("{}", choice.description);
         }
-        Ok(tactic)
+        choice.tactic
     }
+}
+
+/// The shape `autotune --cpu` files a model's decode entry under.
+fn decode_shape(c: &ModelConfig) -> ProblemShape {
+    decode_entry_shape(
+        c.hidden_size,
+        c.moe_intermediate_size,
+        c.n_routed_experts,
+        c.num_experts_per_tok,
+    )
 }
 
 /// Tensor parallelism: N rank processes on CPU with the shared-memory all-reduce.
@@ -194,6 +216,10 @@ struct RunArgs {
     seed: u64,
     #[arg(long, value_enum, default_value = "auto")]
     kv_dtype: KvDtypeArg,
+    /// Decode all --max-new-tokens even past an end-of-sequence token (benchmarks: the decode
+    /// rate over a fixed length; a small model may otherwise stop after a few tokens).
+    #[arg(long)]
+    ignore_eos: bool,
     #[command(flatten)]
     tp: TpArgs,
     #[command(flatten)]
@@ -456,7 +482,7 @@ fn rank_backend(
     max_elements: usize,
     tactic: CpuTactic,
 ) -> Result<(TpShard, Box<dyn Backend>)> {
-    let compute = TunedCpuBackend::new(tactic);
+    let compute = TunedCpuBackend::new(tactic).map_err(anyhow::Error::msg)?;
     if tp.tp == 1 {
         return Ok((TpShard::SINGLE, Box::new(compute)));
     }
@@ -540,8 +566,6 @@ fn run_requests(args: &RunArgs, c: &ModelConfig, dir: &Path) -> Result<Vec<Gener
 
 fn run(args: RunArgs) -> Result<()> {
     watch_launcher_if_rank(&args.tp);
-    // First: the thread count sizes rayon's pool, which must not have been used yet.
-    let tactic = args.cpu.apply(args.tp.quiet())?;
     let dir = match &args.checkpoint {
         Some(dir) => dir.clone(),
         None => default_checkpoint(args.cache_dir.clone())?,
@@ -550,6 +574,7 @@ fn run(args: RunArgs) -> Result<()> {
     let config = Checkpoint::open(&dir)?.model_config().clone();
     let requests = run_requests(&args, &config, &dir)?;
     let max_rows = requests[0].prompt.len().max(args.batch);
+    let tactic = args.cpu.choose(&config, args.tp.quiet());
     if args.tp.is_launcher() {
         check_tensor_parallel(&dir, &config, args.tp.world())?;
         let mut rank_args = own_args();
@@ -559,7 +584,10 @@ fn run(args: RunArgs) -> Result<()> {
         }
         return tp::launch_ranks(args.tp.world(), &rank_args);
     }
-    let (checkpoint, model) = load(&dir, args.tp.shard())?;
+    let (checkpoint, mut model) = load(&dir, args.tp.shard())?;
+    if args.ignore_eos {
+        model.config.eos_token_ids.clear();
+    }
     let (shard, backend) = rank_backend(&args.tp, max_rows * config.hidden_size, tactic)?;
     let quiet = shard.rank != 0;
     let kv_dtype = resolve_kv_dtype(args.kv_dtype, &checkpoint);
@@ -614,10 +642,10 @@ fn run(args: RunArgs) -> Result<()> {
 
 fn logits(args: LogitsArgs) -> Result<()> {
     watch_launcher_if_rank(&args.tp);
-    let tactic = args.cpu.apply(args.tp.quiet())?;
     let (dir, TokenIds(tokens), out) = (&args.checkpoint, &args.tokens, &args.out);
     let config = Checkpoint::open(dir)?.model_config().clone();
     check_scoring_request(&args, &config)?;
+    let tactic = args.cpu.choose(&config, args.tp.quiet());
     // Checked here, before any work; the file itself is written by rank 0 at the end.
     drop(logits_output(out, dir)?);
     if args.tp.is_launcher() {

@@ -8,9 +8,10 @@
 //! target/release/autotune --cpu --out cpu-tactics.json
 //! cargo run --release -p bench --bin cpu-tuning -- --tactics cpu-tactics.json
 //! ```
-//! (`scripts/cpu-tuning.sh` does all three.) Options: `--rounds N` (default 5 per side),
-//! `--model-bin PATH` (default: `model` next to this binary), `--max-new-tokens N`,
-//! `--only tiny|mini`, `--no-write`.
+//! (`scripts/cpu-tuning.sh` does all three, with one cache per model.) Options: `--rounds N`
+//! (default 5 per side), `--model-bin PATH` (default: `model` next to this binary),
+//! `--max-new-tokens N`, `--only tiny|mini`, `--out FILE`, `--no-write`,
+//! `--print-checkpoint tiny|mini` (print the model's folder and exit).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -25,6 +26,8 @@ struct Options {
     model_bin: PathBuf,
     max_new_tokens: usize,
     only: Option<String>,
+    /// Where the table goes; default `bench/results/cpu-tuning.txt`.
+    out: Option<PathBuf>,
     write: bool,
 }
 
@@ -39,6 +42,7 @@ fn options() -> Result<Options> {
             .join("model"),
         max_new_tokens: 64,
         only: None,
+        out: None,
         write: true,
     };
     while let Some(a) = args.next() {
@@ -50,6 +54,17 @@ fn options() -> Result<Options> {
             "--max-new-tokens" => o.max_new_tokens = value()?.parse()?,
             "--only" => o.only = Some(value()?),
             "--no-write" => o.write = false,
+            "--out" => o.out = Some(value()?.into()),
+            "--print-checkpoint" => {
+                // The folder of `tiny` or `mini` (unpacked or generated if needed), for scripts.
+                let dir = match value()?.as_str() {
+                    "tiny" => model::serving_cli::default_chat_checkpoint(None)?,
+                    "mini" => model::generator::default_checkpoint(None)?,
+                    other => bail!("--print-checkpoint tiny|mini, not {other}"),
+                };
+                println!("{}", dir.display());
+                std::process::exit(0);
+            }
             _ => bail!("unknown argument {a}"),
         }
     }
@@ -65,7 +80,7 @@ fn run_once(o: &Options, checkpoint: &Path, tactics: Option<&Path>) -> Result<(f
     cmd.arg("run")
         .arg("--checkpoint")
         .arg(checkpoint)
-        .args(["--prompt-len", "16", "--max-new-tokens"])
+        .args(["--ignore-eos", "--prompt-len", "16", "--max-new-tokens"])
         .arg(o.max_new_tokens.to_string());
     if let Some(t) = tactics {
         cmd.arg("--tactics").arg(t);
@@ -121,7 +136,7 @@ fn main() -> Result<()> {
         "# model run decode tok/s: default CPU tactic (A) vs `--tactics {}` (B), measured\n\
          # CPU: {} ({} threads); {}; load average at the start: {}\n\
          # interleaved rounds A B A B …, {} per side; each round one `model run --prompt-len 16 \
-         --max-new-tokens {}` process (release)\n\
+         --max-new-tokens {} --ignore-eos` process (release)\n\
          # spread = (max - min) / median\n\n",
         o.tactics.display(),
         cpu_model(),
@@ -168,7 +183,9 @@ fn main() -> Result<()> {
     }
     print!("{text}");
     if o.write {
-        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("results/cpu-tuning.txt");
+        let path = o.out.clone().unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("results/cpu-tuning.txt")
+        });
         std::fs::write(&path, &text)?;
         eprintln!("wrote {}", path.display());
     }
