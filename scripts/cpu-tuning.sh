@@ -23,7 +23,7 @@ mini="$("$target/release/cpu-tuning" --print-checkpoint mini)"
 "$target/release/cpu-tuning" --only mini --tactics "$work/mini.json" --rounds "$rounds" \
   --max-new-tokens 32 --out "$work/mini.txt"
 cat "$work/tiny.txt" > bench/results/cpu-tuning.txt
-sed '/^#/d' "$work/mini.txt" >> bench/results/cpu-tuning.txt
+sed '/^# /d' "$work/mini.txt" >> bench/results/cpu-tuning.txt
 cp "$work/tiny.json" bench/results/cpu-tactics-kimi-chat-tiny.json
 cp "$work/mini.json" bench/results/cpu-tactics-mini.json
 cat bench/results/cpu-tuning.txt

@@ -6,9 +6,10 @@
 //! [`KernelFamily::Cpu`] on target [`CPU_TARGET`], every figure `measured`:
 //! - per kernel shape: bucket `cpu_<family>_<shape bucket>` (e.g. `cpu_moe_moe_t1_e8_h…`), the
 //!   family's tactics fastest first, in µs per call;
-//! - per knob group of the decode stage: bucket `cpu_decode_<group>_<model>`, in µs per step;
+//! - per knob of the decode stage: bucket `cpu_decode_knob_<knob>_<model>`, in µs per step;
 //! - the verdict: bucket [`DECODE_BUCKET_PREFIX`]`<model>`, whose winner is the one tactic
-//!   `model run --tactics FILE` applies (the default's figure the runner-up when they differ).
+//!   `model run --tactics FILE` applies; its runners-up are the default (when they differ) or
+//!   the descent's result the confirmation round rejected, with their figures from that round.
 //!
 //! The decode entries' shape is the model's MoE layer at one token: it names which model the
 //! step belongs to (a reader picks the entry of the model it runs, else any).
@@ -113,6 +114,14 @@ pub fn summary(t: &Tuned, cores: usize) -> String {
             r.bucket,
             w.tactic,
             w.median * 1e6
+        ));
+    }
+    if let Some(r) = &t.rejected {
+        s.push_str(&format!(
+            "  not confirmed against the default: {} ({:.1} us, spread {:.1})\n",
+            r.tactic,
+            r.median * 1e6,
+            r.spread * 1e6
         ));
     }
     s.push_str(&format!(
@@ -257,11 +266,12 @@ pub fn to_cache(t: &Tuned, bench: &DecodeBench, o: &CpuOptions) -> Result<Tactic
             figures,
         ));
     }
-    let verdict = if t.tuned_step.tactic == t.default_step.tactic {
-        vec![t.tuned_step]
-    } else {
-        vec![t.tuned_step, t.default_step]
-    };
+    // The winner is the tactic to run; the runners-up what it was confirmed against.
+    let mut verdict = vec![t.tuned_step];
+    if t.tuned_step.tactic != t.default_step.tactic {
+        verdict.push(t.default_step);
+    }
+    verdict.extend(t.rejected);
     entries.push(entry(
         format!("{DECODE_BUCKET_PREFIX}{model}"),
         decode_shape(config),

@@ -47,7 +47,11 @@ fn main() -> anyhow::Result<()> {
             decode_budget: secs(cli.cpu_decode_secs),
             prompt_len: cli.cpu_prompt_len.max(1),
             new_tokens: cli.cpu_decode_tokens.max(2),
-            command: std::env::args().collect::<Vec<_>>().join(" "),
+            // Without the binary's own path (a machine path).
+            command: std::iter::once("autotune".to_string())
+                .chain(std::env::args().skip(1))
+                .collect::<Vec<_>>()
+                .join(" "),
         })?;
     }
     Ok(())

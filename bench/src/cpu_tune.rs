@@ -48,7 +48,8 @@ pub struct Figure {
 pub struct Ranked {
     /// `cpu-moe`, `cpu-dense`, `cpu-mla` or `cpu-decode`.
     pub family: String,
-    /// The shape bucket: [`Shape::id`] for kernels, `decode_b1_<model>` for the decode stage.
+    /// The shape bucket: [`Shape::id`] for kernels, `decode_knob_<knob>_<model>` for the
+    /// decode stage.
     pub bucket: String,
     pub figures: Vec<Figure>,
 }
@@ -64,6 +65,9 @@ pub struct Tuned {
     /// Its decode step and the default's, as measured in the last round that compared them.
     pub tuned_step: Figure,
     pub default_step: Figure,
+    /// The descent's result when the confirmation round did not confirm it against the
+    /// default (the tactic then stays the default), with its figure from that round.
+    pub rejected: Option<Figure>,
     /// Distinct tactics timed, over both stages.
     pub timed: usize,
 }
@@ -344,7 +348,7 @@ pub fn tune(
         }
         decode.push(Ranked {
             family: "cpu-decode".to_string(),
-            bucket: format!("decode_b1_{name}_{}", bench.name),
+            bucket: format!("decode_knob_{name}_{}", bench.name),
             figures,
         });
     }
@@ -367,8 +371,10 @@ pub fn tune(
     }
     let find = |t: CpuTactic| *figures.iter().find(|f| f.tactic == t).expect("timed");
     let (mut tuned_step, default_step) = (find(current), find(default));
+    let mut rejected = None;
     if current != default && !clearly_faster(&tuned_step, &default_step) {
         // Not confirmed: the constants stay.
+        rejected = Some(tuned_step);
         current = default;
         tuned_step = default_step;
     }
@@ -378,6 +384,7 @@ pub fn tune(
         tactic: current,
         tuned_step,
         default_step,
+        rejected,
         timed: timed.len(),
     })
 }

@@ -618,6 +618,8 @@ mod tests {
             };
             let c = cache(vec![
                 entry("cpu_moe_x", 64, "threads=2"),
+                // A knob's entry of the decode stage, same model: not the verdict.
+                entry("cpu_decode_knob_threads_this", 64, "threads=2"),
                 entry("cpu_decode_b1_other", 128, "moe_item=64k"),
                 entry("cpu_decode_b1_this", 64, &tuned.id()),
             ]);

@@ -114,6 +114,12 @@ fn run_once(o: &Options, checkpoint: &Path, tactics: Option<&Path>) -> Result<(f
         .unwrap_or("(no tactic line)")
         .trim()
         .to_string();
+    if tactics.is_some() && !tactic.contains("tactic cache") {
+        // B must run the cache's tactic: a stale cache (say, built from other kernel sources
+        // than this `model`) would silently compare the default with itself.
+        let warning = stderr.lines().find(|l| l.contains("warning")).unwrap_or("");
+        bail!("`model run --tactics` did not use the cache: {warning} {tactic}");
+    }
     Ok((tok_s, tactic))
 }
 
@@ -134,13 +140,14 @@ fn main() -> Result<()> {
     }
     let mut text = format!(
         "# model run decode tok/s: default CPU tactic (A) vs `--tactics {}` (B), measured\n\
-         # CPU: {} ({} threads); {}; load average at the start: {}\n\
+         # CPU: {} ({} threads, kernels' ISA {:?}); {}; load average at the start: {}\n\
          # interleaved rounds A B A B …, {} per side; each round one `model run --prompt-len 16 \
          --max-new-tokens {} --ignore-eos` process (release)\n\
          # spread = (max - min) / median\n\n",
         o.tactics.display(),
         cpu_model(),
         std::thread::available_parallelism().map_or(1, |n| n.get()),
+        kernels::moe_gemm::cpu_simd::Isa::detect(),
         utc_date(),
         load_average(),
         o.rounds,
