@@ -16,7 +16,7 @@ work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 mini="$("$target/release/cpu-tuning" --print-checkpoint mini)"
 "$target/release/autotune" --cpu --out "$work/tiny.json"
-"$target/release/autotune" --cpu --model "$mini" --out "$work/mini.json" \
+"$target/release/autotune" --cpu --checkpoint "$mini" --out "$work/mini.json" \
   --cpu-prompt-len 4 --cpu-decode-tokens 4 --cpu-decode-secs 8
 "$target/release/cpu-tuning" --only tiny --tactics "$work/tiny.json" --rounds "$rounds" \
   --max-new-tokens 64 --out "$work/tiny.txt"

@@ -1,4 +1,4 @@
-//! `autotune --cpu`: measured tuning of the CPU kernels on this machine, into the tactic cache.
+//! `autotune --cpu [--checkpoint DIR] --out FILE`: measured tuning of the CPU kernels on this machine, into the tactic cache.
 //!
 //! The search itself is `bench::cpu_tune` (kernels per family on the model's decode shapes,
 //! then whole decode steps one knob group at a time, a change kept only beyond noise); this

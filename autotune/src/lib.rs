@@ -4,4 +4,11 @@
 //! — and the winner per problem shape is written to the tactic cache
 //! (`kernels::tactic::cache`) that the model reads at start.
 
+pub mod correct;
+pub mod cost;
 pub mod cpu;
+pub mod manifest;
+pub mod mutation;
+pub mod shapes;
+pub mod steptime;
+pub mod tune;

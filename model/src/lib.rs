@@ -32,6 +32,7 @@ pub mod rope;
 pub mod sampler;
 pub mod server;
 pub mod serving_cli;
+pub mod tactics;
 pub mod tensor_file;
 pub mod tokenizer;
 pub mod tool_declaration;

@@ -105,24 +105,23 @@ enum Command {
     Inspect { path: PathBuf },
 }
 
-/// The CPU kernels' tactic (tile sizes, parallel thresholds, threads).
+/// The CPU kernels' tactic (tile sizes, parallel thresholds, threads): from the tactic cache
+/// of `--tactics FILE` (`autotune --cpu --out FILE`), or by hand.
 #[derive(clap::Args, Clone, Default)]
 struct CpuTacticArgs {
-    /// A tactic cache (`autotune --cpu --out FILE`): the CPU kernels run with its tuned
-    /// tactic for this model. A missing, corrupt or stale cache warns and runs the defaults.
-    #[arg(long)]
-    tactics: Option<PathBuf>,
     /// A CPU kernel tactic id, e.g. `moe_item=64k,dense_min=256k,threads=2` (keys left out keep
-    /// the default's value); overrides the cache's.
+    /// the default's value); overrides the `--tactics` cache's.
     #[arg(long)]
     cpu_tactic: Option<CpuTactic>,
 }
 
 impl CpuTacticArgs {
-    /// The CPU tactic this process runs `config`'s model with; logs it (and any warning about
-    /// the cache) unless `quiet` (the launcher of ranks, or a rank other than 0).
-    fn choose(&self, config: &ModelConfig, quiet: bool) -> CpuTactic {
-        let choice = match (&self.cpu_tactic, &self.tactics) {
+    /// The CPU tactic this process runs `config`'s model with, from `--cpu-tactic`, else the
+    /// cache at `tactics` (missing, corrupt or stale: a warning and the default), else the
+    /// default; logs it (and any warning) unless `quiet` (the launcher of ranks, or a rank
+    /// other than 0).
+    fn choose(&self, tactics: Option<&Path>, config: &ModelConfig, quiet: bool) -> CpuTactic {
+        let choice = match (&self.cpu_tactic, tactics) {
             (Some(t), _) => CpuChoice {
                 tactic: *t,
                 description: format!("tactic cpu: {t} (--cpu-tactic)"),
@@ -183,6 +182,52 @@ struct LogitsArgs {
     tp: TpArgs,
     #[command(flatten)]
     cpu: CpuTacticArgs,
+    #[command(flatten)]
+    tactics: TacticsArgs,
+}
+
+/// The tuning lab's tactic cache (`autotune --out FILE`).
+#[derive(clap::Args, Clone)]
+struct TacticsArgs {
+    /// Tactic cache to read at start; the tactic per kernel family (or the warning and the
+    /// heuristic default, for a missing, corrupt or stale cache) is logged to stderr.
+    #[arg(long)]
+    tactics: Option<PathBuf>,
+    /// The SM whose tactics the GPU executor would run: 120 (RTX PRO 6000) or 90 (H200).
+    #[arg(long, default_value = "120", value_parser = parse_sm)]
+    tactics_sm: kernels::arch::Sm,
+}
+
+fn parse_sm(s: &str) -> std::result::Result<kernels::arch::Sm, String> {
+    kernels::arch::Sm::parse(s).ok_or_else(|| format!("{s:?}: expected 120 or 90"))
+}
+
+/// Logs, once per command (not per rank), the tactic each GPU family uses for this run.
+fn log_tactics(
+    args: &TacticsArgs,
+    tp: &TpArgs,
+    config: &model::config::ModelConfig,
+    tokens: usize,
+    context: usize,
+    kv: KvCacheDtype,
+) {
+    if tp.tp_rank.is_some() || args.tactics.is_none() {
+        return;
+    }
+    let run = model::tactics::RunShapes {
+        sm: args.tactics_sm,
+        tp: tp.world() as u32,
+        tokens: tokens as u32,
+        context: context as u32,
+        fp8_cache: kv == KvCacheDtype::Fp8E4m3,
+    };
+    eprintln!(
+        "tactics for {} (the GPU executor's kernels; this run computes on the CPU):",
+        args.tactics_sm
+    );
+    for line in model::tactics::tactic_lines(args.tactics.as_deref(), config, &run) {
+        eprintln!("  {line}");
+    }
 }
 
 #[derive(clap::Args, Clone)]
@@ -224,6 +269,8 @@ struct RunArgs {
     tp: TpArgs,
     #[command(flatten)]
     cpu: CpuTacticArgs,
+    #[command(flatten)]
+    tactics: TacticsArgs,
 }
 
 #[derive(clap::Args)]
@@ -571,10 +618,22 @@ fn run(args: RunArgs) -> Result<()> {
         None => default_checkpoint(args.cache_dir.clone())?,
     };
     let started = std::time::Instant::now();
-    let config = Checkpoint::open(&dir)?.model_config().clone();
+    let opened = Checkpoint::open(&dir)?;
+    let config = opened.model_config().clone();
     let requests = run_requests(&args, &config, &dir)?;
+    log_tactics(
+        &args.tactics,
+        &args.tp,
+        &config,
+        args.batch,
+        requests[0].prompt.len() + args.max_new_tokens,
+        resolve_kv_dtype(args.kv_dtype, &opened),
+    );
+    drop(opened);
     let max_rows = requests[0].prompt.len().max(args.batch);
-    let tactic = args.cpu.choose(&config, args.tp.quiet());
+    let tactic = args
+        .cpu
+        .choose(args.tactics.tactics.as_deref(), &config, args.tp.quiet());
     if args.tp.is_launcher() {
         check_tensor_parallel(&dir, &config, args.tp.world())?;
         let mut rank_args = own_args();
@@ -643,9 +702,21 @@ fn run(args: RunArgs) -> Result<()> {
 fn logits(args: LogitsArgs) -> Result<()> {
     watch_launcher_if_rank(&args.tp);
     let (dir, TokenIds(tokens), out) = (&args.checkpoint, &args.tokens, &args.out);
-    let config = Checkpoint::open(dir)?.model_config().clone();
+    let opened = Checkpoint::open(dir)?;
+    let config = opened.model_config().clone();
     check_scoring_request(&args, &config)?;
-    let tactic = args.cpu.choose(&config, args.tp.quiet());
+    log_tactics(
+        &args.tactics,
+        &args.tp,
+        &config,
+        tokens.len(),
+        tokens.len(),
+        resolve_kv_dtype(args.kv_dtype, &opened),
+    );
+    drop(opened);
+    let tactic = args
+        .cpu
+        .choose(args.tactics.tactics.as_deref(), &config, args.tp.quiet());
     // Checked here, before any work; the file itself is written by rank 0 at the end.
     drop(logits_output(out, dir)?);
     if args.tp.is_launcher() {

@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 
+pub mod allreduce_host;
 pub mod layer_checks;
 pub mod moe_goldens;
 

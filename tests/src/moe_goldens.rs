@@ -9,9 +9,12 @@
 //! quantization of them must reproduce ModelOpt's `weight_scale_2` bit for bit and its packed
 //! codes and block scales up to a checksum stored in the file.
 
+use half::bf16;
 use kernels::formats::nvfp4::Nvfp4Matrix;
 use kernels::matrix::MatrixView;
+use kernels::moe_gemm::check;
 use kernels::moe_gemm::golden_data::{self, checksum};
+use kernels::moe_gemm::launch::{ExpertWeights, MoeWeightsHost};
 use kernels::moe_gemm::reference::{ExpertView, Routing};
 use model::nvfp4_file::read_nvfp4;
 use model::tensor_file::TensorFile;
@@ -225,4 +228,52 @@ pub fn distance(ours: &[f32], golden: &[f32]) -> (f64, f64) {
         max_val = max_val.max((b as f64).abs());
     }
     ((num / den).sqrt(), max_diff / max_val)
+}
+
+/// A golden case in the kernels' layout.
+pub fn kernel_case(g: &Case) -> check::Case {
+    let experts: Vec<ExpertWeights> = g
+        .experts
+        .iter()
+        .map(|e| ExpertWeights {
+            gate: e.mats[0].view(),
+            up: e.mats[1].view(),
+            down: e.mats[2].view(),
+            gate_up_input_scale: e.gate_up_input_scale,
+            down_input_scale: e.down_input_scale,
+        })
+        .collect();
+    let x_bf16: Vec<u16> =
+        g.x.iter()
+            .map(|&v| {
+                let b = bf16::from_f32(v);
+                assert_eq!(b.to_f32(), v, "{}: x must be exact in BF16", g.name);
+                b.to_bits()
+            })
+            .collect();
+    check::Case {
+        name: g.name.clone(),
+        hidden: g.hidden,
+        inter: g.experts[0].mats[0].rows,
+        weights: MoeWeightsHost::from_experts(&experts).unwrap(),
+        routing: g.routing.clone(),
+        x_bf16,
+        reference: g.out.clone(),
+    }
+}
+
+/// The goldens every CUDA tactic takes: `kernel_tiles` (several token tiles per expert) and
+/// Kimi's TP8 shapes, in the kernels' layout (`tests/host_moe.rs`, `autotune`'s correct stage).
+pub fn kernel_golden_cases() -> Vec<check::Case> {
+    let mut cases: Vec<check::Case> = load_file("moe/kernel_tiles.safetensors", hashed_source)
+        .iter()
+        .map(kernel_case)
+        .collect();
+    cases.extend(
+        load_file("moe/kimi.safetensors", hashed_source)
+            .iter()
+            .filter(|c| c.name.contains("tp8"))
+            .map(kernel_case),
+    );
+    cases
 }

@@ -11,65 +11,17 @@
 use std::time::Instant;
 
 use cuda_host::{HostDevice, Schedule};
-use half::bf16;
-use kernels::moe_gemm::check::{self, check_case_with};
+use kernels::moe_gemm::check::check_case_with;
 use kernels::moe_gemm::launch::{
-    ExpertWeights, GroupedRouting, MoeDeviceRouting, MoeDeviceWeights, MoeKernels, MoeWeightsHost,
-    check_problem,
+    GroupedRouting, MoeDeviceRouting, MoeDeviceWeights, MoeKernels, check_problem,
 };
 use kernels::moe_gemm::{MoeGemmTactic, ScaleLoad, Sm};
-use project_tests::moe_goldens::{self, hashed_source, load_file};
-
-/// A golden case in the kernels' layout.
-fn kernel_case(g: &moe_goldens::Case) -> check::Case {
-    let experts: Vec<ExpertWeights> = g
-        .experts
-        .iter()
-        .map(|e| ExpertWeights {
-            gate: e.mats[0].view(),
-            up: e.mats[1].view(),
-            down: e.mats[2].view(),
-            gate_up_input_scale: e.gate_up_input_scale,
-            down_input_scale: e.down_input_scale,
-        })
-        .collect();
-    let x_bf16: Vec<u16> =
-        g.x.iter()
-            .map(|&v| {
-                let b = bf16::from_f32(v);
-                assert_eq!(b.to_f32(), v, "{}: x must be exact in BF16", g.name);
-                b.to_bits()
-            })
-            .collect();
-    check::Case {
-        name: g.name.clone(),
-        hidden: g.hidden,
-        inter: g.experts[0].mats[0].rows,
-        weights: MoeWeightsHost::from_experts(&experts).unwrap(),
-        routing: g.routing.clone(),
-        x_bf16,
-        reference: g.out.clone(),
-    }
-}
-
-fn golden_cases() -> Vec<check::Case> {
-    let mut cases: Vec<check::Case> = load_file("moe/kernel_tiles.safetensors", hashed_source)
-        .iter()
-        .map(kernel_case)
-        .collect();
-    cases.extend(
-        load_file("moe/kimi.safetensors", hashed_source)
-            .iter()
-            .filter(|c| c.name.contains("tp8"))
-            .map(kernel_case),
-    );
-    cases
-}
+use project_tests::moe_goldens::kernel_golden_cases;
 
 #[test]
 fn every_moe_tactic_matches_the_goldens_on_the_host() {
     let filter = std::env::var("HOST_TACTICS").unwrap_or_default();
-    let cases = golden_cases();
+    let cases = kernel_golden_cases();
     let layouts = [ScaleLoad::Swizzled128x4, ScaleLoad::RowMajor];
     let mut failures = Vec::new();
     let mut ran = 0;

@@ -1,0 +1,4 @@
+//! Problem shapes of one decode step on one GPU, derived from the model config under tensor
+//! parallelism: they live in `model::tactics`, where `model run --tactics` uses them too.
+
+pub use model::tactics::{BATCHES, CONTEXTS, DenseProduct, dense_products, expert_load, shapes};
