@@ -117,9 +117,9 @@ struct CpuTacticArgs {
 
 impl CpuTacticArgs {
     /// The CPU tactic this process runs `config`'s model with, from `--cpu-tactic`, else the
-    /// cache at `tactics` (missing, corrupt or stale: a warning and the default), else the
-    /// default; logs it (and any warning) unless `quiet` (the launcher of ranks, or a rank
-    /// other than 0).
+    /// cache at `tactics` (missing, corrupt, stale, or without a CPU entry: the default, and
+    /// the line says why), else the default; logs it in one line unless `quiet` (the launcher
+    /// of ranks, or a rank other than 0).
     fn choose(&self, tactics: Option<&Path>, config: &ModelConfig, quiet: bool) -> CpuTactic {
         let choice = match (&self.cpu_tactic, tactics) {
             (Some(t), _) => CpuChoice {
@@ -131,10 +131,18 @@ impl CpuTacticArgs {
             (None, None) => CpuChoice::default_choice(),
         };
         if !quiet {
-            if let Some(w) = &choice.warning {
-                eprintln!("{w}");
+            match &choice.warning {
+                // The cache's warning (missing, corrupt, or a GPU cache) is printed once, by
+                // the GPU families' log of the same file: here only why the default is used.
+                Some(w) => eprintln!(
+                    "tactic cpu: {} (default; {})",
+                    choice.tactic,
+                    w.trim_start_matches("warning: ")
+                        .trim_end_matches("; using the heuristic defaults")
+                        .trim_end_matches("; using the default CPU tactic")
+                ),
+                None => eprintln!("{}", choice.description),
             }
-            eprintln!("{}", choice.description);
         }
         choice.tactic
     }
