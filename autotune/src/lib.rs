@@ -6,6 +6,7 @@
 
 pub mod correct;
 pub mod cost;
+pub mod cpu;
 pub mod manifest;
 pub mod mutation;
 pub mod shapes;

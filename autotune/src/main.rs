@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use autotune::tune::{self, GPU_FAMILIES, Options};
@@ -56,6 +57,23 @@ struct Cli {
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
+    /// Tune the CPU kernels on this machine instead, measured (tile sizes, parallel
+    /// thresholds, threads), on the decode of `--checkpoint DIR` (default: the embedded
+    /// kimi-chat-tiny); writes family `cpu` entries.
+    #[arg(long)]
+    cpu: bool,
+    /// `--cpu`: seconds per kernel family and shape.
+    #[arg(long, default_value_t = 2.0)]
+    cpu_kernel_secs: f64,
+    /// `--cpu`: seconds per knob of the decode stage.
+    #[arg(long, default_value_t = 4.0)]
+    cpu_decode_secs: f64,
+    /// `--cpu`: prompt tokens of each timed decode (prefilled, not timed).
+    #[arg(long, default_value_t = 16)]
+    cpu_prompt_len: usize,
+    /// `--cpu`: tokens each timed decode generates (a bigger model wants fewer).
+    #[arg(long, default_value_t = 24)]
+    cpu_decode_tokens: usize,
 }
 
 #[derive(Subcommand, Debug)]
@@ -83,6 +101,26 @@ fn main() -> ExitCode {
 
 fn run() -> Result<ExitCode> {
     let cli = Cli::parse();
+    if cli.cpu {
+        let secs = |s: f64| Duration::from_secs_f64(s.clamp(0.0, 3600.0));
+        autotune::cpu::run(&autotune::cpu::CpuOptions {
+            model: cli.checkpoint.clone(),
+            out: cli
+                .out
+                .clone()
+                .unwrap_or_else(|| PathBuf::from("cpu-tactics.json")),
+            kernel_budget: secs(cli.cpu_kernel_secs),
+            decode_budget: secs(cli.cpu_decode_secs),
+            prompt_len: cli.cpu_prompt_len.max(1),
+            new_tokens: cli.cpu_decode_tokens.max(2),
+            // Without argv[0]: a machine path has no place in a committed cache.
+            command: std::iter::once("autotune".to_string())
+                .chain(std::env::args().skip(1))
+                .collect::<Vec<_>>()
+                .join(" "),
+        })?;
+        return Ok(ExitCode::SUCCESS);
+    }
     let sm = Sm::parse(&cli.sm).with_context(|| format!("--sm {}: expected 120 or 90", cli.sm))?;
     let (model, model_name) = match &cli.checkpoint {
         Some(dir) => (

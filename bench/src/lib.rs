@@ -2,6 +2,9 @@
 //! the machine's copy and read bandwidth measured in the same run, and the facts a result file
 //! records (CPU, load, date).
 
+pub mod cpu_tactics;
+pub mod cpu_tune;
+
 use std::hint::black_box;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 

@@ -6,20 +6,37 @@ use rayon::prelude::*;
 
 use half::bf16;
 
+use crate::cpu_tactic::CpuTactic;
 use crate::matrix::MatrixView;
-
-/// Below this many weight bytes a product runs on the calling thread: waking the pool costs
-/// tens of microseconds, more than reading a few hundred KB takes.
-const PARALLEL_MIN_BYTES: usize = 512 << 10;
-
-/// Weight rows per parallel task: enough work to amortize scheduling, few enough tasks to
-/// balance across cores for the narrowest layers.
-const ROWS_PER_TASK: usize = 64;
 
 /// `out[t, j] = Σ_i x[t, i] · w[j, i]` for `x: [tokens, cols]`, `w: [rows, cols]`,
 /// `out: [tokens, rows]`. Each weight row is read once for all tokens, since at decode the
 /// weights are the traffic.
 pub fn matmul_transposed(x: &[f32], tokens: usize, w: MatrixView<'_>, out: &mut [f32]) {
+    matmul_transposed_tuned(&CpuTactic::DEFAULT, x, tokens, w, out);
+}
+
+/// [`matmul_transposed`] under a tactic: BF16 products below
+/// [`dense_parallel_min_bytes`](CpuTactic::dense_parallel_min_bytes) of weights run on the
+/// calling thread (waking the pool costs tens of microseconds, more than reading a few hundred
+/// KB takes), larger ones in tasks of [`dense_rows_per_task`](CpuTactic::dense_rows_per_task)
+/// weight rows (enough work to amortize scheduling, few enough tasks to balance across cores
+/// for the narrowest layers). Every valid tactic gives bit-identical results.
+///
+/// # Panics
+/// If shapes disagree or the tactic is invalid.
+pub fn matmul_transposed_tuned(
+    tactic: &CpuTactic,
+    x: &[f32],
+    tokens: usize,
+    w: MatrixView<'_>,
+    out: &mut [f32],
+) {
+    if let Err(e) = tactic.validate() {
+        panic!("{e}");
+    }
+    let (parallel_min_bytes, rows_per_task) =
+        (tactic.dense_parallel_min_bytes, tactic.dense_rows_per_task);
     let (rows, cols) = (w.rows(), w.cols());
     assert_eq!(
         x.len(),
@@ -43,33 +60,33 @@ pub fn matmul_transposed(x: &[f32], tokens: usize, w: MatrixView<'_>, out: &mut 
             let dot_bf16 = dot_bf16_kernel();
             let task = |(task, chunk): (usize, &mut [f32])| {
                 for (i, out_row) in chunk.chunks_exact_mut(tokens).enumerate() {
-                    let row = task * ROWS_PER_TASK + i;
+                    let row = task * rows_per_task + i;
                     let weights = &data[row * cols..(row + 1) * cols];
                     for (t, o) in out_row.iter_mut().enumerate() {
                         *o = dot_bf16(&x[t * cols..(t + 1) * cols], weights);
                     }
                 }
             };
-            if w.bytes() < PARALLEL_MIN_BYTES {
+            if w.bytes() < parallel_min_bytes {
                 transposed
-                    .chunks_mut(ROWS_PER_TASK * tokens)
+                    .chunks_mut(rows_per_task * tokens)
                     .enumerate()
                     .for_each(task);
             } else {
                 transposed
-                    .par_chunks_mut(ROWS_PER_TASK * tokens)
+                    .par_chunks_mut(rows_per_task * tokens)
                     .enumerate()
                     .for_each(task);
             }
         }
         MatrixView::Nvfp4(_) => {
             transposed
-                .par_chunks_mut(ROWS_PER_TASK * tokens)
+                .par_chunks_mut(rows_per_task * tokens)
                 .enumerate()
                 .for_each(|(task, chunk)| {
                     let mut row_values = vec![0.0f32; cols];
                     for (i, out_row) in chunk.chunks_exact_mut(tokens).enumerate() {
-                        w.row_into(task * ROWS_PER_TASK + i, &mut row_values);
+                        w.row_into(task * rows_per_task + i, &mut row_values);
                         for (t, o) in out_row.iter_mut().enumerate() {
                             *o = dot(&x[t * cols..(t + 1) * cols], &row_values);
                         }
@@ -240,6 +257,44 @@ mod tests {
                         .sum();
                     assert!((out[t * rows + j] - expected).abs() < 1e-4, "t{t} j{j}");
                 }
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(32))]
+        /// The split is only who computes which row: any valid tactic is bit-identical to the
+        /// default, serial or parallel, for BF16 and NVFP4 weights.
+        #[test]
+        fn every_tactic_is_bit_identical_to_the_default(
+            min_kib in 0usize..64,
+            rows_per_task in 1usize..100,
+            threads in 1usize..4,
+            tokens in 1usize..6,
+            rows in 1usize..300,
+            blocks in 1usize..12,
+        ) {
+            let tactic = CpuTactic {
+                dense_parallel_min_bytes: min_kib << 10,
+                dense_rows_per_task: rows_per_task,
+                threads,
+                ..CpuTactic::DEFAULT
+            };
+            let cols = 16 * blocks;
+            let x: Vec<f32> = (0..tokens * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
+            let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 53 % 97) as f32 - 48.0) / 40.0).collect();
+            let w_bf16: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+            let q = Nvfp4Matrix::quantize_weight(&w, rows, cols).unwrap();
+            let pool = tactic.build_pool().unwrap();
+            for view in [MatrixView::Bf16 { rows, cols, data: &w_bf16 }, MatrixView::Nvfp4(q.view())] {
+                let mut want = vec![0.0; tokens * rows];
+                matmul_transposed(&x, tokens, view, &mut want);
+                let mut got = vec![f32::NAN; tokens * rows];
+                pool.install(|| matmul_transposed_tuned(&tactic, &x, tokens, view, &mut got));
+                proptest::prop_assert!(
+                    got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{tactic}"
+                );
             }
         }
     }

@@ -5,6 +5,7 @@
 //! - [`moe_gemm`]: the NVFP4 grouped GEMM of the routed experts;
 //! - [`mla`]: MLA decode attention over the paged latent cache;
 //! - [`dense`]: BF16/NVFP4 dense products for everything else;
+//! - [`cpu_tactic`]: the tunables of the CPU paths of those families as one tactic value;
 //! - [`allreduce`]: the PCIe-aware all-reduce of tensor parallelism;
 //! - [`layers`]: the small kernels of a decode step between those (embedding, norms, RoPE,
 //!   routing, expert grouping, decode-shaped BF16 products, greedy sampling);
@@ -19,6 +20,7 @@
 
 pub mod allreduce;
 pub mod arch;
+pub mod cpu_tactic;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod dense;

@@ -1,9 +1,13 @@
 //! The small set of operations a compute backend provides to the forward pass. The CPU backend
 //! implements it with the kernels crate's CPU paths; a CUDA backend implements the same calls.
 
+use std::sync::Arc;
+
+use kernels::cpu_tactic::CpuTactic;
 use kernels::matrix::MatrixView;
 use kernels::mla::cache::{CacheError, PagedLatentCache};
 use kernels::mla::reference::MlaProblem;
+use kernels::moe_gemm::cpu_simd::Isa;
 use kernels::moe_gemm::reference::{ExpertInputAmax, ExpertView, Routing};
 
 pub trait Backend: Send + Sync {
@@ -40,9 +44,91 @@ pub trait Backend: Send + Sync {
     }
 }
 
-/// The CPU backend: rayon-parallel kernels from the `kernels` crate.
+/// The CPU backend: rayon-parallel kernels from the `kernels` crate, with the default
+/// [`CpuTactic`] (see [`TunedCpuBackend`] for another one).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuBackend;
+
+/// The CPU backend under a chosen [`CpuTactic`] (`model run --tactics FILE`, autotune). Every
+/// knob but the thread count is passed to the kernels with each call; a tactic with a thread
+/// count of its own runs the calls in a rayon pool of that size, owned by the backend (so no
+/// process-wide setting: a call is handed to that pool exactly as a call from outside rayon's
+/// global pool is handed to the global one).
+#[derive(Clone, Debug, Default)]
+pub struct TunedCpuBackend {
+    tactic: CpuTactic,
+    pool: Option<Arc<rayon::ThreadPool>>,
+}
+
+impl TunedCpuBackend {
+    /// # Errors
+    /// If the tactic is invalid or its thread pool cannot be built.
+    pub fn new(tactic: CpuTactic) -> Result<Self, String> {
+        tactic.validate().map_err(|e| e.to_string())?;
+        let pool = if tactic.threads == 0 {
+            None
+        } else {
+            Some(Arc::new(tactic.build_pool().map_err(|e| {
+                format!("cpu tactic threads={}: {e}", tactic.threads)
+            })?))
+        };
+        Ok(Self { tactic, pool })
+    }
+
+    pub fn tactic(&self) -> &CpuTactic {
+        &self.tactic
+    }
+
+    fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        match &self.pool {
+            Some(pool) => pool.install(f),
+            None => f(),
+        }
+    }
+}
+
+impl Backend for TunedCpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn matmul(&self, x: &[f32], tokens: usize, w: MatrixView<'_>, out: &mut [f32]) {
+        self.run(|| kernels::dense::matmul_transposed_tuned(&self.tactic, x, tokens, w, out));
+    }
+
+    fn moe(
+        &self,
+        x: &[f32],
+        hidden: usize,
+        routing: &Routing,
+        experts: &[ExpertView<'_>],
+        out: &mut [f32],
+        amax: Option<&mut ExpertInputAmax>,
+    ) {
+        self.run(|| {
+            kernels::moe_gemm::cpu::moe_cpu_tuned(
+                &self.tactic,
+                Isa::detect(),
+                x,
+                hidden,
+                routing,
+                experts,
+                out,
+                amax,
+            )
+        });
+    }
+
+    fn mla_attention(
+        &self,
+        cache: &PagedLatentCache,
+        problem: &MlaProblem<'_>,
+        out: &mut [f32],
+        lse: &mut [f32],
+    ) -> Result<(), CacheError> {
+        self.run(|| kernels::mla::cpu::mla_attention_tuned(&self.tactic, cache, problem, out, lse))
+    }
+}
 
 impl Backend for CpuBackend {
     fn name(&self) -> &'static str {

@@ -11,10 +11,12 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
+use kernels::cpu_tactic::{CpuChoice, CpuTactic, choose_from_cache, decode_entry_shape};
 use kernels::formats::NVFP4_BLOCK;
 use kernels::formats::nvfp4::Nvfp4Matrix;
 use kernels::mla::cache::{KvCacheDtype, PAGE_TOKENS};
-use model::backend::{Backend, CpuBackend};
+use kernels::tactic::ProblemShape;
+use model::backend::{Backend, CpuBackend, TunedCpuBackend};
 use model::checkpoint::{Checkpoint, CheckpointError};
 use model::checkpoint_writer::{OutputKind, OwnedTensor, StagedOutput, write_file};
 use model::config::{ConfigError, KvCacheQuant, ModelConfig};
@@ -103,6 +105,59 @@ enum Command {
     Inspect { path: PathBuf },
 }
 
+/// The CPU kernels' tactic (tile sizes, parallel thresholds, threads): from the tactic cache
+/// of `--tactics FILE` (`autotune --cpu --out FILE`), or by hand.
+#[derive(clap::Args, Clone, Default)]
+struct CpuTacticArgs {
+    /// A CPU kernel tactic id, e.g. `moe_item=64k,dense_min=256k,threads=2` (keys left out keep
+    /// the default's value); overrides the `--tactics` cache's.
+    #[arg(long)]
+    cpu_tactic: Option<CpuTactic>,
+}
+
+impl CpuTacticArgs {
+    /// The CPU tactic this process runs `config`'s model with, from `--cpu-tactic`, else the
+    /// cache at `tactics` (missing, corrupt, stale, or without a CPU entry: the default, and
+    /// the line says why), else the default; logs it in one line unless `quiet` (the launcher
+    /// of ranks, or a rank other than 0).
+    fn choose(&self, tactics: Option<&Path>, config: &ModelConfig, quiet: bool) -> CpuTactic {
+        let choice = match (&self.cpu_tactic, tactics) {
+            (Some(t), _) => CpuChoice {
+                tactic: *t,
+                description: format!("tactic cpu: {t} (--cpu-tactic)"),
+                warning: None,
+            },
+            (None, Some(path)) => choose_from_cache(path, &decode_shape(config)),
+            (None, None) => CpuChoice::default_choice(),
+        };
+        if !quiet {
+            match &choice.warning {
+                // The cache's warning (missing, corrupt, or a GPU cache) is printed once, by
+                // the GPU families' log of the same file: here only why the default is used.
+                Some(w) => eprintln!(
+                    "tactic cpu: {} (default; {})",
+                    choice.tactic,
+                    w.trim_start_matches("warning: ")
+                        .trim_end_matches("; using the heuristic defaults")
+                        .trim_end_matches("; using the default CPU tactic")
+                ),
+                None => eprintln!("{}", choice.description),
+            }
+        }
+        choice.tactic
+    }
+}
+
+/// The shape `autotune --cpu` files a model's decode entry under.
+fn decode_shape(c: &ModelConfig) -> ProblemShape {
+    decode_entry_shape(
+        c.hidden_size,
+        c.moe_intermediate_size,
+        c.n_routed_experts,
+        c.num_experts_per_tok,
+    )
+}
+
 /// Tensor parallelism: N rank processes on CPU with the shared-memory all-reduce.
 #[derive(clap::Args, Clone)]
 struct TpArgs {
@@ -133,6 +188,8 @@ struct LogitsArgs {
     kv_dtype: KvDtypeArg,
     #[command(flatten)]
     tp: TpArgs,
+    #[command(flatten)]
+    cpu: CpuTacticArgs,
     #[command(flatten)]
     tactics: TacticsArgs,
 }
@@ -212,8 +269,14 @@ struct RunArgs {
     seed: u64,
     #[arg(long, value_enum, default_value = "auto")]
     kv_dtype: KvDtypeArg,
+    /// Decode all --max-new-tokens even past an end-of-sequence token (benchmarks: the decode
+    /// rate over a fixed length; a small model may otherwise stop after a few tokens).
+    #[arg(long)]
+    ignore_eos: bool,
     #[command(flatten)]
     tp: TpArgs,
+    #[command(flatten)]
+    cpu: CpuTacticArgs,
     #[command(flatten)]
     tactics: TacticsArgs,
 }
@@ -456,6 +519,12 @@ impl TpArgs {
         }
     }
 
+    /// Whether this process logs nothing of its own: the launcher of `--tp N` ranks (rank 0
+    /// speaks for them) or a rank other than 0.
+    fn quiet(&self) -> bool {
+        self.is_launcher() || self.tp_rank.is_some_and(|r| r != 0)
+    }
+
     /// Whether this process is the launcher of `--tp N` ranks (not a rank, not alone).
     fn is_launcher(&self) -> bool {
         self.tp > 1 && self.tp_rank.is_none()
@@ -463,9 +532,14 @@ impl TpArgs {
 }
 
 /// The backend of this process as one rank (the single rank when `--tp 1`).
-fn rank_backend(tp: &TpArgs, max_elements: usize) -> Result<(TpShard, Box<dyn Backend>)> {
+fn rank_backend(
+    tp: &TpArgs,
+    max_elements: usize,
+    tactic: CpuTactic,
+) -> Result<(TpShard, Box<dyn Backend>)> {
+    let compute = TunedCpuBackend::new(tactic).map_err(anyhow::Error::msg)?;
     if tp.tp == 1 {
-        return Ok((TpShard::SINGLE, Box::new(CpuBackend)));
+        return Ok((TpShard::SINGLE, Box::new(compute)));
     }
     let rank = tp
         .tp_rank
@@ -475,7 +549,7 @@ fn rank_backend(tp: &TpArgs, max_elements: usize) -> Result<(TpShard, Box<dyn Ba
         .as_deref()
         .context("--tp-rank needs --tp-segment")?;
     let timeout = std::time::Duration::from_secs(tp.tp_timeout_secs);
-    let backend = TpCpuBackend::join(segment, rank, tp.world(), max_elements, timeout)?;
+    let backend = TpCpuBackend::join(compute, segment, rank, tp.world(), max_elements, timeout)?;
     Ok((tp.shard(), Box::new(backend)))
 }
 
@@ -565,6 +639,9 @@ fn run(args: RunArgs) -> Result<()> {
     );
     drop(opened);
     let max_rows = requests[0].prompt.len().max(args.batch);
+    let tactic = args
+        .cpu
+        .choose(args.tactics.tactics.as_deref(), &config, args.tp.quiet());
     if args.tp.is_launcher() {
         check_tensor_parallel(&dir, &config, args.tp.world())?;
         let mut rank_args = own_args();
@@ -574,8 +651,11 @@ fn run(args: RunArgs) -> Result<()> {
         }
         return tp::launch_ranks(args.tp.world(), &rank_args);
     }
-    let (checkpoint, model) = load(&dir, args.tp.shard())?;
-    let (shard, backend) = rank_backend(&args.tp, max_rows * config.hidden_size)?;
+    let (checkpoint, mut model) = load(&dir, args.tp.shard())?;
+    if args.ignore_eos {
+        model.config.eos_token_ids.clear();
+    }
+    let (shard, backend) = rank_backend(&args.tp, max_rows * config.hidden_size, tactic)?;
     let quiet = shard.rank != 0;
     let kv_dtype = resolve_kv_dtype(args.kv_dtype, &checkpoint);
     let c = &model.config;
@@ -642,6 +722,9 @@ fn logits(args: LogitsArgs) -> Result<()> {
         resolve_kv_dtype(args.kv_dtype, &opened),
     );
     drop(opened);
+    let tactic = args
+        .cpu
+        .choose(args.tactics.tactics.as_deref(), &config, args.tp.quiet());
     // Checked here, before any work; the file itself is written by rank 0 at the end.
     drop(logits_output(out, dir)?);
     if args.tp.is_launcher() {
@@ -651,7 +734,7 @@ fn logits(args: LogitsArgs) -> Result<()> {
     // Load (and shard) before joining the collective, so a model that cannot be split fails
     // alone instead of leaving its peers waiting.
     let (checkpoint, model) = load(dir, args.tp.shard())?;
-    let (shard, backend) = rank_backend(&args.tp, tokens.len() * config.hidden_size)?;
+    let (shard, backend) = rank_backend(&args.tp, tokens.len() * config.hidden_size, tactic)?;
     let mut cache = model.new_cache(resolve_kv_dtype(args.kv_dtype, &checkpoint), tokens.len());
     let seq = cache.add_sequence();
     let logits = model.forward(

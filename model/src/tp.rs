@@ -23,11 +23,11 @@ use kernels::mla::cache::{CacheError, PagedLatentCache};
 use kernels::mla::reference::MlaProblem;
 use kernels::moe_gemm::reference::{ExpertInputAmax, ExpertView, Routing};
 
-use crate::backend::{Backend, CpuBackend};
+use crate::backend::{Backend, TunedCpuBackend};
 
 /// The CPU backend of one tensor-parallel rank.
 pub struct TpCpuBackend {
-    compute: CpuBackend,
+    compute: TunedCpuBackend,
     communicator: Mutex<CpuCommunicator>,
     /// Unlinks the segment name if this rank is interrupted before rank 0 has done so.
     _segment_cleanup: crate::cleanup::Registration,
@@ -35,8 +35,9 @@ pub struct TpCpuBackend {
 
 impl TpCpuBackend {
     /// Joins the all-reduce segment `segment` as `rank` of `world`. `max_elements` bounds the
-    /// largest partial sum (tokens per forward × hidden).
+    /// largest partial sum (tokens per forward × hidden); `compute` runs this rank's kernels.
     pub fn join(
+        compute: TunedCpuBackend,
         segment: &str,
         rank: usize,
         world: usize,
@@ -54,7 +55,7 @@ impl TpCpuBackend {
                 format!("rank {rank} of {world}: joining all-reduce segment {segment}")
             })?;
         Ok(Self {
-            compute: CpuBackend,
+            compute,
             communicator: Mutex::new(communicator),
             _segment_cleanup: segment_cleanup,
         })

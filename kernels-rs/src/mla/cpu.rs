@@ -14,11 +14,10 @@ use rayon::prelude::*;
 
 use super::cache::{CacheError, PagedLatentCache};
 use super::reference::MlaProblem;
+use crate::cpu_tactic::{CpuTactic, MLA_TILE};
 
 /// Tokens dequantized together and reused by every head.
-const TILE: usize = 16;
-/// Shortest chunk worth a task of its own: below it the merge and scheduling overhead wins.
-const MIN_CHUNK: usize = 256;
+const TILE: usize = MLA_TILE;
 
 /// One chunk's unnormalized result: `acc[h] = Σ_t exp(s_t - m[h]) c_t`, `l[h] = Σ_t exp(s_t - m[h])`.
 struct Partial {
@@ -35,17 +34,39 @@ pub fn mla_attention(
     out: &mut [f32],
     lse: &mut [f32],
 ) -> Result<(), CacheError> {
+    mla_attention_tuned(&CpuTactic::DEFAULT, cache, problem, out, lse)
+}
+
+/// [`mla_attention`] under a tactic: split-KV chunks aim for
+/// [`mla_tasks_per_thread`](CpuTactic::mla_tasks_per_thread) tasks per pool thread over the
+/// whole batch, none shorter than [`mla_min_chunk`](CpuTactic::mla_min_chunk) tokens (below it
+/// the merge and scheduling overhead wins). Where the chunks are cut changes the order of the
+/// softmax sums, so tactics agree to rounding, not bit for bit.
+///
+/// # Panics
+/// If the tactic is invalid.
+pub fn mla_attention_tuned(
+    tactic: &CpuTactic,
+    cache: &PagedLatentCache,
+    problem: &MlaProblem<'_>,
+    out: &mut [f32],
+    lse: &mut [f32],
+) -> Result<(), CacheError> {
+    if let Err(e) = tactic.validate() {
+        panic!("{e}");
+    }
     let shape = cache.shape();
     let (l, r, h) = (shape.latent_dim, shape.rope_dim, problem.heads);
     let slots = problem.slots(cache, out, lse)?;
     let rows = slots.len();
 
-    // Enough chunks for ~4 tasks per thread over the whole batch, none shorter than MIN_CHUNK.
+    // Enough chunks for the tactic's tasks per thread over the whole batch, none shorter than
+    // its minimum chunk.
     let total: usize = slots.iter().map(Vec::len).sum();
-    let want_tasks = 4 * rayon::current_num_threads();
+    let want_tasks = tactic.mla_tasks_per_thread * rayon::current_num_threads();
     let chunk = total
         .div_ceil(want_tasks)
-        .max(MIN_CHUNK)
+        .max(tactic.mla_min_chunk)
         .next_multiple_of(TILE);
     let tasks: Vec<(usize, usize, usize)> = slots
         .iter()
@@ -289,5 +310,62 @@ mod tests {
         };
         let err = mla_attention(&cache, &problem, &mut [0.0; 16], &mut [0.0; 1]);
         assert!(matches!(err, Err(CacheError::UnknownSequence(_))));
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
+        /// Any valid tactic agrees with the default within the bound the default keeps against
+        /// the reference (the chunk cuts only reorder the softmax sums).
+        #[test]
+        fn every_tactic_agrees_with_the_default(
+            chunk in 1usize..80,
+            tasks in 1usize..16,
+            threads in 1usize..4,
+            dtype in proptest::sample::select(vec![KvCacheDtype::F32, KvCacheDtype::Fp8E4m3]),
+        ) {
+            let tactic = CpuTactic {
+                mla_min_chunk: chunk * TILE,
+                mla_tasks_per_thread: tasks,
+                threads,
+                ..CpuTactic::DEFAULT
+            };
+            let shape = LatentCacheShape { layers: 1, latent_dim: 32, rope_dim: 16 };
+            let lens = [1usize, 300, 1100];
+            let mut cache = PagedLatentCache::new(shape, dtype, 64);
+            let mut queries = Vec::new();
+            for (i, &len) in lens.iter().enumerate() {
+                let seq = cache.add_sequence();
+                cache.reserve(seq, len).unwrap();
+                for t in 0..len {
+                    let c: Vec<f32> = (0..32).map(|j| hash((i * 7919 + t) as u64 * 97 + j)).collect();
+                    let k: Vec<f32> = (0..16).map(|j| hash((i * 31 + t) as u64 * 89 + j + 5)).collect();
+                    cache.write(0, seq, t, &c, &k).unwrap();
+                }
+                cache.commit(seq, len).unwrap();
+                queries.push(AttentionQuery { seq, context: len });
+            }
+            let (heads, rows) = (2, lens.len());
+            let q_abs: Vec<f32> = (0..rows * heads * 32).map(|i| 2.0 * hash(i as u64 + 11)).collect();
+            let q_pe: Vec<f32> = (0..rows * heads * 16).map(|i| hash(i as u64 + 13)).collect();
+            let problem = MlaProblem {
+                layer: 0,
+                heads,
+                queries: &queries,
+                q_abs: &q_abs,
+                q_pe: &q_pe,
+                softmax_scale: 0.2,
+            };
+            let (mut o_def, mut lse_def) = (vec![0.0; rows * heads * 32], vec![0.0; rows * heads]);
+            let (mut o, mut lse) = (vec![1.0; rows * heads * 32], vec![1.0; rows * heads]);
+            mla_attention(&cache, &problem, &mut o_def, &mut lse_def).unwrap();
+            tactic
+                .build_pool()
+                .unwrap()
+                .install(|| mla_attention_tuned(&tactic, &cache, &problem, &mut o, &mut lse))
+                .unwrap();
+            for (a, b) in o.iter().zip(&o_def).chain(lse.iter().zip(&lse_def)) {
+                proptest::prop_assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{tactic}: {a} vs {b}");
+            }
+        }
     }
 }

@@ -26,12 +26,9 @@ use std::ops::Range;
 
 use super::cpu_simd::{Isa, fake_quantize_row_fast, interleave_blocks, nvfp4_rows_dots};
 use super::reference::{ExpertInputAmax, ExpertView, Routing, silu};
+use crate::cpu_tactic::CpuTactic;
 use crate::dense::dot;
 use crate::matrix::MatrixView;
-
-/// Weight bytes one work item streams: large enough that rayon's per-item cost (~1 µs) is a few
-/// percent of the item's memory time, small enough for a few items per thread on one expert.
-const ITEM_BYTES: usize = 128 * 1024;
 
 /// Per-call buffers, kept per thread between calls: a fresh multi-megabyte allocation is fresh
 /// pages, whose first-touch faults and zeroing cost as much as streaming a good part of the
@@ -104,6 +101,38 @@ pub fn moe_cpu_with(
     out: &mut [f32],
     amax: Option<&mut ExpertInputAmax>,
 ) {
+    moe_cpu_tuned(
+        &CpuTactic::DEFAULT,
+        isa,
+        x,
+        hidden,
+        routing,
+        experts,
+        out,
+        amax,
+    );
+}
+
+/// [`moe_cpu_with`] under a tactic: its [`moe_item_bytes`](CpuTactic::moe_item_bytes) sets the
+/// work items. Every valid tactic gives bit-identical results (an item boundary only decides
+/// which thread computes a row).
+///
+/// # Panics
+/// As [`moe_cpu_with`], and if the tactic is invalid.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_cpu_tuned(
+    tactic: &CpuTactic,
+    isa: Isa,
+    x: &[f32],
+    hidden: usize,
+    routing: &Routing,
+    experts: &[ExpertView<'_>],
+    out: &mut [f32],
+    amax: Option<&mut ExpertInputAmax>,
+) {
+    if let Err(e) = tactic.validate() {
+        panic!("{e}");
+    }
     // Checked once here; the SIMD kernels rely on it (and re-check cheaply).
     assert!(isa.is_supported(), "{isa:?} is not supported by this CPU");
     let tokens = routing.tokens();
@@ -131,7 +160,7 @@ pub fn moe_cpu_with(
             inter
         })
         .collect();
-    let plan = Plan::new(routing, experts.len(), &inters);
+    let plan = Plan::new(routing, experts.len(), &inters, tactic.moe_item_bytes);
 
     // Phase 1: the quantized inputs, one row per (token, slot) in expert order.
     let mut scratch = SCRATCH.with(Cell::take);
@@ -296,6 +325,8 @@ struct Plan {
     row_start: Vec<usize>,
     /// Offset of each expert's `[count, inter]` block in the `h`/`act` buffers; `[experts + 1]`.
     inter_offset: Vec<usize>,
+    /// Weight bytes one work item aims for ([`CpuTactic::moe_item_bytes`]).
+    item_bytes: usize,
 }
 
 /// One parallel work item: output rows `rows` of `expert`'s weight matrix, for all of its
@@ -307,7 +338,7 @@ struct Item<'a> {
 }
 
 impl Plan {
-    fn new(routing: &Routing, num_experts: usize, inters: &[usize]) -> Self {
+    fn new(routing: &Routing, num_experts: usize, inters: &[usize], item_bytes: usize) -> Self {
         let mut row_start = vec![0usize; num_experts + 1];
         for &e in &routing.experts {
             assert!(
@@ -341,6 +372,7 @@ impl Plan {
             slot_row,
             row_start,
             inter_offset,
+            item_bytes,
         }
     }
 
@@ -353,9 +385,12 @@ impl Plan {
     }
 
     /// Weight rows per item for expert `e`, whose rows take `row_bytes(e)` bytes each: a
-    /// multiple of 16 (whole cache lines of scales) near [`ITEM_BYTES`].
+    /// multiple of 16 (whole cache lines of scales, at least one tile) near the tactic's
+    /// item size.
     fn tile_rows(&self, e: usize, row_bytes: impl Fn(usize) -> usize) -> usize {
-        (ITEM_BYTES / row_bytes(e).max(1)).next_multiple_of(16)
+        (self.item_bytes / row_bytes(e).max(1))
+            .next_multiple_of(16)
+            .max(16)
     }
 
     /// Splits `buf` (laid out expert by expert, `[count, out_rows]` each, tile-major inside)
@@ -716,5 +751,44 @@ mod tests {
         };
         let mut out = vec![];
         moe_cpu(&[], hidden, &none, &experts, &mut out, None);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
+        /// The work-item size only decides which thread computes which rows: any valid tactic
+        /// is bit-identical to the default, on every ISA this CPU has.
+        #[test]
+        fn every_tactic_is_bit_identical_to_the_default(
+            item_bytes in 1usize..(64 << 10),
+            threads in 1usize..4,
+            seed in 0u64..1000,
+            case in 0usize..3,
+        ) {
+            let tactic = CpuTactic {
+                moe_item_bytes: item_bytes,
+                threads,
+                ..CpuTactic::DEFAULT
+            };
+            let (hidden, inter, num_experts, tokens, top_k) =
+                [(256, 96, 4, 1, 2), (128, 320, 6, 9, 3), (512, 64, 8, 4, 8)][case];
+            let mut rng = Rng(seed);
+            let w = Weights::new(&mut rng, num_experts, hidden, inter);
+            let experts = w.views();
+            let routing = routing(&mut rng, tokens, top_k, num_experts, &[], None);
+            let x = rng.values(tokens * hidden, 1.0);
+            let pool = tactic.build_pool().unwrap();
+            for isa in Isa::all_supported() {
+                let mut want = vec![0.0; tokens * hidden];
+                moe_cpu_with(isa, &x, hidden, &routing, &experts, &mut want, None);
+                let mut got = vec![f32::NAN; tokens * hidden];
+                pool.install(|| {
+                    moe_cpu_tuned(&tactic, isa, &x, hidden, &routing, &experts, &mut got, None)
+                });
+                proptest::prop_assert!(
+                    got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{isa:?} {tactic}"
+                );
+            }
+        }
     }
 }
