@@ -13,6 +13,7 @@ use kernels::matrix::MatrixView;
 use kernels::mla::cache::{KvCacheDtype, LatentCacheShape, PAGE_TOKENS, PagedLatentCache};
 use kernels::mla::cpu::mla_attention_tuned;
 use kernels::mla::reference::{AttentionQuery, MlaProblem};
+use kernels::moe_gemm::check::Rng;
 use kernels::moe_gemm::cpu::moe_cpu_tuned;
 use kernels::moe_gemm::cpu_simd::Isa;
 use kernels::moe_gemm::reference::{ExpertView, Routing};
@@ -226,33 +227,23 @@ impl Case {
     }
 }
 
-/// SplitMix64: deterministic test data without a dependency.
-struct Rng(u64);
+/// Random bytes from the kernels' test-data generator.
+fn random_bytes(rng: &mut Rng, n: usize) -> Vec<u8> {
+    let mut out = vec![0; n];
+    rng.fill_bytes(&mut out);
+    out
+}
 
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn uniform(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
-    }
-    fn values(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.uniform()).collect()
-    }
+/// Values uniform in [-1, 1).
+fn random_values(rng: &mut Rng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.sym()).collect()
 }
 
 /// A random NVFP4 matrix: random codes, block scales in a normal E4M3 range.
 fn nvfp4(rng: &mut Rng, rows: usize, cols: usize) -> Nvfp4Matrix {
-    let packed = rng.bytes(rows * cols / 2);
+    let packed = random_bytes(rng, rows * cols / 2);
     let scales = (0..rows * cols / 16)
-        .map(|_| 0x30 + (rng.next() % 16) as u8)
+        .map(|_| 0x30 + (rng.next_u64() % 16) as u8)
         .collect();
     Nvfp4Matrix::from_parts(rows, cols, packed, scales, 1.0 / 2688.0).expect("shapes agree")
 }
@@ -277,7 +268,7 @@ fn moe_case(
     // Each token takes top_k distinct experts at a random offset: balanced on average.
     let mut experts = Vec::with_capacity(tokens * top_k);
     for _ in 0..tokens {
-        let start = (rng.next() as usize) % num_experts;
+        let start = (rng.next_u64() as usize) % num_experts;
         let stride = num_experts / top_k;
         experts.extend((0..top_k).map(|k| ((start + k * stride.max(1)) % num_experts) as u32));
     }
@@ -287,10 +278,10 @@ fn moe_case(
         top_k,
         experts,
         weights: (0..tokens * top_k)
-            .map(|_| rng.uniform().abs() / top_k as f32)
+            .map(|_| rng.sym().abs() / top_k as f32)
             .collect(),
     };
-    let x = rng.values(tokens * hidden);
+    let x = random_values(rng, tokens * hidden);
     let out = Mutex::new(vec![0.0f32; tokens * hidden]);
     let isa = Isa::detect();
     Case {
@@ -313,12 +304,11 @@ fn moe_case(
 }
 
 fn dense_case(rng: &mut Rng, tokens: usize, rows: usize, cols: usize) -> Case {
-    let w: Vec<bf16> = rng
-        .values(rows * cols)
+    let w: Vec<bf16> = random_values(rng, rows * cols)
         .into_iter()
         .map(|v| bf16::from_f32(v * 0.05))
         .collect();
-    let x = rng.values(tokens * cols);
+    let x = random_values(rng, tokens * cols);
     let out = Mutex::new(vec![0.0f32; tokens * rows]);
     Case {
         bytes: rows * cols * 2,
@@ -354,15 +344,15 @@ fn mla_case(
         let seq = cache.add_sequence();
         cache.reserve(seq, context).expect("pages reserved");
         for t in 0..context {
-            let c = rng.values(latent);
-            let k = rng.values(rope);
+            let c = random_values(rng, latent);
+            let k = random_values(rng, rope);
             cache.write(0, seq, t, &c, &k).expect("slot reserved");
         }
         cache.commit(seq, context).expect("written");
         queries.push(AttentionQuery { seq, context });
     }
-    let q_abs = rng.values(batch * heads * latent);
-    let q_pe = rng.values(batch * heads * rope);
+    let q_abs = random_values(rng, batch * heads * latent);
+    let q_pe = random_values(rng, batch * heads * rope);
     let out = Mutex::new((
         vec![0.0f32; batch * heads * latent],
         vec![0.0f32; batch * heads],
