@@ -221,7 +221,7 @@ pub fn cpu_provenance(command: &str) -> Provenance {
         sm: CPU_TARGET.to_string(),
         driver_version: NO_GPU.to_string(),
         cuda_version: NO_GPU.to_string(),
-        commit: git_commit(),
+        commit: crate::tune::git_commit().unwrap_or_else(|| "unknown".into()),
         manifest_hash: std::fs::read(manifest).map_or_else(|_| "none".into(), |b| fnv1a64(&b)),
         kernel_source_hashes: BTreeMap::from([(
             CPU_SOURCES_KEY.to_string(),
@@ -229,17 +229,6 @@ pub fn cpu_provenance(command: &str) -> Provenance {
         )]),
         command: command.to_string(),
     }
-}
-
-fn git_commit() -> String {
-    std::process::Command::new("git")
-        .args(["rev-parse", "HEAD"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_else(|| "unknown".into())
 }
 
 /// The cache entries of a tuning run.

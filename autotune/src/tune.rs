@@ -141,7 +141,7 @@ fn space(family: KernelFamily, sm: Sm) -> Vec<Any> {
     }
 }
 
-/// `git rev-parse HEAD` (with `-dirty` when the tree has changes), or `unknown`.
+/// `git rev-parse HEAD` (with `-dirty` when the tree has changes), or `None` outside a checkout.
 pub fn git_commit() -> Option<String> {
     let out = std::process::Command::new("git")
         .args(["rev-parse", "HEAD"])
