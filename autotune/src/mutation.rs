@@ -48,8 +48,16 @@ impl<D: Device> Device for Perturbed<'_, D> {
         self.inner.download_bytes(memory)
     }
 
+    fn download_prefix(&self, memory: &Self::Memory, bytes: usize) -> Result<Vec<u8>> {
+        self.inner.download_prefix(memory, bytes)
+    }
+
     fn fill(&self, memory: &mut Self::Memory, byte: u8) -> Result<()> {
         self.inner.fill(memory, byte)
+    }
+
+    fn write_bytes(&self, memory: &mut Self::Memory, bytes: &[u8]) -> Result<()> {
+        self.inner.write_bytes(memory, bytes)
     }
 
     fn load_kernel(

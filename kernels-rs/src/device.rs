@@ -147,7 +147,17 @@ pub trait Device {
     fn upload_bytes(&self, bytes: &[u8]) -> Result<Self::Memory>;
     /// Copies a whole allocation back; waits for the device's work first.
     fn download_bytes(&self, memory: &Self::Memory) -> Result<Vec<u8>>;
+    /// Copies the first `bytes` bytes of an allocation back (all of it if shorter); waits for
+    /// the device's work first. A step reads back only the rows it produced.
+    fn download_prefix(&self, memory: &Self::Memory, bytes: usize) -> Result<Vec<u8>> {
+        let mut v = self.download_bytes(memory)?;
+        v.truncate(bytes);
+        Ok(v)
+    }
     fn fill(&self, memory: &mut Self::Memory, byte: u8) -> Result<()>;
+    /// Copies `bytes` into the start of an existing allocation (stream order): inputs of a
+    /// step go into buffers whose addresses stay fixed, as a captured CUDA graph needs.
+    fn write_bytes(&self, memory: &mut Self::Memory, bytes: &[u8]) -> Result<()>;
 
     /// Loads kernel `name` of the (family, tactic) image and allows it `dynamic_shared` bytes
     /// of dynamic shared memory.
@@ -183,6 +193,24 @@ pub trait DeviceExt: Device {
 
     fn download<T: bytemuck::Pod>(&self, memory: &Self::Memory) -> Result<Vec<T>> {
         let bytes = self.download_bytes(memory)?;
+        let n = bytes.len() / std::mem::size_of::<T>();
+        let mut out = vec![T::zeroed(); n];
+        bytemuck::cast_slice_mut::<T, u8>(&mut out)
+            .copy_from_slice(&bytes[..n * std::mem::size_of::<T>()]);
+        Ok(out)
+    }
+
+    fn write<T: bytemuck::Pod>(&self, memory: &mut Self::Memory, values: &[T]) -> Result<()> {
+        self.write_bytes(memory, bytemuck::cast_slice(values))
+    }
+
+    /// The first `count` values of an allocation of `T`s.
+    fn download_first<T: bytemuck::Pod>(
+        &self,
+        memory: &Self::Memory,
+        count: usize,
+    ) -> Result<Vec<T>> {
+        let bytes = self.download_prefix(memory, count * std::mem::size_of::<T>())?;
         let n = bytes.len() / std::mem::size_of::<T>();
         let mut out = vec![T::zeroed(); n];
         bytemuck::cast_slice_mut::<T, u8>(&mut out)

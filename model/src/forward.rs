@@ -138,6 +138,10 @@ pub type Calibration = Vec<ExpertInputAmax>;
 pub struct Model {
     pub config: ModelConfig,
     pub weights: ModelWeights,
+    /// Round where the device kernels round (`model::executor`): the MLA queries (`q_abs`,
+    /// `q_pe`) and the routed experts' input to BF16. Off by default (the CPU keeps FP32 as
+    /// HF does); on, the CPU pass reproduces the device's numerics up to summation order.
+    pub device_roundings: bool,
     rope: Rope,
     softmax_scale: f32,
     absorbed: Vec<AbsorbedAttention>,
@@ -181,10 +185,25 @@ impl Model {
         Self {
             config,
             weights,
+            device_roundings: false,
             rope,
             softmax_scale,
             absorbed,
         }
+    }
+
+    /// W_UK of every head of `layer`, transposed (`[heads · L, P]`), as the absorbed
+    /// attention multiplies by it.
+    pub(crate) fn w_uk_t(&self, layer: usize) -> &Bf16Weight {
+        &self.absorbed[layer].w_uk_t
+    }
+
+    pub(crate) fn rope(&self) -> &Rope {
+        &self.rope
+    }
+
+    pub(crate) fn softmax_scale(&self) -> f32 {
+        self.softmax_scale
     }
 
     pub fn cache_shape(&self) -> LatentCacheShape {
@@ -396,6 +415,10 @@ impl Model {
                 context: pos + 1,
             })
             .collect();
+        if self.device_roundings {
+            round_to_bf16(&mut q_abs);
+            round_to_bf16(&mut q_pe);
+        }
         let problem = MlaProblem {
             layer,
             heads,
@@ -455,7 +478,13 @@ impl Model {
         let routing = route(&logits, &w.correction_bias, c);
         let experts: Vec<ExpertView<'_>> = w.experts.iter().map(ExpertWeights::view).collect();
         let mut out = vec![0.0f32; n * c.hidden_size];
-        backend.moe(h, c.hidden_size, &routing, &experts, &mut out, amax);
+        if self.device_roundings {
+            let mut h_bf16 = h.to_vec();
+            round_to_bf16(&mut h_bf16);
+            backend.moe(&h_bf16, c.hidden_size, &routing, &experts, &mut out, amax);
+        } else {
+            backend.moe(h, c.hidden_size, &routing, &experts, &mut out, amax);
+        }
         if let Some(shared) = &w.shared {
             add_in_place(&mut out, &dense_mlp(backend, shared, h, n));
         }
@@ -530,6 +559,12 @@ fn dense_mlp(backend: &dyn Backend, w: &DenseMlpWeights, h: &[f32], n: usize) ->
     let mut out = vec![0.0f32; n * w.down.rows];
     backend.matmul(&gate, n, w.down.view(), &mut out);
     out
+}
+
+fn round_to_bf16(values: &mut [f32]) {
+    for v in values {
+        *v = half::bf16::from_f32(*v).to_f32();
+    }
 }
 
 /// RMSNorm in FP32: `x / sqrt(mean(x²) + eps) · w`.

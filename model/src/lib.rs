@@ -20,6 +20,7 @@ pub mod checkpoint_writer;
 pub mod cleanup;
 pub mod config;
 pub mod engine;
+pub mod executor;
 pub mod forward;
 pub mod generate;
 pub mod generator;

@@ -8,7 +8,7 @@
 
 use half::bf16;
 use kernels::device::{Device, DeviceExt};
-use kernels::layers::{LayerKernels, RopeSlices, RouterShape};
+use kernels::layers::{HeadRows, LayerKernels, OutputType, RopeSlices, RouterShape};
 use kernels::moe_gemm::check::Rng;
 use kernels::moe_gemm::launch::GroupedRouting;
 use kernels::moe_gemm::reference::{Routing, silu};
@@ -57,6 +57,14 @@ pub fn all<D: Device>() -> Vec<(&'static str, Check<D>)> {
         (
             "argmax_matches_greedy_sampling_with_ties",
             argmax_matches_greedy_sampling_with_ties::<D>,
+        ),
+        (
+            "dense_heads_matches_per_head_products_in_both_output_types",
+            dense_heads_matches_per_head_products_in_both_output_types::<D>,
+        ),
+        (
+            "to_bf16_strided_and_gather_rows_move_the_right_values",
+            to_bf16_strided_and_gather_rows_move_the_right_values::<D>,
         ),
         (
             "launchers_name_the_kernel_and_buffer_that_is_too_small",
@@ -471,6 +479,143 @@ pub fn argmax_matches_greedy_sampling_with_ties<D: Device>(dev: &D, k: &LayerKer
         .collect();
     assert_eq!(want[1..], [5, 0, vocab as i32 - 1]);
     assert_eq!(dev.download::<i32>(&ids).unwrap(), want);
+}
+
+/// The absorbed-attention products at Kimi's per-head sizes: `q_nope · W_UK` (x strided inside
+/// q's rows, y BF16 into q_abs) and `o_latent · W_UVᵀ` (W_UV rows inside `kv_b`, y FP32).
+pub fn dense_heads_matches_per_head_products_in_both_output_types<D: Device>(
+    dev: &D,
+    k: &LayerKernels<D>,
+) {
+    let mut rng = Rng(9);
+    // 3 tokens, 5 heads; x head slices of 24 values at offset 2 in rows of 5·32 values.
+    let (tokens, heads, kk, n) = (3, 5, 24, 37);
+    let x_rows = HeadRows {
+        offset: 2,
+        row_stride: heads * 32,
+        head_stride: 32,
+    };
+    let x = random(&mut rng, tokens * heads * 32 + 2, 1.0);
+    // W_h at 7 + h·(n·kk + 11): heads' matrices with gaps, as W_UV's rows inside kv_b.
+    let (w_offset, w_stride) = (7, n * kk + 11);
+    let w = bf16_bits(&random(&mut rng, w_offset + heads * w_stride, 0.1));
+    let wf = from_bits(&w);
+    let (x_d, w_d) = (dev.upload(&x).unwrap(), dev.upload(&w).unwrap());
+    let want = |t: usize, h: usize, r: usize| -> (f64, f64) {
+        let xs = &x[x_rows.offset + t * x_rows.row_stride + h * x_rows.head_stride..][..kk];
+        let ws = &wf[w_offset + h * w_stride + r * kk..][..kk];
+        let dot = xs.iter().zip(ws).map(|(a, b)| *a as f64 * *b as f64).sum();
+        let mag = xs.iter().zip(ws).map(|(a, b)| (*a * *b).abs() as f64).sum();
+        (dot, mag)
+    };
+    // y as [tokens][heads][n], contiguous.
+    let y_rows = HeadRows {
+        offset: 0,
+        row_stride: heads * n,
+        head_stride: n,
+    };
+    let y = poisoned(dev, tokens * heads * n);
+    k.dense_heads(
+        dev,
+        &x_d,
+        x_rows,
+        tokens,
+        heads,
+        &w_d,
+        w_offset,
+        w_stride,
+        kk,
+        n,
+        &y,
+        y_rows,
+        OutputType::F32,
+    )
+    .unwrap();
+    let got: Vec<f32> = dev.download(&y).unwrap();
+    for t in 0..tokens {
+        for h in 0..heads {
+            for r in 0..n {
+                let (dot, mag) = want(t, h, r);
+                let g = got[(t * heads + h) * n + r] as f64;
+                assert!(
+                    (g - dot).abs() <= 1e-6 * mag,
+                    "f32 token {t} head {h} row {r}: {g} vs {dot}"
+                );
+            }
+        }
+    }
+    let yb = dev.alloc_elements::<u16>(tokens * heads * n).unwrap();
+    k.dense_heads(
+        dev,
+        &x_d,
+        x_rows,
+        tokens,
+        heads,
+        &w_d,
+        w_offset,
+        w_stride,
+        kk,
+        n,
+        &yb,
+        y_rows,
+        OutputType::Bf16,
+    )
+    .unwrap();
+    let got_b: Vec<u16> = dev.download(&yb).unwrap();
+    for (i, (&b, &f)) in got_b.iter().zip(&got).enumerate() {
+        assert_eq!(b, bf16::from_f32(f).to_bits(), "bf16 output {i}");
+    }
+}
+
+/// `to_bf16_strided` on q_pe's layout (the RoPE part of every head) and a whole-row conversion;
+/// `gather_rows` picks rows in any order, repeats included.
+pub fn to_bf16_strided_and_gather_rows_move_the_right_values<D: Device>(
+    dev: &D,
+    k: &LayerKernels<D>,
+) {
+    let mut rng = Rng(10);
+    let (rows, heads, nope, rope) = (4, 6, 12, 8);
+    let qk = nope + rope;
+    let q = random(&mut rng, rows * heads * qk, 3.0);
+    let q_d = dev.upload(&q).unwrap();
+    let out = dev.alloc_elements::<u16>(rows * heads * rope).unwrap();
+    k.to_bf16_strided(dev, &q_d, rows, heads * qk, nope, qk, heads, rope, &out)
+        .unwrap();
+    let got: Vec<u16> = dev.download(&out).unwrap();
+    for r in 0..rows {
+        for h in 0..heads {
+            for j in 0..rope {
+                assert_eq!(
+                    got[(r * heads + h) * rope + j],
+                    bf16::from_f32(q[(r * heads + h) * qk + nope + j]).to_bits(),
+                    "row {r} head {h} value {j}"
+                );
+            }
+        }
+    }
+    let whole = dev.alloc_elements::<u16>(rows * heads * qk).unwrap();
+    k.to_bf16_strided(dev, &q_d, rows, heads * qk, 0, 0, 1, heads * qk, &whole)
+        .unwrap();
+    assert_eq!(dev.download::<u16>(&whole).unwrap(), bf16_bits(&q));
+    let picks: Vec<i32> = vec![3, 0, 3];
+    let picks_d = dev.upload(&picks).unwrap();
+    let width = heads * qk;
+    let gathered = poisoned(dev, picks.len() * width);
+    k.gather_rows(dev, &q_d, rows, &picks_d, picks.len(), width, &gathered)
+        .unwrap();
+    let got: Vec<f32> = dev.download(&gathered).unwrap();
+    for (i, &r) in picks.iter().enumerate() {
+        let r = r as usize;
+        assert_eq!(
+            got[i * width..(i + 1) * width],
+            q[r * width..(r + 1) * width]
+        );
+    }
+    let err = k
+        .to_bf16_strided(dev, &q_d, rows, heads * qk, nope, qk, heads + 1, rope, &out)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("to_bf16_strided"), "{err}");
 }
 
 pub fn launchers_name_the_kernel_and_buffer_that_is_too_small<D: Device>(

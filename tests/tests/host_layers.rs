@@ -62,3 +62,13 @@ fn argmax_matches_greedy_sampling_with_ties() {
 fn launchers_name_the_kernel_and_buffer_that_is_too_small() {
     run(layer_checks::launchers_name_the_kernel_and_buffer_that_is_too_small);
 }
+
+#[test]
+fn dense_heads_matches_per_head_products_in_both_output_types() {
+    run(layer_checks::dense_heads_matches_per_head_products_in_both_output_types);
+}
+
+#[test]
+fn to_bf16_strided_and_gather_rows_move_the_right_values() {
+    run(layer_checks::to_bf16_strided_and_gather_rows_move_the_right_values);
+}

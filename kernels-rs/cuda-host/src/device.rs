@@ -115,8 +115,24 @@ impl Device for HostDevice {
         Ok(memory.bytes().to_vec())
     }
 
+    fn download_prefix(&self, memory: &DeviceBuffer, bytes: usize) -> Result<Vec<u8>> {
+        Ok(memory.bytes()[..bytes.min(memory.len())].to_vec())
+    }
+
     fn fill(&self, memory: &mut DeviceBuffer, byte: u8) -> Result<()> {
         memory.fill(byte);
+        Ok(())
+    }
+
+    fn write_bytes(&self, memory: &mut DeviceBuffer, bytes: &[u8]) -> Result<()> {
+        if bytes.len() > memory.len() {
+            return Err(DeviceError::Invalid(format!(
+                "write of {} B into an allocation of {} B",
+                bytes.len(),
+                memory.len()
+            )));
+        }
+        memory.bytes_mut()[..bytes.len()].copy_from_slice(bytes);
         Ok(())
     }
 

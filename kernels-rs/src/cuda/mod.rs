@@ -412,12 +412,44 @@ impl Device for GpuContext {
         Ok(v)
     }
 
+    fn download_prefix(&self, memory: &GpuMemory, bytes: usize) -> Result<Vec<u8>> {
+        let bytes = bytes.min(memory.len);
+        if bytes == 0 {
+            return Ok(Vec::new());
+        }
+        self.synchronize()?;
+        let view = memory.slice.slice(0..bytes);
+        let mut v = vec![0u8; bytes];
+        self.stream
+            .memcpy_dtoh(&view, &mut v)
+            .during(|| format!("download {bytes} B"))?;
+        self.synchronize()?;
+        Ok(v)
+    }
+
     fn fill(&self, memory: &mut GpuMemory, byte: u8) -> Result<()> {
         let n = memory.slice.len();
         let (ptr, _sync) = memory.slice.device_ptr_mut(&self.stream);
         // SAFETY: ptr is a live allocation of n bytes on this stream's context.
         unsafe { cudarc::driver::result::memset_d8_async(ptr, byte, n, self.stream.cu_stream()) }
             .during(|| format!("fill {n} B with {byte:#04x}"))
+    }
+
+    fn write_bytes(&self, memory: &mut GpuMemory, bytes: &[u8]) -> Result<()> {
+        if bytes.len() > memory.len {
+            return Err(DeviceError::Invalid(format!(
+                "write of {} B into an allocation of {} B",
+                bytes.len(),
+                memory.len
+            )));
+        }
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        let mut view = memory.slice.slice_mut(0..bytes.len());
+        self.stream
+            .memcpy_htod(bytes, &mut view)
+            .during(|| format!("write {} B", bytes.len()))
     }
 
     fn load_kernel(

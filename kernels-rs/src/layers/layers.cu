@@ -10,8 +10,12 @@
 //   group_by_expert  routing → expert_offsets / sorted_token_ids / sorted_weights, the MoE
 //                    kernels' layout (tokens in increasing order within an expert)
 //   dense_bf16       y[t] = x[t] · Wᵀ, W BF16 [N, K] row-major (the decode-shaped products)
+//   dense_heads_bf16 per head h: y[t, h] = x[t, h] · W_hᵀ over strided rows (the absorbed
+//                    attention's W_UK and W_UV products, every head in one launch)
 //   silu_mul         h = SiLU(gate) · up over [rows, 2·I] = gate ‖ up
 //   argmax_rows      greedy sampling, the first index on ties
+//   to_bf16_strided  strided FP32 slices → contiguous BF16 (the MoE input, q_pe)
+//   gather_rows      out[i] = in[rows[i]] (the rows that get logits)
 //
 // Every kernel takes its sizes as arguments (no tactic macros): one image per SM.
 // Numerics follow the CPU forward pass: FP32 accumulation; RMSNorm as x · rsqrt(mean(x²) +
@@ -282,4 +286,51 @@ extern "C" __global__ void __launch_bounds__(kThreads) argmax_rows(const float* 
   for (int j = threadIdx.x; j < vocab; j += kThreads) better(v, i, row[j], j);
   block_argmax(v, i, best_v, best_i);
   if (threadIdx.x == 0) ids[blockIdx.x] = i == 0x7fffffff ? 0 : i;
+}
+
+// Per head h (grid.z) and token t (grid.y): y[t, h, :] = x[t, h, :] · W_hᵀ, W_h BF16 [n, k] at
+// w + h·w_head_stride. x's row t, head h starts at x + t·x_row_stride + h·x_head_stride, y's at
+// y + t·y_row_stride + h·y_head_stride; y is BF16 when y_bf16 (the MLA kernels read BF16
+// queries), else FP32. One warp per output value, as dense_bf16. grid: (ceil(n / kWarps), T,
+// heads); block: kThreads.
+extern "C" __global__ void __launch_bounds__(kThreads) dense_heads_bf16(
+    const float* x, int x_row_stride, int x_head_stride, const __nv_bfloat16* w,
+    long long w_head_stride, int k, int n, void* y, int y_row_stride, int y_head_stride,
+    int y_bf16) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int row = blockIdx.x * kWarps + warp, t = blockIdx.y, h = blockIdx.z;
+  if (row >= n) return;
+  const float* xr = x + size_t(t) * x_row_stride + size_t(h) * x_head_stride;
+  const __nv_bfloat16* wr = w + size_t(h) * w_head_stride + size_t(row) * k;
+  float acc = 0.f;
+  for (int i = lane; i < k; i += 32) acc += xr[i] * __bfloat162float(wr[i]);
+  acc = warp_sum(acc);
+  if (lane == 0) {
+    const size_t at = size_t(t) * y_row_stride + size_t(h) * y_head_stride + row;
+    if (y_bf16)
+      static_cast<__nv_bfloat16*>(y)[at] = __float2bfloat16_rn(acc);
+    else
+      static_cast<float*>(y)[at] = acc;
+  }
+}
+
+// out[r][s][j] = bf16(in[r·row_stride + offset + s·slice_stride + j]) for s < count, j < width:
+// contiguous BF16 [rows][count][width] from strided FP32 slices. grid: rows; block: kThreads.
+extern "C" __global__ void __launch_bounds__(kThreads) to_bf16_strided(
+    const float* in, int row_stride, int offset, int slice_stride, int count, int width,
+    __nv_bfloat16* out) {
+  const size_t r = blockIdx.x;
+  for (int i = threadIdx.x; i < count * width; i += kThreads) {
+    const int s = i / width, j = i % width;
+    out[r * count * width + i] =
+        __float2bfloat16_rn(in[r * row_stride + offset + size_t(s) * slice_stride + j]);
+  }
+}
+
+// out[i][:] = in[rows[i]][:] for FP32 rows of `width`. grid: selected rows; block: kThreads.
+extern "C" __global__ void __launch_bounds__(kThreads) gather_rows(const float* in,
+                                                                   const int* rows, int width,
+                                                                   float* out) {
+  const size_t i = blockIdx.x, r = rows[i];
+  for (int j = threadIdx.x; j < width; j += kThreads) out[i * width + j] = in[r * width + j];
 }

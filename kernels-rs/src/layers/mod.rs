@@ -1,6 +1,7 @@
 //! The decode step's small kernels (`layers.cu`): embedding gather, residual add + RMSNorm,
-//! interleaved RoPE, `noaux_tc` routing, expert grouping, BF16 decode-shaped products,
-//! SiLU·up and greedy argmax. They are the device counterparts of what the CPU forward pass
+//! interleaved RoPE, `noaux_tc` routing, expert grouping, BF16 decode-shaped products (plain
+//! and batched over heads), SiLU·up, greedy argmax, and the strided BF16 conversion and row
+//! gather around them. They are the device counterparts of what the CPU forward pass
 //! does between products, so that a whole step can stay on the device.
 //!
 //! One image per SM (tactic [`IMAGE`]): the kernels take their sizes as arguments. Every
@@ -29,7 +30,7 @@ pub const MAX_EXPERTS: usize = 1024;
 /// Expert groups `route_noaux_tc` handles (a 64-bit mask of the kept ones).
 pub const MAX_GROUPS: usize = 64;
 
-const KERNELS: [&str; 8] = [
+const KERNELS: [&str; 11] = [
     "embed_gather",
     "add_rms_norm",
     "rope_interleaved",
@@ -38,6 +39,9 @@ const KERNELS: [&str; 8] = [
     "dense_bf16",
     "silu_mul",
     "argmax_rows",
+    "dense_heads_bf16",
+    "to_bf16_strided",
+    "gather_rows",
 ];
 
 /// The router's configuration (the checkpoint's `n_routed_experts`, `n_group`, `topk_group`,
@@ -142,6 +146,42 @@ fn rows_config(rows: usize, kernel: &str) -> Result<LaunchConfig> {
 const F32: usize = 4;
 const BF16: usize = 2;
 const I32: usize = 4;
+
+/// A strided view of FP32 (or BF16) values in one allocation, as [`LayerKernels::dense_heads`]
+/// reads and writes them: element `j` of head `h` of row `t` sits at
+/// `offset + t · row_stride + h · head_stride + j` (in elements).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeadRows {
+    pub offset: usize,
+    pub row_stride: usize,
+    pub head_stride: usize,
+}
+
+impl HeadRows {
+    /// Elements the view spans for `rows` rows, `heads` heads of `width` values each.
+    fn span(&self, rows: usize, heads: usize, width: usize) -> usize {
+        if rows == 0 || heads == 0 || width == 0 {
+            return 0;
+        }
+        self.offset + (rows - 1) * self.row_stride + (heads - 1) * self.head_stride + width
+    }
+}
+
+/// Which element type [`LayerKernels::dense_heads`] writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutputType {
+    F32,
+    Bf16,
+}
+
+impl OutputType {
+    fn bytes(self) -> usize {
+        match self {
+            Self::F32 => F32,
+            Self::Bf16 => BF16,
+        }
+    }
+}
 
 impl<D: Device> LayerKernels<D> {
     /// Loads the kernels; `route_noaux_tc` with the dynamic shared memory of up to
@@ -485,5 +525,156 @@ impl<D: Device> LayerKernels<D> {
         p.arg(&l).arg(&vocab).arg(&i);
         // SAFETY: `argmax_rows(const float*, int, int*)`; sizes checked above.
         unsafe { dev.launch(self.kernel(K), rows_config(rows, K)?, &p) }
+    }
+
+    /// Per head `h < heads`: `y[t, h] = x[t, h] · W_hᵀ` for `t < tokens`, with `W_h` the BF16
+    /// `[n][k]` matrix at element `w_offset + h · w_head_stride` of `w`. `x` (FP32, `k` values
+    /// per head) and `y` (`n` values per head, `y_type`) are strided views ([`HeadRows`]); the
+    /// absorbed attention's per-head products in one launch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn dense_heads(
+        &self,
+        dev: &D,
+        x: &D::Memory,
+        x_rows: HeadRows,
+        tokens: usize,
+        heads: usize,
+        w: &D::Memory,
+        w_offset: usize,
+        w_head_stride: usize,
+        k: usize,
+        n: usize,
+        y: &D::Memory,
+        y_rows: HeadRows,
+        y_type: OutputType,
+    ) -> Result<()> {
+        const K: &str = "dense_heads_bf16";
+        if tokens == 0 || heads == 0 || k == 0 || n == 0 {
+            return Err(DeviceError::Invalid(format!(
+                "{K}: {tokens} tokens × {heads} heads of [{n}][{k}]"
+            )));
+        }
+        need(x, x_rows.span(tokens, heads, k) * F32, K, "x")?;
+        need(
+            w,
+            (w_offset + (heads - 1) * w_head_stride + n * k) * BF16,
+            K,
+            "w",
+        )?;
+        need(y, y_rows.span(tokens, heads, n) * y_type.bytes(), K, "y")?;
+        let xp = x.device_ptr() + (x_rows.offset * F32) as u64;
+        let wp = w.device_ptr() + (w_offset * BF16) as u64;
+        let yp = y.device_ptr() + (y_rows.offset * y_type.bytes()) as u64;
+        let (xs_t, xs_h) = (
+            as_i32(x_rows.row_stride, K, "x row stride")?,
+            as_i32(x_rows.head_stride, K, "x head stride")?,
+        );
+        let (ys_t, ys_h) = (
+            as_i32(y_rows.row_stride, K, "y row stride")?,
+            as_i32(y_rows.head_stride, K, "y head stride")?,
+        );
+        let ws_h = w_head_stride as i64;
+        let (kk, nn) = (as_i32(k, K, "k")?, as_i32(n, K, "n")?);
+        let bf = i32::from(y_type == OutputType::Bf16);
+        let mut p = KernelParams::new();
+        p.arg(&xp)
+            .arg(&xs_t)
+            .arg(&xs_h)
+            .arg(&wp)
+            .arg(&ws_h)
+            .arg(&kk)
+            .arg(&nn)
+            .arg(&yp)
+            .arg(&ys_t)
+            .arg(&ys_h)
+            .arg(&bf);
+        let (tokens, heads) = match (u32::try_from(tokens), u32::try_from(heads)) {
+            (Ok(t), Ok(h)) if t <= 65_535 && h <= 65_535 => (t, h),
+            _ => {
+                return Err(DeviceError::Invalid(format!(
+                    "{K}: {tokens} tokens × {heads} heads (each 1 to 65535)"
+                )));
+            }
+        };
+        let cfg = LaunchConfig {
+            grid_dim: ((n as u32).div_ceil(WARPS), tokens, heads),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: `dense_heads_bf16(const float*, int, int, const bf16*, long long, int, int,
+        // void*, int, int, int)`; the last element each view addresses was checked against its
+        // buffer above, and the kernel skips rows past n.
+        unsafe { dev.launch(self.kernel(K), cfg, &p) }
+    }
+
+    /// `out [rows][count][width]` BF16 = the FP32 slices of `input` that [`RopeSlices`]-like
+    /// geometry names: slice `s` of row `r` starts at `r · row_stride + offset + s · stride`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn to_bf16_strided(
+        &self,
+        dev: &D,
+        input: &D::Memory,
+        rows: usize,
+        row_stride: usize,
+        offset: usize,
+        stride: usize,
+        count: usize,
+        width: usize,
+        out: &D::Memory,
+    ) -> Result<()> {
+        const K: &str = "to_bf16_strided";
+        if count == 0 || width == 0 || offset + (count - 1) * stride + width > row_stride {
+            return Err(DeviceError::Invalid(format!(
+                "{K}: {count} slices of {width} values, {stride} apart from {offset}, in rows \
+                 of {row_stride}"
+            )));
+        }
+        need(input, rows * row_stride * F32, K, "input")?;
+        need(out, rows * count * width * BF16, K, "out")?;
+        let (ip, op) = (input.device_ptr(), out.device_ptr());
+        let (rs, off, st, c, wd) = (
+            as_i32(row_stride, K, "row stride")?,
+            as_i32(offset, K, "offset")?,
+            as_i32(stride, K, "stride")?,
+            as_i32(count, K, "count")?,
+            as_i32(width, K, "width")?,
+        );
+        let mut p = KernelParams::new();
+        p.arg(&ip)
+            .arg(&rs)
+            .arg(&off)
+            .arg(&st)
+            .arg(&c)
+            .arg(&wd)
+            .arg(&op);
+        // SAFETY: `to_bf16_strided(const float*, int, int, int, int, int, bf16*)`; every slice
+        // lies inside its row (checked above) and both buffers hold `rows` rows.
+        unsafe { dev.launch(self.kernel(K), rows_config(rows, K)?, &p) }
+    }
+
+    /// `out [selected][width] = input[rows[i]]` for FP32 rows; `rows` (i32, device) must index
+    /// rows of `input`, which holds `input_rows`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gather_rows(
+        &self,
+        dev: &D,
+        input: &D::Memory,
+        input_rows: usize,
+        rows: &D::Memory,
+        selected: usize,
+        width: usize,
+        out: &D::Memory,
+    ) -> Result<()> {
+        const K: &str = "gather_rows";
+        need(input, input_rows * width * F32, K, "input")?;
+        need(rows, selected * I32, K, "rows")?;
+        need(out, selected * width * F32, K, "out")?;
+        let (ip, rp, op) = (input.device_ptr(), rows.device_ptr(), out.device_ptr());
+        let wd = as_i32(width, K, "width")?;
+        let mut p = KernelParams::new();
+        p.arg(&ip).arg(&rp).arg(&wd).arg(&op);
+        // SAFETY: `gather_rows(const float*, const int*, int, float*)`; sizes checked above;
+        // the caller guarantees the row indices (the executor builds them from its own rows).
+        unsafe { dev.launch(self.kernel(K), rows_config(selected, K)?, &p) }
     }
 }

@@ -133,83 +133,26 @@ pub struct TokenEntry<'a> {
     pub rope: &'a mut [f32],
 }
 
-pub struct PagedLatentCache {
-    shape: LatentCacheShape,
-    dtype: KvCacheDtype,
+/// The cache's bookkeeping without its storage: the free pages and each sequence's block table
+/// and length. [`PagedLatentCache`] holds one beside its host storage; a device executor holds
+/// one beside storage in device memory, so both hand out pages and slots the same way.
+#[derive(Clone, Debug)]
+pub struct PageTables {
     num_pages: usize,
-    layers: Vec<LayerStorage>,
     free_pages: Vec<u32>,
     sequences: std::collections::BTreeMap<SeqId, BlockTable>,
     next_seq: u32,
-    /// Per-tensor FP8 scale (a checkpoint's `k_scale`) instead of per-token amax scales.
-    fp8_static_scale: Option<f32>,
 }
 
-impl PagedLatentCache {
-    pub fn new(shape: LatentCacheShape, dtype: KvCacheDtype, num_pages: usize) -> Self {
-        let slots = num_pages * PAGE_TOKENS;
-        let layers = (0..shape.layers)
-            .map(|_| match dtype {
-                KvCacheDtype::F32 => LayerStorage::F32 {
-                    values: vec![0.0; slots * (shape.latent_dim + shape.rope_dim)],
-                },
-                KvCacheDtype::Bf16 => LayerStorage::Bf16 {
-                    values: vec![bf16::ZERO; slots * (shape.latent_dim + shape.rope_dim)],
-                },
-                KvCacheDtype::Fp8E4m3 => LayerStorage::Fp8 {
-                    latent: vec![0; slots * shape.latent_dim],
-                    scales: vec![0.0; slots],
-                    rope: vec![bf16::ZERO; slots * shape.rope_dim],
-                },
-            })
-            .collect();
+impl PageTables {
+    pub fn new(num_pages: usize) -> Self {
         Self {
-            shape,
-            dtype,
             num_pages,
-            layers,
             // Pop from the end, so hand out low page ids first.
             free_pages: (0..num_pages as u32).rev().collect(),
             sequences: Default::default(),
             next_seq: 0,
-            fp8_static_scale: None,
         }
-    }
-
-    /// A cache big enough for `tokens` tokens in total.
-    pub fn with_capacity_tokens(
-        shape: LatentCacheShape,
-        dtype: KvCacheDtype,
-        tokens: usize,
-    ) -> Self {
-        Self::new(shape, dtype, tokens.div_ceil(PAGE_TOKENS))
-    }
-
-    pub fn shape(&self) -> LatentCacheShape {
-        self.shape
-    }
-
-    pub fn dtype(&self) -> KvCacheDtype {
-        self.dtype
-    }
-
-    /// Uses one per-tensor scale for every FP8 token written from now on (`None`: per-token
-    /// amax scales, the default). Ignored by the other dtypes.
-    ///
-    /// # Panics
-    /// If the scale is not finite and positive.
-    pub fn set_fp8_static_scale(&mut self, scale: Option<f32>) {
-        if let Some(s) = scale {
-            assert!(
-                s.is_finite() && s > 0.0,
-                "FP8 k_scale must be finite and > 0: {s}"
-            );
-        }
-        self.fp8_static_scale = scale;
-    }
-
-    pub fn fp8_static_scale(&self) -> Option<f32> {
-        self.fp8_static_scale
     }
 
     pub fn free_pages(&self) -> usize {
@@ -218,6 +161,11 @@ impl PagedLatentCache {
 
     pub fn total_pages(&self) -> usize {
         self.num_pages
+    }
+
+    /// Token slots of all pages (`pages × PAGE_TOKENS`).
+    pub fn total_slots(&self) -> usize {
+        self.num_pages * PAGE_TOKENS
     }
 
     pub fn add_sequence(&mut self) -> SeqId {
@@ -297,7 +245,9 @@ impl PagedLatentCache {
             .ok_or(CacheError::UnknownSequence(seq))
     }
 
-    fn slot(&self, seq: SeqId, pos: usize) -> Result<usize, CacheError> {
+    /// The physical slot (`page · PAGE_TOKENS + offset`) of token `pos` of `seq`, which must be
+    /// reserved.
+    pub fn slot(&self, seq: SeqId, pos: usize) -> Result<usize, CacheError> {
         let table = self.table(seq)?;
         let page = table
             .pages
@@ -308,6 +258,130 @@ impl PagedLatentCache {
                 reserved: table.pages.len() * PAGE_TOKENS,
             })?;
         Ok(*page as usize * PAGE_TOKENS + pos % PAGE_TOKENS)
+    }
+
+    /// Physical slots of tokens `0..len` of `seq`, in order.
+    pub fn slots(&self, seq: SeqId, len: usize) -> Result<Vec<usize>, CacheError> {
+        (0..len).map(|pos| self.slot(seq, pos)).collect()
+    }
+}
+
+pub struct PagedLatentCache {
+    shape: LatentCacheShape,
+    dtype: KvCacheDtype,
+    layers: Vec<LayerStorage>,
+    pages: PageTables,
+    /// Per-tensor FP8 scale (a checkpoint's `k_scale`) instead of per-token amax scales.
+    fp8_static_scale: Option<f32>,
+}
+
+impl PagedLatentCache {
+    pub fn new(shape: LatentCacheShape, dtype: KvCacheDtype, num_pages: usize) -> Self {
+        let slots = num_pages * PAGE_TOKENS;
+        let layers = (0..shape.layers)
+            .map(|_| match dtype {
+                KvCacheDtype::F32 => LayerStorage::F32 {
+                    values: vec![0.0; slots * (shape.latent_dim + shape.rope_dim)],
+                },
+                KvCacheDtype::Bf16 => LayerStorage::Bf16 {
+                    values: vec![bf16::ZERO; slots * (shape.latent_dim + shape.rope_dim)],
+                },
+                KvCacheDtype::Fp8E4m3 => LayerStorage::Fp8 {
+                    latent: vec![0; slots * shape.latent_dim],
+                    scales: vec![0.0; slots],
+                    rope: vec![bf16::ZERO; slots * shape.rope_dim],
+                },
+            })
+            .collect();
+        Self {
+            shape,
+            dtype,
+            layers,
+            pages: PageTables::new(num_pages),
+            fp8_static_scale: None,
+        }
+    }
+
+    /// A cache big enough for `tokens` tokens in total.
+    pub fn with_capacity_tokens(
+        shape: LatentCacheShape,
+        dtype: KvCacheDtype,
+        tokens: usize,
+    ) -> Self {
+        Self::new(shape, dtype, tokens.div_ceil(PAGE_TOKENS))
+    }
+
+    pub fn shape(&self) -> LatentCacheShape {
+        self.shape
+    }
+
+    pub fn dtype(&self) -> KvCacheDtype {
+        self.dtype
+    }
+
+    /// Uses one per-tensor scale for every FP8 token written from now on (`None`: per-token
+    /// amax scales, the default). Ignored by the other dtypes.
+    ///
+    /// # Panics
+    /// If the scale is not finite and positive.
+    pub fn set_fp8_static_scale(&mut self, scale: Option<f32>) {
+        if let Some(s) = scale {
+            assert!(
+                s.is_finite() && s > 0.0,
+                "FP8 k_scale must be finite and > 0: {s}"
+            );
+        }
+        self.fp8_static_scale = scale;
+    }
+
+    pub fn fp8_static_scale(&self) -> Option<f32> {
+        self.fp8_static_scale
+    }
+
+    pub fn free_pages(&self) -> usize {
+        self.pages.free_pages()
+    }
+
+    pub fn total_pages(&self) -> usize {
+        self.pages.total_pages()
+    }
+
+    /// The page bookkeeping alone.
+    pub fn page_tables(&self) -> &PageTables {
+        &self.pages
+    }
+
+    pub fn add_sequence(&mut self) -> SeqId {
+        self.pages.add_sequence()
+    }
+
+    /// Returns the sequence's pages to the free list.
+    pub fn free_sequence(&mut self, seq: SeqId) -> Result<(), CacheError> {
+        self.pages.free_sequence(seq)
+    }
+
+    /// Tokens cached for `seq` (written in every layer).
+    pub fn seq_len(&self, seq: SeqId) -> Result<usize, CacheError> {
+        self.pages.seq_len(seq)
+    }
+
+    /// The sequence's page ids, in order.
+    pub fn block_table(&self, seq: SeqId) -> Result<&[u32], CacheError> {
+        self.pages.block_table(seq)
+    }
+
+    /// Makes room for `new_tokens` more tokens after the current length.
+    pub fn reserve(&mut self, seq: SeqId, new_tokens: usize) -> Result<(), CacheError> {
+        self.pages.reserve(seq, new_tokens)
+    }
+
+    /// Marks `new_tokens` more tokens as written in every layer.
+    pub fn commit(&mut self, seq: SeqId, new_tokens: usize) -> Result<(), CacheError> {
+        self.pages.commit(seq, new_tokens)
+    }
+
+    fn slot(&self, seq: SeqId, pos: usize) -> Result<usize, CacheError> {
+        self.pages.slot(seq, pos)
     }
 
     /// Writes token `pos` of `seq` in `layer`: the normalized latent and the RoPE'd key part,
@@ -425,12 +499,15 @@ impl PagedLatentCache {
 
     /// Physical slots of tokens `0..len` of `seq`, in order.
     pub fn slots(&self, seq: SeqId, len: usize) -> Result<Vec<usize>, CacheError> {
-        (0..len).map(|pos| self.slot(seq, pos)).collect()
+        self.pages.slots(seq, len)
     }
 
     /// Bytes the cache's storage occupies.
     pub fn storage_bytes(&self) -> usize {
-        self.num_pages * PAGE_TOKENS * self.shape.layers * self.dtype.bytes_per_token(&self.shape)
+        self.pages.total_pages()
+            * PAGE_TOKENS
+            * self.shape.layers
+            * self.dtype.bytes_per_token(&self.shape)
     }
 }
 

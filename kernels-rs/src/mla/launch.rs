@@ -9,7 +9,7 @@
 
 use half::bf16;
 
-use super::cache::{PagedLatentCache, RawLayer};
+use super::cache::{KvCacheDtype, LatentCacheShape, PagedLatentCache, RawLayer};
 use super::reference::AttentionQuery;
 use super::tactic::{LATENT, MlaTactic, ROPE};
 use crate::device::{
@@ -101,6 +101,43 @@ impl<D: Device> DeviceCache<D> {
                 "the F32 cache is the CPU reference's; the kernels read BF16 or FP8".into(),
             )),
         }
+    }
+
+    /// An empty (zeroed) cache layer of `slots` token slots on the device: BF16
+    /// `[slots][512 + 64]`, or FP8 codes `[slots][512]` with per-slot scales and BF16 rope.
+    pub fn alloc(dev: &D, dtype: KvCacheDtype, slots: usize) -> Result<Self> {
+        let shape = LatentCacheShape {
+            layers: 1,
+            latent_dim: LATENT,
+            rope_dim: ROPE,
+        };
+        let bytes_per_token = dtype.bytes_per_token(&shape);
+        match dtype {
+            KvCacheDtype::Bf16 => Ok(Self {
+                fp8: false,
+                kv: dev.alloc_elements::<u16>(slots * (LATENT + ROPE))?,
+                scale: dev.alloc_elements::<f32>(1)?,
+                rope: dev.alloc_elements::<u16>(1)?,
+                slots,
+                bytes_per_token,
+            }),
+            KvCacheDtype::Fp8E4m3 => Ok(Self {
+                fp8: true,
+                kv: dev.alloc_elements::<u8>(slots * LATENT)?,
+                scale: dev.alloc_elements::<f32>(slots)?,
+                rope: dev.alloc_elements::<u16>(slots * ROPE)?,
+                slots,
+                bytes_per_token,
+            }),
+            KvCacheDtype::F32 => Err(DeviceError::Invalid(
+                "the F32 cache is the CPU reference's; the kernels read BF16 or FP8".into(),
+            )),
+        }
+    }
+
+    /// Device bytes the layer occupies.
+    pub fn device_bytes(&self) -> usize {
+        self.kv.len() + self.scale.len() + self.rope.len()
     }
 
     /// `(kv or codes, scales, rope)` as downloaded host vectors (the append check).
@@ -268,6 +305,33 @@ impl<D: Device> MlaKernels<D> {
         splits: u32,
         softmax_scale: f32,
     ) -> Result<()> {
+        let io = DecodeIo {
+            rows: batch.batch,
+            heads: batch.heads,
+            max_pages: batch.max_pages,
+            max_splits: batch.max_splits,
+            q_abs: &batch.q_abs,
+            q_pe: &batch.q_pe,
+            block_table: &batch.block_table,
+            seq_lens: &batch.seq_lens,
+            out: &batch.out,
+            lse: &batch.lse,
+            part_out: &batch.part_out,
+            part_lse: &batch.part_lse,
+        };
+        self.decode_io(dev, cache, &io, splits, softmax_scale)
+    }
+
+    /// [`decode`](Self::decode) over device buffers the caller owns (an executor's step
+    /// workspace): nothing is uploaded or read back.
+    pub fn decode_io(
+        &self,
+        dev: &D,
+        cache: &DeviceCache<D>,
+        io: &DecodeIo<'_, D>,
+        splits: u32,
+        softmax_scale: f32,
+    ) -> Result<()> {
         let t = &self.tactic;
         if cache.fp8 != t.kind.is_fp8() {
             return Err(DeviceError::Shape {
@@ -275,41 +339,43 @@ impl<D: Device> MlaKernels<D> {
                 why: format!("cache is {}", if cache.fp8 { "FP8" } else { "BF16" }),
             });
         }
-        if splits == 0 || splits as usize > batch.max_splits {
+        if splits == 0 || splits as usize > io.max_splits {
             return Err(DeviceError::Shape {
                 tactic: t.id(),
-                why: format!("{splits} splits, workspace holds {}", batch.max_splits),
+                why: format!("{splits} splits, workspace holds {}", io.max_splits),
             });
         }
+        io.check()?;
         let args = DecodeArgs {
-            q_abs: batch.q_abs.device_ptr(),
-            q_pe: batch.q_pe.device_ptr(),
+            q_abs: io.q_abs.device_ptr(),
+            q_pe: io.q_pe.device_ptr(),
             kv: cache.kv.device_ptr(),
             kv_scale: cache.scale.device_ptr(),
             kv_rope: cache.rope.device_ptr(),
-            block_table: batch.block_table.device_ptr(),
-            seq_lens: batch.seq_lens.device_ptr(),
-            out: batch.out.device_ptr(),
-            lse: batch.lse.device_ptr(),
-            part_out: batch.part_out.device_ptr(),
-            part_lse: batch.part_lse.device_ptr(),
-            heads: batch.heads as i32,
-            max_pages: batch.max_pages as i32,
+            block_table: io.block_table.device_ptr(),
+            seq_lens: io.seq_lens.device_ptr(),
+            out: io.out.device_ptr(),
+            lse: io.lse.device_ptr(),
+            part_out: io.part_out.device_ptr(),
+            part_lse: io.part_lse.device_ptr(),
+            heads: io.heads as i32,
+            max_pages: io.max_pages as i32,
             softmax_scale,
         };
-        let cfg = self.decode_config(batch.batch, batch.heads, splits);
+        let cfg = self.decode_config(io.rows, io.heads, splits);
         let mut params = KernelParams::new();
         params.arg(&args);
-        // SAFETY: `args` mirrors the kernel's by-value `DecodeArgs`; every buffer was sized by
-        // `DecodeBatch::upload` / `DeviceCache::upload` for this grid, and the block table only
-        // holds pages of the uploaded cache; the dynamic shared memory was opted into at load.
+        // SAFETY: `args` mirrors the kernel's by-value `DecodeArgs`; every buffer was checked
+        // by `DecodeIo::check` for this grid, and the block table only holds pages of the
+        // cache (the caller's page tables hand out no others); the dynamic shared memory was
+        // opted into at load.
         unsafe { dev.launch(&self.decode, cfg, &params) }?;
         if splits > 1 {
             let (part_out, part_lse, out, lse) = (
-                batch.part_out.device_ptr(),
-                batch.part_lse.device_ptr(),
-                batch.out.device_ptr(),
-                batch.lse.device_ptr(),
+                io.part_out.device_ptr(),
+                io.part_lse.device_ptr(),
+                io.out.device_ptr(),
+                io.lse.device_ptr(),
             );
             let split_count = splits as i32;
             let mut params = KernelParams::new();
@@ -320,11 +386,11 @@ impl<D: Device> MlaKernels<D> {
                 .arg(&lse)
                 .arg(&split_count);
             let cfg = LaunchConfig {
-                grid_dim: ((batch.batch * batch.heads) as u32, 1, 1),
+                grid_dim: ((io.rows * io.heads) as u32, 1, 1),
                 block_dim: (AUX_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
-            // SAFETY: the workspace holds batch × heads × splits partials (checked above).
+            // SAFETY: the workspace holds rows × heads × splits partials (checked above).
             unsafe { dev.launch(&self.combine, cfg, &params) }?;
         }
         Ok(())
@@ -363,11 +429,60 @@ impl<D: Device> MlaKernels<D> {
         let d_rope = dev.upload(rope)?;
         let d_w = dev.upload(&w)?;
         let d_slots = dev.upload(slots)?;
+        self.append_io(
+            dev,
+            cache,
+            &d_latent,
+            &d_rope,
+            &d_w,
+            eps,
+            &d_slots,
+            n,
+            static_scale,
+        )?;
+        dev.synchronize()
+    }
+
+    /// [`append`](Self::append) from device buffers: `latent [n][512]` and `rope [n][64]`
+    /// FP32, the BF16 `norm_weight [512]`, `slots [n]` i32 (a negative slot skips its row).
+    /// Slots must lie inside `cache` (the caller's page tables guarantee it).
+    #[allow(clippy::too_many_arguments)]
+    pub fn append_io(
+        &self,
+        dev: &D,
+        cache: &mut DeviceCache<D>,
+        latent: &D::Memory,
+        rope: &D::Memory,
+        norm_weight: &D::Memory,
+        eps: f32,
+        slots: &D::Memory,
+        n: usize,
+        static_scale: f32,
+    ) -> Result<()> {
+        if n == 0
+            || latent.len() < n * LATENT * 4
+            || rope.len() < n * ROPE * 4
+            || norm_weight.len() < LATENT * 2
+            || slots.len() < n * 4
+        {
+            return Err(DeviceError::Invalid(format!(
+                "mla_append: {n} rows need latent {} B, rope {} B, weight {} B, slots {} B; \
+                 got {}, {}, {}, {}",
+                n * LATENT * 4,
+                n * ROPE * 4,
+                LATENT * 2,
+                n * 4,
+                latent.len(),
+                rope.len(),
+                norm_weight.len(),
+                slots.len()
+            )));
+        }
         let ptrs = [
-            d_latent.device_ptr(),
-            d_rope.device_ptr(),
-            d_w.device_ptr(),
-            d_slots.device_ptr(),
+            latent.device_ptr(),
+            rope.device_ptr(),
+            norm_weight.device_ptr(),
+            slots.device_ptr(),
             cache.kv.device_ptr(),
             cache.scale.device_ptr(),
             cache.rope.device_ptr(),
@@ -388,8 +503,61 @@ impl<D: Device> MlaKernels<D> {
             block_dim: (AUX_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: one CTA per row of the uploaded inputs; slots are checked against the cache.
-        unsafe { dev.launch(&self.append, cfg, &params) }?;
-        dev.synchronize()
+        // SAFETY: one CTA per row of the inputs (sizes checked above); the slots lie inside the
+        // cache (the caller's contract).
+        unsafe { dev.launch(&self.append, cfg, &params) }
+    }
+}
+
+/// Device buffers of one `mla_decode` launch, owned by the caller: `q_abs [rows][heads][512]`
+/// and `q_pe [rows][heads][64]` BF16, `block_table [rows][max_pages]` and `seq_lens [rows]`
+/// i32, `out [rows][heads][512]` and `lse [rows][heads]` FP32, and the split workspace for up
+/// to `max_splits` splits.
+pub struct DecodeIo<'a, D: Device> {
+    pub rows: usize,
+    pub heads: usize,
+    pub max_pages: usize,
+    pub max_splits: usize,
+    pub q_abs: &'a D::Memory,
+    pub q_pe: &'a D::Memory,
+    pub block_table: &'a D::Memory,
+    pub seq_lens: &'a D::Memory,
+    pub out: &'a D::Memory,
+    pub lse: &'a D::Memory,
+    pub part_out: &'a D::Memory,
+    pub part_lse: &'a D::Memory,
+}
+
+impl<D: Device> DecodeIo<'_, D> {
+    fn check(&self) -> Result<()> {
+        let (r, h, s) = (self.rows, self.heads, self.max_splits.max(1));
+        let sizes = [
+            ("q_abs", self.q_abs.len(), r * h * LATENT * 2),
+            ("q_pe", self.q_pe.len(), r * h * ROPE * 2),
+            (
+                "block_table",
+                self.block_table.len(),
+                r * self.max_pages * 4,
+            ),
+            ("seq_lens", self.seq_lens.len(), r * 4),
+            ("out", self.out.len(), r * h * LATENT * 4),
+            ("lse", self.lse.len(), r * h * 4),
+            ("part_out", self.part_out.len(), r * h * s * LATENT * 4),
+            ("part_lse", self.part_lse.len(), r * h * s * 4),
+        ];
+        if r == 0 || h == 0 || self.max_pages == 0 {
+            return Err(DeviceError::Invalid(format!(
+                "mla_decode: {r} rows × {h} heads, {} pages",
+                self.max_pages
+            )));
+        }
+        for (name, have, want) in sizes {
+            if have < want {
+                return Err(DeviceError::Invalid(format!(
+                    "mla_decode: {name} holds {have} B, the launch needs {want} B"
+                )));
+            }
+        }
+        Ok(())
     }
 }

@@ -675,6 +675,125 @@ impl<D: Device> MoeKernels<D> {
     }
 }
 
+/// A routing grouped on the device in the same step (by `layers::group_by_expert`): the host
+/// knows only its bounds, so the grid is sized for the worst case — every expert's tiles up to
+/// `tokens` rows — and the blocks of experts with fewer tokens return at once. That keeps a
+/// decode step free of host decisions (and capturable as a CUDA graph).
+pub struct MoeDeviceGrouping<'a, D: Device> {
+    pub tokens: usize,
+    pub top_k: usize,
+    pub experts: usize,
+    /// `[experts + 1]` i32
+    pub expert_offsets: &'a D::Memory,
+    /// `[tokens · top_k]` i32
+    pub sorted_token_ids: &'a D::Memory,
+    /// `[tokens · top_k]` f32
+    pub sorted_weights: &'a D::Memory,
+}
+
+/// The MoE's activations in device buffers the caller owns: `x [tokens][hidden]` BF16, the
+/// NVFP4 intermediate `h_q [tokens · top_k][inter / 2]` and `h_sf [tokens · top_k][inter /
+/// 16]`, and `out [tokens][hidden]` f32 (accumulated into).
+pub struct MoeDeviceIo<'a, D: Device> {
+    pub x: &'a D::Memory,
+    pub h_q: &'a D::Memory,
+    pub h_sf: &'a D::Memory,
+    pub out: &'a D::Memory,
+}
+
+impl<D: Device> MoeKernels<D> {
+    /// Runs `moe_gate_up` then `moe_down` over a device-side grouping, accumulating into
+    /// `io.out` (which the caller zeroes, or fills with what the routed experts add to).
+    pub fn run_device_grouped(
+        &self,
+        dev: &D,
+        w: &MoeDeviceWeights<D>,
+        g: &MoeDeviceGrouping<'_, D>,
+        io: &MoeDeviceIo<'_, D>,
+    ) -> Result<()> {
+        let t = &self.tactic;
+        check_problem(t, w.hidden, w.inter)?;
+        let bad = |why: String| {
+            Err(DeviceError::Shape {
+                tactic: t.id(),
+                why,
+            })
+        };
+        let assignments = g.tokens * g.top_k;
+        if g.experts != w.experts {
+            return bad(format!(
+                "routing over {} experts, weights have {}",
+                g.experts, w.experts
+            ));
+        }
+        let sizes = [
+            (
+                "expert_offsets",
+                g.expert_offsets.len(),
+                (g.experts + 1) * 4,
+            ),
+            (
+                "sorted_token_ids",
+                g.sorted_token_ids.len(),
+                assignments * 4,
+            ),
+            ("sorted_weights", g.sorted_weights.len(), assignments * 4),
+            ("x", io.x.len(), g.tokens * w.hidden * 2),
+            ("h_q", io.h_q.len(), assignments * w.inter / 2),
+            ("h_sf", io.h_sf.len(), assignments * w.inter / 16),
+            ("out", io.out.len(), g.tokens * w.hidden * 4),
+        ];
+        for (name, have, want) in sizes {
+            if have < want {
+                return bad(format!("{name} holds {have} B, the launch needs {want} B"));
+            }
+        }
+        if w.experts > 65_535 || g.tokens.div_ceil(t.tile_m as usize) > 65_535 {
+            return bad("grid y/z beyond 65535".into());
+        }
+        let Some((w13_sf, w2_sf)) = w.scales[t.scale_load.macro_value() as usize].as_ref() else {
+            return bad(format!(
+                "weights were uploaded without {:?} scales",
+                t.scale_load
+            ));
+        };
+        let Some((cfg_gu, cfg_down)) = launch_configs(t, w.hidden, w.inter, w.experts, g.tokens)
+        else {
+            return Ok(());
+        };
+        let args = MoeArgs {
+            expert_offsets: g.expert_offsets.device_ptr(),
+            sorted_token_ids: g.sorted_token_ids.device_ptr(),
+            sorted_weights: g.sorted_weights.device_ptr(),
+            hidden: w.hidden as i32,
+            inter: w.inter as i32,
+            x: io.x.device_ptr(),
+            w13: w.w13.device_ptr(),
+            w13_sf: w13_sf.device_ptr(),
+            w13_gs: w.w13_gs.device_ptr(),
+            a13_gs: w.a13_gs.device_ptr(),
+            h_q: io.h_q.device_ptr(),
+            h_sf: io.h_sf.device_ptr(),
+            w2: w.w2.device_ptr(),
+            w2_sf: w2_sf.device_ptr(),
+            w2_gs: w.w2_gs.device_ptr(),
+            a2_gs: w.a2_gs.device_ptr(),
+            out: io.out.device_ptr(),
+        };
+        let mut params = KernelParams::new();
+        params.arg(&args);
+        // SAFETY: `args` matches the kernels' by-value `MoeArgs`; every buffer was checked
+        // above for `tokens` rows and `tokens · top_k` assignments, which bound what any
+        // grouping of them can address; the grid covers `tokens` rows per expert (the most any
+        // expert can get) and blocks past an expert's count return; the dynamic shared memory
+        // was opted into at load.
+        unsafe {
+            dev.launch(&self.gate_up, cfg_gu, &params)?;
+            dev.launch(&self.down, cfg_down, &params)
+        }
+    }
+}
+
 /// Launch configurations `(moe_gate_up, moe_down)` of `tactic` for a problem; `None` when no
 /// expert has a token (a zero grid dimension is invalid).
 pub fn launch_configs(

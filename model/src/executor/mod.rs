@@ -1,0 +1,958 @@
+//! The device-resident executor: the whole forward pass as device work on any
+//! [`Device`] — a GPU through cudarc (`cuda`), or the same kernels and launch arguments run by
+//! the host execution layer on the CPU (`cuda-emulated`).
+//!
+//! The design follows candle's split of storage from device: weights are uploaded once as
+//! device allocations ([`DeviceWeights`]), the paged latent cache lives in device memory (one
+//! [`DeviceCache`] per layer, pages handed out by the same [`PageTables`] the CPU cache uses),
+//! and a step's activations live in a workspace whose buffers keep their addresses from step
+//! to step. One step is a fixed sequence of launches — embedding gather, per layer the
+//! attention (products, RoPE, cache append, absorbed MLA decode) and the MLP or MoE (router,
+//! grouping on the device, the grouped NVFP4 GEMM), the final norm and `lm_head`, greedy
+//! argmax — decided by the host from the step's shape alone, never from values on the device.
+//! The host writes the token ids, positions, cache slots, block tables and logit rows in (one
+//! [`Device::write_bytes`] each) and reads sampled ids or logits back: [`STEP_WRITES`] and one
+//! read per step, which `tests/device_executor.rs` counts.
+//!
+//! The numerics are the CPU forward pass's with the device kernels' roundings: queries reach
+//! MLA in BF16, the MoE input in BF16 (as on a GPU), the norm weights as BF16 (what the
+//! checkpoint stores), and FP32 sums in another order.
+
+mod counting;
+mod weights;
+
+pub use counting::{CountingDevice, DeviceTraffic, LaunchEntry};
+pub use weights::{DeviceLayer, DeviceMlp, DeviceWeights, WeightsError};
+
+use kernels::device::{Device, DeviceError, DeviceExt};
+use kernels::layers::{HeadRows, LayerKernels, OutputType, RopeSlices, RouterShape};
+use kernels::mla::cache::{KvCacheDtype, PAGE_TOKENS, PageTables, SeqId};
+use kernels::mla::launch::{DecodeIo, DeviceCache, MlaKernels};
+use kernels::mla::tactic::{LATENT, MlaTactic, ROPE};
+use kernels::moe_gemm::MoeGemmTactic;
+use kernels::moe_gemm::launch::{MoeDeviceGrouping, MoeDeviceIo, MoeKernels};
+use kernels::tactic::{ProblemShape, Tactic};
+
+use crate::config::ModelConfig;
+use crate::forward::{ForwardError, LogitRows, Logits, Model, SeqInput};
+
+/// Host→device writes of one step: token ids, positions, cache slots, context lengths, block
+/// tables and the rows that get logits.
+pub const STEP_WRITES: usize = 6;
+
+/// The kernels' tactics the executor runs with.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExecutorTactics {
+    pub moe: Option<MoeGemmTactic>,
+    pub mla: MlaTactic,
+}
+
+impl ExecutorTactics {
+    /// The heuristic defaults of the tuning lab for `sm` at decode shapes of this model.
+    pub fn defaults(
+        sm: kernels::arch::Sm,
+        config: &ModelConfig,
+        kv_dtype: KvCacheDtype,
+    ) -> Result<Self, ExecutorError> {
+        let mla_shape = ProblemShape::Mla {
+            batch: 1,
+            heads: config.num_attention_heads as u32,
+            context: 4096,
+            fp8_cache: kv_dtype == KvCacheDtype::Fp8E4m3,
+        };
+        let mla = MlaTactic::heuristic_default(sm, &mla_shape)
+            .ok_or_else(|| ExecutorError::Unsupported(format!("no MLA decode tactic for {sm}")))?;
+        let moe = if config.n_routed_experts > 0 {
+            let shape = ProblemShape::Moe {
+                tokens_per_expert: 1,
+                active_experts: config.num_experts_per_tok as u32,
+                hidden: config.hidden_size as u32,
+                inter: config.moe_intermediate_size as u32,
+            };
+            Some(MoeGemmTactic::heuristic_default(sm, &shape).ok_or_else(|| {
+                ExecutorError::Unsupported(format!(
+                    "no MoE GEMM tactic for {sm} serves hidden {} / intermediate {}",
+                    config.hidden_size, config.moe_intermediate_size
+                ))
+            })?)
+        } else {
+            None
+        };
+        Ok(Self { moe, mla })
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ExecutorError {
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    #[error(transparent)]
+    Forward(#[from] ForwardError),
+    #[error(transparent)]
+    Weights(#[from] WeightsError),
+    /// The model's shape is outside what the device kernels implement.
+    #[error("the device kernels cannot run this model: {0}")]
+    Unsupported(String),
+}
+
+/// Everything a step may need, allocated for `rows` tokens (grown when a step needs more).
+struct Workspace<D: Device> {
+    rows: usize,
+    /// Block-table columns each row has room for (the whole cache's pages: any sequence fits).
+    max_pages: usize,
+    max_splits: usize,
+    ids: D::Memory,
+    positions: D::Memory,
+    slots: D::Memory,
+    seq_lens: D::Memory,
+    block_table: D::Memory,
+    logit_rows: D::Memory,
+    bad_id: D::Memory,
+    x: D::Memory,
+    h: D::Memory,
+    delta: D::Memory,
+    qa: D::Memory,
+    qa_normed: D::Memory,
+    q: D::Memory,
+    latent: D::Memory,
+    k_rope: D::Memory,
+    q_abs: D::Memory,
+    q_pe: D::Memory,
+    o_latent: D::Memory,
+    lse: D::Memory,
+    part_out: D::Memory,
+    part_lse: D::Memory,
+    o: D::Memory,
+    gate_up: D::Memory,
+    act: D::Memory,
+    router_logits: D::Memory,
+    route_ids: D::Memory,
+    route_weights: D::Memory,
+    expert_offsets: D::Memory,
+    sorted_token_ids: D::Memory,
+    sorted_weights: D::Memory,
+    x_bf16: D::Memory,
+    h_q: D::Memory,
+    h_sf: D::Memory,
+    selected: D::Memory,
+    logits: D::Memory,
+    sampled: D::Memory,
+}
+
+impl<D: Device> Workspace<D> {
+    fn new(
+        dev: &D,
+        c: &ModelConfig,
+        heads: usize,
+        rows: usize,
+        max_pages: usize,
+        max_splits: usize,
+    ) -> Result<Self, DeviceError> {
+        let f32s = |n: usize| dev.alloc_elements::<f32>(n);
+        let i32s = |n: usize| dev.alloc_elements::<i32>(n);
+        let bf16s = |n: usize| dev.alloc_elements::<u16>(n);
+        let (hidden, qk) = (c.hidden_size, c.qk_head_dim());
+        let q_rank = c.q_lora_rank.unwrap_or(1);
+        let inter = c
+            .intermediate_size
+            .max(c.moe_intermediate_size * c.n_shared_experts.max(1));
+        let experts = c.n_routed_experts.max(1);
+        let assignments = rows * c.num_experts_per_tok.max(1);
+        let moe_inter = c.moe_intermediate_size.max(16);
+        Ok(Self {
+            rows,
+            max_pages,
+            max_splits,
+            ids: i32s(rows)?,
+            positions: i32s(rows)?,
+            slots: i32s(rows)?,
+            seq_lens: i32s(rows)?,
+            block_table: i32s(rows * max_pages)?,
+            logit_rows: i32s(rows)?,
+            bad_id: i32s(1)?,
+            x: f32s(rows * hidden)?,
+            h: f32s(rows * hidden)?,
+            delta: f32s(rows * hidden)?,
+            qa: f32s(rows * q_rank)?,
+            qa_normed: f32s(rows * q_rank)?,
+            q: f32s(rows * heads * qk)?,
+            latent: f32s(rows * LATENT)?,
+            k_rope: f32s(rows * ROPE)?,
+            q_abs: bf16s(rows * heads * LATENT)?,
+            q_pe: bf16s(rows * heads * ROPE)?,
+            o_latent: f32s(rows * heads * LATENT)?,
+            lse: f32s(rows * heads)?,
+            part_out: f32s(rows * heads * max_splits * LATENT)?,
+            part_lse: f32s(rows * heads * max_splits)?,
+            o: f32s(rows * heads * c.v_head_dim)?,
+            gate_up: f32s(rows * 2 * inter)?,
+            act: f32s(rows * inter)?,
+            router_logits: f32s(rows * experts)?,
+            route_ids: i32s(assignments)?,
+            route_weights: f32s(assignments)?,
+            expert_offsets: i32s(experts + 1)?,
+            sorted_token_ids: i32s(assignments)?,
+            sorted_weights: f32s(assignments)?,
+            x_bf16: bf16s(rows * hidden)?,
+            h_q: dev.alloc_zeroed(assignments * moe_inter / 2)?,
+            h_sf: dev.alloc_zeroed(assignments * moe_inter / 16)?,
+            selected: f32s(rows * hidden)?,
+            logits: f32s(rows * c.vocab_size)?,
+            sampled: i32s(rows)?,
+        })
+    }
+
+    /// Device bytes of the workspace.
+    fn device_bytes(&self) -> usize {
+        use kernels::device::DeviceMemory;
+        [
+            &self.ids,
+            &self.positions,
+            &self.slots,
+            &self.seq_lens,
+            &self.block_table,
+            &self.logit_rows,
+            &self.bad_id,
+            &self.x,
+            &self.h,
+            &self.delta,
+            &self.qa,
+            &self.qa_normed,
+            &self.q,
+            &self.latent,
+            &self.k_rope,
+            &self.q_abs,
+            &self.q_pe,
+            &self.o_latent,
+            &self.lse,
+            &self.part_out,
+            &self.part_lse,
+            &self.o,
+            &self.gate_up,
+            &self.act,
+            &self.router_logits,
+            &self.route_ids,
+            &self.route_weights,
+            &self.expert_offsets,
+            &self.sorted_token_ids,
+            &self.sorted_weights,
+            &self.x_bf16,
+            &self.h_q,
+            &self.h_sf,
+            &self.selected,
+            &self.logits,
+            &self.sampled,
+        ]
+        .iter()
+        .map(|m| m.len())
+        .sum()
+    }
+}
+
+/// What a step returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepOutput {
+    /// Logits of the selected rows, read back.
+    Logits,
+    /// Greedy ids of the selected rows (argmax on the device); only they are read back.
+    Greedy,
+}
+
+/// The result of a step: logits (when asked for) or the greedy ids of the selected rows.
+#[derive(Clone, Debug)]
+pub enum StepResult {
+    Logits(Logits),
+    Greedy(Vec<u32>),
+}
+
+/// The model on one device. See the module documentation.
+pub struct DeviceExecutor<D: Device> {
+    dev: D,
+    config: ModelConfig,
+    heads: usize,
+    weights: DeviceWeights<D>,
+    layer_kernels: LayerKernels<D>,
+    mla: MlaKernels<D>,
+    moe: Option<MoeKernels<D>>,
+    tactics: ExecutorTactics,
+    caches: Vec<DeviceCache<D>>,
+    pages: PageTables,
+    kv_dtype: KvCacheDtype,
+    workspace: Workspace<D>,
+    rope_inv_freq: D::Memory,
+    attention_factor: f32,
+    softmax_scale: f32,
+    eps: f32,
+    router: Option<RouterShape>,
+}
+
+impl<D: Device> DeviceExecutor<D> {
+    /// Uploads `model`'s weights to `dev` (with a progress bar unless `quiet`), allocates a
+    /// latent cache of `cache_tokens` tokens in `kv_dtype` and a workspace for `max_rows`
+    /// tokens per step, and loads the kernels of `tactics`.
+    pub fn new(
+        dev: D,
+        model: &Model,
+        kv_dtype: KvCacheDtype,
+        cache_tokens: usize,
+        max_rows: usize,
+        tactics: ExecutorTactics,
+        quiet: bool,
+    ) -> Result<Self, ExecutorError> {
+        let c = model.config.clone();
+        check_supported(&c)?;
+        let mla = MlaKernels::load(&dev, tactics.mla)?;
+        if mla.tactic.kind.is_fp8() != (kv_dtype == KvCacheDtype::Fp8E4m3) {
+            return Err(ExecutorError::Unsupported(format!(
+                "MLA tactic {} reads a {} cache, the executor's is {}",
+                mla.tactic.id(),
+                if mla.tactic.kind.is_fp8() {
+                    "FP8"
+                } else {
+                    "BF16"
+                },
+                kv_dtype.id()
+            )));
+        }
+        let moe = tactics.moe.map(|t| MoeKernels::load(&dev, t)).transpose()?;
+        let layer_kernels = LayerKernels::load(&dev)?;
+        let weights = DeviceWeights::upload(&dev, model, moe.as_ref().map(|m| m.tactic), quiet)?;
+        let heads = weights.heads;
+        let pages = PageTables::new(cache_tokens.div_ceil(PAGE_TOKENS).max(1));
+        let caches = (0..c.num_hidden_layers)
+            .map(|_| DeviceCache::alloc(&dev, kv_dtype, pages.total_slots()))
+            .collect::<Result<Vec<_>, _>>()?;
+        let max_splits = mla.tactic.max_splits as usize;
+        let workspace = Workspace::new(
+            &dev,
+            &c,
+            heads,
+            max_rows.max(1),
+            pages.total_pages(),
+            max_splits,
+        )?;
+        let rope = model.rope();
+        let rope_inv_freq = dev.upload(rope.inv_freq())?;
+        let router = (c.n_routed_experts > 0).then(|| RouterShape {
+            experts: c.n_routed_experts,
+            n_group: c.n_group.max(1),
+            topk_group: c.topk_group,
+            top_k: c.num_experts_per_tok,
+            norm_topk_prob: c.norm_topk_prob,
+            routed_scaling_factor: c.routed_scaling_factor as f32,
+        });
+        if let Some(r) = &router {
+            r.validate()?;
+        }
+        Ok(Self {
+            attention_factor: rope.attention_factor(),
+            softmax_scale: model.softmax_scale(),
+            eps: c.rms_norm_eps as f32,
+            dev,
+            heads,
+            weights,
+            layer_kernels,
+            mla,
+            moe,
+            tactics,
+            caches,
+            pages,
+            kv_dtype,
+            workspace,
+            rope_inv_freq,
+            router,
+            config: c,
+        })
+    }
+
+    pub fn device(&self) -> &D {
+        &self.dev
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn tactics(&self) -> &ExecutorTactics {
+        &self.tactics
+    }
+
+    pub fn kv_dtype(&self) -> KvCacheDtype {
+        self.kv_dtype
+    }
+
+    pub fn add_sequence(&mut self) -> SeqId {
+        self.pages.add_sequence()
+    }
+
+    pub fn free_sequence(&mut self, seq: SeqId) -> Result<(), ExecutorError> {
+        self.pages
+            .free_sequence(seq)
+            .map_err(|e| ExecutorError::Forward(e.into()))
+    }
+
+    pub fn seq_len(&self, seq: SeqId) -> Result<usize, ExecutorError> {
+        self.pages
+            .seq_len(seq)
+            .map_err(|e| ExecutorError::Forward(e.into()))
+    }
+
+    /// Device bytes held: weights, cache and workspace.
+    pub fn device_bytes(&self) -> DeviceBytes {
+        DeviceBytes {
+            weights: self.weights.device_bytes(),
+            cache: self.caches.iter().map(|c| c.device_bytes()).sum(),
+            workspace: self.workspace.device_bytes(),
+        }
+    }
+
+    /// Runs `inputs` through the model, appending their tokens to the cache: logits or greedy
+    /// ids of `logit_rows`.
+    pub fn step(
+        &mut self,
+        inputs: &[SeqInput<'_>],
+        logit_rows: LogitRows,
+        output: StepOutput,
+    ) -> Result<StepResult, ExecutorError> {
+        let c = &self.config;
+        let mut rows: Vec<(SeqId, usize)> = Vec::new();
+        for input in inputs {
+            let start = self.pages.seq_len(input.seq).map_err(ForwardError::from)?;
+            for (i, &token) in input.tokens.iter().enumerate() {
+                if token as usize >= c.vocab_size {
+                    return Err(ForwardError::TokenOutOfRange {
+                        token,
+                        vocab: c.vocab_size,
+                    }
+                    .into());
+                }
+                if start + i >= c.max_position_embeddings {
+                    return Err(ForwardError::ContextTooLong {
+                        pos: start + i,
+                        max: c.max_position_embeddings,
+                    }
+                    .into());
+                }
+                rows.push((input.seq, start + i));
+            }
+        }
+        let n = rows.len();
+        if n == 0 {
+            return Err(ForwardError::InvalidRequest("a step without tokens".into()).into());
+        }
+        for input in inputs {
+            self.pages
+                .reserve(input.seq, input.tokens.len())
+                .map_err(ForwardError::from)?;
+        }
+        if n > self.workspace.rows {
+            self.workspace = Workspace::new(
+                &self.dev,
+                &self.config,
+                self.heads,
+                n,
+                self.workspace.max_pages,
+                self.workspace.max_splits,
+            )?;
+        }
+        let selected: Vec<i32> = match logit_rows {
+            LogitRows::All => (0..n as i32).collect(),
+            LogitRows::Last => {
+                let mut end = 0;
+                inputs
+                    .iter()
+                    .map(|i| {
+                        end += i.tokens.len();
+                        end as i32 - 1
+                    })
+                    .collect()
+            }
+        };
+        self.write_step_inputs(inputs, &rows, &selected)?;
+        self.run_layers(n, &rows)?;
+        let result = self.finish(n, &selected, output)?;
+        for input in inputs {
+            self.pages
+                .commit(input.seq, input.tokens.len())
+                .map_err(ForwardError::from)?;
+        }
+        Ok(result)
+    }
+
+    fn write_step_inputs(
+        &mut self,
+        inputs: &[SeqInput<'_>],
+        rows: &[(SeqId, usize)],
+        selected: &[i32],
+    ) -> Result<(), ExecutorError> {
+        let ws = &mut self.workspace;
+        let ids: Vec<i32> = inputs
+            .iter()
+            .flat_map(|i| i.tokens.iter().map(|&t| t as i32))
+            .collect();
+        let positions: Vec<i32> = rows.iter().map(|&(_, pos)| pos as i32).collect();
+        let mut slots = Vec::with_capacity(rows.len());
+        let mut table = vec![0i32; rows.len() * ws.max_pages];
+        for (r, &(seq, pos)) in rows.iter().enumerate() {
+            slots.push(self.pages.slot(seq, pos).map_err(ForwardError::from)? as i32);
+            let pages = self.pages.block_table(seq).map_err(ForwardError::from)?;
+            for (dst, &page) in table[r * ws.max_pages..].iter_mut().zip(pages) {
+                *dst = page as i32;
+            }
+        }
+        let seq_lens: Vec<i32> = positions.iter().map(|&p| p + 1).collect();
+        let dev = &self.dev;
+        dev.write(&mut ws.ids, &ids)?;
+        dev.write(&mut ws.positions, &positions)?;
+        dev.write(&mut ws.slots, &slots)?;
+        dev.write(&mut ws.seq_lens, &seq_lens)?;
+        dev.write(&mut ws.block_table, &table)?;
+        dev.write(&mut ws.logit_rows, selected)?;
+        Ok(())
+    }
+
+    fn run_layers(&mut self, n: usize, rows: &[(SeqId, usize)]) -> Result<(), ExecutorError> {
+        let c = &self.config;
+        let (dev, k, ws, w) = (
+            &self.dev,
+            &self.layer_kernels,
+            &mut self.workspace,
+            &self.weights,
+        );
+        let hidden = c.hidden_size;
+        dev.fill(&mut ws.bad_id, 0xFF)?;
+        k.embed_gather(
+            dev,
+            &ws.ids,
+            n,
+            &w.embed,
+            c.vocab_size,
+            hidden,
+            &ws.x,
+            &ws.bad_id,
+        )?;
+        let max_context = rows.iter().map(|&(_, pos)| pos + 1).max().unwrap_or(1);
+        let splits = self.mla.tactic.plan_splits(
+            n,
+            self.heads,
+            max_context,
+            dev.sm()?.reference_gpu().sms as usize,
+        );
+        for (layer, lw) in w.layers.iter().enumerate() {
+            // The previous layer's MLP output joins the residual in this layer's first norm.
+            let pending = (layer > 0).then_some(&ws.delta);
+            k.add_rms_norm(
+                dev,
+                &ws.x,
+                pending,
+                &lw.input_norm,
+                self.eps,
+                n,
+                hidden,
+                &ws.h,
+            )?;
+            attention(
+                AttentionCtx {
+                    dev,
+                    k,
+                    mla: &self.mla,
+                    c,
+                    heads: self.heads,
+                    eps: self.eps,
+                    rope_inv_freq: &self.rope_inv_freq,
+                    attention_factor: self.attention_factor,
+                    softmax_scale: self.softmax_scale,
+                    splits,
+                },
+                lw,
+                &mut self.caches[layer],
+                ws,
+                n,
+            )?;
+            k.add_rms_norm(
+                dev,
+                &ws.x,
+                Some(&ws.delta),
+                &lw.post_attention_norm,
+                self.eps,
+                n,
+                hidden,
+                &ws.h,
+            )?;
+            match &lw.mlp {
+                DeviceMlp::Dense(d) => {
+                    dense_mlp(dev, k, d, &ws.h, n, hidden, ws, false)?;
+                }
+                DeviceMlp::Moe(m) => {
+                    let router = self.router.as_ref().expect("MoE layers have a router");
+                    let moe = self.moe.as_ref().expect("MoE layers have MoE kernels");
+                    k.dense_bf16(
+                        dev,
+                        &ws.h,
+                        n,
+                        &m.router,
+                        hidden,
+                        router.experts,
+                        &ws.router_logits,
+                        false,
+                    )?;
+                    k.route(
+                        dev,
+                        router,
+                        &ws.router_logits,
+                        &m.correction_bias,
+                        n,
+                        &ws.route_ids,
+                        &ws.route_weights,
+                    )?;
+                    k.group_by_expert(
+                        dev,
+                        &ws.route_ids,
+                        &ws.route_weights,
+                        n,
+                        router.top_k,
+                        router.experts,
+                        &ws.expert_offsets,
+                        &ws.sorted_token_ids,
+                        &ws.sorted_weights,
+                    )?;
+                    k.to_bf16_strided(dev, &ws.h, n, hidden, 0, 0, 1, hidden, &ws.x_bf16)?;
+                    dev.fill(&mut ws.delta, 0)?;
+                    moe.run_device_grouped(
+                        dev,
+                        &m.experts,
+                        &MoeDeviceGrouping {
+                            tokens: n,
+                            top_k: router.top_k,
+                            experts: router.experts,
+                            expert_offsets: &ws.expert_offsets,
+                            sorted_token_ids: &ws.sorted_token_ids,
+                            sorted_weights: &ws.sorted_weights,
+                        },
+                        &MoeDeviceIo {
+                            x: &ws.x_bf16,
+                            h_q: &ws.h_q,
+                            h_sf: &ws.h_sf,
+                            out: &ws.delta,
+                        },
+                    )?;
+                    if let Some(shared) = &m.shared {
+                        dense_mlp(dev, k, shared, &ws.h, n, hidden, ws, true)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn finish(
+        &mut self,
+        n: usize,
+        selected: &[i32],
+        output: StepOutput,
+    ) -> Result<StepResult, ExecutorError> {
+        let c = &self.config;
+        let (dev, k, ws, w) = (
+            &self.dev,
+            &self.layer_kernels,
+            &mut self.workspace,
+            &self.weights,
+        );
+        let hidden = c.hidden_size;
+        k.add_rms_norm(
+            dev,
+            &ws.x,
+            Some(&ws.delta),
+            &w.norm,
+            self.eps,
+            n,
+            hidden,
+            &ws.h,
+        )?;
+        let r = selected.len();
+        let every_row = r == n && selected.iter().enumerate().all(|(i, &s)| s == i as i32);
+        let final_rows = if every_row {
+            &ws.h
+        } else {
+            k.gather_rows(dev, &ws.h, n, &ws.logit_rows, r, hidden, &ws.selected)?;
+            &ws.selected
+        };
+        k.dense_bf16(
+            dev,
+            final_rows,
+            r,
+            &w.lm_head,
+            hidden,
+            c.vocab_size,
+            &ws.logits,
+            false,
+        )?;
+        match output {
+            StepOutput::Logits => {
+                let values: Vec<f32> = dev.download_first(&ws.logits, r * c.vocab_size)?;
+                if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+                    return Err(ForwardError::NonFinite {
+                        place: "the final norm and lm_head (device)".into(),
+                        row: i / c.vocab_size,
+                        element: i % c.vocab_size,
+                        value: values[i],
+                    }
+                    .into());
+                }
+                Ok(StepResult::Logits(Logits {
+                    rows: r,
+                    vocab: c.vocab_size,
+                    values,
+                }))
+            }
+            StepOutput::Greedy => {
+                k.argmax_rows(dev, &ws.logits, r, c.vocab_size, &ws.sampled)?;
+                let ids: Vec<i32> = dev.download_first(&ws.sampled, r)?;
+                Ok(StepResult::Greedy(ids.iter().map(|&i| i as u32).collect()))
+            }
+        }
+    }
+}
+
+/// Device bytes an executor holds, by purpose.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceBytes {
+    pub weights: usize,
+    pub cache: usize,
+    pub workspace: usize,
+}
+
+impl DeviceBytes {
+    pub fn total(&self) -> usize {
+        self.weights + self.cache + self.workspace
+    }
+}
+
+/// What the MLA and MoE kernels fix: Kimi-K2.5's latent sizes (the MLA kernels are compiled
+/// for a 512-value latent and 64 RoPE values).
+fn check_supported(c: &ModelConfig) -> Result<(), ExecutorError> {
+    if (c.kv_lora_rank, c.qk_rope_head_dim) != (LATENT, ROPE) {
+        return Err(ExecutorError::Unsupported(format!(
+            "the MLA kernels are built for kv_lora_rank {LATENT} and qk_rope_head_dim {ROPE} \
+             (Kimi-K2.5's); this model has {} and {} (use --backend cpu)",
+            c.kv_lora_rank, c.qk_rope_head_dim
+        )));
+    }
+    Ok(())
+}
+
+struct AttentionCtx<'a, D: Device> {
+    dev: &'a D,
+    k: &'a LayerKernels<D>,
+    mla: &'a MlaKernels<D>,
+    c: &'a ModelConfig,
+    heads: usize,
+    eps: f32,
+    rope_inv_freq: &'a D::Memory,
+    attention_factor: f32,
+    softmax_scale: f32,
+    splits: u32,
+}
+
+/// One layer's attention, `ws.h` → `ws.delta`: the query and compressed-KV products, RoPE,
+/// the cache append, the absorbed products around MLA decode, and `o_proj`.
+fn attention<D: Device>(
+    a: AttentionCtx<'_, D>,
+    lw: &DeviceLayer<D>,
+    cache: &mut DeviceCache<D>,
+    ws: &mut Workspace<D>,
+    n: usize,
+) -> Result<(), ExecutorError> {
+    let (dev, k, c, heads) = (a.dev, a.k, a.c, a.heads);
+    let (hidden, nope, v_dim) = (c.hidden_size, c.qk_nope_head_dim, c.v_head_dim);
+    let qk = nope + ROPE;
+    let at = &lw.attention;
+    match &at.q_a {
+        Some((q_a, q_a_norm, rank)) => {
+            k.dense_bf16(dev, &ws.h, n, q_a, hidden, *rank, &ws.qa, false)?;
+            k.add_rms_norm(dev, &ws.qa, None, q_a_norm, a.eps, n, *rank, &ws.qa_normed)?;
+            k.dense_bf16(
+                dev,
+                &ws.qa_normed,
+                n,
+                &at.q_b,
+                *rank,
+                heads * qk,
+                &ws.q,
+                false,
+            )?;
+        }
+        None => k.dense_bf16(dev, &ws.h, n, &at.q_b, hidden, heads * qk, &ws.q, false)?,
+    }
+    k.dense_bf16(
+        dev,
+        &ws.h,
+        n,
+        &at.kv_a_latent,
+        hidden,
+        LATENT,
+        &ws.latent,
+        false,
+    )?;
+    k.dense_bf16(
+        dev,
+        &ws.h,
+        n,
+        &at.kv_a_rope,
+        hidden,
+        ROPE,
+        &ws.k_rope,
+        false,
+    )?;
+    k.rope_interleaved(
+        dev,
+        &ws.k_rope,
+        n,
+        ROPE,
+        RopeSlices {
+            offset: 0,
+            stride: ROPE,
+            count: 1,
+            pairs: ROPE / 2,
+        },
+        &ws.positions,
+        a.rope_inv_freq,
+        a.attention_factor,
+    )?;
+    a.mla.append_io(
+        dev,
+        cache,
+        &ws.latent,
+        &ws.k_rope,
+        &at.kv_a_norm,
+        a.eps,
+        &ws.slots,
+        n,
+        0.0,
+    )?;
+    k.rope_interleaved(
+        dev,
+        &ws.q,
+        n,
+        heads * qk,
+        RopeSlices {
+            offset: nope,
+            stride: qk,
+            count: heads,
+            pairs: ROPE / 2,
+        },
+        &ws.positions,
+        a.rope_inv_freq,
+        a.attention_factor,
+    )?;
+    // q_abs[t, h] = q_nope[t, h] · W_UK[h], with W_UK[h]ᵀ ([L, P]) as the product's matrix.
+    k.dense_heads(
+        dev,
+        &ws.q,
+        HeadRows {
+            offset: 0,
+            row_stride: heads * qk,
+            head_stride: qk,
+        },
+        n,
+        heads,
+        &at.w_uk_t,
+        0,
+        LATENT * nope,
+        nope,
+        LATENT,
+        &ws.q_abs,
+        HeadRows {
+            offset: 0,
+            row_stride: heads * LATENT,
+            head_stride: LATENT,
+        },
+        OutputType::Bf16,
+    )?;
+    k.to_bf16_strided(dev, &ws.q, n, heads * qk, nope, qk, heads, ROPE, &ws.q_pe)?;
+    a.mla.decode_io(
+        dev,
+        cache,
+        &DecodeIo {
+            rows: n,
+            heads,
+            max_pages: ws.max_pages,
+            max_splits: ws.max_splits,
+            q_abs: &ws.q_abs,
+            q_pe: &ws.q_pe,
+            block_table: &ws.block_table,
+            seq_lens: &ws.seq_lens,
+            out: &ws.o_latent,
+            lse: &ws.lse,
+            part_out: &ws.part_out,
+            part_lse: &ws.part_lse,
+        },
+        a.splits,
+        a.softmax_scale,
+    )?;
+    // o[t, h] = o_latent[t, h] · W_UV[h]ᵀ, W_UV[h] = kv_b's rows h·(P+V)+P .. (h+1)·(P+V).
+    k.dense_heads(
+        dev,
+        &ws.o_latent,
+        HeadRows {
+            offset: 0,
+            row_stride: heads * LATENT,
+            head_stride: LATENT,
+        },
+        n,
+        heads,
+        &at.kv_b,
+        nope * LATENT,
+        (nope + v_dim) * LATENT,
+        LATENT,
+        v_dim,
+        &ws.o,
+        HeadRows {
+            offset: 0,
+            row_stride: heads * v_dim,
+            head_stride: v_dim,
+        },
+        OutputType::F32,
+    )?;
+    k.dense_bf16(
+        dev,
+        &ws.o,
+        n,
+        &at.o,
+        heads * v_dim,
+        hidden,
+        &ws.delta,
+        false,
+    )?;
+    Ok(())
+}
+
+/// A BF16 SwiGLU MLP, `h` → `ws.delta` (added to it when `accumulate`: the shared experts
+/// after the routed ones).
+#[allow(clippy::too_many_arguments)]
+fn dense_mlp<D: Device>(
+    dev: &D,
+    k: &LayerKernels<D>,
+    w: &weights::DeviceDenseMlp<D>,
+    h: &D::Memory,
+    n: usize,
+    hidden: usize,
+    ws: &Workspace<D>,
+    accumulate: bool,
+) -> Result<(), ExecutorError> {
+    k.dense_bf16(
+        dev,
+        h,
+        n,
+        &w.gate_up,
+        hidden,
+        2 * w.inter,
+        &ws.gate_up,
+        false,
+    )?;
+    k.silu_mul(dev, &ws.gate_up, n, w.inter, &ws.act)?;
+    k.dense_bf16(
+        dev, &ws.act, n, &w.down, w.inter, hidden, &ws.delta, accumulate,
+    )?;
+    Ok(())
+}
