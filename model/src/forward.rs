@@ -37,6 +37,9 @@ pub enum ForwardError {
     },
     #[error("{0}")]
     InvalidRequest(String),
+    /// The device (GPU or host execution layer) failed.
+    #[error("device: {0}")]
+    Device(String),
 }
 
 impl ForwardError {

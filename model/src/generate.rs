@@ -3,12 +3,75 @@
 
 use std::time::{Duration, Instant};
 
-use kernels::mla::cache::PagedLatentCache;
+use kernels::mla::cache::{PagedLatentCache, SeqId};
 
 use crate::backend::Backend;
 use crate::config::ModelConfig;
-use crate::forward::{ForwardError, LogitRows, Model, SeqInput};
+use crate::forward::{ForwardError, LogitRows, Logits, Model, SeqInput};
 use crate::sampler::{Sampler, SamplingParams};
+
+/// What one step hands back for the last token of each input.
+pub enum LastRows {
+    Logits(Logits),
+    /// Greedy ids, chosen where the logits are (on a device: only the ids cross back).
+    Greedy(Vec<u32>),
+}
+
+/// A model with its cache, stepped by the decode loop: the CPU forward pass, or the
+/// device-resident executor (`model::executor`).
+pub trait Stepper {
+    fn config(&self) -> &ModelConfig;
+    fn add_sequence(&mut self) -> SeqId;
+    fn free_sequence(&mut self, seq: SeqId) -> Result<(), ForwardError>;
+    /// Runs `inputs` (appending them to the cache) and returns their last rows: greedy ids
+    /// when `greedy` (every sequence samples greedily), else logits.
+    fn step_last(
+        &mut self,
+        inputs: &[SeqInput<'_>],
+        greedy: bool,
+    ) -> Result<LastRows, ForwardError>;
+}
+
+/// The CPU forward pass over a host cache.
+pub struct CpuStepper<'a> {
+    pub model: &'a Model,
+    pub backend: &'a dyn Backend,
+    pub cache: &'a mut PagedLatentCache,
+}
+
+impl Stepper for CpuStepper<'_> {
+    fn config(&self) -> &ModelConfig {
+        &self.model.config
+    }
+
+    fn add_sequence(&mut self) -> SeqId {
+        self.cache.add_sequence()
+    }
+
+    fn free_sequence(&mut self, seq: SeqId) -> Result<(), ForwardError> {
+        Ok(self.cache.free_sequence(seq)?)
+    }
+
+    fn step_last(
+        &mut self,
+        inputs: &[SeqInput<'_>],
+        _greedy: bool,
+    ) -> Result<LastRows, ForwardError> {
+        let logits = self
+            .model
+            .forward(self.backend, self.cache, inputs, LogitRows::Last, None)?;
+        Ok(LastRows::Logits(logits))
+    }
+}
+
+impl LastRows {
+    fn sample(&self, row: usize, sampler: &mut Sampler) -> u32 {
+        match self {
+            LastRows::Logits(l) => sampler.sample(l.row(row)),
+            LastRows::Greedy(ids) => ids[row],
+        }
+    }
+}
 
 #[derive(Clone, Debug)]
 pub struct GenerationRequest {
@@ -95,14 +158,29 @@ pub fn generate(
     backend: &dyn Backend,
     cache: &mut PagedLatentCache,
     requests: &[GenerationRequest],
+    on_token: impl FnMut(usize, u32),
+) -> Result<(Vec<GenerationResult>, GenerationTiming), ForwardError> {
+    let mut stepper = CpuStepper {
+        model,
+        backend,
+        cache,
+    };
+    generate_with(&mut stepper, requests, on_token)
+}
+
+/// [`generate`] on any [`Stepper`].
+pub fn generate_with(
+    stepper: &mut dyn Stepper,
+    requests: &[GenerationRequest],
     mut on_token: impl FnMut(usize, u32),
 ) -> Result<(Vec<GenerationResult>, GenerationTiming), ForwardError> {
     for request in requests {
         request
-            .validate(&model.config)
+            .validate(stepper.config())
             .map_err(ForwardError::InvalidRequest)?;
     }
-    let eos = &model.config.eos_token_ids;
+    let eos = stepper.config().eos_token_ids.clone();
+    let greedy = requests.iter().all(|r| r.sampling.temperature == 0.0);
     let mut timing = GenerationTiming::default();
     let mut samplers: Vec<Sampler> = requests.iter().map(|r| Sampler::new(r.sampling)).collect();
     let mut results: Vec<GenerationResult> = requests
@@ -112,7 +190,7 @@ pub fn generate(
             stop: StopReason::Length,
         })
         .collect();
-    let seqs: Vec<_> = requests.iter().map(|_| cache.add_sequence()).collect();
+    let seqs: Vec<_> = requests.iter().map(|_| stepper.add_sequence()).collect();
     let mut live: Vec<usize> = Vec::new();
 
     let start = Instant::now();
@@ -120,18 +198,15 @@ pub fn generate(
         if request.max_new_tokens == 0 || request.prompt.is_empty() {
             continue;
         }
-        let logits = model.forward(
-            backend,
-            cache,
+        let rows = stepper.step_last(
             &[SeqInput {
                 seq: seqs[i],
                 tokens: &request.prompt,
             }],
-            LogitRows::Last,
-            None,
+            greedy,
         )?;
         timing.prefill_tokens += request.prompt.len();
-        let token = samplers[i].sample(logits.row(0));
+        let token = rows.sample(0, &mut samplers[i]);
         results[i].tokens.push(token);
         on_token(i, token);
         if eos.contains(&token) {
@@ -156,12 +231,12 @@ pub fn generate(
                 tokens: token,
             })
             .collect();
-        let logits = model.forward(backend, cache, &inputs, LogitRows::Last, None)?;
+        let rows = stepper.step_last(&inputs, greedy)?;
         timing.decode_steps += 1;
         timing.decode_tokens += live.len();
         let mut still_live = Vec::with_capacity(live.len());
         for (row, &i) in live.iter().enumerate() {
-            let token = samplers[i].sample(logits.row(row));
+            let token = rows.sample(row, &mut samplers[i]);
             results[i].tokens.push(token);
             on_token(i, token);
             if eos.contains(&token) {
@@ -174,7 +249,7 @@ pub fn generate(
     }
     timing.decode_time = start.elapsed();
     for seq in seqs {
-        cache.free_sequence(seq)?;
+        stepper.free_sequence(seq)?;
     }
     Ok((results, timing))
 }

@@ -21,7 +21,9 @@ use model::checkpoint::{Checkpoint, CheckpointError};
 use model::checkpoint_writer::{OutputKind, OwnedTensor, StagedOutput, write_file};
 use model::config::{ConfigError, KvCacheQuant, ModelConfig};
 use model::forward::{ForwardError, LogitRows, Model, SeqInput, forward_bytes};
-use model::generate::{GenerationRequest, generate};
+use model::generate::{
+    GenerationRequest, GenerationResult, GenerationTiming, generate, generate_with,
+};
 use model::generator::{Preset, default_checkpoint, generate_checkpoint};
 use model::input::{InvalidInput, TokenIds, check_memory, largest_fitting};
 use model::nvfp4_file::{nvfp4_weight_names, read_nvfp4};
@@ -173,6 +175,213 @@ struct TpArgs {
     tp_segment: Option<String>,
 }
 
+/// `model run` on a device: the decode loop over the executor.
+struct RunOnDevice<'a> {
+    model: &'a Model,
+    kv_dtype: KvCacheDtype,
+    cache_tokens: usize,
+    max_rows: usize,
+    requests: &'a [GenerationRequest],
+}
+
+impl DeviceJob for RunOnDevice<'_> {
+    type Output = (Vec<GenerationResult>, GenerationTiming);
+    fn run<D: kernels::device::Device>(self, dev: D) -> Result<Self::Output> {
+        let mut ex = executor_on(
+            dev,
+            self.model,
+            self.kv_dtype,
+            self.cache_tokens,
+            self.max_rows,
+        )?;
+        Ok(generate_with(&mut ex, self.requests, |_, _| {})?)
+    }
+}
+
+/// `model logits` on a device: one prefill step, every row's logits read back.
+struct LogitsOnDevice<'a> {
+    model: &'a Model,
+    kv_dtype: KvCacheDtype,
+    tokens: &'a [u32],
+}
+
+impl DeviceJob for LogitsOnDevice<'_> {
+    type Output = model::forward::Logits;
+    fn run<D: kernels::device::Device>(self, dev: D) -> Result<Self::Output> {
+        use model::executor::{StepOutput, StepResult};
+        let n = self.tokens.len();
+        let mut ex = executor_on(dev, self.model, self.kv_dtype, n, n)?;
+        let seq = ex.add_sequence();
+        let step = ex.step(
+            &[SeqInput {
+                seq,
+                tokens: self.tokens,
+            }],
+            LogitRows::All,
+            StepOutput::Logits,
+        );
+        match step.map_err(ForwardError::from)? {
+            StepResult::Logits(l) => Ok(l),
+            StepResult::Greedy(_) => unreachable!("asked for logits"),
+        }
+    }
+}
+
+/// Where the forward pass runs.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum BackendArg {
+    /// The CPU forward pass (the reference engine).
+    Cpu,
+    /// The device-resident executor on a GPU through the CUDA driver (a binary built with
+    /// `--features cuda`; kernel images from --ptx-dir).
+    Cuda,
+    /// The same executor, kernels and launch arguments, run on the CPU by the host execution
+    /// layer: what the GPU would compute, without one.
+    CudaEmulated,
+}
+
+impl BackendArg {
+    fn name(self) -> &'static str {
+        match self {
+            BackendArg::Cpu => "cpu",
+            BackendArg::Cuda => "cuda",
+            BackendArg::CudaEmulated => "cuda-emulated",
+        }
+    }
+}
+
+#[derive(clap::Args, Clone)]
+struct DeviceArgs {
+    #[arg(long, value_enum, default_value = "cpu")]
+    backend: BackendArg,
+    /// The SM whose kernels and limits `--backend cuda-emulated` runs (120 or 90).
+    #[arg(long, default_value = "120", value_parser = parse_sm)]
+    emulate_sm: kernels::arch::Sm,
+    /// The compiled kernel images (`scripts/compile-gates.sh` writes them) for `--backend cuda`.
+    #[arg(long, default_value = "ptx")]
+    ptx_dir: PathBuf,
+}
+
+/// Work that runs on whichever device `--backend` names.
+trait DeviceJob {
+    type Output;
+    fn run<D: kernels::device::Device>(self, dev: D) -> Result<Self::Output>;
+}
+
+/// Opens the device of `args` (not `cpu`) and runs `job` on it. No driver, no device, or a
+/// binary without the `cuda` feature is refused at once (exit code 2).
+fn on_device<J: DeviceJob>(args: &DeviceArgs, job: J) -> Result<J::Output> {
+    match args.backend {
+        BackendArg::Cpu => unreachable!("the CPU backend does not use the device executor"),
+        BackendArg::CudaEmulated => job.run(cuda_host::HostDevice::new(args.emulate_sm)),
+        BackendArg::Cuda => open_gpu(args, job),
+    }
+}
+
+/// Refuses `--backend cuda` at once, before any work, where it cannot run: a binary without
+/// the `cuda` feature, or no driver library on this machine.
+fn check_backend_available(args: &DeviceArgs) -> Result<()> {
+    if args.backend != BackendArg::Cuda {
+        return Ok(());
+    }
+    #[cfg(feature = "cuda")]
+    if !kernels::cuda::driver_present() {
+        return Err(InvalidInput(format!(
+            "--backend cuda: {}",
+            kernels::device::DeviceError::NoDriver
+        ))
+        .into());
+    }
+    #[cfg(not(feature = "cuda"))]
+    return Err(InvalidInput(
+        "--backend cuda: no CUDA driver support in this binary (built without the `cuda` \
+         feature; rebuild with `cargo build --release -p model --features cuda`)"
+            .into(),
+    )
+    .into());
+    #[cfg(feature = "cuda")]
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn open_gpu<J: DeviceJob>(args: &DeviceArgs, job: J) -> Result<J::Output> {
+    let dev = kernels::cuda::GpuContext::new(0, &args.ptx_dir)
+        .map_err(|e| InvalidInput(format!("--backend cuda: {e}")))?;
+    job.run(dev)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_gpu<J: DeviceJob>(_args: &DeviceArgs, _job: J) -> Result<J::Output> {
+    Err(InvalidInput(
+        "--backend cuda: no CUDA driver support in this binary (built without the `cuda` \
+         feature; rebuild with `cargo build --release -p model --features cuda`)"
+            .into(),
+    )
+    .into())
+}
+
+/// The executor's tactics: the heuristic defaults for the device's SM, logged.
+fn executor_on<D: kernels::device::Device>(
+    dev: D,
+    model: &Model,
+    kv_dtype: KvCacheDtype,
+    cache_tokens: usize,
+    max_rows: usize,
+) -> Result<model::executor::DeviceExecutor<D>> {
+    use model::executor::{DeviceExecutor, ExecutorError, ExecutorTactics};
+    let refuse = |e: ExecutorError| -> anyhow::Error {
+        match e {
+            ExecutorError::Unsupported(_) | ExecutorError::Weights(_) => {
+                InvalidInput(e.to_string()).into()
+            }
+            other => other.into(),
+        }
+    };
+    let describe = dev.describe();
+    let sm = dev.sm()?;
+    let tactics = ExecutorTactics::defaults(sm, &model.config, kv_dtype).map_err(refuse)?;
+    eprintln!(
+        "device: {describe}; tactics: mla_decode {}, moe_gemm {}",
+        tactics.mla.id(),
+        tactics.moe.map_or("-".into(), |t| t.id())
+    );
+    let ex = DeviceExecutor::new(dev, model, kv_dtype, cache_tokens, max_rows, tactics, false)
+        .map_err(refuse)?;
+    let bytes = ex.device_bytes();
+    eprintln!(
+        "device memory: weights {:.1} MiB, latent cache {:.1} MiB ({}), workspace {:.1} MiB",
+        bytes.weights as f64 / (1 << 20) as f64,
+        bytes.cache as f64 / (1 << 20) as f64,
+        kv_dtype.id(),
+        bytes.workspace as f64 / (1 << 20) as f64
+    );
+    Ok(ex)
+}
+
+fn refuse_device_tp(device: &DeviceArgs, tp: &TpArgs) -> Result<()> {
+    if device.backend != BackendArg::Cpu && tp.world() > 1 {
+        return Err(InvalidInput(format!(
+            "--tp {} with --backend {}: tensor parallelism runs on the CPU backend only so far",
+            tp.world(),
+            device.backend.name()
+        ))
+        .into());
+    }
+    Ok(())
+}
+
+fn refuse_f32_cache(device: &DeviceArgs, kv_dtype: KvCacheDtype) -> Result<KvCacheDtype> {
+    if device.backend != BackendArg::Cpu && kv_dtype == KvCacheDtype::F32 {
+        return Err(InvalidInput(
+            "the device kernels read a bf16 or fp8 latent cache; pass --kv-dtype bf16 or fp8 \
+             (f32 is the CPU reference's)"
+                .into(),
+        )
+        .into());
+    }
+    Ok(kv_dtype)
+}
+
 #[derive(clap::Args, Clone)]
 struct LogitsArgs {
     #[arg(long)]
@@ -188,6 +397,8 @@ struct LogitsArgs {
     kv_dtype: KvDtypeArg,
     #[command(flatten)]
     tp: TpArgs,
+    #[command(flatten)]
+    device: DeviceArgs,
     #[command(flatten)]
     cpu: CpuTacticArgs,
     #[command(flatten)]
@@ -275,6 +486,8 @@ struct RunArgs {
     ignore_eos: bool,
     #[command(flatten)]
     tp: TpArgs,
+    #[command(flatten)]
+    device: DeviceArgs,
     #[command(flatten)]
     cpu: CpuTacticArgs,
     #[command(flatten)]
@@ -621,6 +834,7 @@ fn run_requests(args: &RunArgs, c: &ModelConfig, dir: &Path) -> Result<Vec<Gener
 
 fn run(args: RunArgs) -> Result<()> {
     watch_launcher_if_rank(&args.tp);
+    check_backend_available(&args.device)?;
     let dir = match &args.checkpoint {
         Some(dir) => dir.clone(),
         None => default_checkpoint(args.cache_dir.clone())?,
@@ -639,6 +853,7 @@ fn run(args: RunArgs) -> Result<()> {
     );
     drop(opened);
     let max_rows = requests[0].prompt.len().max(args.batch);
+    refuse_device_tp(&args.device, &args.tp)?;
     let tactic = args
         .cpu
         .choose(args.tactics.tactics.as_deref(), &config, args.tp.quiet());
@@ -655,11 +870,14 @@ fn run(args: RunArgs) -> Result<()> {
     if args.ignore_eos {
         model.config.eos_token_ids.clear();
     }
-    let (shard, backend) = rank_backend(&args.tp, max_rows * config.hidden_size, tactic)?;
-    let quiet = shard.rank != 0;
     let kv_dtype = resolve_kv_dtype(args.kv_dtype, &checkpoint);
-    let c = &model.config;
-    if !quiet {
+    // Pages are per sequence: round each sequence up to whole pages.
+    let total_tokens: usize = requests
+        .iter()
+        .map(|r| (r.prompt.len() + r.max_new_tokens).div_ceil(PAGE_TOKENS) * PAGE_TOKENS)
+        .sum();
+    let header = |backend: &str, world: usize| {
+        let c = &model.config;
         println!(
             "model {} ({} layers, hidden {}, {} experts top-{}), loaded in {:.2} s; KV cache {}; backend {} (TP {})",
             dir.display(),
@@ -669,20 +887,34 @@ fn run(args: RunArgs) -> Result<()> {
             c.num_experts_per_tok,
             started.elapsed().as_secs_f64(),
             kv_dtype.id(),
-            backend.name(),
-            shard.world
+            backend,
+            world
         );
-    }
-    // Pages are per sequence: round each sequence up to whole pages.
-    let total_tokens: usize = requests
-        .iter()
-        .map(|r| (r.prompt.len() + r.max_new_tokens).div_ceil(PAGE_TOKENS) * PAGE_TOKENS)
-        .sum();
-    let mut cache = model.new_cache(kv_dtype, total_tokens);
-    let (results, timing) = generate(&model, backend.as_ref(), &mut cache, &requests, |_, _| {})?;
-    if quiet {
-        return Ok(());
-    }
+    };
+    let (results, timing) = if args.device.backend == BackendArg::Cpu {
+        let (shard, backend) = rank_backend(&args.tp, max_rows * config.hidden_size, tactic)?;
+        let quiet = shard.rank != 0;
+        if !quiet {
+            header(backend.name(), shard.world);
+        }
+        let mut cache = model.new_cache(kv_dtype, total_tokens);
+        let out = generate(&model, backend.as_ref(), &mut cache, &requests, |_, _| {})?;
+        if quiet {
+            return Ok(());
+        }
+        out
+    } else {
+        let kv_dtype = refuse_f32_cache(&args.device, kv_dtype)?;
+        let job = RunOnDevice {
+            model: &model,
+            kv_dtype,
+            cache_tokens: total_tokens,
+            max_rows,
+            requests: &requests,
+        };
+        header(args.device.backend.name(), 1);
+        on_device(&args.device, job)?
+    };
     for (i, r) in results.iter().enumerate() {
         println!(
             "sequence {i}: {:?} ({} tokens): {:?}",
@@ -709,6 +941,7 @@ fn run(args: RunArgs) -> Result<()> {
 
 fn logits(args: LogitsArgs) -> Result<()> {
     watch_launcher_if_rank(&args.tp);
+    check_backend_available(&args.device)?;
     let (dir, TokenIds(tokens), out) = (&args.checkpoint, &args.tokens, &args.out);
     let opened = Checkpoint::open(dir)?;
     let config = opened.model_config().clone();
@@ -727,6 +960,7 @@ fn logits(args: LogitsArgs) -> Result<()> {
         .choose(args.tactics.tactics.as_deref(), &config, args.tp.quiet());
     // Checked here, before any work; the file itself is written by rank 0 at the end.
     drop(logits_output(out, dir)?);
+    refuse_device_tp(&args.device, &args.tp)?;
     if args.tp.is_launcher() {
         check_tensor_parallel(dir, &config, args.tp.world())?;
         return tp::launch_ranks(args.tp.world(), &own_args());
@@ -734,19 +968,33 @@ fn logits(args: LogitsArgs) -> Result<()> {
     // Load (and shard) before joining the collective, so a model that cannot be split fails
     // alone instead of leaving its peers waiting.
     let (checkpoint, model) = load(dir, args.tp.shard())?;
-    let (shard, backend) = rank_backend(&args.tp, tokens.len() * config.hidden_size, tactic)?;
-    let mut cache = model.new_cache(resolve_kv_dtype(args.kv_dtype, &checkpoint), tokens.len());
-    let seq = cache.add_sequence();
-    let logits = model.forward(
-        backend.as_ref(),
-        &mut cache,
-        &[SeqInput { seq, tokens }],
-        LogitRows::All,
-        None,
-    )?;
-    if shard.rank != 0 {
-        return Ok(());
-    }
+    let kv_dtype = resolve_kv_dtype(args.kv_dtype, &checkpoint);
+    let logits = if args.device.backend == BackendArg::Cpu {
+        let (shard, backend) = rank_backend(&args.tp, tokens.len() * config.hidden_size, tactic)?;
+        let mut cache = model.new_cache(kv_dtype, tokens.len());
+        let seq = cache.add_sequence();
+        let logits = model.forward(
+            backend.as_ref(),
+            &mut cache,
+            &[SeqInput { seq, tokens }],
+            LogitRows::All,
+            None,
+        )?;
+        if shard.rank != 0 {
+            return Ok(());
+        }
+        logits
+    } else {
+        let kv_dtype = refuse_f32_cache(&args.device, kv_dtype)?;
+        on_device(
+            &args.device,
+            LogitsOnDevice {
+                model: &model,
+                kv_dtype,
+                tokens,
+            },
+        )?
+    };
     let bytes: &[u8] = bytemuck::cast_slice(&logits.values);
     let view = TensorView::new(Dtype::F32, vec![logits.rows, logits.vocab], bytes)?;
     let stage = logits_output(out, dir)?;

@@ -204,3 +204,114 @@ fn plan_reports_the_deployment_figures() {
         "{bf16_only}"
     );
 }
+
+fn run_fails(cmd: &mut Command) -> (i32, String) {
+    let out = cmd.output().expect("model runs");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!out.status.success(), "{cmd:?} succeeded:\n{text}");
+    (out.status.code().unwrap_or(-1), text)
+}
+
+/// `--backend cuda` where no GPU can be used is refused at once, before loading anything
+/// (the checkpoint named does not exist), with exit code 2 and no panic.
+#[test]
+fn backend_cuda_without_a_driver_fails_at_once_with_exit_code_2() {
+    if std::path::Path::new("/dev/nvidia0").exists() {
+        println!("skipped: this machine has a GPU");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (code, text) = run_fails(
+        model_cmd()
+            .args(["logits", "--backend", "cuda", "--tokens", "1,2"])
+            .arg("--checkpoint")
+            .arg(dir.path().join("missing"))
+            .arg("--out")
+            .arg(dir.path().join("l.safetensors")),
+    );
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("no CUDA driver"), "{text}");
+    assert!(!text.contains("panicked"), "{text}");
+}
+
+/// `--backend cuda-emulated` scores a prompt through the device executor and writes what the
+/// CPU writes, up to the kernels' roundings: on this random model those flip NVFP4 activation
+/// codes and expert choices, which moves logits by ~0.1 relative (the executor's precision is
+/// checked in tests/tests/device_executor.rs); a wrong row or layer would move them by ~1.
+#[test]
+fn logits_on_cuda_emulated_agree_with_the_cpu() {
+    let dir = tempfile::tempdir().unwrap();
+    let checkpoint = golden_model("kimi-kernel-dims");
+    let tokens = "421,168,57,247,219,349";
+    let score = |backend: &str, out: &str| {
+        let out = dir.path().join(out);
+        let text = run_ok(
+            model_cmd()
+                .args(["logits", "--kv-dtype", "bf16", "--tokens", tokens])
+                .args(["--backend", backend])
+                .arg("--checkpoint")
+                .arg(&checkpoint)
+                .arg("--out")
+                .arg(&out),
+        );
+        (
+            TensorFile::open(&out)
+                .unwrap()
+                .f32_values("logits")
+                .unwrap(),
+            text,
+        )
+    };
+    let (cpu, _) = score("cpu", "cpu.safetensors");
+    let (emulated, text) = score("cuda-emulated", "emulated.safetensors");
+    assert!(
+        text.contains("host execution layer emulating sm_120a"),
+        "{text}"
+    );
+    assert!(text.contains("mla_decode bf16_"), "{text}");
+    assert_eq!(cpu.len(), emulated.len());
+    let vocab = cpu.len() / 6;
+    for (row, (e, c)) in emulated.chunks(vocab).zip(cpu.chunks(vocab)).enumerate() {
+        let err = relative_l2(e, c);
+        assert!(err <= 0.5, "position {row}: {err}");
+    }
+    assert!(emulated.iter().all(|v| v.is_finite()));
+}
+
+/// The device kernels are built for Kimi-K2.5's latent sizes; another model is refused with
+/// the reason and exit code 2, and so are an FP32 cache and tensor parallelism on a device.
+#[test]
+fn cuda_emulated_refuses_what_the_kernels_cannot_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("l.safetensors");
+    let cases: [(&str, &[&str], &str); 3] = [
+        ("kimi-tiny", &["--kv-dtype", "bf16"], "kv_lora_rank"),
+        (
+            "kimi-kernel-dims",
+            &["--kv-dtype", "f32"],
+            "--kv-dtype bf16 or fp8",
+        ),
+        (
+            "kimi-kernel-dims",
+            &["--kv-dtype", "bf16", "--tp", "2"],
+            "tensor parallelism",
+        ),
+    ];
+    for (model, extra, want) in cases {
+        let (code, text) = run_fails(
+            model_cmd()
+                .args(["logits", "--backend", "cuda-emulated", "--tokens", "1,2,3"])
+                .args(extra)
+                .arg("--checkpoint")
+                .arg(golden_model(model))
+                .arg("--out")
+                .arg(&out),
+        );
+        assert_eq!(code, 2, "{model} {extra:?}: {text}");
+        assert!(text.contains(want), "{model} {extra:?}: {text}");
+    }
+}

@@ -54,6 +54,7 @@ impl ExecutorTactics {
         config: &ModelConfig,
         kv_dtype: KvCacheDtype,
     ) -> Result<Self, ExecutorError> {
+        check_supported(config)?;
         let mla_shape = ProblemShape::Mla {
             batch: 1,
             heads: config.num_attention_heads as u32,
@@ -955,4 +956,43 @@ fn dense_mlp<D: Device>(
         dev, &ws.act, n, &w.down, w.inter, hidden, &ws.delta, accumulate,
     )?;
     Ok(())
+}
+
+impl From<ExecutorError> for ForwardError {
+    fn from(e: ExecutorError) -> Self {
+        match e {
+            ExecutorError::Forward(f) => f,
+            other => ForwardError::Device(other.to_string()),
+        }
+    }
+}
+
+impl<D: Device> crate::generate::Stepper for DeviceExecutor<D> {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn add_sequence(&mut self) -> SeqId {
+        DeviceExecutor::add_sequence(self)
+    }
+
+    fn free_sequence(&mut self, seq: SeqId) -> Result<(), ForwardError> {
+        Ok(DeviceExecutor::free_sequence(self, seq)?)
+    }
+
+    fn step_last(
+        &mut self,
+        inputs: &[SeqInput<'_>],
+        greedy: bool,
+    ) -> Result<crate::generate::LastRows, ForwardError> {
+        let output = if greedy {
+            StepOutput::Greedy
+        } else {
+            StepOutput::Logits
+        };
+        Ok(match self.step(inputs, LogitRows::Last, output)? {
+            StepResult::Logits(l) => crate::generate::LastRows::Logits(l),
+            StepResult::Greedy(ids) => crate::generate::LastRows::Greedy(ids),
+        })
+    }
 }
