@@ -19,6 +19,7 @@ pub struct PerturbedKernel<K> {
 impl<D: Device> Device for Perturbed<'_, D> {
     type Memory = D::Memory;
     type Kernel = PerturbedKernel<D::Kernel>;
+    type Graph = D::Graph;
 
     fn describe(&self) -> String {
         format!(
@@ -90,5 +91,17 @@ impl<D: Device> Device for Perturbed<'_, D> {
 
     fn synchronize(&self) -> Result<()> {
         self.inner.synchronize()
+    }
+
+    fn begin_capture(&self) -> Result<()> {
+        self.inner.begin_capture()
+    }
+
+    fn end_capture(&self) -> Result<Self::Graph> {
+        self.inner.end_capture()
+    }
+
+    fn replay(&self, graph: &Self::Graph) -> Result<()> {
+        self.inner.replay(graph)
     }
 }

@@ -114,6 +114,26 @@ impl<'a> KernelParams<'a> {
         &self.sizes
     }
 
+    /// Appends one by-value parameter given as its bytes (a replayed capture's copy).
+    pub fn arg_bytes(&mut self, bytes: &'a [u8]) -> &mut Self {
+        self.ptrs.push(bytes.as_ptr() as *mut c_void);
+        self.sizes.push(bytes.len());
+        self
+    }
+
+    /// Copies of every parameter's bytes, in order (what a capture keeps).
+    pub fn to_bytes(&self) -> Vec<Vec<u8>> {
+        self.ptrs
+            .iter()
+            .zip(&self.sizes)
+            .map(|(&p, &n)| {
+                // SAFETY: each pointer was made from a borrowed value of exactly `n` bytes,
+                // alive for 'a.
+                unsafe { std::slice::from_raw_parts(p as *const u8, n) }.to_vec()
+            })
+            .collect()
+    }
+
     /// The pointer array `cuLaunchKernel` takes (a copy; the values stay borrowed).
     pub fn raw(&self) -> Vec<*mut c_void> {
         self.ptrs.clone()
@@ -135,6 +155,8 @@ pub trait Device {
     type Memory: DeviceMemory;
     /// A loaded kernel, ready to launch.
     type Kernel;
+    /// A captured sequence of launches and fills, replayed as one unit (a CUDA graph).
+    type Graph;
 
     /// For messages: the GPU's name, or what the host layer emulates.
     fn describe(&self) -> String;
@@ -183,6 +205,16 @@ pub trait Device {
 
     /// Waits for every launch and copy issued so far.
     fn synchronize(&self) -> Result<()>;
+
+    /// From now until [`end_capture`](Device::end_capture), launches and fills are recorded
+    /// into a graph instead of run. Copies between host and device are refused meanwhile (a
+    /// graph replays device work only: a step writes its inputs before replaying).
+    fn begin_capture(&self) -> Result<()>;
+    /// Ends the capture and returns the graph of what was recorded.
+    fn end_capture(&self) -> Result<Self::Graph>;
+    /// Runs a captured graph (stream order). The buffers it names must still be alive, and
+    /// every value its launches were given is the captured one: only buffer contents change.
+    fn replay(&self, graph: &Self::Graph) -> Result<()>;
 }
 
 /// Typed conveniences over a [`Device`]'s byte interface.

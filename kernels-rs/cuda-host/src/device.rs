@@ -41,6 +41,41 @@ pub struct HostDevice {
     sm: Sm,
     options: Mutex<LaunchOptions>,
     history: Mutex<Vec<LaunchRecord>>,
+    /// The graph being captured, if any.
+    capture: Mutex<Option<Vec<HostOp>>>,
+}
+
+/// One recorded operation of a [`HostGraph`].
+#[derive(Clone, Debug)]
+enum HostOp {
+    Launch {
+        kernel: HostKernel,
+        config: LaunchConfig,
+        /// Each parameter's bytes, as the capture saw them.
+        params: Vec<Vec<u8>>,
+    },
+    Fill {
+        ptr: u64,
+        len: usize,
+        byte: u8,
+    },
+}
+
+/// A captured sequence of launches and fills: the host layer's CUDA graph. Replaying it runs
+/// the same kernels with the same parameter bytes on whatever the buffers hold then.
+#[derive(Clone, Debug, Default)]
+pub struct HostGraph {
+    ops: Vec<HostOp>,
+}
+
+impl HostGraph {
+    /// Launches in the graph.
+    pub fn launches(&self) -> usize {
+        self.ops
+            .iter()
+            .filter(|op| matches!(op, HostOp::Launch { .. }))
+            .count()
+    }
 }
 
 fn host_error(what: String) -> DeviceError {
@@ -60,6 +95,7 @@ impl HostDevice {
             sm,
             options: Mutex::new(options),
             history: Mutex::new(Vec::new()),
+            capture: Mutex::new(None),
         }
     }
 
@@ -87,9 +123,46 @@ impl HostDevice {
     }
 }
 
+impl HostDevice {
+    fn refuse_while_capturing(&self, what: &str) -> Result<()> {
+        if self.capture.lock().unwrap().is_some() {
+            return Err(host_error(format!(
+                "{what} while a graph is being captured (a graph holds device work only)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Runs a launch now (the un-captured path of [`Device::launch`]).
+    ///
+    /// # Safety
+    /// As [`Device::launch`].
+    unsafe fn launch_now(
+        &self,
+        kernel: &HostKernel,
+        cfg: LaunchConfig,
+        params: &KernelParams<'_>,
+    ) -> Result<()> {
+        let options = self.options();
+        // SAFETY: forwarded from the caller (parameters match, addresses are live buffers).
+        let stats = unsafe { launch(&kernel.function, cfg, params, &options) }
+            .map_err(|e| host_error(e.to_string()))?;
+        let m = kernel.function.module();
+        self.history.lock().unwrap().push(LaunchRecord {
+            family: m.family_name(),
+            tactic: m.tactic(),
+            kernel: kernel.function.name(),
+            config: cfg,
+            stats,
+        });
+        Ok(())
+    }
+}
+
 impl Device for HostDevice {
     type Memory = DeviceBuffer;
     type Kernel = HostKernel;
+    type Graph = HostGraph;
 
     fn describe(&self) -> String {
         format!("host execution layer emulating {}", self.sm)
@@ -108,23 +181,35 @@ impl Device for HostDevice {
     }
 
     fn upload_bytes(&self, bytes: &[u8]) -> Result<DeviceBuffer> {
+        self.refuse_while_capturing("a host-to-device copy")?;
         DeviceBuffer::from_slice(bytes).map_err(|e| host_error(e.to_string()))
     }
 
     fn download_bytes(&self, memory: &DeviceBuffer) -> Result<Vec<u8>> {
+        self.refuse_while_capturing("a device-to-host copy")?;
         Ok(memory.bytes().to_vec())
     }
 
     fn download_prefix(&self, memory: &DeviceBuffer, bytes: usize) -> Result<Vec<u8>> {
+        self.refuse_while_capturing("a device-to-host copy")?;
         Ok(memory.bytes()[..bytes.min(memory.len())].to_vec())
     }
 
     fn fill(&self, memory: &mut DeviceBuffer, byte: u8) -> Result<()> {
+        if let Some(ops) = self.capture.lock().unwrap().as_mut() {
+            ops.push(HostOp::Fill {
+                ptr: memory.ptr(),
+                len: memory.len(),
+                byte,
+            });
+            return Ok(());
+        }
         memory.fill(byte);
         Ok(())
     }
 
     fn write_bytes(&self, memory: &mut DeviceBuffer, bytes: &[u8]) -> Result<()> {
+        self.refuse_while_capturing("a host-to-device copy")?;
         if bytes.len() > memory.len() {
             return Err(DeviceError::Invalid(format!(
                 "write of {} B into an allocation of {} B",
@@ -179,22 +264,65 @@ impl Device for HostDevice {
                 kernel.max_dynamic_shared
             )));
         }
-        let options = self.options();
-        // SAFETY: forwarded from the caller (parameters match, addresses are live buffers).
-        let stats = unsafe { launch(&kernel.function, cfg, params, &options) }
-            .map_err(|e| host_error(e.to_string()))?;
-        let m = kernel.function.module();
-        self.history.lock().unwrap().push(LaunchRecord {
-            family: m.family_name(),
-            tactic: m.tactic(),
-            kernel: kernel.function.name(),
-            config: cfg,
-            stats,
-        });
-        Ok(())
+        if let Some(ops) = self.capture.lock().unwrap().as_mut() {
+            ops.push(HostOp::Launch {
+                kernel: *kernel,
+                config: cfg,
+                params: params.to_bytes(),
+            });
+            return Ok(());
+        }
+        // SAFETY: forwarded from the caller.
+        unsafe { self.launch_now(kernel, cfg, params) }
     }
 
     fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn begin_capture(&self) -> Result<()> {
+        let mut capture = self.capture.lock().unwrap();
+        if capture.is_some() {
+            return Err(host_error("a capture is already under way".into()));
+        }
+        *capture = Some(Vec::new());
+        Ok(())
+    }
+
+    fn end_capture(&self) -> Result<HostGraph> {
+        let ops = self
+            .capture
+            .lock()
+            .unwrap()
+            .take()
+            .ok_or_else(|| host_error("end_capture without begin_capture".into()))?;
+        Ok(HostGraph { ops })
+    }
+
+    fn replay(&self, graph: &HostGraph) -> Result<()> {
+        self.refuse_while_capturing("a graph replay")?;
+        for op in &graph.ops {
+            match op {
+                HostOp::Launch {
+                    kernel,
+                    config,
+                    params,
+                } => {
+                    let mut p = KernelParams::new();
+                    for bytes in params {
+                        p.arg_bytes(bytes);
+                    }
+                    // SAFETY: the parameters are the bytes the captured launch was given, which
+                    // met `launch`'s contract then; the graph's owner keeps those buffers alive.
+                    unsafe { self.launch_now(kernel, *config, &p) }?;
+                }
+                &HostOp::Fill { ptr, len, byte } => {
+                    // SAFETY: `ptr..ptr + len` was a live buffer of this device when captured,
+                    // and the graph's owner keeps it alive.
+                    unsafe { std::ptr::write_bytes(ptr as *mut u8, byte, len) };
+                }
+            }
+        }
         Ok(())
     }
 }

@@ -33,7 +33,7 @@ use std::fmt;
 use std::time::Duration;
 
 pub use buffer::DeviceBuffer;
-pub use device::{HostDevice, HostKernel, LaunchRecord};
+pub use device::{HostDevice, HostGraph, HostKernel, LaunchRecord};
 pub use kernels::device::{KernelParams, LaunchConfig};
 
 include!(concat!(env!("OUT_DIR"), "/modules.rs"));

@@ -361,6 +361,7 @@ impl GpuContext {
 }
 
 impl Device for GpuContext {
+    type Graph = cudarc::driver::CudaGraph;
     type Memory = GpuMemory;
     type Kernel = GpuKernel;
 
@@ -561,6 +562,25 @@ impl Device for GpuContext {
 
     fn synchronize(&self) -> Result<()> {
         GpuContext::synchronize(self)
+    }
+
+    fn begin_capture(&self) -> Result<()> {
+        self.stream
+            .begin_capture(
+                cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+            .during(|| "cuStreamBeginCapture".into())
+    }
+
+    fn end_capture(&self) -> Result<cudarc::driver::CudaGraph> {
+        self.stream
+            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+            .during(|| "cuStreamEndCapture".into())?
+            .ok_or_else(|| DeviceError::Invalid("the capture recorded no work".into()))
+    }
+
+    fn replay(&self, graph: &cudarc::driver::CudaGraph) -> Result<()> {
+        graph.launch().during(|| "cuGraphLaunch".into())
     }
 }
 

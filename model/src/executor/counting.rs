@@ -28,7 +28,11 @@ pub struct DeviceTraffic {
     pub bytes_to_host: usize,
     /// Device-side memsets (not transfers; listed for completeness).
     pub fills: usize,
+    /// Launches, those of replayed graphs included.
     pub launches: Vec<LaunchEntry>,
+    /// Graph replays.
+    pub replays: usize,
+    capture_start: Option<usize>,
 }
 
 impl DeviceTraffic {
@@ -71,6 +75,8 @@ impl<D: Device> CountingDevice<D> {
 impl<D: Device> Device for CountingDevice<D> {
     type Memory = D::Memory;
     type Kernel = CountedKernel<D::Kernel>;
+    /// The inner graph and the launches it holds (listed again at each replay).
+    type Graph = (D::Graph, Vec<LaunchEntry>);
 
     fn describe(&self) -> String {
         self.inner.describe()
@@ -164,5 +170,27 @@ impl<D: Device> Device for CountingDevice<D> {
 
     fn synchronize(&self) -> Result<()> {
         self.inner.synchronize()
+    }
+
+    fn begin_capture(&self) -> Result<()> {
+        self.record(|t| t.capture_start = Some(t.launches.len()));
+        self.inner.begin_capture()
+    }
+
+    fn end_capture(&self) -> Result<Self::Graph> {
+        let launches = {
+            let mut t = self.traffic.lock().unwrap();
+            let start = t.capture_start.take().unwrap_or(t.launches.len());
+            t.launches.split_off(start)
+        };
+        Ok((self.inner.end_capture()?, launches))
+    }
+
+    fn replay(&self, graph: &Self::Graph) -> Result<()> {
+        self.record(|t| {
+            t.replays += 1;
+            t.launches.extend(graph.1.iter().cloned());
+        });
+        self.inner.replay(&graph.0)
     }
 }

@@ -251,7 +251,7 @@ impl<D: Device> Workspace<D> {
 }
 
 /// What a step returns.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum StepOutput {
     /// Logits of the selected rows, read back.
     Logits,
@@ -285,6 +285,9 @@ pub struct DeviceExecutor<D: Device> {
     softmax_scale: f32,
     eps: f32,
     router: Option<RouterShape>,
+    /// Decode steps replay a captured graph per (batch size, output) when on.
+    use_graphs: bool,
+    graphs: std::collections::HashMap<(usize, StepOutput), D::Graph>,
 }
 
 impl<D: Device> DeviceExecutor<D> {
@@ -362,8 +365,24 @@ impl<D: Device> DeviceExecutor<D> {
             workspace,
             rope_inv_freq,
             router,
+            use_graphs: false,
+            graphs: Default::default(),
             config: c,
         })
+    }
+
+    /// Decode steps (one new token per sequence) capture their launches once per batch size
+    /// and output kind, and replay that graph afterwards (`false` drops the graphs).
+    pub fn set_graphs(&mut self, on: bool) {
+        self.use_graphs = on;
+        if !on {
+            self.graphs.clear();
+        }
+    }
+
+    /// Graphs captured so far.
+    pub fn graph_count(&self) -> usize {
+        self.graphs.len()
     }
 
     pub fn device(&self) -> &D {
@@ -447,6 +466,8 @@ impl<D: Device> DeviceExecutor<D> {
                 .map_err(ForwardError::from)?;
         }
         if n > self.workspace.rows {
+            // Graphs name the old buffers.
+            self.graphs.clear();
             self.workspace = Workspace::new(
                 &self.dev,
                 &self.config,
@@ -470,8 +491,37 @@ impl<D: Device> DeviceExecutor<D> {
             }
         };
         self.write_step_inputs(inputs, &rows, &selected)?;
-        self.run_layers(n, &rows)?;
-        let result = self.finish(n, &selected, output)?;
+        // A decode step's launches depend on its batch size alone (the split count is planned
+        // for the cache's capacity, not the current lengths), so one graph serves every step
+        // of that size.
+        let decode = inputs.iter().all(|i| i.tokens.len() == 1);
+        let context = if decode {
+            self.pages.total_slots()
+        } else {
+            rows.iter().map(|&(_, pos)| pos + 1).max().unwrap_or(1)
+        };
+        let splits = self.mla.tactic.plan_splits(
+            n,
+            self.heads,
+            context,
+            self.dev.sm()?.reference_gpu().sms as usize,
+        );
+        let every_row =
+            selected.len() == n && selected.iter().enumerate().all(|(i, &s)| s == i as i32);
+        if self.use_graphs && decode {
+            let key = (n, output);
+            if !self.graphs.contains_key(&key) {
+                self.dev.begin_capture()?;
+                let launched = self.launch_step(n, selected.len(), every_row, splits, output);
+                let graph = self.dev.end_capture();
+                launched?;
+                self.graphs.insert(key, graph?);
+            }
+            self.dev.replay(&self.graphs[&key])?;
+        } else {
+            self.launch_step(n, selected.len(), every_row, splits, output)?;
+        }
+        let result = self.read_result(selected.len(), output)?;
         for input in inputs {
             self.pages
                 .commit(input.seq, input.tokens.len())
@@ -512,7 +562,20 @@ impl<D: Device> DeviceExecutor<D> {
         Ok(())
     }
 
-    fn run_layers(&mut self, n: usize, rows: &[(SeqId, usize)]) -> Result<(), ExecutorError> {
+    /// Every launch of a step: the layers, then the final norm, `lm_head` and (greedy) argmax.
+    fn launch_step(
+        &mut self,
+        n: usize,
+        selected: usize,
+        every_row: bool,
+        splits: u32,
+        output: StepOutput,
+    ) -> Result<(), ExecutorError> {
+        self.run_layers(n, splits)?;
+        self.launch_head(n, selected, every_row, output)
+    }
+
+    fn run_layers(&mut self, n: usize, splits: u32) -> Result<(), ExecutorError> {
         let c = &self.config;
         let (dev, k, ws, w) = (
             &self.dev,
@@ -532,13 +595,6 @@ impl<D: Device> DeviceExecutor<D> {
             &ws.x,
             &ws.bad_id,
         )?;
-        let max_context = rows.iter().map(|&(_, pos)| pos + 1).max().unwrap_or(1);
-        let splits = self.mla.tactic.plan_splits(
-            n,
-            self.heads,
-            max_context,
-            dev.sm()?.reference_gpu().sms as usize,
-        );
         for (layer, lw) in w.layers.iter().enumerate() {
             // The previous layer's MLP output joins the residual in this layer's first norm.
             let pending = (layer > 0).then_some(&ws.delta);
@@ -646,12 +702,13 @@ impl<D: Device> DeviceExecutor<D> {
         Ok(())
     }
 
-    fn finish(
+    fn launch_head(
         &mut self,
         n: usize,
-        selected: &[i32],
+        r: usize,
+        every_row: bool,
         output: StepOutput,
-    ) -> Result<StepResult, ExecutorError> {
+    ) -> Result<(), ExecutorError> {
         let c = &self.config;
         let (dev, k, ws, w) = (
             &self.dev,
@@ -670,8 +727,6 @@ impl<D: Device> DeviceExecutor<D> {
             hidden,
             &ws.h,
         )?;
-        let r = selected.len();
-        let every_row = r == n && selected.iter().enumerate().all(|(i, &s)| s == i as i32);
         let final_rows = if every_row {
             &ws.h
         } else {
@@ -688,6 +743,15 @@ impl<D: Device> DeviceExecutor<D> {
             &ws.logits,
             false,
         )?;
+        if output == StepOutput::Greedy {
+            k.argmax_rows(dev, &ws.logits, r, c.vocab_size, &ws.sampled)?;
+        }
+        Ok(())
+    }
+
+    /// Reads a step's result back: the one transfer to the host.
+    fn read_result(&self, r: usize, output: StepOutput) -> Result<StepResult, ExecutorError> {
+        let (c, dev, ws) = (&self.config, &self.dev, &self.workspace);
         match output {
             StepOutput::Logits => {
                 let values: Vec<f32> = dev.download_first(&ws.logits, r * c.vocab_size)?;
@@ -707,7 +771,6 @@ impl<D: Device> DeviceExecutor<D> {
                 }))
             }
             StepOutput::Greedy => {
-                k.argmax_rows(dev, &ws.logits, r, c.vocab_size, &ws.sampled)?;
                 let ids: Vec<i32> = dev.download_first(&ws.sampled, r)?;
                 Ok(StepResult::Greedy(ids.iter().map(|&i| i as u32).collect()))
             }
