@@ -194,6 +194,7 @@ impl DeviceJob for RunOnDevice<'_> {
             self.cache_tokens,
             self.max_rows,
         )?;
+        ex.set_graphs(true);
         Ok(generate_with(&mut ex, self.requests, |_, _| {})?)
     }
 }
