@@ -181,19 +181,18 @@ struct RunOnDevice<'a> {
     kv_dtype: KvCacheDtype,
     cache_tokens: usize,
     max_rows: usize,
+    batch: usize,
     requests: &'a [GenerationRequest],
 }
 
 impl DeviceJob for RunOnDevice<'_> {
     type Output = (Vec<GenerationResult>, GenerationTiming);
     fn run<D: kernels::device::Device>(self, dev: D) -> Result<Self::Output> {
-        let mut ex = executor_on(
-            dev,
-            self.model,
-            self.kv_dtype,
-            self.cache_tokens,
-            self.max_rows,
-        )?;
+        let capacity = model::executor::StepCapacity {
+            tokens: self.max_rows,
+            logit_rows: self.batch,
+        };
+        let mut ex = executor_on(dev, self.model, self.kv_dtype, self.cache_tokens, capacity)?;
         ex.set_graphs(true);
         Ok(generate_with(&mut ex, self.requests, |_, _| {})?)
     }
@@ -211,7 +210,11 @@ impl DeviceJob for LogitsOnDevice<'_> {
     fn run<D: kernels::device::Device>(self, dev: D) -> Result<Self::Output> {
         use model::executor::{StepOutput, StepResult};
         let n = self.tokens.len();
-        let mut ex = executor_on(dev, self.model, self.kv_dtype, n, n)?;
+        let capacity = model::executor::StepCapacity {
+            tokens: n,
+            logit_rows: n,
+        };
+        let mut ex = executor_on(dev, self.model, self.kv_dtype, n, capacity)?;
         let seq = ex.add_sequence();
         let step = ex.step(
             &[SeqInput {
@@ -327,7 +330,7 @@ fn executor_on<D: kernels::device::Device>(
     model: &Model,
     kv_dtype: KvCacheDtype,
     cache_tokens: usize,
-    max_rows: usize,
+    capacity: model::executor::StepCapacity,
 ) -> Result<model::executor::DeviceExecutor<D>> {
     use model::executor::{DeviceExecutor, ExecutorError, ExecutorTactics};
     let refuse = |e: ExecutorError| -> anyhow::Error {
@@ -346,7 +349,7 @@ fn executor_on<D: kernels::device::Device>(
         tactics.mla.id(),
         tactics.moe.map_or("-".into(), |t| t.id())
     );
-    let ex = DeviceExecutor::new(dev, model, kv_dtype, cache_tokens, max_rows, tactics, false)
+    let ex = DeviceExecutor::new(dev, model, kv_dtype, cache_tokens, capacity, tactics, false)
         .map_err(refuse)?;
     let bytes = ex.device_bytes();
     eprintln!(
@@ -517,6 +520,9 @@ struct PlanArgs {
     max_model_len: Option<usize>,
     #[arg(long, default_value_t = 8192, value_parser = at_least_one)]
     max_batched_tokens: usize,
+    /// Sequences per step (rows of logits the workspace holds).
+    #[arg(long, default_value_t = 256, value_parser = at_least_one)]
+    max_num_seqs: usize,
 }
 
 fn at_least_one(text: &str) -> Result<usize, String> {
@@ -911,6 +917,7 @@ fn run(args: RunArgs) -> Result<()> {
             kv_dtype,
             cache_tokens: total_tokens,
             max_rows,
+            batch: args.batch,
             requests: &requests,
         };
         header(args.device.backend.name(), 1);
@@ -1079,6 +1086,7 @@ fn plan_command(args: PlanArgs) -> Result<()> {
             kv_dtype,
             max_model_len: args.max_model_len.unwrap_or(config.max_position_embeddings),
             max_batched_tokens: args.max_batched_tokens,
+            max_num_seqs: args.max_num_seqs,
             nvfp4_experts: nvfp4,
         };
         let result = plan(&config, &request);

@@ -11,6 +11,10 @@ use kernels::formats::NVFP4_BLOCK;
 use kernels::mla::cache::{KvCacheDtype, LatentCacheShape};
 
 use crate::config::ModelConfig;
+use crate::executor::{WorkspaceShape, max_pages, workspace_bytes};
+
+/// The MLA tactics' split cap (`sp64`), which sizes the split workspace.
+pub const PLANNED_MLA_SPLITS: usize = 64;
 
 pub const GIB: f64 = (1u64 << 30) as f64;
 
@@ -24,6 +28,8 @@ pub struct PlanRequest {
     pub max_model_len: usize,
     /// Tokens per forward pass the activation workspace is sized for.
     pub max_batched_tokens: usize,
+    /// Sequences per step, each with a row of logits.
+    pub max_num_seqs: usize,
     /// Whether routed experts are NVFP4 (else BF16).
     pub nvfp4_experts: bool,
 }
@@ -70,8 +76,10 @@ pub fn plan(c: &ModelConfig, r: &PlanRequest) -> Plan {
     let q_replicated = c.q_lora_rank.map_or(0.0, |rank| rank as f64 * (h + 1.0));
     let kv_a = c.latent_cache_dim() as f64 * h + c.kv_lora_rank as f64;
     let kv_b = heads * (c.qk_nope_head_dim + c.v_head_dim) as f64 * c.kv_lora_rank as f64;
+    // The absorbed attention's W_UK, transposed per head: a second copy of a third of kv_b.
+    let w_uk_t = heads * c.qk_nope_head_dim as f64 * c.kv_lora_rank as f64;
     let o = h * heads * c.v_head_dim as f64;
-    let attention = layers * bf16 * (q_replicated + kv_a + (q_split + kv_b + o) / tp);
+    let attention = layers * bf16 * (q_replicated + kv_a + (q_split + kv_b + w_uk_t + o) / tp);
     let norms = (layers * 2.0 + 1.0) * h * bf16;
     let dense = dense_layers * 3.0 * h * c.intermediate_size as f64 * bf16 / tp;
     let router = moe_layers * c.n_routed_experts as f64 * (h * bf16 + 4.0);
@@ -102,13 +110,17 @@ pub fn plan(c: &ModelConfig, r: &PlanRequest) -> Plan {
         rope_dim: c.qk_rope_head_dim,
     };
     let kv_bytes_per_token = r.kv_dtype.bytes_per_token(&shape) as f64 * layers;
-    // Peak live activations of one forward pass of `max_batched_tokens`: the residual stream
-    // and a few hidden-sized temporaries in FP32, the routed experts' gate/up outputs, and the
-    // all-reduce buffers.
-    let t = r.max_batched_tokens as f64;
-    let activation_reserve = t * h * 4.0 * 6.0
-        + t * c.num_experts_per_tok as f64 * 2.0 * c.moe_intermediate_size as f64 / tp * 4.0
-        + t * heads / tp * (c.kv_lora_rank + c.qk_rope_head_dim) as f64 * 4.0 * 2.0;
+    // The device executor's step workspace, sized by the executor's own function.
+    let activation_reserve = workspace_bytes(
+        c,
+        &WorkspaceShape {
+            rows: r.max_batched_tokens,
+            heads: c.num_attention_heads / r.gpus.max(1),
+            max_pages: max_pages(c, r.max_model_len),
+            max_splits: PLANNED_MLA_SPLITS,
+            logit_rows: r.max_num_seqs,
+        },
+    ) as f64;
     let usable = r.gpu_mem_gib * GIB * r.memory_utilization;
     let kv_budget = (usable - weights - RUNTIME_RESERVE_BYTES - activation_reserve).max(0.0);
     let max_context_tokens = (kv_budget / kv_bytes_per_token) as usize;
@@ -186,6 +198,7 @@ mod tests {
             kv_dtype,
             max_model_len,
             max_batched_tokens: 8192,
+            max_num_seqs: 256,
             nvfp4_experts: true,
         }
     }

@@ -9,8 +9,8 @@ use kernels::mla::cache::KvCacheDtype;
 use model::backend::CpuBackend;
 use model::checkpoint::Checkpoint;
 use model::executor::{
-    CountingDevice, DeviceExecutor, ExecutorError, ExecutorTactics, STEP_WRITES, StepOutput,
-    StepResult,
+    CountingDevice, DeviceExecutor, ExecutorError, ExecutorTactics, STEP_WRITES, StepCapacity,
+    StepOutput, StepResult,
 };
 use model::forward::{LogitRows, Model, SeqInput};
 use model::sampler::argmax;
@@ -48,7 +48,11 @@ fn executor<D: kernels::device::Device>(
     tokens: usize,
 ) -> DeviceExecutor<D> {
     let tactics = ExecutorTactics::defaults(dev.sm().unwrap(), &model.config, dtype).unwrap();
-    DeviceExecutor::new(dev, model, dtype, tokens, tokens, tactics, true).unwrap()
+    let capacity = StepCapacity {
+        tokens,
+        logit_rows: tokens,
+    };
+    DeviceExecutor::new(dev, model, dtype, tokens, capacity, tactics, true).unwrap()
 }
 
 /// The CPU forward pass; with `device_roundings` (see [`Model::device_roundings`]) it rounds
@@ -404,7 +408,11 @@ fn a_model_the_kernels_cannot_run_is_refused_with_the_reason() {
     let dev = HostDevice::new(Sm::Sm120);
     let tactics =
         ExecutorTactics::defaults(Sm::Sm120, &kernel_model.config, KvCacheDtype::Bf16).unwrap();
-    let err = DeviceExecutor::new(dev, &model, KvCacheDtype::Bf16, 64, 8, tactics, true)
+    let capacity = StepCapacity {
+        tokens: 8,
+        logit_rows: 8,
+    };
+    let err = DeviceExecutor::new(dev, &model, KvCacheDtype::Bf16, 64, capacity, tactics, true)
         .err()
         .expect("refused");
     assert!(matches!(err, ExecutorError::Unsupported(_)), "{err}");
@@ -423,9 +431,13 @@ fn graph_replay_equals_eager_bit_for_bit() {
         let dev = CountingDevice::new(HostDevice::new(Sm::Sm120));
         let dtype = KvCacheDtype::Fp8E4m3;
         let tactics = ExecutorTactics::defaults(Sm::Sm120, &model.config, dtype).unwrap();
-        // A page per sequence; rows for the prompt's prefill.
+        // A page per sequence; rows for the prompt's prefill, logits for the two sequences.
+        let capacity = StepCapacity {
+            tokens: tokens.len(),
+            logit_rows: 2,
+        };
         let mut ex =
-            DeviceExecutor::new(dev, &model, dtype, 2 * 64, tokens.len(), tactics, true).unwrap();
+            DeviceExecutor::new(dev, &model, dtype, 2 * 64, capacity, tactics, true).unwrap();
         ex.set_graphs(graphs);
         let (a, b) = (ex.add_sequence(), ex.add_sequence());
         let mut logits = Vec::new();
@@ -506,4 +518,68 @@ fn graph_replay_equals_eager_bit_for_bit() {
         replay_traffic[0].launches.len(),
         replay_traffic[1].launches.len()
     );
+}
+
+/// `model plan` reports what the executor allocates: weights, latent cache and step workspace
+/// each within 1% (BF16 and FP8 caches).
+#[test]
+fn the_plan_and_the_executors_allocation_agree_within_one_percent() {
+    use model::plan::{PlanRequest, plan};
+    let (model, _) = load(KERNEL_MODEL);
+    let (cache_tokens, rows, seqs) = (4 * 64, 48, 4);
+    for dtype in [KvCacheDtype::Bf16, KvCacheDtype::Fp8E4m3] {
+        let tactics = ExecutorTactics::defaults(Sm::Sm120, &model.config, dtype).unwrap();
+        let capacity = StepCapacity {
+            tokens: rows,
+            logit_rows: seqs,
+        };
+        let ex = DeviceExecutor::new(
+            HostDevice::new(Sm::Sm120),
+            &model,
+            dtype,
+            cache_tokens,
+            capacity,
+            tactics,
+            true,
+        )
+        .unwrap();
+        let got = ex.device_bytes();
+        let planned = plan(
+            &model.config,
+            &PlanRequest {
+                gpus: 1,
+                gpu_mem_gib: 1.0,
+                memory_utilization: 1.0,
+                kv_dtype: dtype,
+                max_model_len: cache_tokens,
+                max_batched_tokens: rows,
+                max_num_seqs: seqs,
+                nvfp4_experts: true,
+            },
+        );
+        let cache = planned.kv_bytes_per_token * cache_tokens as f64;
+        let rel = |a: usize, b: f64| (a as f64 - b).abs() / b;
+        println!(
+            "{} cache: weights {} B allocated vs {:.0} planned ({:.3}%), cache {} vs {:.0} \
+             ({:.3}%), workspace {} vs {:.0} ({:.3}%)",
+            dtype.id(),
+            got.weights,
+            planned.weights,
+            100.0 * rel(got.weights, planned.weights),
+            got.cache,
+            cache,
+            100.0 * rel(got.cache, cache),
+            got.workspace,
+            planned.activation_reserve,
+            100.0 * rel(got.workspace, planned.activation_reserve),
+        );
+        assert!(rel(got.weights, planned.weights) <= 0.01, "weights");
+        assert!(rel(got.cache, cache) <= 0.01, "cache");
+        assert!(
+            rel(got.workspace, planned.activation_reserve) <= 0.01,
+            "workspace"
+        );
+        let total = planned.weights + cache + planned.activation_reserve;
+        assert!(rel(got.total(), total) <= 0.01, "total");
+    }
 }

@@ -345,7 +345,7 @@ impl<D: Device> MlaKernels<D> {
                 why: format!("{splits} splits, workspace holds {}", io.max_splits),
             });
         }
-        io.check()?;
+        io.check(splits)?;
         let args = DecodeArgs {
             q_abs: io.q_abs.device_ptr(),
             q_pe: io.q_pe.device_ptr(),
@@ -529,8 +529,11 @@ pub struct DecodeIo<'a, D: Device> {
 }
 
 impl<D: Device> DecodeIo<'_, D> {
-    fn check(&self) -> Result<()> {
-        let (r, h, s) = (self.rows, self.heads, self.max_splits.max(1));
+    /// Buffer sizes for a launch with `splits` splits (the split workspace only matters when
+    /// there are several).
+    fn check(&self, splits: u32) -> Result<()> {
+        let (r, h) = (self.rows, self.heads);
+        let s = if splits > 1 { self.max_splits } else { 0 };
         let sizes = [
             ("q_abs", self.q_abs.len(), r * h * LATENT * 2),
             ("q_pe", self.q_pe.len(), r * h * ROPE * 2),

@@ -99,9 +99,14 @@ pub enum ExecutorError {
 /// Everything a step may need, allocated for `rows` tokens (grown when a step needs more).
 struct Workspace<D: Device> {
     rows: usize,
-    /// Block-table columns each row has room for (the whole cache's pages: any sequence fits).
+    /// Block-table columns each row has room for (the longest sequence the cache can hold).
     max_pages: usize,
     max_splits: usize,
+    /// Rows the split workspace holds (larger steps run MLA unsplit).
+    split_rows: usize,
+    /// Rows of logits the workspace holds.
+    logit_capacity: usize,
+    bytes: usize,
     ids: D::Memory,
     positions: D::Memory,
     slots: D::Memory,
@@ -140,113 +145,160 @@ struct Workspace<D: Device> {
     sampled: D::Memory,
 }
 
+/// Steps with more rows than this run MLA unsplit: prefill has parallelism enough in its
+/// rows, and the split workspace (rows × heads × splits × 512 floats) stays small.
+pub const SPLIT_ROWS: usize = 64;
+
+/// What a workspace is sized for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WorkspaceShape {
+    /// Tokens per step.
+    pub rows: usize,
+    /// Attention heads of this rank.
+    pub heads: usize,
+    /// Block-table columns per row: the pages of the longest sequence the cache can hold.
+    pub max_pages: usize,
+    /// Most MLA splits a step of up to [`SPLIT_ROWS`] rows may use.
+    pub max_splits: usize,
+    /// Rows of logits a step may return (its sequences when decoding; every token when
+    /// scoring a prompt).
+    pub logit_rows: usize,
+}
+
+/// Tokens per step and rows of logits per step an executor is sized for (it grows when a
+/// step needs more).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepCapacity {
+    pub tokens: usize,
+    pub logit_rows: usize,
+}
+
+/// Bytes of every workspace buffer, in [`Workspace`]'s field order: what the executor
+/// allocates, and what `model plan` reports as the activation workspace.
+pub fn workspace_buffer_bytes(c: &ModelConfig, s: &WorkspaceShape) -> Vec<(&'static str, usize)> {
+    // As `DeviceExt::alloc_elements`: an empty request still gets one element.
+    let n = |count: usize, size: usize| count.max(1) * size;
+    let (rows, heads) = (s.rows.max(1), s.heads);
+    let (hidden, qk) = (c.hidden_size, c.qk_head_dim());
+    let q_rank = c.q_lora_rank.unwrap_or(1);
+    let inter = c
+        .intermediate_size
+        .max(c.moe_intermediate_size * c.n_shared_experts.max(1));
+    let experts = c.n_routed_experts.max(1);
+    let assignments = rows * c.num_experts_per_tok.max(1);
+    let moe_inter = c.moe_intermediate_size.max(16);
+    let split_rows = rows.min(SPLIT_ROWS);
+    let logit_rows = s.logit_rows.clamp(1, rows);
+    vec![
+        ("ids", n(rows, 4)),
+        ("positions", n(rows, 4)),
+        ("slots", n(rows, 4)),
+        ("seq_lens", n(rows, 4)),
+        ("block_table", n(rows * s.max_pages, 4)),
+        ("logit_rows", n(logit_rows, 4)),
+        ("bad_id", n(1, 4)),
+        ("x", n(rows * hidden, 4)),
+        ("h", n(rows * hidden, 4)),
+        ("delta", n(rows * hidden, 4)),
+        ("qa", n(rows * q_rank, 4)),
+        ("qa_normed", n(rows * q_rank, 4)),
+        ("q", n(rows * heads * qk, 4)),
+        ("latent", n(rows * LATENT, 4)),
+        ("k_rope", n(rows * ROPE, 4)),
+        ("q_abs", n(rows * heads * LATENT, 2)),
+        ("q_pe", n(rows * heads * ROPE, 2)),
+        ("o_latent", n(rows * heads * LATENT, 4)),
+        ("lse", n(rows * heads, 4)),
+        ("part_out", n(split_rows * heads * s.max_splits * LATENT, 4)),
+        ("part_lse", n(split_rows * heads * s.max_splits, 4)),
+        ("o", n(rows * heads * c.v_head_dim, 4)),
+        ("gate_up", n(rows * 2 * inter, 4)),
+        ("act", n(rows * inter, 4)),
+        ("router_logits", n(rows * experts, 4)),
+        ("route_ids", n(assignments, 4)),
+        ("route_weights", n(assignments, 4)),
+        ("expert_offsets", n(experts + 1, 4)),
+        ("sorted_token_ids", n(assignments, 4)),
+        ("sorted_weights", n(assignments, 4)),
+        ("x_bf16", n(rows * hidden, 2)),
+        ("h_q", (assignments * moe_inter / 2).max(1)),
+        ("h_sf", (assignments * moe_inter / 16).max(1)),
+        ("selected", n(logit_rows * hidden, 4)),
+        ("logits", n(logit_rows * c.vocab_size, 4)),
+        ("sampled", n(logit_rows, 4)),
+    ]
+}
+
+/// Total bytes of [`workspace_buffer_bytes`].
+pub fn workspace_bytes(c: &ModelConfig, s: &WorkspaceShape) -> usize {
+    workspace_buffer_bytes(c, s).iter().map(|(_, b)| b).sum()
+}
+
+/// Block-table columns for a cache of `slots` token slots under `config`.
+pub fn max_pages(c: &ModelConfig, slots: usize) -> usize {
+    slots
+        .min(c.max_position_embeddings)
+        .div_ceil(PAGE_TOKENS)
+        .max(1)
+}
+
 impl<D: Device> Workspace<D> {
-    fn new(
-        dev: &D,
-        c: &ModelConfig,
-        heads: usize,
-        rows: usize,
-        max_pages: usize,
-        max_splits: usize,
-    ) -> Result<Self, DeviceError> {
-        let f32s = |n: usize| dev.alloc_elements::<f32>(n);
-        let i32s = |n: usize| dev.alloc_elements::<i32>(n);
-        let bf16s = |n: usize| dev.alloc_elements::<u16>(n);
-        let (hidden, qk) = (c.hidden_size, c.qk_head_dim());
-        let q_rank = c.q_lora_rank.unwrap_or(1);
-        let inter = c
-            .intermediate_size
-            .max(c.moe_intermediate_size * c.n_shared_experts.max(1));
-        let experts = c.n_routed_experts.max(1);
-        let assignments = rows * c.num_experts_per_tok.max(1);
-        let moe_inter = c.moe_intermediate_size.max(16);
+    fn new(dev: &D, c: &ModelConfig, shape: WorkspaceShape) -> Result<Self, DeviceError> {
+        let sizes = workspace_buffer_bytes(c, &shape);
+        let mut buffers = sizes
+            .iter()
+            .map(|&(_, bytes)| dev.alloc_zeroed(bytes))
+            .collect::<Result<Vec<_>, _>>()?
+            .into_iter();
+        let mut next = || buffers.next().expect("one buffer per field");
         Ok(Self {
-            rows,
-            max_pages,
-            max_splits,
-            ids: i32s(rows)?,
-            positions: i32s(rows)?,
-            slots: i32s(rows)?,
-            seq_lens: i32s(rows)?,
-            block_table: i32s(rows * max_pages)?,
-            logit_rows: i32s(rows)?,
-            bad_id: i32s(1)?,
-            x: f32s(rows * hidden)?,
-            h: f32s(rows * hidden)?,
-            delta: f32s(rows * hidden)?,
-            qa: f32s(rows * q_rank)?,
-            qa_normed: f32s(rows * q_rank)?,
-            q: f32s(rows * heads * qk)?,
-            latent: f32s(rows * LATENT)?,
-            k_rope: f32s(rows * ROPE)?,
-            q_abs: bf16s(rows * heads * LATENT)?,
-            q_pe: bf16s(rows * heads * ROPE)?,
-            o_latent: f32s(rows * heads * LATENT)?,
-            lse: f32s(rows * heads)?,
-            part_out: f32s(rows * heads * max_splits * LATENT)?,
-            part_lse: f32s(rows * heads * max_splits)?,
-            o: f32s(rows * heads * c.v_head_dim)?,
-            gate_up: f32s(rows * 2 * inter)?,
-            act: f32s(rows * inter)?,
-            router_logits: f32s(rows * experts)?,
-            route_ids: i32s(assignments)?,
-            route_weights: f32s(assignments)?,
-            expert_offsets: i32s(experts + 1)?,
-            sorted_token_ids: i32s(assignments)?,
-            sorted_weights: f32s(assignments)?,
-            x_bf16: bf16s(rows * hidden)?,
-            h_q: dev.alloc_zeroed(assignments * moe_inter / 2)?,
-            h_sf: dev.alloc_zeroed(assignments * moe_inter / 16)?,
-            selected: f32s(rows * hidden)?,
-            logits: f32s(rows * c.vocab_size)?,
-            sampled: i32s(rows)?,
+            rows: shape.rows.max(1),
+            logit_capacity: shape.logit_rows.clamp(1, shape.rows.max(1)),
+            max_pages: shape.max_pages,
+            max_splits: shape.max_splits,
+            split_rows: shape.rows.max(1).min(SPLIT_ROWS),
+            ids: next(),
+            positions: next(),
+            slots: next(),
+            seq_lens: next(),
+            block_table: next(),
+            logit_rows: next(),
+            bad_id: next(),
+            x: next(),
+            h: next(),
+            delta: next(),
+            qa: next(),
+            qa_normed: next(),
+            q: next(),
+            latent: next(),
+            k_rope: next(),
+            q_abs: next(),
+            q_pe: next(),
+            o_latent: next(),
+            lse: next(),
+            part_out: next(),
+            part_lse: next(),
+            o: next(),
+            gate_up: next(),
+            act: next(),
+            router_logits: next(),
+            route_ids: next(),
+            route_weights: next(),
+            expert_offsets: next(),
+            sorted_token_ids: next(),
+            sorted_weights: next(),
+            x_bf16: next(),
+            h_q: next(),
+            h_sf: next(),
+            selected: next(),
+            logits: next(),
+            sampled: next(),
+            bytes: sizes.iter().map(|(_, b)| b).sum(),
         })
     }
 
-    /// Device bytes of the workspace.
     fn device_bytes(&self) -> usize {
-        use kernels::device::DeviceMemory;
-        [
-            &self.ids,
-            &self.positions,
-            &self.slots,
-            &self.seq_lens,
-            &self.block_table,
-            &self.logit_rows,
-            &self.bad_id,
-            &self.x,
-            &self.h,
-            &self.delta,
-            &self.qa,
-            &self.qa_normed,
-            &self.q,
-            &self.latent,
-            &self.k_rope,
-            &self.q_abs,
-            &self.q_pe,
-            &self.o_latent,
-            &self.lse,
-            &self.part_out,
-            &self.part_lse,
-            &self.o,
-            &self.gate_up,
-            &self.act,
-            &self.router_logits,
-            &self.route_ids,
-            &self.route_weights,
-            &self.expert_offsets,
-            &self.sorted_token_ids,
-            &self.sorted_weights,
-            &self.x_bf16,
-            &self.h_q,
-            &self.h_sf,
-            &self.selected,
-            &self.logits,
-            &self.sampled,
-        ]
-        .iter()
-        .map(|m| m.len())
-        .sum()
+        self.bytes
     }
 }
 
@@ -299,7 +351,7 @@ impl<D: Device> DeviceExecutor<D> {
         model: &Model,
         kv_dtype: KvCacheDtype,
         cache_tokens: usize,
-        max_rows: usize,
+        capacity: StepCapacity,
         tactics: ExecutorTactics,
         quiet: bool,
     ) -> Result<Self, ExecutorError> {
@@ -326,14 +378,16 @@ impl<D: Device> DeviceExecutor<D> {
         let caches = (0..c.num_hidden_layers)
             .map(|_| DeviceCache::alloc(&dev, kv_dtype, pages.total_slots()))
             .collect::<Result<Vec<_>, _>>()?;
-        let max_splits = mla.tactic.max_splits as usize;
         let workspace = Workspace::new(
             &dev,
             &c,
-            heads,
-            max_rows.max(1),
-            pages.total_pages(),
-            max_splits,
+            WorkspaceShape {
+                rows: capacity.tokens.max(1),
+                heads,
+                max_pages: max_pages(&c, pages.total_slots()),
+                max_splits: mla.tactic.max_splits as usize,
+                logit_rows: capacity.logit_rows,
+            },
         )?;
         let rope = model.rope();
         let rope_inv_freq = dev.upload(rope.inv_freq())?;
@@ -465,18 +519,6 @@ impl<D: Device> DeviceExecutor<D> {
                 .reserve(input.seq, input.tokens.len())
                 .map_err(ForwardError::from)?;
         }
-        if n > self.workspace.rows {
-            // Graphs name the old buffers.
-            self.graphs.clear();
-            self.workspace = Workspace::new(
-                &self.dev,
-                &self.config,
-                self.heads,
-                n,
-                self.workspace.max_pages,
-                self.workspace.max_splits,
-            )?;
-        }
         let selected: Vec<i32> = match logit_rows {
             LogitRows::All => (0..n as i32).collect(),
             LogitRows::Last => {
@@ -490,6 +532,21 @@ impl<D: Device> DeviceExecutor<D> {
                     .collect()
             }
         };
+        if n > self.workspace.rows || selected.len() > self.workspace.logit_capacity {
+            // Graphs name the old buffers.
+            self.graphs.clear();
+            self.workspace = Workspace::new(
+                &self.dev,
+                &self.config,
+                WorkspaceShape {
+                    rows: n.max(self.workspace.rows),
+                    heads: self.heads,
+                    max_pages: self.workspace.max_pages,
+                    max_splits: self.workspace.max_splits,
+                    logit_rows: selected.len().max(self.workspace.logit_capacity),
+                },
+            )?;
+        }
         self.write_step_inputs(inputs, &rows, &selected)?;
         // A decode step's launches depend on its batch size alone (the split count is planned
         // for the cache's capacity, not the current lengths), so one graph serves every step
@@ -500,12 +557,16 @@ impl<D: Device> DeviceExecutor<D> {
         } else {
             rows.iter().map(|&(_, pos)| pos + 1).max().unwrap_or(1)
         };
-        let splits = self.mla.tactic.plan_splits(
-            n,
-            self.heads,
-            context,
-            self.dev.sm()?.reference_gpu().sms as usize,
-        );
+        let splits = if n > self.workspace.split_rows {
+            1
+        } else {
+            self.mla.tactic.plan_splits(
+                n,
+                self.heads,
+                context,
+                self.dev.sm()?.reference_gpu().sms as usize,
+            )
+        };
         let every_row =
             selected.len() == n && selected.iter().enumerate().all(|(i, &s)| s == i as i32);
         if self.use_graphs && decode {
@@ -941,7 +1002,7 @@ fn attention<D: Device>(
             rows: n,
             heads,
             max_pages: ws.max_pages,
-            max_splits: ws.max_splits,
+            max_splits: if n > ws.split_rows { 1 } else { ws.max_splits },
             q_abs: &ws.q_abs,
             q_pe: &ws.q_pe,
             block_table: &ws.block_table,
