@@ -438,7 +438,7 @@ impl Device for GpuContext {
 
     fn write_bytes(&self, memory: &mut GpuMemory, bytes: &[u8]) -> Result<()> {
         if bytes.len() > memory.len {
-            return Err(DeviceError::Invalid(format!(
+            return Err(CudaError::Invalid(format!(
                 "write of {} B into an allocation of {} B",
                 bytes.len(),
                 memory.len
@@ -576,7 +576,7 @@ impl Device for GpuContext {
         self.stream
             .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
             .during(|| "cuStreamEndCapture".into())?
-            .ok_or_else(|| DeviceError::Invalid("the capture recorded no work".into()))
+            .ok_or_else(|| CudaError::Invalid("the capture recorded no work".into()))
     }
 
     fn replay(&self, graph: &cudarc::driver::CudaGraph) -> Result<()> {

@@ -256,7 +256,7 @@ impl<D: Device> Workspace<D> {
             logit_capacity: shape.logit_rows.clamp(1, shape.rows.max(1)),
             max_pages: shape.max_pages,
             max_splits: shape.max_splits,
-            split_rows: shape.rows.max(1).min(SPLIT_ROWS),
+            split_rows: shape.rows.clamp(1, SPLIT_ROWS),
             ids: next(),
             positions: next(),
             slots: next(),
