@@ -346,46 +346,23 @@ mod x86 {
     /// reads (each group of rows is new streams to the hardware prefetcher).
     const PREFETCH_ROWS: usize = 4;
 
-    /// One weight row's group pointers: `GROUP_BYTES` packed bytes and `GROUP_BLOCKS` scales.
-    #[derive(Clone, Copy)]
-    struct GroupPtr {
-        packed: *const u8,
-        scales: *const u8,
-    }
-
-    /// The rows' data for group `g`: in place for whole groups, else (the last, partial group
-    /// of a ragged row) copied into `tail` zero-padded.
-    ///
-    /// # Safety
-    /// `w.packed`/`w.block_scales` hold row `r` (asserted by the caller).
-    #[inline(always)]
-    unsafe fn group_ptr(
+    /// The last, partial group of row `r` of a ragged `w` (whole groups: `full`), copied
+    /// zero-padded so that the kernels read `GROUP_BYTES` packed bytes and `GROUP_BLOCKS`
+    /// scales for it as for any other group.
+    #[cold]
+    fn tail_group(
         w: &Nvfp4View<'_>,
         r: usize,
-        g: usize,
-        tail: &mut ([u8; GROUP_BYTES], [u8; GROUP_BLOCKS]),
-    ) -> GroupPtr {
+        full: usize,
+    ) -> ([u8; GROUP_BYTES], [u8; GROUP_BLOCKS]) {
         let blocks = w.cols / NVFP4_BLOCK;
-        let (b0, nb) = (
-            g * GROUP_BLOCKS,
-            GROUP_BLOCKS.min(blocks - g * GROUP_BLOCKS),
-        );
         let packed = &w.packed[r * w.cols / 2..(r + 1) * w.cols / 2];
         let scales = &w.block_scales[r * blocks..(r + 1) * blocks];
-        if nb == GROUP_BLOCKS {
-            GroupPtr {
-                packed: packed[b0 * 8..].as_ptr(),
-                scales: scales[b0..].as_ptr(),
-            }
-        } else {
-            *tail = ([0; GROUP_BYTES], [0; GROUP_BLOCKS]);
-            tail.0[..nb * 8].copy_from_slice(&packed[b0 * 8..]);
-            tail.1[..nb].copy_from_slice(&scales[b0..]);
-            GroupPtr {
-                packed: tail.0.as_ptr(),
-                scales: tail.1.as_ptr(),
-            }
-        }
+        let rest = blocks - full * GROUP_BLOCKS;
+        let mut tail = ([0; GROUP_BYTES], [0; GROUP_BLOCKS]);
+        tail.0[..rest * 8].copy_from_slice(&packed[full * GROUP_BYTES..]);
+        tail.1[..rest].copy_from_slice(&scales[full * GROUP_BLOCKS..]);
+        tail
     }
 
     /// Decodes 16 E4M3 codes to f32, exactly, NaN codes (`S.1111.111`) included.
@@ -494,52 +471,73 @@ mod x86 {
         let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
         let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
         let (codes, corr, sa) = (x.codes.as_ptr(), x.corr.as_ptr(), x.scales.as_ptr());
-        let mut tail = ([0u8; GROUP_BYTES], [0u8; GROUP_BLOCKS]);
+        let blocks = cols / NVFP4_BLOCK;
+        let full = blocks / GROUP_BLOCKS;
+        // SAFETY: every row lies within w (the caller's contract), so these are in bounds.
+        let row_packed = rows.map(|r| unsafe { w.packed.as_ptr().add(r * cols / 2) });
+        let row_scales = rows.map(|r| unsafe { w.block_scales.as_ptr().add(r * blocks) });
         let mut acc = [[_mm512_setzero_ps(); 4]; N];
-        for g in 0..groups {
-            for (i, &r) in rows.iter().enumerate() {
-                // SAFETY: row r lies within w (the caller's contract); the group's 128 packed
-                // bytes and 16 scales are in bounds (group_ptr pads a partial group).
+        // One row's group: decode, then every token. A macro rather than a loop over the rows,
+        // so that the accumulator index is a constant and all 16 stay in registers.
+        macro_rules! row_group {
+            ($i:literal, $packed:expr, $scales:expr, $g:expr) => {{
+                let (packed, scales, g): (*const u8, *const u8, usize) = ($packed, $scales, $g);
+                // SAFETY: `packed` and `scales` point at a group's 128 bytes and 16 scales
+                // (a whole group of the row, or its zero-padded tail); x holds N padded rows
+                // of `groups` groups, and g < groups.
                 unsafe {
-                    let p = group_ptr(w, r, g, &mut tail);
-                    // Prefetch the row four ahead (never faults, even past the matrix).
-                    let ahead = p.packed.wrapping_add(PREFETCH_ROWS * cols / 2);
-                    _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
-                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64).cast());
-                    if g % 4 == 0 {
-                        let ahead = p.scales.wrapping_add(PREFETCH_ROWS * cols / NVFP4_BLOCK);
-                        _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
-                    }
-                    let p0 = _mm512_loadu_si512(p.packed.cast());
-                    let p1 = _mm512_loadu_si512(p.packed.add(64).cast());
+                    let p0 = _mm512_loadu_si512(packed.cast());
+                    let p1 = _mm512_loadu_si512(packed.add(64).cast());
                     // Lane j: bytes 0–3 (q0) and 4–7 (q1) of block j.
                     let q0 = _mm512_permutex2var_epi32(p0, even, p1);
                     let q1 = _mm512_permutex2var_epi32(p0, odd, p1);
-                    let lo = |q| _mm512_shuffle_epi8(table, _mm512_and_si512(q, nibble));
-                    let hi = |q| {
-                        _mm512_shuffle_epi8(
-                            table,
-                            _mm512_and_si512(_mm512_srli_epi16::<4>(q), nibble),
-                        )
-                    };
-                    let wv = [lo(q0), hi(q0), lo(q1), hi(q1)];
-                    let sw = e4m3x16(_mm_loadu_si128(p.scales.cast()));
+                    let q0h = _mm512_srli_epi16::<4>(q0);
+                    let q1h = _mm512_srli_epi16::<4>(q1);
+                    let wv = [
+                        _mm512_shuffle_epi8(table, _mm512_and_si512(q0, nibble)),
+                        _mm512_shuffle_epi8(table, _mm512_and_si512(q0h, nibble)),
+                        _mm512_shuffle_epi8(table, _mm512_and_si512(q1, nibble)),
+                        _mm512_shuffle_epi8(table, _mm512_and_si512(q1h, nibble)),
+                    ];
+                    let sw = e4m3x16(_mm_loadu_si128(scales.cast()));
                     for (t, acc) in acc.iter_mut().enumerate() {
                         let xt = codes.add(t * pc + g * GROUP_ELEMENTS);
-                        let mut d = _mm512_loadu_si512(corr.add(t * pb + g * GROUP_BLOCKS).cast());
-                        for (k, &wk) in wv.iter().enumerate() {
-                            d = _mm512_dpbusd_epi32(
-                                d,
-                                wk,
-                                _mm512_loadu_si512(xt.add(64 * k).cast()),
-                            );
-                        }
-                        let s =
-                            _mm512_mul_ps(sw, _mm512_loadu_ps(sa.add(t * pb + g * GROUP_BLOCKS)));
-                        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[i]);
+                        let lane = t * pb + g * GROUP_BLOCKS;
+                        let mut d = _mm512_loadu_si512(corr.add(lane).cast());
+                        d = _mm512_dpbusd_epi32(d, wv[0], _mm512_loadu_si512(xt.cast()));
+                        d = _mm512_dpbusd_epi32(d, wv[1], _mm512_loadu_si512(xt.add(64).cast()));
+                        d = _mm512_dpbusd_epi32(d, wv[2], _mm512_loadu_si512(xt.add(128).cast()));
+                        d = _mm512_dpbusd_epi32(d, wv[3], _mm512_loadu_si512(xt.add(192).cast()));
+                        let s = _mm512_mul_ps(sw, _mm512_loadu_ps(sa.add(lane)));
+                        acc[$i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[$i]);
                     }
                 }
+            }};
+        }
+        for g in 0..full {
+            let p = row_packed.map(|p| p.wrapping_add(g * GROUP_BYTES));
+            let s = row_scales.map(|s| s.wrapping_add(g * GROUP_BLOCKS));
+            // Prefetch the rows four ahead (never faults, even past the matrix).
+            for (p, s) in p.iter().zip(&s) {
+                let ahead = p.wrapping_add(PREFETCH_ROWS * cols / 2);
+                _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64).cast());
+                if g % 4 == 0 {
+                    let ahead = s.wrapping_add(PREFETCH_ROWS * cols / NVFP4_BLOCK);
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+                }
             }
+            row_group!(0, p[0], s[0], g);
+            row_group!(1, p[1], s[1], g);
+            row_group!(2, p[2], s[2], g);
+            row_group!(3, p[3], s[3], g);
+        }
+        if full < groups {
+            let t = rows.map(|r| tail_group(w, r, full));
+            row_group!(0, t[0].0.as_ptr(), t[0].1.as_ptr(), full);
+            row_group!(1, t[1].0.as_ptr(), t[1].1.as_ptr(), full);
+            row_group!(2, t[2].0.as_ptr(), t[2].1.as_ptr(), full);
+            row_group!(3, t[3].0.as_ptr(), t[3].1.as_ptr(), full);
         }
         let mut sums = [[0.0f32; 4]; 4];
         for (s, a) in sums.iter_mut().zip(&acc) {
@@ -596,18 +594,39 @@ mod x86 {
         let nibble = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
         let (codes, corr, sa) = (x.codes.as_ptr(), x.corr.as_ptr(), x.scales.as_ptr());
-        let mut tail = ([0u8; GROUP_BYTES], [0u8; GROUP_BLOCKS]);
+        let blocks = cols / NVFP4_BLOCK;
+        let full = blocks / GROUP_BLOCKS;
+        // Only a ragged row has a tail group; it is read from this copy.
+        let tail = if full < groups {
+            tail_group(w, r, full)
+        } else {
+            ([0; GROUP_BYTES], [0; GROUP_BLOCKS])
+        };
+        // SAFETY: row r lies within w (the caller's contract).
+        let (row_packed, row_scales) = unsafe {
+            (
+                w.packed.as_ptr().add(r * cols / 2),
+                w.block_scales.as_ptr().add(r * blocks),
+            )
+        };
         let mut acc = [[_mm256_setzero_ps(); 2]; N];
         for g in 0..groups {
             // SAFETY: as in vnni_rows4.
             unsafe {
-                let p = group_ptr(w, r, g, &mut tail);
-                let ahead = p.packed.wrapping_add(PREFETCH_ROWS * cols / 2);
+                let (packed, scales) = if g < full {
+                    (
+                        row_packed.add(g * GROUP_BYTES),
+                        row_scales.add(g * GROUP_BLOCKS),
+                    )
+                } else {
+                    (tail.0.as_ptr(), tail.1.as_ptr())
+                };
+                let ahead = packed.wrapping_add(PREFETCH_ROWS * cols / 2);
                 _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
                 _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64).cast());
                 for h in 0..2 {
-                    let p0 = _mm256_loadu_si256(p.packed.add(64 * h).cast());
-                    let p1 = _mm256_loadu_si256(p.packed.add(64 * h + 32).cast());
+                    let p0 = _mm256_loadu_si256(packed.add(64 * h).cast());
+                    let p1 = _mm256_loadu_si256(packed.add(64 * h + 32).cast());
                     // 64-bit chunks (b0,b1), (b4,b5) | (b2,b3), (b6,b7), then in block order.
                     let q = |even: bool| {
                         let s = if even {
@@ -632,7 +651,7 @@ mod x86 {
                         )
                     };
                     let wv = [lo(q0), hi(q0), lo(q1), hi(q1)];
-                    let sw = e4m3x8(_mm_loadl_epi64(p.scales.add(8 * h).cast()));
+                    let sw = e4m3x8(_mm_loadl_epi64(scales.add(8 * h).cast()));
                     for (t, acc) in acc.iter_mut().enumerate() {
                         let xt = codes.add(t * pc + g * GROUP_ELEMENTS + 32 * h);
                         let mut s16 = _mm256_setzero_si256();
