@@ -21,7 +21,7 @@ use kernels::moe_gemm::reference::{ExpertView, Routing};
 /// A CPU kernel family with its own knobs of [`CpuTactic`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum CpuFamily {
-    /// The NVFP4 grouped GEMM of the routed experts (`moe_item`).
+    /// The NVFP4 grouped GEMM of the routed experts (`moe_item`, `moe_dot`).
     Moe,
     /// Dense BF16 products (`dense_min`, `dense_rows`).
     Dense,
@@ -43,7 +43,12 @@ impl CpuFamily {
     /// Every tactic of the family's knobs in `space`, the others at `base`'s values.
     pub fn tactics(self, space: &CpuTacticSpace, base: CpuTactic) -> Vec<CpuTactic> {
         match self {
-            CpuFamily::Moe => space.moe(base),
+            // The item sizes at the base's dot kind, then the other dot kinds.
+            CpuFamily::Moe => {
+                let mut tactics = space.moe(base);
+                tactics.extend(space.moe_dot(base).into_iter().filter(|t| *t != base));
+                tactics
+            }
             CpuFamily::Dense => space.dense(base),
             CpuFamily::Mla => space.mla(base),
         }
@@ -53,7 +58,7 @@ impl CpuFamily {
     pub fn label(self, t: &CpuTactic) -> String {
         let kib = |b: usize| format!("{}k", b >> 10);
         match self {
-            CpuFamily::Moe => format!("item {}", kib(t.moe_item_bytes)),
+            CpuFamily::Moe => format!("item {} {}", kib(t.moe_item_bytes), t.moe_dot.name()),
             CpuFamily::Dense => format!(
                 "min {} rows {}",
                 kib(t.dense_parallel_min_bytes),

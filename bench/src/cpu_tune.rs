@@ -281,7 +281,7 @@ pub fn tune(
 
     // Stage 2: whole decode steps, one knob group at a time.
     // One knob at a time (a group of 48 dense pairs would get too few rounds per candidate).
-    let groups: [(&str, KnobGroup); 6] = [
+    let groups: [(&str, KnobGroup); 7] = [
         ("moe_item", |s, b| s.moe(b)),
         ("dense_min", |s, b| {
             s.dense_parallel_min_bytes
@@ -320,6 +320,7 @@ pub fn tune(
                 .collect()
         }),
         ("threads", |s, b| s.threads(b)),
+        ("moe_dot", |s, b| s.moe_dot(b)),
     ];
     progress.stage("decode", groups.len() as u64 + 1);
     bench.step_seconds(&default)?; // warm-up: page in the weights

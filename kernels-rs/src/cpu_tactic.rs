@@ -3,16 +3,21 @@
 //! A [`CpuTactic`] fixes the work split of every CPU hot path of a decode step: the work-item
 //! size of the fast NVFP4 grouped GEMM ([`moe_gemm::cpu`](crate::moe_gemm::cpu)), the parallel
 //! threshold and rows per task of the dense products ([`dense`](crate::dense)), the split-KV
-//! chunking of MLA attention ([`mla::cpu`](crate::mla::cpu)), and the thread count. None of
-//! them changes what is computed:
+//! chunking of MLA attention ([`mla::cpu`](crate::mla::cpu)), the thread count, and how the
+//! grouped GEMM computes its W4A4 dot products ([`MoeDot`]). None of them changes what is
+//! computed:
 //! - the MoE work-item size and the dense split only decide which thread computes which output
 //!   row, and every output element is the same dot product in the same order: results are
 //!   bit-identical for every valid tactic;
 //! - the MLA chunking decides where the split-KV merge cuts a sequence, which changes the order
-//!   of the softmax sums: results agree to rounding (the merge is exact in real arithmetic).
+//!   of the softmax sums: results agree to rounding (the merge is exact in real arithmetic);
+//! - the MoE dot kind multiplies the same quantized weights and activations: f32 FMAs round
+//!   every product-sum, the integer kernels only the sums of exact block terms, so results
+//!   agree to rounding.
 //!
-//! [`CpuTactic::DEFAULT`] holds exactly the constants the kernels used before they were
-//! tunable. Its [`id`](CpuTactic::id) is stable and [`parse`](CpuTactic::parse)s back, so
+//! [`CpuTactic::DEFAULT`] holds the constants the kernels used before they were tunable, and
+//! the integer dot products, which were measured faster at every decode size on AVX-512 VNNI
+//! and AVX2 (`bench/results/cpu_grouped_gemm.txt`). Its [`id`](CpuTactic::id) is stable and [`parse`](CpuTactic::parse)s back, so
 //! autotune caches, benchmarks and logs name tactics the same way.
 //!
 //! The tactic is passed explicitly (`moe_cpu_tuned`, `matmul_transposed_tuned`,
@@ -50,6 +55,38 @@ pub struct CpuTactic {
     pub mla_tasks_per_thread: usize,
     /// Threads of the rayon pool the kernels run in; 0 = rayon's default (every core).
     pub threads: usize,
+    /// Grouped GEMM: how an NVFP4 expert's dot products are computed.
+    pub moe_dot: MoeDot,
+}
+
+/// How the grouped GEMM computes NVFP4 W4A4 dot products. Both have the checkpoint's
+/// semantics (the same quantized weights and activations); they differ in rounding only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MoeDot {
+    /// Weights decoded to f32 in registers, FMAs against the fake-quantized f32 activations
+    /// ([`cpu_simd`](crate::moe_gemm::cpu_simd)).
+    F32Fma,
+    /// Exact integer block dots of `2·e2m1` codes (AVX-512 VNNI `vpdpbusd`, AVX2
+    /// `vpmaddubsw`), one f32 multiply-add per block by the two block scales
+    /// ([`cpu_int`](crate::moe_gemm::cpu_int)).
+    IntDot,
+}
+
+impl MoeDot {
+    /// Every kind, for sweeps.
+    pub const ALL: [Self; 2] = [Self::F32Fma, Self::IntDot];
+
+    /// The stable name in a tactic id.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32Fma => "f32",
+            Self::IntDot => "int",
+        }
+    }
+
+    fn parse(text: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|k| k.name() == text)
+    }
 }
 
 impl Default for CpuTactic {
@@ -71,15 +108,18 @@ pub enum CpuTacticError {
     BadValue { key: String, value: String },
     #[error("cpu tactic: {0}")]
     OutOfRange(String),
+    #[error("cpu tactic: `{key}={value}` is not one of f32, int")]
+    BadKind { key: String, value: String },
 }
 
-const KEYS: [&str; 6] = [
+const KEYS: [&str; 7] = [
     "moe_item",
     "dense_min",
     "dense_rows",
     "mla_chunk",
     "mla_tasks",
     "threads",
+    "moe_dot",
 ];
 
 /// Upper bounds of the valid space: beyond them a knob only disables parallelism, which the
@@ -100,19 +140,22 @@ impl CpuTactic {
         mla_min_chunk: 256,
         mla_tasks_per_thread: 4,
         threads: 0,
+        moe_dot: MoeDot::IntDot,
     };
 
     /// The stable id: every key in a fixed order, sizes in bytes with a `k`/`m` suffix when
-    /// exact, e.g. `moe_item=128k,dense_min=512k,dense_rows=64,mla_chunk=256,mla_tasks=4,threads=0`.
+    /// exact, e.g.
+    /// `moe_item=128k,dense_min=512k,dense_rows=64,mla_chunk=256,mla_tasks=4,threads=0,moe_dot=int`.
     pub fn id(&self) -> String {
         format!(
-            "moe_item={},dense_min={},dense_rows={},mla_chunk={},mla_tasks={},threads={}",
+            "moe_item={},dense_min={},dense_rows={},mla_chunk={},mla_tasks={},threads={},moe_dot={}",
             size(self.moe_item_bytes),
             size(self.dense_parallel_min_bytes),
             self.dense_rows_per_task,
             self.mla_min_chunk,
             self.mla_tasks_per_thread,
-            self.threads
+            self.threads,
+            self.moe_dot.name()
         )
     }
 
@@ -134,6 +177,13 @@ impl CpuTactic {
                 return Err(CpuTacticError::Duplicate(key.to_string()));
             }
             seen.push(key);
+            if key == "moe_dot" {
+                tactic.moe_dot = MoeDot::parse(value).ok_or_else(|| CpuTacticError::BadKind {
+                    key: key.to_string(),
+                    value: value.to_string(),
+                })?;
+                continue;
+            }
             let n = parse_size(value).ok_or_else(|| CpuTacticError::BadValue {
                 key: key.to_string(),
                 value: value.to_string(),
@@ -224,6 +274,7 @@ impl CpuTactic {
             mla_min_chunk: vec![64, 128, 256, 512, 1024],
             mla_tasks_per_thread: vec![1, 2, 4, 8],
             threads,
+            moe_dot: MoeDot::ALL.to_vec(),
         }
     }
 }
@@ -237,9 +288,18 @@ pub struct CpuTacticSpace {
     pub mla_min_chunk: Vec<usize>,
     pub mla_tasks_per_thread: Vec<usize>,
     pub threads: Vec<usize>,
+    pub moe_dot: Vec<MoeDot>,
 }
 
 impl CpuTacticSpace {
+    /// Tactics that differ from `base` in the MoE dot kind only.
+    pub fn moe_dot(&self, base: CpuTactic) -> Vec<CpuTactic> {
+        self.moe_dot
+            .iter()
+            .map(|&moe_dot| CpuTactic { moe_dot, ..base })
+            .collect()
+    }
+
     /// Tactics that differ from `base` in the MoE knob only.
     pub fn moe(&self, base: CpuTactic) -> Vec<CpuTactic> {
         self.moe_item_bytes
@@ -298,6 +358,7 @@ impl CpuTacticSpace {
             * self.mla_min_chunk.len()
             * self.mla_tasks_per_thread.len()
             * self.threads.len()
+            * self.moe_dot.len()
     }
 }
 
@@ -318,11 +379,12 @@ impl FromStr for CpuTactic {
 /// this binary was built from them: a tactic cache records it, and a cache tuned on other
 /// sources is stale.
 pub fn cpu_kernel_source_hash() -> String {
-    let sources: [&[u8]; 5] = [
+    let sources: [&[u8]; 6] = [
         include_bytes!("cpu_tactic.rs"),
         include_bytes!("dense.rs"),
         include_bytes!("moe_gemm/cpu.rs"),
         include_bytes!("moe_gemm/cpu_simd.rs"),
+        include_bytes!("moe_gemm/cpu_int.rs"),
         include_bytes!("mla/cpu.rs"),
     ];
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -487,6 +549,14 @@ mod tests {
                 ..d
             }
         );
+        // The dot kind by name (ids without the key, older ones too, get the default's).
+        assert_eq!(
+            CpuTactic::parse("moe_dot=f32").unwrap(),
+            CpuTactic {
+                moe_dot: MoeDot::F32Fma,
+                ..d
+            }
+        );
     }
 
     #[test]
@@ -501,6 +571,8 @@ mod tests {
             ("mla_chunk=0", "outside"),
             ("moe_item=99999999999999999999m", "not a size"),
             ("threads=5000", "outside"),
+            ("moe_dot=f16", "not one of"),
+            ("moe_dot=int,moe_dot=f32", "given twice"),
         ] {
             let err = CpuTactic::parse(text).unwrap_err().to_string();
             assert!(err.contains(want), "{text}: {err}");
@@ -511,7 +583,13 @@ mod tests {
     fn every_point_of_the_space_is_valid_and_the_default_is_in_it() {
         let space = CpuTactic::space(8);
         let d = CpuTactic::DEFAULT;
-        for group in [space.moe(d), space.dense(d), space.mla(d), space.threads(d)] {
+        for group in [
+            space.moe(d),
+            space.dense(d),
+            space.mla(d),
+            space.threads(d),
+            space.moe_dot(d),
+        ] {
             assert!(group.contains(&d));
             for t in group {
                 t.validate().unwrap();
@@ -530,6 +608,7 @@ mod tests {
             chunk in 1usize..4096,
             tasks in 1usize..MAX_TASKS_PER_THREAD,
             threads in 0usize..MAX_THREADS,
+            int_dot in proptest::bool::ANY,
         ) {
             let t = CpuTactic {
                 moe_item_bytes: moe,
@@ -538,6 +617,7 @@ mod tests {
                 mla_min_chunk: chunk * MLA_TILE,
                 mla_tasks_per_thread: tasks,
                 threads,
+                moe_dot: if int_dot { MoeDot::IntDot } else { MoeDot::F32Fma },
             };
             prop_assert!(t.validate().is_ok());
             prop_assert_eq!(CpuTactic::parse(&t.id()).unwrap(), t);

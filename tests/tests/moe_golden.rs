@@ -1,6 +1,7 @@
 //! The routed-expert block (NVFP4 W4A4 grouped GEMM) against PyTorch + ModelOpt, on the
 //! goldens written by `golden/gen_moe.py`: the CPU reference and the fast CPU path (every
-//! instruction set this CPU has).
+//! instruction set this CPU has, with both dot kinds: f32 FMAs and the integer W4A4 block dots,
+//! the default).
 //!
 //! The files and how they are read: `project_tests::moe_goldens`.
 //!
@@ -8,7 +9,8 @@
 //! (torch sums float32 products in another order; with the same quantized operands that is a
 //! few ulps). A larger error means different quantized values, i.e. different semantics.
 
-use kernels::moe_gemm::cpu::moe_cpu_with;
+use kernels::cpu_tactic::{CpuTactic, MoeDot};
+use kernels::moe_gemm::cpu::{moe_cpu_tuned, moe_cpu_with};
 use kernels::moe_gemm::cpu_simd::Isa;
 use kernels::moe_gemm::reference::moe_reference;
 use model::tensor_file::TensorFile;
@@ -54,6 +56,7 @@ fn run_all(cases: &[Case]) {
         );
         check(case, "reference", &out);
         for isa in Isa::all_supported() {
+            // The default tactic (what the model runs), then each dot kind explicitly.
             out.fill(f32::NAN);
             moe_cpu_with(
                 isa,
@@ -64,7 +67,25 @@ fn run_all(cases: &[Case]) {
                 &mut out,
                 None,
             );
-            check(case, &format!("fast {isa:?}"), &out);
+            check(case, &format!("fast {isa:?} default"), &out);
+            for moe_dot in MoeDot::ALL {
+                let tactic = CpuTactic {
+                    moe_dot,
+                    ..CpuTactic::DEFAULT
+                };
+                out.fill(f32::NAN);
+                moe_cpu_tuned(
+                    &tactic,
+                    isa,
+                    &case.x,
+                    case.hidden,
+                    &case.routing,
+                    &experts,
+                    &mut out,
+                    None,
+                );
+                check(case, &format!("fast {isa:?} {}", moe_dot.name()), &out);
+            }
         }
     }
 }

@@ -12,13 +12,20 @@
 //! convention: bytes read + bytes written, multi-threaded, buffers far larger than the LLC),
 //! plus the ratio to a read-only sweep. Each pass routes tokens to every expert of a weight set
 //! much larger than the LLC (≥ 256 MiB), so each pass streams from DRAM.
+//!
+//! Every instruction set this CPU has runs with both dot kinds of the tactic
+//! ([`MoeDot`]: f32 FMAs, integer W4A4 block dots), side by side in one run; `vs_f32` is the
+//! f32 kernel's median time over this line's (same ISA and shape). `--label TEXT` adds a
+//! description of the machine to the header.
 
 use bench::{COPY_BYTES, bandwidth, cpu_model, load_average, time_passes, utc_date};
 use std::fmt::Write as _;
 
+use kernels::cpu_tactic::{CpuTactic, MoeDot};
 use kernels::formats::nvfp4::{NVFP4_BLOCK, Nvfp4View};
 use kernels::matrix::MatrixView;
-use kernels::moe_gemm::cpu::moe_cpu_with;
+use kernels::moe_gemm::cpu::moe_cpu_tuned;
+use kernels::moe_gemm::cpu_int::IntKernel;
 use kernels::moe_gemm::cpu_simd::Isa;
 use kernels::moe_gemm::reference::{ExpertView, Routing, moe_reference};
 use rayon::prelude::*;
@@ -74,6 +81,10 @@ fn main() {
         opts.set_bytes = args[i + 1].parse::<usize>().expect("--set-mib N") << 20;
         opts.write = false;
     }
+    let label = args
+        .iter()
+        .position(|a| a == "--label")
+        .map(|i| args[i + 1].clone());
     let threads = rayon::current_num_threads();
     let cpu = cpu_model();
     let load_start = load_average();
@@ -87,6 +98,7 @@ fn main() {
     // Per tokens-per-expert count: the worst ratio over the shapes, for the detected ISA.
     let mut per_tokens: Vec<(usize, f64)> = Vec::new();
     let best_isa = Isa::detect();
+    let default_dot = CpuTactic::DEFAULT.moe_dot;
     let mut lines = Vec::new();
     // Kimi per GPU at TP8 (intermediate 2048/8) and unsharded.
     for inter in [256, 2048] {
@@ -110,30 +122,50 @@ fn main() {
                 if opts.only.is_some_and(|only| only != isa) {
                     continue;
                 }
-                let t = time_passes(opts.passes, || {
-                    moe_cpu_with(isa, &x, HIDDEN, &routing, &experts, &mut out, None);
-                });
-                let gbs = gb / t.wall;
-                let line = format!(
-                    "fast isa={isa:?} hidden={HIDDEN} inter={inter} experts={} tokens_per_expert={n} \
-                     weight_bytes={} best_ms={:.2} median_ms={:.2} GB/s={gbs:.2} copy_ratio={:.3} \
-                     read_ratio={:.3} cpu_util={:.2}",
-                    set.experts,
-                    set.bytes,
-                    t.wall * 1e3,
-                    t.median_wall * 1e3,
-                    gbs / copy,
-                    gbs / read,
-                    t.utilization()
-                );
-                eprintln!("{line}");
-                lines.push(line);
-                if isa == best_isa {
-                    let r = gbs / copy;
-                    worst = Some(worst.map_or(r, |w: f64| w.min(r)));
-                    match per_tokens.iter_mut().find(|(k, _)| *k == n) {
-                        Some((_, w)) => *w = w.min(r),
-                        None => per_tokens.push((n, r)),
+                let mut f32_median = None;
+                for moe_dot in MoeDot::ALL {
+                    let tactic = CpuTactic {
+                        moe_dot,
+                        ..CpuTactic::DEFAULT
+                    };
+                    let t = time_passes(opts.passes, || {
+                        moe_cpu_tuned(&tactic, isa, &x, HIDDEN, &routing, &experts, &mut out, None);
+                    });
+                    if moe_dot == MoeDot::F32Fma {
+                        f32_median = Some(t.median_wall);
+                    }
+                    let vs_f32 = f32_median.map_or(1.0, |m| m / t.median_wall);
+                    let gbs = gb / t.wall;
+                    let median_gbs = gb / t.median_wall;
+                    let kernel = match moe_dot {
+                        MoeDot::F32Fma => format!("{isa:?}"),
+                        MoeDot::IntDot => format!("{:?}", IntKernel::for_isa(isa)),
+                    };
+                    let line = format!(
+                        "fast isa={isa:?} dot={} kernel={kernel} hidden={HIDDEN} inter={inter} \
+                     experts={} tokens_per_expert={n} weight_bytes={} best_ms={:.2} \
+                     median_ms={:.2} GB/s={gbs:.2} median_GB/s={median_gbs:.2} \
+                     copy_ratio={:.3} median_copy_ratio={:.3} read_ratio={:.3} vs_f32={vs_f32:.2} \
+                     cpu_util={:.2}",
+                        moe_dot.name(),
+                        set.experts,
+                        set.bytes,
+                        t.wall * 1e3,
+                        t.median_wall * 1e3,
+                        gbs / copy,
+                        median_gbs / copy,
+                        gbs / read,
+                        t.utilization()
+                    );
+                    eprintln!("{line}");
+                    lines.push(line);
+                    if isa == best_isa && moe_dot == default_dot {
+                        let r = gbs / copy;
+                        worst = Some(worst.map_or(r, |w: f64| w.min(r)));
+                        match per_tokens.iter_mut().find(|(k, _)| *k == n) {
+                            Some((_, w)) => *w = w.min(r),
+                            None => per_tokens.push((n, r)),
+                        }
                     }
                 }
             }
@@ -165,9 +197,14 @@ fn main() {
     writeln!(report, "cpu_grouped_gemm copy_ratio={worst:.3}").unwrap();
     writeln!(
         report,
-        "# copy_ratio above: the worst case over all shapes below for the detected ISA ({best_isa:?})"
+        "# copy_ratio above: the worst case over all shapes below for the detected ISA \
+         ({best_isa:?}) and the default dot kind ({})",
+        default_dot.name()
     )
     .unwrap();
+    if let Some(label) = &label {
+        writeln!(report, "# measured, {label}").unwrap();
+    }
     let by_tokens: Vec<String> = per_tokens
         .iter()
         .map(|(n, r)| format!("{n} token(s)/expert {r:.3}"))
@@ -200,13 +237,17 @@ fn main() {
         report,
         "# GB/s = weight bytes (packed E2M1 + E4M3 scales of gate, up, down) / best time of a \
          whole moe call over {} passes (median also shown); top_k={TOP_K}, every expert of \
-         the set gets tokens_per_expert tokens; cpu_util is for the best pass",
+         the set gets tokens_per_expert tokens; cpu_util is for the best pass; median_* use \
+         the median pass (the machine may be shared: prefer the medians)",
         opts.passes
     )
     .unwrap();
     writeln!(
         report,
-        "# command: cargo run --release -p bench --bin cpu-grouped-gemm"
+        "# command: cargo run --release -p bench --bin cpu-grouped-gemm{}",
+        label
+            .as_ref()
+            .map_or(String::new(), |l| format!(" -- --label '{l}'"))
     )
     .unwrap();
     for line in &lines {

@@ -12,9 +12,15 @@
 //! 3. down products per tile of hidden rows; then `out[t] = Σ_k w[t,k] · y[t,k]` in slot order.
 //!
 //! Each weight row is read once per call for all the tokens routed to its expert and decoded in
-//! registers ([`cpu_simd`](super::cpu_simd)); nothing dequantized is ever written to memory.
-//! The quantized activations are stored with each 16-element block in the kernels' decode order
-//! ([`interleave_blocks`]).
+//! registers; nothing dequantized is ever written to memory. The tactic's
+//! [`MoeDot`] picks the dot products:
+//! - [`MoeDot::IntDot`]: the activations are quantized once per (token, expert input) to
+//!   integer `2·e2m1` codes with their block scales ([`quantize_row_int`]), and the kernels of
+//!   [`cpu_int`](super::cpu_int) compute exact integer block dots. Used when every expert is
+//!   NVFP4 with input scales (a W4A4 checkpoint); otherwise the call falls back to:
+//! - [`MoeDot::F32Fma`]: fake-quantized f32 activations, stored with each 16-element block in
+//!   the kernels' decode order ([`interleave_blocks`]), against weights decoded to f32
+//!   ([`cpu_simd`](super::cpu_simd)).
 //!
 //! The large buffers are reused across calls on a thread (`Scratch`); the loops allocate
 //! nothing (a work item allocates at most one row or tile of scratch up front).
@@ -24,9 +30,10 @@ use rayon::prelude::*;
 use std::cell::Cell;
 use std::ops::Range;
 
+use super::cpu_int::{IntActs, nvfp4_rows_dots_int, padded_blocks, padded_cols, quantize_row_int};
 use super::cpu_simd::{Isa, fake_quantize_row_fast, interleave_blocks, nvfp4_rows_dots};
 use super::reference::{ExpertInputAmax, ExpertView, Routing, silu};
-use crate::cpu_tactic::CpuTactic;
+use crate::cpu_tactic::{CpuTactic, MoeDot};
 use crate::dense::dot;
 use crate::matrix::MatrixView;
 
@@ -41,6 +48,23 @@ struct Scratch {
     act: Vec<f32>,
     down_amax: Vec<f32>,
     y: Vec<f32>,
+    /// The integer quantized inputs of gate/up and of down ([`MoeDot::IntDot`]).
+    xq_int: IntBufs,
+    act_int: IntBufs,
+}
+
+/// Integer activation rows: codes, per-block corrections and scales ([`IntActs`]).
+#[derive(Default)]
+struct IntBufs {
+    codes: Vec<i8>,
+    corr: Vec<i32>,
+    scales: Vec<f32>,
+}
+
+impl IntBufs {
+    fn bytes(&self) -> usize {
+        self.codes.capacity() + 4 * (self.corr.capacity() + self.scales.capacity())
+    }
 }
 
 impl Scratch {
@@ -56,6 +80,8 @@ impl Scratch {
         .iter()
         .map(|v| v.capacity())
         .sum::<usize>()
+            + self.xq_int.bytes()
+            + self.act_int.bytes()
     }
 }
 
@@ -68,11 +94,29 @@ thread_local! {
 }
 
 /// The first `n` elements of `v`, growing it if needed.
-fn sized(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+fn sized<T: Clone + Default>(v: &mut Vec<T>, n: usize) -> &mut [T] {
     if v.len() < n {
-        v.resize(n, 0.0);
+        v.resize(n, T::default());
     }
     &mut v[..n]
+}
+
+/// The activations of one expert's rows as a kernel reads them.
+#[derive(Clone, Copy)]
+enum Acts<'a> {
+    /// Fake-quantized (or BF16-path) f32 rows in the kernels' block order.
+    F32(&'a [f32]),
+    /// Integer rows ([`quantize_row_int`]).
+    Int(IntActs<'a>),
+}
+
+/// Whether an expert is NVFP4 W4A4 throughout: the integer dots apply.
+fn is_w4a4(ex: &ExpertView<'_>) -> bool {
+    [ex.gate, ex.up, ex.down]
+        .iter()
+        .all(|m| matches!(m, MatrixView::Nvfp4(_)))
+        && ex.gate_up_input_scale.is_some()
+        && ex.down_input_scale.is_some()
 }
 
 /// `out[t] = Σ_k weight[t,k] · expert[t,k](x[t])` with the best kernels this CPU supports;
@@ -114,8 +158,9 @@ pub fn moe_cpu_with(
 }
 
 /// [`moe_cpu_with`] under a tactic: its [`moe_item_bytes`](CpuTactic::moe_item_bytes) sets the
-/// work items. Every valid tactic gives bit-identical results (an item boundary only decides
-/// which thread computes a row).
+/// work items and its [`moe_dot`](CpuTactic::moe_dot) the dot products. Tactics with the same
+/// dot kind give bit-identical results (an item boundary only decides which thread computes a
+/// row); the two kinds agree to rounding.
 ///
 /// # Panics
 /// As [`moe_cpu_with`], and if the tactic is invalid.
@@ -161,12 +206,35 @@ pub fn moe_cpu_tuned(
         })
         .collect();
     let plan = Plan::new(routing, experts.len(), &inters, tactic.moe_item_bytes);
+    let int_dot = tactic.moe_dot == MoeDot::IntDot && experts.iter().all(is_w4a4);
 
     // Phase 1: the quantized inputs, one row per (token, slot) in expert order.
     let mut scratch = SCRATCH.with(Cell::take);
-    let xq = sized(&mut scratch.xq, plan.rows() * hidden);
     let in_amax = sized(&mut scratch.in_amax, plan.rows());
-    if hidden > 0 {
+    let (pc, pb) = (padded_cols(hidden), padded_blocks(hidden));
+    let xq_rows = if int_dot { 0 } else { plan.rows() };
+    let xq = sized(&mut scratch.xq, xq_rows * hidden);
+    let int_rows = if int_dot { plan.rows() } else { 0 };
+    let xq_codes = sized(&mut scratch.xq_int.codes, int_rows * pc);
+    let xq_corr = sized(&mut scratch.xq_int.corr, int_rows * pb);
+    let xq_scales = sized(&mut scratch.xq_int.scales, int_rows * pb);
+    if hidden > 0 && int_dot {
+        xq_codes
+            .par_chunks_mut(pc)
+            .zip(xq_corr.par_chunks_mut(pb))
+            .zip(xq_scales.par_chunks_mut(pb))
+            .zip(in_amax.par_iter_mut())
+            .enumerate()
+            .for_each(|(r, (((codes, corr), scales), am))| {
+                let (t, _) = plan.order[r];
+                let row = &x[t * hidden..(t + 1) * hidden];
+                *am = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                let scale = experts[plan.row_expert[r]]
+                    .gate_up_input_scale
+                    .expect("W4A4 expert");
+                quantize_row_int(row, scale, codes, corr, scales);
+            });
+    } else if hidden > 0 {
         xq.par_chunks_mut(hidden)
             .zip(in_amax.par_iter_mut())
             .enumerate()
@@ -182,6 +250,23 @@ pub fn moe_cpu_tuned(
             });
     }
 
+    // Each expert's rows of the gate/up inputs.
+    let (xq, xq_codes, xq_corr, xq_scales) = (&*xq, &*xq_codes, &*xq_corr, &*xq_scales);
+    let gate_up_acts = |e: usize| {
+        let rows = plan.row_start[e]..plan.row_start[e + 1];
+        if int_dot {
+            Acts::Int(IntActs {
+                cols: hidden,
+                codes: &xq_codes[rows.start * pc..rows.end * pc],
+                corr: &xq_corr[rows.start * pb..rows.end * pb],
+                scales: &xq_scales[rows.start * pb..rows.end * pb],
+                input_scale: experts[e].gate_up_input_scale.expect("W4A4 expert"),
+            })
+        } else {
+            Acts::F32(&xq[rows.start * hidden..rows.end * hidden])
+        }
+    };
+
     // Phase 2a: h = silu(gate) · up, tiled over intermediate rows.
     let h = sized(&mut scratch.h, plan.inter_offset[experts.len()]);
     // Bytes of one gate row plus one up row: what a tile row streams.
@@ -192,7 +277,7 @@ pub fn moe_cpu_tuned(
         .for_each_init(Vec::new, |up, item| {
             let e = item.expert;
             let (n, ex, tile) = (plan.count(e), &experts[e], item.rows.len());
-            let xe = &xq[plan.row_start[e] * hidden..plan.row_start[e + 1] * hidden];
+            let xe = gate_up_acts(e);
             up.resize(n * tile, 0.0);
             tile_dots(isa, &ex.gate, item.rows.clone(), xe, n, item.out, tile);
             tile_dots(isa, &ex.up, item.rows.clone(), xe, n, up, tile);
@@ -201,11 +286,37 @@ pub fn moe_cpu_tuned(
             }
         });
 
-    // Phase 2b: gather each (token, slot)'s h from its tiles and fake-quantize it.
-    let act = sized(&mut scratch.act, h.len());
+    // Phase 2b: gather each (token, slot)'s h from its tiles and quantize it. The integer rows
+    // of expert e start at int_offset[e] rows of padded_cols(inter) codes (and blocks).
     let down_amax = sized(&mut scratch.down_amax, plan.rows());
-    let act_rows = plan.split_rows(act, |e| inters[e]);
-    act_rows
+    let act = sized(&mut scratch.act, if int_dot { 0 } else { h.len() });
+    let (mut code_offset, mut block_offset) = (vec![0usize], vec![0usize]);
+    for (e, &inter) in inters.iter().enumerate() {
+        let n = if int_dot { plan.count(e) } else { 0 };
+        code_offset.push(code_offset[e] + n * padded_cols(inter));
+        block_offset.push(block_offset[e] + n * padded_blocks(inter));
+    }
+    let act_codes = sized(&mut scratch.act_int.codes, code_offset[experts.len()]);
+    let act_corr = sized(&mut scratch.act_int.corr, block_offset[experts.len()]);
+    let act_scales = sized(&mut scratch.act_int.scales, block_offset[experts.len()]);
+    // One destination per row: an f32 row, or integer codes, corrections and scales.
+    let dst_rows: Vec<ActDst<'_>> = if int_dot {
+        let codes = plan.split_rows(act_codes, |e| padded_cols(inters[e]));
+        let corr = plan.split_rows(act_corr, |e| padded_blocks(inters[e]));
+        let scales = plan.split_rows(act_scales, |e| padded_blocks(inters[e]));
+        codes
+            .into_iter()
+            .zip(corr)
+            .zip(scales)
+            .map(|((codes, corr), scales)| ActDst::Int(codes, corr, scales))
+            .collect()
+    } else {
+        plan.split_rows(act, |e| inters[e])
+            .into_iter()
+            .map(ActDst::F32)
+            .collect()
+    };
+    dst_rows
         .into_par_iter()
         .zip(down_amax.par_iter_mut())
         .enumerate()
@@ -221,12 +332,38 @@ pub fn moe_cpu_tuned(
                 row.extend_from_slice(&h[start..start + len]);
             }
             *am = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            match experts[e].down_input_scale {
-                Some(s) => fake_quantize_row_fast(isa, row, s, dst),
-                None => dst.copy_from_slice(row),
+            match dst {
+                ActDst::Int(codes, corr, scales) => {
+                    let s = experts[e].down_input_scale.expect("W4A4 expert");
+                    quantize_row_int(row, s, codes, corr, scales);
+                }
+                ActDst::F32(dst) => {
+                    match experts[e].down_input_scale {
+                        Some(s) => fake_quantize_row_fast(isa, row, s, dst),
+                        None => dst.copy_from_slice(row),
+                    }
+                    interleave_blocks(dst);
+                }
             }
-            interleave_blocks(dst);
         });
+    let (act, act_codes, act_corr, act_scales) = (&*act, &*act_codes, &*act_corr, &*act_scales);
+    let down_acts = |e: usize| {
+        if int_dot {
+            let (c, b) = (
+                code_offset[e]..code_offset[e + 1],
+                block_offset[e]..block_offset[e + 1],
+            );
+            Acts::Int(IntActs {
+                cols: inters[e],
+                codes: &act_codes[c],
+                corr: &act_corr[b.clone()],
+                scales: &act_scales[b],
+                input_scale: experts[e].down_input_scale.expect("W4A4 expert"),
+            })
+        } else {
+            Acts::F32(&act[plan.inter_offset[e]..plan.inter_offset[e + 1]])
+        }
+    };
 
     // Phase 3: y = down · act, tiled over hidden rows.
     let y = sized(&mut scratch.y, plan.rows() * hidden);
@@ -234,13 +371,12 @@ pub fn moe_cpu_tuned(
     let down_items = plan.items(y, |_| hidden, down_bytes);
     down_items.into_par_iter().for_each(|item| {
         let e = item.expert;
-        let ae = &act[plan.inter_offset[e]..plan.inter_offset[e + 1]];
         let tile = item.rows.len();
         tile_dots(
             isa,
             &experts[e].down,
             item.rows,
-            ae,
+            down_acts(e),
             plan.count(e),
             item.out,
             tile,
@@ -285,20 +421,33 @@ pub fn moe_cpu_tuned(
     }
 }
 
+/// Where phase 2b writes one row's quantized activations.
+enum ActDst<'a> {
+    F32(&'a mut [f32]),
+    Int(&'a mut [i8], &'a mut [i32], &'a mut [f32]),
+}
+
 /// `out[t · stride + j] = x[t] · w[rows.start + j]` for `t < n`: NVFP4 tiles go through the
-/// SIMD kernels; BF16 weights (unquantized checkpoints) are widened row by row and dotted.
+/// SIMD kernels (integer or f32); BF16 weights (unquantized checkpoints) are widened row by
+/// row and dotted.
 fn tile_dots(
     isa: Isa,
     w: &MatrixView<'_>,
     rows: Range<usize>,
-    x: &[f32],
+    x: Acts<'_>,
     n: usize,
     out: &mut [f32],
     stride: usize,
 ) {
-    match w {
-        MatrixView::Nvfp4(v) => nvfp4_rows_dots(isa, v, rows, x, n, out, stride),
-        MatrixView::Bf16 { cols, .. } => {
+    match (w, x) {
+        (MatrixView::Nvfp4(v), Acts::Int(x)) => {
+            nvfp4_rows_dots_int(isa, v, rows, &x, n, out, stride)
+        }
+        (MatrixView::Nvfp4(v), Acts::F32(x)) => nvfp4_rows_dots(isa, v, rows, x, n, out, stride),
+        (MatrixView::Bf16 { .. }, Acts::Int(_)) => {
+            unreachable!("integer activations are only made for W4A4 experts")
+        }
+        (MatrixView::Bf16 { cols, .. }, Acts::F32(x)) => {
             let mut row = vec![0.0f32; *cols];
             for (j, r) in rows.enumerate() {
                 w.row_into(r, &mut row);
@@ -425,11 +574,11 @@ impl Plan {
     }
 
     /// Splits `buf` (expert by expert, `[count, width(e)]` each) into one slice per row.
-    fn split_rows<'a>(
+    fn split_rows<'a, T>(
         &self,
-        buf: &'a mut [f32],
+        buf: &'a mut [T],
         width: impl Fn(usize) -> usize,
-    ) -> Vec<&'a mut [f32]> {
+    ) -> Vec<&'a mut [T]> {
         let mut rows = Vec::with_capacity(self.rows());
         let mut rest = buf;
         for r in 0..self.rows() {
@@ -554,12 +703,14 @@ mod tests {
         ((num / den.max(f64::MIN_POSITIVE)).sqrt(), max)
     }
 
-    /// Tolerance against the reference: the two differ only in accumulation order, so 1e-5
-    /// relative L2 leaves two orders of magnitude over f32 rounding of these dot products. (A
-    /// rounding difference that flips one activation across an E2M1 rounding midpoint would
-    /// exceed it; none occurs in these cases.)
+    /// Tolerance against the reference: the two differ only in the rounding of the dot
+    /// products (accumulation order and FMA fusion for f32; only the cross-block sums for the
+    /// exact integer blocks), so 1e-5 relative L2 leaves two orders of magnitude over f32
+    /// rounding of these dot products. (A rounding difference that flips one activation across
+    /// an E2M1 rounding midpoint would exceed it; none occurs in these cases.)
     const REL_L2: f64 = 1e-5;
 
+    /// Checks both dot kinds against the reference; returns the default tactic's output.
     fn check(
         isa: Isa,
         what: &str,
@@ -572,33 +723,65 @@ mod tests {
         let mut want = vec![0.0; tokens * hidden];
         let mut want_amax = ExpertInputAmax::default();
         moe_reference(x, hidden, routing, experts, &mut want, Some(&mut want_amax));
-        let mut got = vec![f32::NAN; tokens * hidden];
-        let mut got_amax = ExpertInputAmax::default();
-        moe_cpu_with(
-            isa,
-            x,
-            hidden,
-            routing,
-            experts,
-            &mut got,
-            Some(&mut got_amax),
-        );
-        let (rel, max) = distance(&got, &want);
-        assert!(
-            rel <= REL_L2,
-            "{isa:?} {what}: rel L2 {rel:e}, max abs {max:e}"
-        );
-        assert_eq!(
-            got_amax.gate_up, want_amax.gate_up,
-            "{isa:?} {what}: input amax"
-        );
-        for (a, b) in got_amax.down.iter().zip(&want_amax.down) {
-            assert!(
-                (a - b).abs() <= 1e-5 * b,
-                "{isa:?} {what}: down amax {a} vs {b}"
+        let mut default = Vec::new();
+        for moe_dot in MoeDot::ALL {
+            let tactic = CpuTactic {
+                moe_dot,
+                ..CpuTactic::DEFAULT
+            };
+            let what = format!("{what} {}", moe_dot.name());
+            let mut got = vec![f32::NAN; tokens * hidden];
+            let mut got_amax = ExpertInputAmax::default();
+            moe_cpu_tuned(
+                &tactic,
+                isa,
+                x,
+                hidden,
+                routing,
+                experts,
+                &mut got,
+                Some(&mut got_amax),
             );
+            let (rel, max) = distance(&got, &want);
+            assert!(
+                rel <= REL_L2,
+                "{isa:?} {what}: rel L2 {rel:e}, max abs {max:e}"
+            );
+            assert_eq!(
+                got_amax.gate_up, want_amax.gate_up,
+                "{isa:?} {what}: input amax"
+            );
+            for (a, b) in got_amax.down.iter().zip(&want_amax.down) {
+                assert!(
+                    (a - b).abs() <= 1e-5 * b,
+                    "{isa:?} {what}: down amax {a} vs {b}"
+                );
+            }
+            if moe_dot == MoeDot::IntDot && experts.iter().all(is_w4a4) {
+                // The integer kernels of every ISA agree bit for bit, and so does the rest.
+                let mut scalar = vec![f32::NAN; tokens * hidden];
+                moe_cpu_tuned(
+                    &tactic,
+                    Isa::Scalar,
+                    x,
+                    hidden,
+                    routing,
+                    experts,
+                    &mut scalar,
+                    None,
+                );
+                assert!(
+                    got.iter()
+                        .zip(&scalar)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{isa:?} {what}: not bit-identical to the scalar integer path"
+                );
+            }
+            if moe_dot == CpuTactic::DEFAULT.moe_dot {
+                default = got;
+            }
         }
-        got
+        default
     }
 
     #[test]
@@ -756,18 +939,24 @@ mod tests {
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
         /// The work-item size only decides which thread computes which rows: any valid tactic
-        /// is bit-identical to the default, on every ISA this CPU has.
+        /// is bit-identical to the default with its dot kind, on every ISA this CPU has.
         #[test]
         fn every_tactic_is_bit_identical_to_the_default(
             item_bytes in 1usize..(64 << 10),
             threads in 1usize..4,
             seed in 0u64..1000,
             case in 0usize..3,
+            int_dot in proptest::bool::ANY,
         ) {
+            let moe_dot = if int_dot { MoeDot::IntDot } else { MoeDot::F32Fma };
+            let base = CpuTactic {
+                moe_dot,
+                ..CpuTactic::DEFAULT
+            };
             let tactic = CpuTactic {
                 moe_item_bytes: item_bytes,
                 threads,
-                ..CpuTactic::DEFAULT
+                ..base
             };
             let (hidden, inter, num_experts, tokens, top_k) =
                 [(256, 96, 4, 1, 2), (128, 320, 6, 9, 3), (512, 64, 8, 4, 8)][case];
@@ -779,7 +968,7 @@ mod tests {
             let pool = tactic.build_pool().unwrap();
             for isa in Isa::all_supported() {
                 let mut want = vec![0.0; tokens * hidden];
-                moe_cpu_with(isa, &x, hidden, &routing, &experts, &mut want, None);
+                moe_cpu_tuned(&base, isa, &x, hidden, &routing, &experts, &mut want, None);
                 let mut got = vec![f32::NAN; tokens * hidden];
                 pool.install(|| {
                     moe_cpu_tuned(&tactic, isa, &x, hidden, &routing, &experts, &mut got, None)

@@ -14,6 +14,7 @@
 
 pub mod check;
 pub mod cpu;
+pub mod cpu_int;
 pub mod cpu_simd;
 pub mod golden_data;
 pub mod launch;

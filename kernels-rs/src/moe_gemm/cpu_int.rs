@@ -1,0 +1,913 @@
+//! W4A4 with integer block dot products: the checkpoint's own semantics, computed the way the
+//! format invites.
+//!
+//! Twice an E2M1 value is an integer in −12..=12, and the activations are quantized to NVFP4
+//! anyway. So the dot product of a 16-element block, `Σ (2·e2m1(w)) · (2·e2m1(a))`, is an
+//! exact integer (|·| ≤ 16 · 144 = 2304), and a row's dot product is
+//!
+//! `out = (input_scale · weight_scale_2 / 4) · Σ_b dot_b · (e4m3(sw_b) · e4m3(sa_b))`.
+//!
+//! Every term of the sum is exact in f32: an E4M3 value has at most 4 significant bits, so the
+//! product of two block scales has at most 8, and times an integer of at most 12 bits it has at
+//! most 20 (< 24), with no overflow or subnormal (2⁻¹⁸ ≤ |sw·sa| ≤ 448²). The only roundings
+//! are the cross-block f32 additions, the global factor and the final multiply. (The reference
+//! dequantizes first: it rounds `e4m3 · global` once per operand; the real numbers it then
+//! multiplies differ from ours by at most 2⁻²⁴ relative per operand.)
+//!
+//! ## Layout of the quantized activations
+//! A row is quantized once per (token, expert input) ([`quantize_row_int`]) into:
+//! - `codes`: `2·e2m1` as `i8`, padded with zeros to whole groups of [`GROUP_BLOCKS`] blocks
+//!   ([`padded_cols`]) and stored in the weight decoder's order: inside group `g`, element
+//!   `e` of block `16g + j` is at `256g + 64k + 4j + m` with `k = (e & 1) | (e >> 3) << 1` and
+//!   `m = (e >> 1) & 3`. Plane `k` is then what one 64-byte weight vector multiplies: lane `j`
+//!   (32 bits) holds four elements of block `j`.
+//! - `corr`: `−12 · Σ_block codes` per block (`i32`): the weights are decoded as
+//!   `2·e2m1 + 12 ∈ 0..=24`, unsigned as `vpdpbusd` and `vpmaddubsw` need, and the
+//!   accumulator starts at the correction instead of zero, which costs nothing.
+//! - `scales`: `e4m3(sa_b)` per block as f32 (the global `input_scale` is applied per row).
+//!
+//! ## Kernels (selected at run time from [`Isa`])
+//! - AVX-512 VNNI: per group of 16 blocks, two 64-byte loads of packed weights, two
+//!   `vpermt2d` put the first and second four bytes of each block in 32-bit lane `j`, and
+//!   four `vpshufb` decode the nibbles to `2·e2m1 + 12`. Per token: four `vpdpbusd` (each
+//!   lane sums 4 products; after four, lane `j` holds block `j`'s whole dot), one convert,
+//!   one multiply by the block scales, one FMA. Four weight rows at a time, up to four tokens.
+//! - AVX2: the same on 8-block halves with `vpmaddubsw` (pairs, no saturation: |·| ≤ 576),
+//!   three 16-bit adds (≤ 2304) and one `vpmaddwd` by ones.
+//! - Portable Rust.
+//!
+//! All three accumulate block `b` into lane `b mod 16` and reduce the 16 lanes in the same
+//! tree ([`reduce16`]), and every product is exact, so they agree **bit for bit**.
+//!
+//! Cost, per 256 weights (16 blocks) and token: 4 integer dot instructions, 3 float ops and
+//! 6 loads, against 16 FMAs and 16 loads for the f32 kernels of [`cpu_simd`](super::cpu_simd);
+//! the weight decode per 256 weights is about 16 instructions instead of about 64.
+
+use std::ops::Range;
+
+use super::cpu_simd::Isa;
+use crate::formats::e4m3::e4m3_to_f32;
+use crate::formats::nvfp4::{NVFP4_BLOCK, Nvfp4View, block_dequant_factor, block_scale_code};
+
+/// Blocks per group: one per 32-bit lane of an AVX-512 register.
+pub const GROUP_BLOCKS: usize = 16;
+/// Elements per group.
+pub const GROUP_ELEMENTS: usize = GROUP_BLOCKS * NVFP4_BLOCK;
+/// Packed weight bytes per group.
+const GROUP_BYTES: usize = GROUP_ELEMENTS / 2;
+/// Added to a weight's `2·e2m1` so that it is unsigned for the u8 × i8 dot instructions.
+pub const WEIGHT_OFFSET: i32 = 12;
+/// `2·e2m1` of each code. Code 8 ("−0") is 0, as in ModelOpt's table.
+pub const E2M1_TWICE: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+/// `2·e2m1 + WEIGHT_OFFSET` of each code: the weight decoders' byte-shuffle table.
+const WEIGHT_TABLE: [i8; 16] = {
+    let mut t = [0i8; 16];
+    let mut c = 0;
+    while c < 16 {
+        t[c] = E2M1_TWICE[c] + WEIGHT_OFFSET as i8;
+        c += 1;
+    }
+    t
+};
+/// `2·e2m1` of the magnitude ordinals 0..=7 (the rounding of [`quantize_row_int`]).
+const MAGNITUDE_TWICE: [i8; 8] = [0, 1, 2, 3, 4, 6, 8, 12];
+
+/// The most tokens one kernel call accumulates.
+pub const INT_GROUP: usize = 4;
+
+/// A row of `cols` elements padded to whole groups.
+pub fn padded_cols(cols: usize) -> usize {
+    cols.next_multiple_of(GROUP_ELEMENTS)
+}
+
+/// Blocks of a padded row.
+pub fn padded_blocks(cols: usize) -> usize {
+    padded_cols(cols) / NVFP4_BLOCK
+}
+
+/// Where element `e` of block `b` lives in a quantized row (see the module docs).
+#[inline]
+pub fn code_position(b: usize, e: usize) -> usize {
+    let (g, j) = (b / GROUP_BLOCKS, b % GROUP_BLOCKS);
+    let k = (e & 1) | (e >> 3) << 1;
+    let m = (e >> 1) & 3;
+    g * GROUP_ELEMENTS + 64 * k + 4 * j + m
+}
+
+/// E2M1 rounding midpoints; see [`crate::formats::e2m1::f32_to_e2m1`].
+const MIDPOINTS: [f32; 7] = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0];
+
+/// Quantizes one activation row with `input_scale` to the integer layout: `codes`
+/// (`padded_cols(row.len())`), `corr` and `scales` (`padded_blocks(row.len())` each); the
+/// padding is zeroed. The values are those of
+/// [`fake_quantize_row`](crate::formats::nvfp4::fake_quantize_row), bit for bit:
+/// `codes / 2 · (scales · input_scale)` is its output (NaN blocks give NaN scales).
+///
+/// # Panics
+/// If `row.len()` is not a multiple of 16 or the outputs have the wrong lengths.
+pub fn quantize_row_int(
+    row: &[f32],
+    input_scale: f32,
+    codes: &mut [i8],
+    corr: &mut [i32],
+    scales: &mut [f32],
+) {
+    let cols = row.len();
+    assert!(
+        cols.is_multiple_of(NVFP4_BLOCK),
+        "cols {cols} not block-aligned"
+    );
+    assert_eq!(codes.len(), padded_cols(cols));
+    assert_eq!(corr.len(), padded_blocks(cols));
+    assert_eq!(scales.len(), padded_blocks(cols));
+    let blocks = cols / NVFP4_BLOCK;
+    for (b, block) in row.chunks_exact(NVFP4_BLOCK).enumerate() {
+        // torch's max propagates NaN; f32::max would drop it.
+        let block_amax = if block.iter().any(|v| v.is_nan()) {
+            f32::NAN
+        } else {
+            block.iter().fold(0.0f32, |m, v| m.max(v.abs()))
+        };
+        let code = block_scale_code(block_amax, input_scale);
+        let factor = block_dequant_factor(code, input_scale);
+        let mut sum = 0i32;
+        for (e, &x) in block.iter().enumerate() {
+            // The same arithmetic as fake_quantize_row_fast: the quotient, then the ordinal of
+            // its magnitude among the midpoints (ties to the even code).
+            let q = x / factor;
+            let m = q.abs();
+            let mut ordinal = 0usize;
+            for bound in MIDPOINTS {
+                ordinal += usize::from(bound < m);
+            }
+            ordinal += usize::from((m == 0.75) | (m == 1.75) | (m == 3.5));
+            // searchsorted places NaN after every bound.
+            let ordinal = if m.is_nan() { 7 } else { ordinal };
+            let v = MAGNITUDE_TWICE[ordinal];
+            let v = if q < 0.0 { -v } else { v };
+            sum += i32::from(v);
+            codes[code_position(b, e)] = v;
+        }
+        corr[b] = -WEIGHT_OFFSET * sum;
+        scales[b] = e4m3_to_f32(code);
+    }
+    // Padding: zero codes, correction and scale contribute exactly 0 to every lane.
+    for b in blocks..padded_blocks(cols) {
+        for e in 0..NVFP4_BLOCK {
+            codes[code_position(b, e)] = 0;
+        }
+        corr[b] = 0;
+        scales[b] = 0.0;
+    }
+}
+
+/// `n` activation rows of `cols` elements quantized by [`quantize_row_int`], row after row
+/// (strides [`padded_cols`] and [`padded_blocks`]), with their global `input_scale`.
+#[derive(Clone, Copy, Debug)]
+pub struct IntActs<'a> {
+    pub cols: usize,
+    pub codes: &'a [i8],
+    pub corr: &'a [i32],
+    pub scales: &'a [f32],
+    pub input_scale: f32,
+}
+
+impl IntActs<'_> {
+    /// Token `t`'s value of element `c` (for tests): `codes / 2 · scale · input_scale`.
+    pub fn value(&self, t: usize, c: usize) -> f32 {
+        let (b, e) = (c / NVFP4_BLOCK, c % NVFP4_BLOCK);
+        let code = self.codes[t * padded_cols(self.cols) + code_position(b, e)];
+        let factor = self.scales[t * padded_blocks(self.cols) + b] * self.input_scale;
+        (f32::from(code) * 0.5) * factor
+    }
+
+    /// Rows `t0..` of these activations.
+    fn rows_from(&self, t0: usize) -> Self {
+        let (pc, pb) = (padded_cols(self.cols), padded_blocks(self.cols));
+        Self {
+            codes: &self.codes[t0 * pc..],
+            corr: &self.corr[t0 * pb..],
+            scales: &self.scales[t0 * pb..],
+            ..*self
+        }
+    }
+}
+
+/// The kernel an [`Isa`] runs for integer dots: AVX-512 needs VNNI (`vpdpbusd`) as well; a
+/// CPU with AVX-512 but no VNNI has AVX2 and runs that kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IntKernel {
+    Avx512Vnni,
+    Avx2,
+    Scalar,
+}
+
+impl IntKernel {
+    /// The kernel for `isa` on this CPU.
+    ///
+    /// # Panics
+    /// If this CPU does not support `isa`.
+    pub fn for_isa(isa: Isa) -> Self {
+        assert!(isa.is_supported(), "{isa:?} is not supported by this CPU");
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 if is_x86_feature_detected!("avx512vnni") => Self::Avx512Vnni,
+            Isa::Avx512 | Isa::Avx2Fma => Self::Avx2,
+            Isa::Scalar => Self::Scalar,
+        }
+    }
+}
+
+/// `out[t · stride + (r − rows.start)] = x[t] · w[r]` for every token `t < n` and weight row
+/// `r` in `rows`, with integer block dots; `x` holds at least `n` rows. Tokens are taken
+/// [`INT_GROUP`] at a time, so each weight row is decoded once per four tokens.
+///
+/// # Panics
+/// If this CPU does not support `isa`, or if the shapes disagree or the slices are too short.
+pub fn nvfp4_rows_dots_int(
+    isa: Isa,
+    w: &Nvfp4View<'_>,
+    rows: Range<usize>,
+    x: &IntActs<'_>,
+    n: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
+    let cols = w.cols;
+    // These bounds are what the SIMD kernels rely on for their unchecked loads.
+    assert!(
+        cols.is_multiple_of(NVFP4_BLOCK),
+        "cols {cols} not block-aligned"
+    );
+    assert_eq!(
+        x.cols, cols,
+        "activations of {} columns for weights of {cols}",
+        x.cols
+    );
+    assert!(
+        rows.start <= rows.end && rows.end <= w.rows,
+        "rows {rows:?} of {}",
+        w.rows
+    );
+    assert!(w.packed.len() >= w.rows * cols / 2);
+    assert!(w.block_scales.len() >= w.rows * cols / NVFP4_BLOCK);
+    assert!(
+        x.codes.len() >= n * padded_cols(cols),
+        "x holds fewer than {n} rows"
+    );
+    assert!(x.corr.len() >= n * padded_blocks(cols) && x.scales.len() >= n * padded_blocks(cols));
+    if n == 0 || rows.is_empty() {
+        return;
+    }
+    assert!(stride >= rows.len() && out.len() >= (n - 1) * stride + rows.len());
+    let kernel = IntKernel::for_isa(isa);
+    let row_scale = x.input_scale * w.global_scale * 0.25;
+    for t0 in (0..n).step_by(INT_GROUP) {
+        let g = INT_GROUP.min(n - t0);
+        let (xg, out) = (x.rows_from(t0), &mut out[t0 * stride..]);
+        match kernel {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the CPU supports AVX-512F/BW/VNNI (IntKernel::for_isa checked it); the
+            // asserts above cover every load: rows < w.rows, g ≤ 4 padded rows of x, g rows
+            // of out.
+            IntKernel::Avx512Vnni => unsafe {
+                x86::rows_vnni(w, rows.clone(), &xg, g, row_scale, out, stride)
+            },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above, for AVX2 and FMA.
+            IntKernel::Avx2 => unsafe {
+                x86::rows_avx2(w, rows.clone(), &xg, g, row_scale, out, stride)
+            },
+            _ => {
+                for (j, r) in rows.clone().enumerate() {
+                    for t in 0..g {
+                        out[t * stride + j] = row_scalar(w, r, &xg, t) * row_scale;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The 16 lanes summed in the tree every kernel uses: `v_i = l_i + l_{i+8}`, then
+/// `((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7))` (what the AVX-512 and AVX2 horizontal
+/// adds compute).
+#[inline]
+pub fn reduce16(l: &[f32; 16]) -> f32 {
+    let v: [f32; 8] = std::array::from_fn(|i| l[i] + l[i + 8]);
+    ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]))
+}
+
+/// The exact block dot `Σ (2·e2m1(w)) · (2·e2m1(a))` of block `b` of weight row `r` and token
+/// `t`, from the packed nibbles and the activation codes (any order).
+#[inline]
+pub fn block_dot(w: &Nvfp4View<'_>, r: usize, x: &IntActs<'_>, t: usize, b: usize) -> i32 {
+    let packed = &w.packed[r * w.cols / 2 + b * NVFP4_BLOCK / 2..][..NVFP4_BLOCK / 2];
+    let codes = &x.codes[t * padded_cols(x.cols)..];
+    let mut dot = 0i32;
+    for (i, &byte) in packed.iter().enumerate() {
+        for (e, nibble) in [(2 * i, byte & 0xF), (2 * i + 1, byte >> 4)] {
+            let a = codes[code_position(b, e)];
+            dot += i32::from(E2M1_TWICE[nibble as usize]) * i32::from(a);
+        }
+    }
+    dot
+}
+
+/// The portable kernel: `Σ_b dot_b · (sw_b · sa_b)` into lane `b mod 16`, then [`reduce16`]
+/// (before the row scale).
+fn row_scalar(w: &Nvfp4View<'_>, r: usize, x: &IntActs<'_>, t: usize) -> f32 {
+    let blocks = w.cols / NVFP4_BLOCK;
+    let scales = &w.block_scales[r * blocks..(r + 1) * blocks];
+    let sa = &x.scales[t * padded_blocks(x.cols)..];
+    let mut lanes = [0.0f32; GROUP_BLOCKS];
+    for (b, &sw) in scales.iter().enumerate() {
+        // Exact: see the module docs. (A fused multiply-add rounds the same.)
+        let term = block_dot(w, r, x, t, b) as f32 * (e4m3_to_f32(sw) * sa[b]);
+        lanes[b % GROUP_BLOCKS] += term;
+    }
+    reduce16(&lanes)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+    use std::ops::Range;
+
+    use super::{GROUP_BLOCKS, GROUP_BYTES, GROUP_ELEMENTS, IntActs, WEIGHT_TABLE};
+    use super::{padded_blocks, padded_cols};
+    use crate::formats::nvfp4::{NVFP4_BLOCK, Nvfp4View};
+
+    /// 2¹²⁰: an E4M3 code's bits shifted into an f32's exponent and mantissa fields give the
+    /// value times 2⁻¹²⁰, exactly, subnormal codes included (as in `cpu_simd`).
+    const TWO_POW_120: f32 = f32::from_bits((127 + 120) << 23);
+
+    /// Rows ahead that the kernels prefetch: the rows the next call of the four-row kernel
+    /// reads (each group of rows is new streams to the hardware prefetcher).
+    const PREFETCH_ROWS: usize = 4;
+
+    /// The last, partial group of row `r` of a ragged `w` (whole groups: `full`), copied
+    /// zero-padded so that the kernels read `GROUP_BYTES` packed bytes and `GROUP_BLOCKS`
+    /// scales for it as for any other group.
+    #[cold]
+    fn tail_group(
+        w: &Nvfp4View<'_>,
+        r: usize,
+        full: usize,
+    ) -> ([u8; GROUP_BYTES], [u8; GROUP_BLOCKS]) {
+        let blocks = w.cols / NVFP4_BLOCK;
+        let packed = &w.packed[r * w.cols / 2..(r + 1) * w.cols / 2];
+        let scales = &w.block_scales[r * blocks..(r + 1) * blocks];
+        let rest = blocks - full * GROUP_BLOCKS;
+        let mut tail = ([0; GROUP_BYTES], [0; GROUP_BLOCKS]);
+        tail.0[..rest * 8].copy_from_slice(&packed[full * GROUP_BYTES..]);
+        tail.1[..rest].copy_from_slice(&scales[full * GROUP_BLOCKS..]);
+        tail
+    }
+
+    /// Decodes 16 E4M3 codes to f32, exactly, NaN codes (`S.1111.111`) included.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn e4m3x16(codes: __m128i) -> __m512 {
+        let c = _mm512_cvtepu8_epi32(codes);
+        let magnitude = _mm512_and_si512(c, _mm512_set1_epi32(0x7F));
+        let sign = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24);
+        let bits = _mm512_or_si512(_mm512_slli_epi32(magnitude, 20), sign);
+        let v = _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(TWO_POW_120));
+        let nan = _mm512_cmpeq_epi32_mask(magnitude, _mm512_set1_epi32(0x7F));
+        _mm512_mask_blend_ps(nan, v, _mm512_set1_ps(f32::NAN))
+    }
+
+    /// [`e4m3x16`] for AVX2, 8 codes (the low 8 bytes of `codes`).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn e4m3x8(codes: __m128i) -> __m256 {
+        let c = _mm256_cvtepu8_epi32(codes);
+        let magnitude = _mm256_and_si256(c, _mm256_set1_epi32(0x7F));
+        let sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
+        let bits = _mm256_or_si256(_mm256_slli_epi32(magnitude, 20), sign);
+        let v = _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(TWO_POW_120));
+        let nan = _mm256_cmpeq_epi32(magnitude, _mm256_set1_epi32(0x7F));
+        _mm256_blendv_ps(v, _mm256_set1_ps(f32::NAN), _mm256_castsi256_ps(nan))
+    }
+
+    /// `[Σ v0, Σ v1, Σ v2, Σ v3]` in the tree of [`super::reduce16`].
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn reduce4(v: [__m512; 4]) -> [f32; 4] {
+        let y = v.map(|v| {
+            _mm256_add_ps(
+                _mm512_castps512_ps256(v),
+                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)),
+            )
+        });
+        let h = _mm256_hadd_ps(_mm256_hadd_ps(y[0], y[1]), _mm256_hadd_ps(y[2], y[3]));
+        let s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+        let mut out = [0.0f32; 4];
+        // SAFETY: `out` holds 4 floats.
+        unsafe { _mm_storeu_ps(out.as_mut_ptr(), s) };
+        out
+    }
+
+    /// The AVX-512 VNNI tile loop: weight rows four at a time (a last partial four repeats
+    /// its final row and drops the copies).
+    ///
+    /// # Safety
+    /// AVX-512F/BW/VNNI; `rows` within `w`, `x` holds `g ≤ 4` quantized rows of `w.cols`,
+    /// `out` holds `(g − 1) · stride + rows.len()` floats.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn rows_vnni(
+        w: &Nvfp4View<'_>,
+        rows: Range<usize>,
+        x: &IntActs<'_>,
+        g: usize,
+        row_scale: f32,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let mut r = rows.start;
+        while r < rows.end {
+            let four = std::array::from_fn(|i| (r + i).min(rows.end - 1));
+            // SAFETY: forwarded from this function's contract.
+            let v = unsafe {
+                match g {
+                    1 => vnni_rows4::<1>(w, four, x),
+                    2 => vnni_rows4::<2>(w, four, x),
+                    3 => vnni_rows4::<3>(w, four, x),
+                    4 => vnni_rows4::<4>(w, four, x),
+                    _ => unreachable!("group of {g}"),
+                }
+            };
+            let j = r - rows.start;
+            let take = 4.min(rows.end - r);
+            for (t, v) in v.iter().enumerate().take(g) {
+                for (i, &s) in v.iter().enumerate().take(take) {
+                    out[t * stride + j + i] = s * row_scale;
+                }
+            }
+            r += 4;
+        }
+    }
+
+    /// Four weight rows against `N ≤ 4` tokens: `out[t][i] = Σ_b dot · sw · sa` of row
+    /// `rows[i]` (before the row scale).
+    ///
+    /// # Safety
+    /// As for [`rows_vnni`], with `N` tokens.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn vnni_rows4<const N: usize>(
+        w: &Nvfp4View<'_>,
+        rows: [usize; 4],
+        x: &IntActs<'_>,
+    ) -> [[f32; 4]; 4] {
+        let cols = w.cols;
+        let groups = padded_blocks(cols) / GROUP_BLOCKS;
+        let (pc, pb) = (padded_cols(cols), padded_blocks(cols));
+        // SAFETY: WEIGHT_TABLE holds 16 bytes.
+        let table =
+            _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(WEIGHT_TABLE.as_ptr().cast()) });
+        let nibble = _mm512_set1_epi8(0x0F);
+        let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+        let (codes, corr, sa) = (x.codes.as_ptr(), x.corr.as_ptr(), x.scales.as_ptr());
+        let blocks = cols / NVFP4_BLOCK;
+        let full = blocks / GROUP_BLOCKS;
+        // SAFETY: every row lies within w (the caller's contract), so these are in bounds.
+        let row_packed = rows.map(|r| unsafe { w.packed.as_ptr().add(r * cols / 2) });
+        let row_scales = rows.map(|r| unsafe { w.block_scales.as_ptr().add(r * blocks) });
+        let mut acc = [[_mm512_setzero_ps(); 4]; N];
+        // One row's group: decode, then every token. A macro rather than a loop over the rows,
+        // so that the accumulator index is a constant and all 16 stay in registers.
+        macro_rules! row_group {
+            ($i:literal, $packed:expr, $scales:expr, $g:expr) => {{
+                let (packed, scales, g): (*const u8, *const u8, usize) = ($packed, $scales, $g);
+                // SAFETY: `packed` and `scales` point at a group's 128 bytes and 16 scales
+                // (a whole group of the row, or its zero-padded tail); x holds N padded rows
+                // of `groups` groups, and g < groups.
+                unsafe {
+                    let p0 = _mm512_loadu_si512(packed.cast());
+                    let p1 = _mm512_loadu_si512(packed.add(64).cast());
+                    // Lane j: bytes 0–3 (q0) and 4–7 (q1) of block j.
+                    let q0 = _mm512_permutex2var_epi32(p0, even, p1);
+                    let q1 = _mm512_permutex2var_epi32(p0, odd, p1);
+                    let q0h = _mm512_srli_epi16::<4>(q0);
+                    let q1h = _mm512_srli_epi16::<4>(q1);
+                    let wv = [
+                        _mm512_shuffle_epi8(table, _mm512_and_si512(q0, nibble)),
+                        _mm512_shuffle_epi8(table, _mm512_and_si512(q0h, nibble)),
+                        _mm512_shuffle_epi8(table, _mm512_and_si512(q1, nibble)),
+                        _mm512_shuffle_epi8(table, _mm512_and_si512(q1h, nibble)),
+                    ];
+                    let sw = e4m3x16(_mm_loadu_si128(scales.cast()));
+                    for (t, acc) in acc.iter_mut().enumerate() {
+                        let xt = codes.add(t * pc + g * GROUP_ELEMENTS);
+                        let lane = t * pb + g * GROUP_BLOCKS;
+                        let mut d = _mm512_loadu_si512(corr.add(lane).cast());
+                        d = _mm512_dpbusd_epi32(d, wv[0], _mm512_loadu_si512(xt.cast()));
+                        d = _mm512_dpbusd_epi32(d, wv[1], _mm512_loadu_si512(xt.add(64).cast()));
+                        d = _mm512_dpbusd_epi32(d, wv[2], _mm512_loadu_si512(xt.add(128).cast()));
+                        d = _mm512_dpbusd_epi32(d, wv[3], _mm512_loadu_si512(xt.add(192).cast()));
+                        let s = _mm512_mul_ps(sw, _mm512_loadu_ps(sa.add(lane)));
+                        acc[$i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[$i]);
+                    }
+                }
+            }};
+        }
+        for g in 0..full {
+            let p = row_packed.map(|p| p.wrapping_add(g * GROUP_BYTES));
+            let s = row_scales.map(|s| s.wrapping_add(g * GROUP_BLOCKS));
+            // Prefetch the rows four ahead (never faults, even past the matrix).
+            for (p, s) in p.iter().zip(&s) {
+                let ahead = p.wrapping_add(PREFETCH_ROWS * cols / 2);
+                _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64).cast());
+                if g % 4 == 0 {
+                    let ahead = s.wrapping_add(PREFETCH_ROWS * cols / NVFP4_BLOCK);
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+                }
+            }
+            row_group!(0, p[0], s[0], g);
+            row_group!(1, p[1], s[1], g);
+            row_group!(2, p[2], s[2], g);
+            row_group!(3, p[3], s[3], g);
+        }
+        if full < groups {
+            let t = rows.map(|r| tail_group(w, r, full));
+            row_group!(0, t[0].0.as_ptr(), t[0].1.as_ptr(), full);
+            row_group!(1, t[1].0.as_ptr(), t[1].1.as_ptr(), full);
+            row_group!(2, t[2].0.as_ptr(), t[2].1.as_ptr(), full);
+            row_group!(3, t[3].0.as_ptr(), t[3].1.as_ptr(), full);
+        }
+        let mut sums = [[0.0f32; 4]; 4];
+        for (s, a) in sums.iter_mut().zip(&acc) {
+            *s = reduce4(*a);
+        }
+        sums
+    }
+
+    /// The AVX2 tile loop: one weight row at a time, `g ≤ 4` tokens.
+    ///
+    /// # Safety
+    /// AVX2 and FMA; otherwise as for [`rows_vnni`].
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn rows_avx2(
+        w: &Nvfp4View<'_>,
+        rows: Range<usize>,
+        x: &IntActs<'_>,
+        g: usize,
+        row_scale: f32,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        for (j, r) in rows.enumerate() {
+            // SAFETY: forwarded from this function's contract.
+            let v = unsafe {
+                match g {
+                    1 => avx2_row::<1>(w, r, x),
+                    2 => avx2_row::<2>(w, r, x),
+                    3 => avx2_row::<3>(w, r, x),
+                    4 => avx2_row::<4>(w, r, x),
+                    _ => unreachable!("group of {g}"),
+                }
+            };
+            for (t, &v) in v.iter().enumerate().take(g) {
+                out[t * stride + j] = v * row_scale;
+            }
+        }
+    }
+
+    /// One weight row against `N ≤ 4` tokens, a group as two halves of 8 blocks; lane `j` of
+    /// half `h` is lane `8h + j` of the AVX-512 kernel, so the sums are the same.
+    ///
+    /// # Safety
+    /// As for [`rows_avx2`], with `N` tokens.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn avx2_row<const N: usize>(w: &Nvfp4View<'_>, r: usize, x: &IntActs<'_>) -> [f32; 4] {
+        let cols = w.cols;
+        let groups = padded_blocks(cols) / GROUP_BLOCKS;
+        let (pc, pb) = (padded_cols(cols), padded_blocks(cols));
+        // SAFETY: WEIGHT_TABLE holds 16 bytes.
+        let table =
+            _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(WEIGHT_TABLE.as_ptr().cast()) });
+        let nibble = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        let (codes, corr, sa) = (x.codes.as_ptr(), x.corr.as_ptr(), x.scales.as_ptr());
+        let blocks = cols / NVFP4_BLOCK;
+        let full = blocks / GROUP_BLOCKS;
+        // Only a ragged row has a tail group; it is read from this copy.
+        let tail = if full < groups {
+            tail_group(w, r, full)
+        } else {
+            ([0; GROUP_BYTES], [0; GROUP_BLOCKS])
+        };
+        // SAFETY: row r lies within w (the caller's contract).
+        let (row_packed, row_scales) = unsafe {
+            (
+                w.packed.as_ptr().add(r * cols / 2),
+                w.block_scales.as_ptr().add(r * blocks),
+            )
+        };
+        let mut acc = [[_mm256_setzero_ps(); 2]; N];
+        for g in 0..groups {
+            // SAFETY: as in vnni_rows4.
+            unsafe {
+                let (packed, scales) = if g < full {
+                    (
+                        row_packed.add(g * GROUP_BYTES),
+                        row_scales.add(g * GROUP_BLOCKS),
+                    )
+                } else {
+                    (tail.0.as_ptr(), tail.1.as_ptr())
+                };
+                let ahead = packed.wrapping_add(PREFETCH_ROWS * cols / 2);
+                _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64).cast());
+                for h in 0..2 {
+                    let p0 = _mm256_loadu_si256(packed.add(64 * h).cast());
+                    let p1 = _mm256_loadu_si256(packed.add(64 * h + 32).cast());
+                    // 64-bit chunks (b0,b1), (b4,b5) | (b2,b3), (b6,b7), then in block order.
+                    let q = |even: bool| {
+                        let s = if even {
+                            _mm256_shuffle_ps::<0b10_00_10_00>(
+                                _mm256_castsi256_ps(p0),
+                                _mm256_castsi256_ps(p1),
+                            )
+                        } else {
+                            _mm256_shuffle_ps::<0b11_01_11_01>(
+                                _mm256_castsi256_ps(p0),
+                                _mm256_castsi256_ps(p1),
+                            )
+                        };
+                        _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_castps_si256(s))
+                    };
+                    let (q0, q1) = (q(true), q(false));
+                    let lo = |q| _mm256_shuffle_epi8(table, _mm256_and_si256(q, nibble));
+                    let hi = |q| {
+                        _mm256_shuffle_epi8(
+                            table,
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(q), nibble),
+                        )
+                    };
+                    let wv = [lo(q0), hi(q0), lo(q1), hi(q1)];
+                    let sw = e4m3x8(_mm_loadl_epi64(scales.add(8 * h).cast()));
+                    for (t, acc) in acc.iter_mut().enumerate() {
+                        let xt = codes.add(t * pc + g * GROUP_ELEMENTS + 32 * h);
+                        let mut s16 = _mm256_setzero_si256();
+                        for (k, &wk) in wv.iter().enumerate() {
+                            let a = _mm256_loadu_si256(xt.add(64 * k).cast());
+                            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wk, a));
+                        }
+                        let lane = t * pb + g * GROUP_BLOCKS + 8 * h;
+                        let d = _mm256_add_epi32(
+                            _mm256_madd_epi16(s16, ones),
+                            _mm256_loadu_si256(corr.add(lane).cast()),
+                        );
+                        let s = _mm256_mul_ps(sw, _mm256_loadu_ps(sa.add(lane)));
+                        acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), s, acc[h]);
+                    }
+                }
+            }
+        }
+        let mut sums = [0.0f32; 4];
+        for (o, a) in sums.iter_mut().zip(&acc) {
+            let v = _mm256_add_ps(a[0], a[1]);
+            let h = _mm256_hadd_ps(v, v);
+            let h = _mm256_hadd_ps(h, h);
+            *o = _mm_cvtss_f32(_mm_add_ss(
+                _mm256_castps256_ps128(h),
+                _mm256_extractf128_ps(h, 1),
+            ));
+        }
+        sums
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::formats::nvfp4::{Nvfp4Matrix, fake_quantize_row};
+
+    /// SplitMix64: a tiny deterministic generator, enough for test data.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        }
+        fn uniform(&mut self) -> f32 {
+            (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        }
+    }
+
+    /// Quantized activation rows, owned.
+    struct Quantized {
+        cols: usize,
+        codes: Vec<i8>,
+        corr: Vec<i32>,
+        scales: Vec<f32>,
+        input_scale: f32,
+    }
+
+    impl Quantized {
+        fn new(x: &[f32], cols: usize, input_scale: f32) -> Self {
+            let n = x.len() / cols;
+            let (pc, pb) = (padded_cols(cols), padded_blocks(cols));
+            // Garbage first: the quantizer must write every element, padding included.
+            let mut q = Self {
+                cols,
+                codes: vec![0x55; n * pc],
+                corr: vec![-7; n * pb],
+                scales: vec![f32::NAN; n * pb],
+                input_scale,
+            };
+            for (t, row) in x.chunks_exact(cols).enumerate() {
+                quantize_row_int(
+                    row,
+                    input_scale,
+                    &mut q.codes[t * pc..(t + 1) * pc],
+                    &mut q.corr[t * pb..(t + 1) * pb],
+                    &mut q.scales[t * pb..(t + 1) * pb],
+                );
+            }
+            q
+        }
+
+        fn acts(&self) -> IntActs<'_> {
+            IntActs {
+                cols: self.cols,
+                codes: &self.codes,
+                corr: &self.corr,
+                scales: &self.scales,
+                input_scale: self.input_scale,
+            }
+        }
+    }
+
+    #[test]
+    fn code_positions_are_a_permutation_of_each_group() {
+        let mut seen = vec![false; 2 * GROUP_ELEMENTS];
+        for b in 0..2 * GROUP_BLOCKS {
+            for e in 0..NVFP4_BLOCK {
+                let p = code_position(b, e);
+                assert!(!seen[p], "block {b} element {e} collides at {p}");
+                assert_eq!(p / GROUP_ELEMENTS, b / GROUP_BLOCKS);
+                seen[p] = true;
+            }
+        }
+    }
+
+    #[test]
+    fn integer_activations_are_the_fake_quantized_values_bit_for_bit() {
+        let mut rng = Rng(5);
+        // Ordinary values at several magnitudes, exact E2M1 midpoints, signed zeros, tiny
+        // negatives (the "−0" code), infinities and NaN.
+        let cols = 4096 + 48;
+        let mut values: Vec<f32> = (0..cols)
+            .map(|i| rng.uniform() * [1.0, 1e-3, 40.0, 1e-7][i / 16 % 4])
+            .collect();
+        let ties = [
+            6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75,
+        ];
+        for (k, v) in values[..64].iter_mut().enumerate() {
+            *v = ties[k % ties.len()] * 2f32.powi(k as i32 / 16 - 2);
+        }
+        values[64..80].copy_from_slice(&[
+            -0.0, 0.0, -1e-9, 1e-9, -0.0, 3.0, -3.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
+        ]);
+        values[80] = f32::INFINITY;
+        values[100] = f32::NAN;
+        values[120] = -f32::INFINITY;
+        for scale in [1.0 / 2688.0, 1.0 / 16.0, 1e-6, 0.37] {
+            let mut want = vec![0.0; cols];
+            fake_quantize_row(&values, scale, &mut want);
+            let q = Quantized::new(&values, cols, scale);
+            let acts = q.acts();
+            for (c, &want) in want.iter().enumerate() {
+                let got = acts.value(0, c);
+                assert!(
+                    got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                    "scale {scale} element {c} ({}): {got:e} vs {want:e}",
+                    values[c]
+                );
+            }
+            // The corrections are −12 × each block's code sum; the padding is zero.
+            for b in 0..padded_blocks(cols) {
+                let sum: i32 = (0..NVFP4_BLOCK)
+                    .map(|e| i32::from(q.codes[code_position(b, e)]))
+                    .sum();
+                assert_eq!(q.corr[b], -WEIGHT_OFFSET * sum, "block {b}");
+                if b >= cols / NVFP4_BLOCK {
+                    assert_eq!((sum, q.scales[b]), (0, 0.0), "padding block {b}");
+                }
+            }
+        }
+    }
+
+    /// The scalar integer reference of a whole row: exact block dots from the unpacked codes,
+    /// their exact products with the block scales in lane `b mod 16`, the [`reduce16`] tree.
+    fn integer_reference(w: &Nvfp4View<'_>, r: usize, x: &IntActs<'_>, t: usize) -> f32 {
+        let blocks = w.cols / NVFP4_BLOCK;
+        let mut lanes = [0.0f32; GROUP_BLOCKS];
+        for b in 0..blocks {
+            let dot = block_dot(w, r, x, t, b);
+            let s = e4m3_to_f32(w.block_scales[r * blocks + b]) as f64
+                * x.scales[t * padded_blocks(x.cols) + b] as f64;
+            // The product computed in f64 is the f32 product: it is exact in both.
+            let term = dot as f64 * s;
+            assert_eq!(
+                term as f32 as f64, term,
+                "block {b}: the product is not exact"
+            );
+            lanes[b % GROUP_BLOCKS] += term as f32;
+        }
+        reduce16(&lanes) * (x.input_scale * w.global_scale * 0.25)
+    }
+
+    /// Weights with ragged block counts, random codes and a spread of block scales.
+    fn weights(rng: &mut Rng, rows: usize, cols: usize) -> Nvfp4Matrix {
+        let values: Vec<f32> = (0..rows * cols)
+            .map(|i| rng.uniform() * [1.0, 0.01, 30.0][i / 16 % 3])
+            .collect();
+        Nvfp4Matrix::quantize_weight(&values, rows, cols).unwrap()
+    }
+
+    fn check_shape(rng: &mut Rng, rows: usize, cols: usize, n: usize, scale: f32) {
+        let wm = weights(rng, rows, cols);
+        let w = wm.view();
+        let deq = wm.dequantize();
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.uniform() * 3.0).collect();
+        let q = Quantized::new(&x, cols, scale);
+        let acts = q.acts();
+        // Rows 1.. into a wider stride: the rest of `out` must stay untouched.
+        let sub = if rows > 1 { 1..rows } else { 0..rows };
+        let stride = sub.len() + 1;
+        let blocks = cols / NVFP4_BLOCK;
+        // Roundings after the exact products: (blocks/16 − 1) sequential adds per lane, 4 in
+        // the tree, the row scale (1) and its product (1), and the reference's two rounded
+        // dequantization factors (2), each at most 2⁻²⁴ of the absolute mass.
+        let bound_ulps = (blocks.div_ceil(GROUP_BLOCKS) + 8) as f64;
+        for isa in Isa::all_supported() {
+            let mut out = vec![f32::NAN; n * stride];
+            nvfp4_rows_dots_int(isa, &w, sub.clone(), &acts, n, &mut out, stride);
+            for t in 0..n {
+                assert!(
+                    out[t * stride + sub.len()].is_nan(),
+                    "{isa:?}: wrote past the tile"
+                );
+                for r in sub.clone() {
+                    let got = out[t * stride + r - sub.start];
+                    let want = integer_reference(&w, r, &acts, t);
+                    assert_eq!(
+                        got.to_bits(),
+                        want.to_bits(),
+                        "{isa:?} rows {rows} cols {cols} n {n} row {r} token {t}: {got} vs {want}"
+                    );
+                    // Against dequantize-then-multiply in f64.
+                    let (mut exact, mut mass) = (0.0f64, 0.0f64);
+                    for c in 0..cols {
+                        let p = acts.value(t, c) as f64 * deq[r * cols + c] as f64;
+                        exact += p;
+                        mass += p.abs();
+                    }
+                    let err = (got as f64 - exact).abs();
+                    assert!(
+                        err <= bound_ulps * f64::from(f32::EPSILON) / 2.0 * mass,
+                        "{isa:?} cols {cols} row {r} token {t}: {got} vs {exact} (mass {mass})"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_isa_equals_the_integer_reference_and_the_w4a4_dot() {
+        let mut rng = Rng(9);
+        // Whole groups, partial groups, Kimi's rows and a TP8 down row; token counts around
+        // the group of four.
+        for (rows, cols) in [(9, 16), (7, 48), (5, 256), (6, 272), (9, 7168), (4, 2048)] {
+            for n in [1, 3, 4, 5, 9] {
+                check_shape(&mut rng, rows, cols, n, 1.0 / 2688.0);
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
+        #[test]
+        fn ragged_shapes_agree_everywhere(
+            rows in 1usize..11,
+            blocks in 1usize..70,
+            n in 1usize..10,
+            seed in 0u64..1_000_000,
+            scale_exp in -20i32..4,
+        ) {
+            let mut rng = Rng(seed);
+            check_shape(&mut rng, rows, blocks * NVFP4_BLOCK, n, 2f32.powi(scale_exp) * 0.7);
+        }
+    }
+}
