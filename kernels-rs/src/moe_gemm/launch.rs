@@ -575,27 +575,46 @@ impl<D: Device> MoeKernels<D> {
         r: &MoeDeviceRouting<D>,
         a: &MoeDeviceActivations<D>,
     ) -> MoeArgs {
+        let grouping = [&r.expert_offsets, &r.sorted_token_ids, &r.sorted_weights];
+        let io = MoeDeviceIo {
+            x: &a.x,
+            h_q: &a.h_q,
+            h_sf: &a.h_sf,
+            out: &a.out,
+        };
+        self.args_from(w, grouping, &io)
+    }
+
+    /// The kernels' argument block from the weights, the grouping buffers
+    /// (`expert_offsets`, `sorted_token_ids`, `sorted_weights`) and the activations; the
+    /// tactic's scale layout must have been uploaded (the callers check).
+    fn args_from(
+        &self,
+        w: &MoeDeviceWeights<D>,
+        [expert_offsets, sorted_token_ids, sorted_weights]: [&D::Memory; 3],
+        io: &MoeDeviceIo<'_, D>,
+    ) -> MoeArgs {
         let (w13_sf, w2_sf) = w.scales[self.tactic.scale_load.macro_value() as usize]
             .as_ref()
-            .expect("checked by check()");
+            .expect("checked by the caller");
         MoeArgs {
-            expert_offsets: r.expert_offsets.device_ptr(),
-            sorted_token_ids: r.sorted_token_ids.device_ptr(),
-            sorted_weights: r.sorted_weights.device_ptr(),
+            expert_offsets: expert_offsets.device_ptr(),
+            sorted_token_ids: sorted_token_ids.device_ptr(),
+            sorted_weights: sorted_weights.device_ptr(),
             hidden: w.hidden as i32,
             inter: w.inter as i32,
-            x: a.x.device_ptr(),
+            x: io.x.device_ptr(),
             w13: w.w13.device_ptr(),
             w13_sf: w13_sf.device_ptr(),
             w13_gs: w.w13_gs.device_ptr(),
             a13_gs: w.a13_gs.device_ptr(),
-            h_q: a.h_q.device_ptr(),
-            h_sf: a.h_sf.device_ptr(),
+            h_q: io.h_q.device_ptr(),
+            h_sf: io.h_sf.device_ptr(),
             w2: w.w2.device_ptr(),
             w2_sf: w2_sf.device_ptr(),
             w2_gs: w.w2_gs.device_ptr(),
             a2_gs: w.a2_gs.device_ptr(),
-            out: a.out.device_ptr(),
+            out: io.out.device_ptr(),
         }
     }
 
@@ -751,35 +770,18 @@ impl<D: Device> MoeKernels<D> {
         if w.experts > 65_535 || g.tokens.div_ceil(t.tile_m as usize) > 65_535 {
             return bad("grid y/z beyond 65535".into());
         }
-        let Some((w13_sf, w2_sf)) = w.scales[t.scale_load.macro_value() as usize].as_ref() else {
+        if w.scales[t.scale_load.macro_value() as usize].is_none() {
             return bad(format!(
                 "weights were uploaded without {:?} scales",
                 t.scale_load
             ));
-        };
+        }
         let Some((cfg_gu, cfg_down)) = launch_configs(t, w.hidden, w.inter, w.experts, g.tokens)
         else {
             return Ok(());
         };
-        let args = MoeArgs {
-            expert_offsets: g.expert_offsets.device_ptr(),
-            sorted_token_ids: g.sorted_token_ids.device_ptr(),
-            sorted_weights: g.sorted_weights.device_ptr(),
-            hidden: w.hidden as i32,
-            inter: w.inter as i32,
-            x: io.x.device_ptr(),
-            w13: w.w13.device_ptr(),
-            w13_sf: w13_sf.device_ptr(),
-            w13_gs: w.w13_gs.device_ptr(),
-            a13_gs: w.a13_gs.device_ptr(),
-            h_q: io.h_q.device_ptr(),
-            h_sf: io.h_sf.device_ptr(),
-            w2: w.w2.device_ptr(),
-            w2_sf: w2_sf.device_ptr(),
-            w2_gs: w.w2_gs.device_ptr(),
-            a2_gs: w.a2_gs.device_ptr(),
-            out: io.out.device_ptr(),
-        };
+        let grouping = [g.expert_offsets, g.sorted_token_ids, g.sorted_weights];
+        let args = self.args_from(w, grouping, io);
         let mut params = KernelParams::new();
         params.arg(&args);
         // SAFETY: `args` matches the kernels' by-value `MoeArgs`; every buffer was checked
