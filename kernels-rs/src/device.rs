@@ -79,6 +79,16 @@ pub struct LaunchConfig {
     pub shared_mem_bytes: u32,
 }
 
+/// Device-memory bytes a launch reads and writes at least: each operand once, as its
+/// launcher computes it from the launch's sizes (where a count depends on values only the
+/// device knows, such as routed experts or context lengths, the bound the grid is sized
+/// for). Devices ignore it; a recording device lists it, for the step-time model and tests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct LaunchTraffic {
+    pub read: u64,
+    pub written: u64,
+}
+
 /// Kernel arguments in CUDA's `kernelParams` form: one pointer per parameter, to a value laid
 /// out as the kernel's parameter type (`#[repr(C)]` structs, device pointers as `u64`,
 /// scalars). Borrowed for the launch.
@@ -86,6 +96,7 @@ pub struct LaunchConfig {
 pub struct KernelParams<'a> {
     ptrs: Vec<*mut c_void>,
     sizes: Vec<usize>,
+    traffic: LaunchTraffic,
     _borrow: PhantomData<&'a ()>,
 }
 
@@ -99,6 +110,20 @@ impl<'a> KernelParams<'a> {
         self.ptrs.push(value as *const T as *mut c_void);
         self.sizes.push(std::mem::size_of::<T>());
         self
+    }
+
+    /// Records the bytes the launch reads and writes (see [`LaunchTraffic`]).
+    pub fn traffic(&mut self, read: usize, written: usize) -> &mut Self {
+        self.traffic = LaunchTraffic {
+            read: read as u64,
+            written: written as u64,
+        };
+        self
+    }
+
+    /// What [`traffic`](Self::traffic) recorded (zero when the launcher did not say).
+    pub fn launch_traffic(&self) -> LaunchTraffic {
+        self.traffic
     }
 
     pub fn len(&self) -> usize {

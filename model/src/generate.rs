@@ -7,15 +7,8 @@ use kernels::mla::cache::{PagedLatentCache, SeqId};
 
 use crate::backend::Backend;
 use crate::config::ModelConfig;
-use crate::forward::{ForwardError, LogitRows, Logits, Model, SeqInput};
-use crate::sampler::{Sampler, SamplingParams};
-
-/// What one step hands back for the last token of each input.
-pub enum LastRows {
-    Logits(Logits),
-    /// Greedy ids, chosen where the logits are (on a device: only the ids cross back).
-    Greedy(Vec<u32>),
-}
+use crate::forward::{ForwardError, LogitRows, Model, SeqInput};
+use crate::sampler::{SampleRow, Sampler, SamplingParams, sample_row};
 
 /// A model with its cache, stepped by the decode loop: the CPU forward pass, or the
 /// device-resident executor (`model::executor`).
@@ -23,13 +16,14 @@ pub trait Stepper {
     fn config(&self) -> &ModelConfig;
     fn add_sequence(&mut self) -> SeqId;
     fn free_sequence(&mut self, seq: SeqId) -> Result<(), ForwardError>;
-    /// Runs `inputs` (appending them to the cache) and returns their last rows: greedy ids
-    /// when `greedy` (every sequence samples greedily), else logits.
+    /// Runs `inputs` (appending them to the cache) and draws one token for the last row of
+    /// each, under `draws[i]` (see [`crate::sampler`]), where the logits are: on a device only
+    /// the ids cross back.
     fn step_last(
         &mut self,
         inputs: &[SeqInput<'_>],
-        greedy: bool,
-    ) -> Result<LastRows, ForwardError>;
+        draws: &[SampleRow],
+    ) -> Result<Vec<u32>, ForwardError>;
 }
 
 /// The CPU forward pass over a host cache.
@@ -55,21 +49,16 @@ impl Stepper for CpuStepper<'_> {
     fn step_last(
         &mut self,
         inputs: &[SeqInput<'_>],
-        _greedy: bool,
-    ) -> Result<LastRows, ForwardError> {
+        draws: &[SampleRow],
+    ) -> Result<Vec<u32>, ForwardError> {
         let logits = self
             .model
             .forward(self.backend, self.cache, inputs, LogitRows::Last, None)?;
-        Ok(LastRows::Logits(logits))
-    }
-}
-
-impl LastRows {
-    fn sample(&self, row: usize, sampler: &mut Sampler) -> u32 {
-        match self {
-            LastRows::Logits(l) => sampler.sample(l.row(row)),
-            LastRows::Greedy(ids) => ids[row],
-        }
+        Ok(draws
+            .iter()
+            .enumerate()
+            .map(|(row, draw)| sample_row(logits.row(row), draw))
+            .collect())
     }
 }
 
@@ -180,7 +169,6 @@ pub fn generate_with(
             .map_err(ForwardError::InvalidRequest)?;
     }
     let eos = stepper.config().eos_token_ids.clone();
-    let greedy = requests.iter().all(|r| r.sampling.temperature == 0.0);
     let mut timing = GenerationTiming::default();
     let mut samplers: Vec<Sampler> = requests.iter().map(|r| Sampler::new(r.sampling)).collect();
     let mut results: Vec<GenerationResult> = requests
@@ -198,15 +186,14 @@ pub fn generate_with(
         if request.max_new_tokens == 0 || request.prompt.is_empty() {
             continue;
         }
-        let rows = stepper.step_last(
+        let token = stepper.step_last(
             &[SeqInput {
                 seq: seqs[i],
                 tokens: &request.prompt,
             }],
-            greedy,
-        )?;
+            &[samplers[i].next_row()],
+        )?[0];
         timing.prefill_tokens += request.prompt.len();
-        let token = rows.sample(0, &mut samplers[i]);
         results[i].tokens.push(token);
         on_token(i, token);
         if eos.contains(&token) {
@@ -231,12 +218,12 @@ pub fn generate_with(
                 tokens: token,
             })
             .collect();
-        let rows = stepper.step_last(&inputs, greedy)?;
+        let draws: Vec<SampleRow> = live.iter().map(|&i| samplers[i].next_row()).collect();
+        let tokens = stepper.step_last(&inputs, &draws)?;
         timing.decode_steps += 1;
         timing.decode_tokens += live.len();
         let mut still_live = Vec::with_capacity(live.len());
-        for (row, &i) in live.iter().enumerate() {
-            let token = rows.sample(row, &mut samplers[i]);
+        for (&token, &i) in tokens.iter().zip(&live) {
             results[i].tokens.push(token);
             on_token(i, token);
             if eos.contains(&token) {

@@ -226,7 +226,7 @@ impl DeviceJob for LogitsOnDevice<'_> {
         );
         match step.map_err(ForwardError::from)? {
             StepResult::Logits(l) => Ok(l),
-            StepResult::Greedy(_) => unreachable!("asked for logits"),
+            StepResult::Greedy(_) | StepResult::Sampled(_) => unreachable!("asked for logits"),
         }
     }
 }

@@ -1,8 +1,10 @@
-//! Token sampling: greedy, or temperature with top-k and top-p, from a seeded ChaCha stream so
-//! that a seed reproduces a run exactly.
+//! Token sampling: greedy, or temperature with top-k and top-p. A draw is a pure function of
+//! the logits and a [`SampleRow`] — the parameters plus the sequence's seed and the draw's
+//! index, fed to a counter-based generator (Philox) — so a seed reproduces a run exactly, and
+//! the CPU and the device (`sample_rows`) draw the same token from the same logits: both run
+//! [`kernels::layers::sampling`]'s definition.
 
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
+pub use kernels::layers::sampling::{SampleRow, greedy as argmax, sample_row};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SamplingParams {
@@ -25,6 +27,10 @@ impl SamplingParams {
         }
     }
 
+    pub fn is_greedy(&self) -> bool {
+        self.temperature <= 0.0
+    }
+
     /// Refuses values that would sample from NaN probabilities or an empty nucleus.
     pub fn validate(&self) -> Result<(), String> {
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
@@ -43,69 +49,36 @@ impl SamplingParams {
     }
 }
 
+/// One sequence's draws: its parameters and how many tokens it has drawn.
 pub struct Sampler {
     params: SamplingParams,
-    rng: ChaCha8Rng,
+    draws: u64,
 }
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> Self {
-        Self {
-            params,
-            rng: ChaCha8Rng::seed_from_u64(params.seed),
-        }
+        Self { params, draws: 0 }
+    }
+
+    /// The parameters of the next draw (and counts it): what the device sampler is given.
+    pub fn next_row(&mut self) -> SampleRow {
+        let row = SampleRow {
+            temperature: self.params.temperature,
+            // Beyond i32::MAX the cut keeps everything, as no cut does.
+            top_k: i32::try_from(self.params.top_k).unwrap_or(0),
+            top_p: self.params.top_p,
+            reserved: 0,
+            seed: self.params.seed,
+            counter: self.draws,
+        };
+        self.draws += 1;
+        row
     }
 
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        if self.params.temperature <= 0.0 {
-            return argmax(logits);
-        }
-        let mut order: Vec<usize> = (0..logits.len()).collect();
-        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-        if self.params.top_k > 0 {
-            order.truncate(self.params.top_k);
-        }
-        let max = logits[order[0]];
-        let mut probs: Vec<f32> = order
-            .iter()
-            .map(|&i| ((logits[i] - max) / self.params.temperature).exp())
-            .collect();
-        let total: f32 = probs.iter().sum();
-        probs.iter_mut().for_each(|p| *p /= total);
-        if self.params.top_p < 1.0 {
-            let mut cumulative = 0.0;
-            let keep = probs
-                .iter()
-                .position(|&p| {
-                    cumulative += p;
-                    cumulative >= self.params.top_p
-                })
-                .map_or(probs.len(), |i| i + 1);
-            probs.truncate(keep);
-            let kept: f32 = probs.iter().sum();
-            probs.iter_mut().for_each(|p| *p /= kept);
-        }
-        let draw: f32 = self.rng.random();
-        let mut cumulative = 0.0;
-        for (p, &i) in probs.iter().zip(&order) {
-            cumulative += p;
-            if draw < cumulative {
-                return i as u32;
-            }
-        }
-        order[probs.len() - 1] as u32
+        let row = self.next_row();
+        sample_row(logits, &row)
     }
-}
-
-/// Index of the largest logit, the first one on ties.
-pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 #[cfg(test)]

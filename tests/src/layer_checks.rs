@@ -23,6 +23,10 @@ pub type Check<D> = fn(&D, &LayerKernels<D>);
 pub fn all<D: Device>() -> Vec<(&'static str, Check<D>)> {
     vec![
         (
+            "sample_rows_draws_what_the_reference_sampler_draws",
+            sample_rows_draws_what_the_reference_sampler_draws::<D>,
+        ),
+        (
             "embed_gather_copies_rows_and_reports_a_bad_id",
             embed_gather_copies_rows_and_reports_a_bad_id::<D>,
         ),
@@ -479,6 +483,74 @@ pub fn argmax_matches_greedy_sampling_with_ties<D: Device>(dev: &D, k: &LayerKer
         .collect();
     assert_eq!(want[1..], [5, 0, vocab as i32 - 1]);
     assert_eq!(dev.download::<i32>(&ids).unwrap(), want);
+}
+
+/// `sample_rows` on Kimi's vocabulary draws, for every counter, the token the CPU sampler draws
+/// (`kernels::layers::sampling::sample_row`, which `model::sampler` runs): greedy, temperature
+/// alone, top-k (with a tie across the cut, and wider than one thread's slice), top-p, both, and
+/// top-k 1. Rows drawn at a temperature are overwritten with probabilities, so each draw
+/// uploads the logits again.
+pub fn sample_rows_draws_what_the_reference_sampler_draws<D: Device>(dev: &D, k: &LayerKernels<D>) {
+    use kernels::layers::sampling::{SampleRow, sample_row};
+    let mut rng = Rng(12);
+    let vocab = 163_840;
+    let params = [
+        (0.0, 0, 1.0),
+        (0.7, 0, 1.0),
+        (1.0, 1000, 1.0),
+        (0.6, 0, 0.95),
+        (1.3, 50, 0.8),
+        (1.0, 1, 1.0),
+        (1.0, 3, 1.0),
+    ];
+    let rows = params.len();
+    let mut logits = random(&mut rng, rows * vocab, 4.0);
+    // Row 6: three tokens tie for the top, far apart: top-3 keeps exactly them.
+    for i in [7, 90_000, 163_000] {
+        logits[6 * vocab + i] = 30.0;
+    }
+    logits[6 * vocab + 163_001] = 30.0;
+    let mut draws_seen = std::collections::BTreeSet::new();
+    for counter in 0..6u64 {
+        let draws: Vec<SampleRow> = params
+            .iter()
+            .enumerate()
+            .map(|(r, &(temperature, top_k, top_p))| SampleRow {
+                temperature,
+                top_k,
+                top_p,
+                reserved: 0,
+                seed: 0x5eed + r as u64,
+                counter,
+            })
+            .collect();
+        let logits_d = dev.upload(&logits).unwrap();
+        let draws_d = dev.upload(&draws).unwrap();
+        let ids = poisoned(dev, rows);
+        k.sample_rows(dev, &logits_d, rows, vocab, &draws_d, &ids)
+            .unwrap();
+        let want: Vec<i32> = logits
+            .chunks_exact(vocab)
+            .zip(&draws)
+            .map(|(row, d)| sample_row(row, d) as i32)
+            .collect();
+        let got = dev.download::<i32>(&ids).unwrap();
+        assert_eq!(got, want, "draw {counter}");
+        assert_eq!(
+            got[5],
+            model::sampler::argmax(&logits[5 * vocab..6 * vocab]) as i32
+        );
+        assert!(
+            [7, 90_000, 163_000].contains(&got[6]),
+            "top-3 drew {}",
+            got[6]
+        );
+        draws_seen.insert(got[1]);
+    }
+    assert!(
+        draws_seen.len() > 1,
+        "a temperature draw never changed with the counter"
+    );
 }
 
 /// The absorbed-attention products at Kimi's per-head sizes: `q_nope · W_UK` (x strided inside

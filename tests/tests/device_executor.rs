@@ -5,7 +5,7 @@
 
 use cuda_host::HostDevice;
 use kernels::arch::Sm;
-use kernels::mla::cache::KvCacheDtype;
+use kernels::mla::cache::{KvCacheDtype, PAGE_TOKENS};
 use model::backend::CpuBackend;
 use model::checkpoint::Checkpoint;
 use model::executor::{
@@ -13,7 +13,7 @@ use model::executor::{
     StepOutput, StepResult,
 };
 use model::forward::{LogitRows, Model, SeqInput};
-use model::sampler::argmax;
+use model::sampler::{Sampler, SamplingParams, argmax};
 use model::tensor_file::TensorFile;
 use project_tests::golden_path;
 
@@ -87,7 +87,7 @@ fn device_prefill<D: kernels::device::Device>(
     ex.free_sequence(seq).unwrap();
     match out {
         StepResult::Logits(l) => l.values,
-        StepResult::Greedy(_) => unreachable!("asked for logits"),
+        StepResult::Greedy(_) | StepResult::Sampled(_) => unreachable!("asked for logits"),
     }
 }
 
@@ -335,9 +335,77 @@ fn emulated_greedy_decode_equals_the_cpu() {
     }
 }
 
+/// Temperature / top-k / top-p sampling on the device (`sample_rows`, params written with the
+/// step's inputs, decode graphs replayed with a new draw counter each step) draws what the CPU
+/// sampler draws from the same device's logits: two executors step the same tokens, one
+/// returning logits that `model::sampler` samples on the host, one sampling on the device.
+#[test]
+fn device_sampling_draws_what_the_host_sampler_draws_from_the_same_logits() {
+    let (model, golden) = load(KERNEL_MODEL);
+    let prompt = ids(&golden, "tokens");
+    let new_tokens = 6;
+    let params = [
+        SamplingParams {
+            temperature: 0.8,
+            top_k: 0,
+            top_p: 0.9,
+            seed: 11,
+        },
+        SamplingParams {
+            temperature: 1.2,
+            top_k: 20,
+            top_p: 1.0,
+            seed: 12,
+        },
+    ];
+    // Each sequence takes whole cache pages.
+    let size = params.len() * (prompt.len() + new_tokens).next_multiple_of(PAGE_TOKENS);
+    let mut on_host = executor(HostDevice::new(Sm::Sm120), &model, KvCacheDtype::Bf16, size);
+    let mut on_device = executor(HostDevice::new(Sm::Sm120), &model, KvCacheDtype::Bf16, size);
+    on_host.set_graphs(true);
+    on_device.set_graphs(true);
+    let seqs_h: Vec<_> = params.iter().map(|_| on_host.add_sequence()).collect();
+    let seqs_d: Vec<_> = params.iter().map(|_| on_device.add_sequence()).collect();
+    let mut host_samplers: Vec<Sampler> = params.iter().map(|&p| Sampler::new(p)).collect();
+    let mut device_samplers: Vec<Sampler> = params.iter().map(|&p| Sampler::new(p)).collect();
+    let mut next: Vec<Vec<u32>> = params.iter().map(|_| prompt.clone()).collect();
+    let mut drawn = Vec::new();
+    for step in 0..new_tokens {
+        let host_inputs: Vec<SeqInput<'_>> = seqs_h
+            .iter()
+            .zip(&next)
+            .map(|(&seq, t)| SeqInput { seq, tokens: t })
+            .collect();
+        let StepResult::Logits(logits) = on_host
+            .step(&host_inputs, LogitRows::Last, StepOutput::Logits)
+            .unwrap()
+        else {
+            unreachable!("asked for logits")
+        };
+        let want: Vec<u32> = host_samplers
+            .iter_mut()
+            .enumerate()
+            .map(|(r, s)| s.sample(logits.row(r)))
+            .collect();
+        let device_inputs: Vec<SeqInput<'_>> = seqs_d
+            .iter()
+            .zip(&next)
+            .map(|(&seq, t)| SeqInput { seq, tokens: t })
+            .collect();
+        let draws: Vec<_> = device_samplers.iter_mut().map(|s| s.next_row()).collect();
+        let got = on_device.step_sampled(&device_inputs, &draws).unwrap();
+        assert_eq!(got, want, "step {step}");
+        drawn.push(got.clone());
+        next = got.iter().map(|&t| vec![t]).collect();
+    }
+    println!("sampled on the device: {drawn:?}");
+    assert!(on_device.graph_count() >= 1, "decode steps replay a graph");
+}
+
 /// One decode step moves exactly its inputs in and the sampled ids out: STEP_WRITES writes
 /// into fixed buffers, one read, no allocation filled from the host. Prints the step's launch
-/// list (kernel × grid).
+/// list (kernel × grid × bytes read and written), and checks its byte count against the
+/// weights: every BF16 matrix outside the routed experts is read once per step.
 #[test]
 fn a_decode_step_transfers_its_inputs_and_the_sampled_ids_only() {
     let (model, golden) = load(KERNEL_MODEL);
@@ -376,15 +444,44 @@ fn a_decode_step_transfers_its_inputs_and_the_sampled_ids_only() {
     );
     for l in &step.launches {
         println!(
-            "  {}/{} {} grid {:?} block {:?} smem {}",
+            "  {}/{} {} grid {:?} block {:?} smem {} read {} B written {} B",
             l.family,
             l.tactic,
             l.kernel,
             l.config.grid_dim,
             l.config.block_dim,
-            l.config.shared_mem_bytes
+            l.config.shared_mem_bytes,
+            l.traffic.read,
+            l.traffic.written
         );
     }
+    let unannotated: Vec<&str> = step
+        .launches
+        .iter()
+        .filter(|l| l.traffic.read == 0 || l.traffic.written == 0)
+        .map(|l| l.kernel.as_str())
+        .collect();
+    assert!(
+        unannotated.is_empty(),
+        "launches without traffic: {unannotated:?}"
+    );
+    let read: u64 = step.launches.iter().map(|l| l.traffic.read).sum();
+    let written: u64 = step.launches.iter().map(|l| l.traffic.written).sum();
+    let dense = weights_every_step_reads(ex.weights(), &model.config);
+    let held = ex.device_bytes();
+    println!(
+        "decode step: {read} B read, {written} B written; the weights every step must read \
+         {dense} B; the device holds {} B of weights, {} B of cache, {} B of workspace",
+        held.weights, held.cache, held.workspace
+    );
+    assert!(
+        read >= dense,
+        "{read} B read < {dense} B of weights every step reads"
+    );
+    assert!(
+        read <= (held.weights + held.cache + held.workspace) as u64,
+        "{read} B read by one token's step: more than the device holds"
+    );
     assert_eq!(step.writes, STEP_WRITES);
     assert_eq!(step.uploads, 0);
     assert_eq!(step.downloads, 1);
@@ -398,6 +495,39 @@ fn a_decode_step_transfers_its_inputs_and_the_sampled_ids_only() {
             "{kernel}"
         );
     }
+}
+
+/// Bytes of the weights a step reads whatever the routing: every BF16 matrix but the embedding
+/// (one row per token) and the routed experts (top-k of them), W_UV's rows of `kv_b` (W_UK is
+/// read from its transposed copy).
+fn weights_every_step_reads<D: kernels::device::Device>(
+    w: &model::executor::DeviceWeights<D>,
+    c: &model::config::ModelConfig,
+) -> u64 {
+    use kernels::device::DeviceMemory;
+    use model::executor::DeviceMlp;
+    let v_share = |m: &D::Memory| m.len() * c.v_head_dim / (c.qk_nope_head_dim + c.v_head_dim);
+    let mut bytes = w.lm_head.len();
+    for l in &w.layers {
+        let a = &l.attention;
+        bytes += a.q_a.as_ref().map_or(0, |(q_a, _, _)| q_a.len())
+            + a.q_b.len()
+            + a.kv_a_latent.len()
+            + a.kv_a_rope.len()
+            + a.w_uk_t.len()
+            + v_share(&a.kv_b)
+            + a.o.len();
+        bytes += match &l.mlp {
+            DeviceMlp::Dense(d) => d.gate_up.len() + d.down.len(),
+            DeviceMlp::Moe(m) => {
+                m.router.len()
+                    + m.shared
+                        .as_ref()
+                        .map_or(0, |s| s.gate_up.len() + s.down.len())
+            }
+        };
+    }
+    bytes as u64
 }
 
 /// A model whose latent sizes the MLA kernels are not built for is refused with the reason.

@@ -72,3 +72,8 @@ fn dense_heads_matches_per_head_products_in_both_output_types() {
 fn to_bf16_strided_and_gather_rows_move_the_right_values() {
     run(layer_checks::to_bf16_strided_and_gather_rows_move_the_right_values);
 }
+
+#[test]
+fn sample_rows_draws_what_the_reference_sampler_draws() {
+    run(layer_checks::sample_rows_draws_what_the_reference_sampler_draws);
+}

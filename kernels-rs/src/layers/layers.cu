@@ -14,6 +14,7 @@
 //                    attention's W_UK and W_UV products, every head in one launch)
 //   silu_mul         h = SiLU(gate) · up over [rows, 2·I] = gate ‖ up
 //   argmax_rows      greedy sampling, the first index on ties
+//   sample_rows      temperature / top-k / top-p sampling from a counter-based RNG (Philox)
 //   to_bf16_strided  strided FP32 slices → contiguous BF16 (the MoE input, q_pe)
 //   gather_rows      out[i] = in[rows[i]] (the rows that get logits)
 //
@@ -333,4 +334,202 @@ extern "C" __global__ void __launch_bounds__(kThreads) gather_rows(const float* 
                                                                    float* out) {
   const size_t i = blockIdx.x, r = rows[i];
   for (int j = threadIdx.x; j < width; j += kThreads) out[i * width + j] = in[r * width + j];
+}
+
+// One row's sampling parameters (`kernels::layers::sampling::SampleRow`, 32 bytes).
+struct SampleRow {
+  float temperature;  // <= 0: greedy
+  int top_k;          // <= 0 or >= vocab: no top-k cut
+  float top_p;        // >= 1: no nucleus cut
+  unsigned reserved;
+  unsigned long long seed;
+  unsigned long long counter;  // the draw's index in its sequence's stream
+};
+static_assert(sizeof(SampleRow) == 32, "SampleRow layout");
+
+namespace layers {
+
+// Philox4x32-10 (Salmon et al., Random123), counter {counter, 0, 0}, key = seed: the first
+// output word's high 24 bits as a uniform in [0, 1). Counter-based, so a draw depends only on
+// (seed, counter): a captured graph and the host reproduce it without carried state.
+__device__ __forceinline__ float philox_uniform(unsigned long long seed,
+                                                unsigned long long counter) {
+  unsigned c0 = unsigned(counter), c1 = unsigned(counter >> 32), c2 = 0, c3 = 0;
+  unsigned k0 = unsigned(seed), k1 = unsigned(seed >> 32);
+  for (int round = 0; round < 10; ++round) {
+    if (round > 0) {
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    const unsigned long long p0 = 0xD2511F53ull * c0, p1 = 0xCD9E8D57ull * c2;
+    const unsigned n0 = unsigned(p1 >> 32) ^ c1 ^ k0, n2 = unsigned(p0 >> 32) ^ c3 ^ k1;
+    c1 = unsigned(p1);
+    c3 = unsigned(p0);
+    c0 = n0;
+    c2 = n2;
+  }
+  return float(c0 >> 8) * (1.f / 16777216.f);
+}
+
+// A total order on (probability, index): larger first, the lower index first on ties — the
+// order of a stable sort by probability — as distinct unsigned keys, so every cut is a
+// threshold. Probabilities are >= 0, so their bits order as unsigned integers.
+__device__ __forceinline__ unsigned long long sample_key(float prob, int i, int vocab,
+                                                         int index_bits) {
+  return (static_cast<unsigned long long>(__float_as_uint(prob)) << index_bits) |
+         unsigned(vocab - 1 - i);
+}
+
+// Sum over the CTA in a fixed order (each thread's value, then a halving tree over
+// `scratch[kThreads]`), so the host reference reproduces it bit for bit.
+__device__ __forceinline__ float block_sum_ordered(float v, float* scratch) {
+  scratch[threadIdx.x] = v;
+  __syncthreads();
+  for (int s = kThreads / 2; s > 0; s >>= 1) {
+    if (int(threadIdx.x) < s) scratch[threadIdx.x] += scratch[threadIdx.x + s];
+    __syncthreads();
+  }
+  const float total = scratch[0];
+  __syncthreads();
+  return total;
+}
+
+__device__ __forceinline__ int block_sum_int(int v, int* scratch) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  int total = 0;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) total += scratch[w];
+  __syncthreads();
+  return total;
+}
+
+}  // namespace layers
+
+// ids[r] = a draw from row r of `logits [rows][vocab]` under params[r]: p = softmax(logits /
+// T), cut to the top_k most probable, then to the smallest prefix (in the key order) holding
+// top_p of the kept mass; u = Philox(seed, counter) picks the kept token whose cumulative
+// mass, in index order over each thread's contiguous slice, first exceeds u · kept mass.
+// T <= 0 is argmax (the first index on ties) and leaves the row as it is; otherwise the row is
+// overwritten with its unnormalized probabilities (a sampled step returns no logits). Each
+// cut is a bitwise search for a key threshold, one pass over the row per key bit: exact, with
+// no sort. One CTA per row on an SM is the expected residency, so it may use the registers
+// a fuller occupancy would deny (ptxas otherwise spills the search state on sm_90a).
+// grid: rows; block: kThreads.
+extern "C" __global__ void __launch_bounds__(kThreads, 1) sample_rows(float* logits, int vocab,
+                                                                   const SampleRow* params,
+                                                                   int* ids) {
+  __shared__ float sum_scratch[kThreads];
+  __shared__ float best_v[kWarps];
+  __shared__ int best_i[kWarps];
+  __shared__ int int_scratch[kWarps];
+  __shared__ int winner;
+  __shared__ float winner_target;
+  const SampleRow& p = params[blockIdx.x];
+  float* row = logits + size_t(blockIdx.x) * vocab;
+  const int t = threadIdx.x;
+  if (!(p.temperature > 0.f)) {
+    float v = -INFINITY;
+    int i = 0x7fffffff;
+    for (int j = t; j < vocab; j += kThreads) better(v, i, row[j], j);
+    block_argmax(v, i, best_v, best_i);
+    if (t == 0) ids[blockIdx.x] = i == 0x7fffffff ? 0 : i;
+    return;
+  }
+  const int chunk = (vocab + kThreads - 1) / kThreads;
+  const int lo = min(t * chunk, vocab), hi = min(lo + chunk, vocab);
+  float m = -INFINITY;
+  for (int i = lo; i < hi; ++i) m = fmaxf(m, row[i]);
+  {
+    const int lane = t & 31, warp = t >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) best_v[warp] = m;
+    __syncthreads();
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, best_v[w]);
+    __syncthreads();
+  }
+  float* prob = row;  // each thread rewrites only its own slice, after the max is known
+  for (int i = lo; i < hi; ++i) prob[i] = expf((row[i] - m) / p.temperature);
+  const int index_bits = vocab > 1 ? 32 - __clz(vocab - 1) : 0;
+  const int key_bits = 32 + index_bits;
+  unsigned long long lower = 0;
+  if (p.top_k > 0 && p.top_k < vocab) {
+    unsigned long long threshold = 0;
+    for (int b = key_bits - 1; b >= 0; --b) {
+      const unsigned long long candidate = threshold | (1ull << b);
+      int count = 0;
+      for (int i = lo; i < hi; ++i) count += sample_key(prob[i], i, vocab, index_bits) >= candidate;
+      if (block_sum_int(count, int_scratch) >= p.top_k) threshold = candidate;
+    }
+    lower = threshold;
+  }
+  if (p.top_p < 1.f) {
+    float kept = 0.f;
+    for (int i = lo; i < hi; ++i)
+      if (sample_key(prob[i], i, vocab, index_bits) >= lower) kept += prob[i];
+    const float target = p.top_p * block_sum_ordered(kept, sum_scratch);
+    unsigned long long threshold = 0;
+    for (int b = key_bits - 1; b >= 0; --b) {
+      const unsigned long long candidate = threshold | (1ull << b);
+      const unsigned long long cut = candidate > lower ? candidate : lower;
+      float mass = 0.f;
+      for (int i = lo; i < hi; ++i)
+        if (sample_key(prob[i], i, vocab, index_bits) >= cut) mass += prob[i];
+      if (block_sum_ordered(mass, sum_scratch) >= target) threshold = candidate;
+    }
+    if (threshold > lower) lower = threshold;
+  }
+  float slice = 0.f;
+  int last_kept = -1;
+  for (int i = lo; i < hi; ++i)
+    if (sample_key(prob[i], i, vocab, index_bits) >= lower) {
+      slice += prob[i];
+      last_kept = i;
+    }
+  sum_scratch[t] = slice;
+  if (t == 0) int_scratch[0] = -1;
+  __syncthreads();
+  if (t == 0) {
+    float total = 0.f;
+    for (int s = 0; s < kThreads; ++s) total += sum_scratch[s];
+    const float target = philox_uniform(p.seed, p.counter) * total;
+    float before = 0.f;
+    winner = -1;
+    for (int s = 0; s < kThreads; ++s) {
+      if (sum_scratch[s] > target - before) {
+        winner = s;
+        winner_target = target - before;
+        break;
+      }
+      before += sum_scratch[s];
+    }
+  }
+  __syncthreads();
+  if (winner < 0) {
+    // u · mass rounded up to the whole mass: the last kept token in index order.
+    int v = last_kept;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if ((t & 31) == 0) atomicMax(&int_scratch[0], v);
+    __syncthreads();
+    if (t == 0) ids[blockIdx.x] = max(int_scratch[0], 0);
+    return;
+  }
+  if (t == winner) {
+    float cumulative = 0.f;
+    int chosen = last_kept;
+    for (int i = lo; i < hi; ++i)
+      if (sample_key(prob[i], i, vocab, index_bits) >= lower) {
+        cumulative += prob[i];
+        if (cumulative > winner_target) {
+          chosen = i;
+          break;
+        }
+      }
+    ids[blockIdx.x] = chosen;
+  }
 }

@@ -13,6 +13,8 @@
 //! [`GroupedRouting`](crate::moe_gemm::launch::GroupedRouting); `tests/tests/host_layers.rs`
 //! runs these kernels through the host execution layer against them.
 
+pub mod sampling;
+
 use crate::device::{Device, DeviceError, DeviceMemory, KernelParams, LaunchConfig, Result};
 
 pub const FAMILY: &str = "layers";
@@ -30,7 +32,7 @@ pub const MAX_EXPERTS: usize = 1024;
 /// Expert groups `route_noaux_tc` handles (a 64-bit mask of the kept ones).
 pub const MAX_GROUPS: usize = 64;
 
-const KERNELS: [&str; 11] = [
+const KERNELS: [&str; 12] = [
     "embed_gather",
     "add_rms_norm",
     "rope_interleaved",
@@ -42,6 +44,7 @@ const KERNELS: [&str; 11] = [
     "dense_heads_bf16",
     "to_bf16_strided",
     "gather_rows",
+    "sample_rows",
 ];
 
 /// The router's configuration (the checkpoint's `n_routed_experts`, `n_group`, `topk_group`,
@@ -242,7 +245,11 @@ impl<D: Device> LayerKernels<D> {
             .arg(&vocab)
             .arg(&hidden)
             .arg(&out_p)
-            .arg(&bad_p);
+            .arg(&bad_p)
+            .traffic(
+                tokens * (I32 + hidden as usize * BF16),
+                tokens * hidden as usize * F32,
+            );
         // SAFETY: the signature is `embed_gather(const int*, const bf16*, int, int, float*,
         // int*)`; every buffer was checked against the sizes above and ids are range-checked
         // by the kernel.
@@ -279,6 +286,9 @@ impl<D: Device> LayerKernels<D> {
         let dim = as_i32(dim, K, "dim")?;
         let mut p = KernelParams::new();
         p.arg(&r).arg(&xp).arg(&w).arg(&eps).arg(&dim).arg(&o);
+        let row_bytes = rows * dim as usize * F32;
+        let added = if x.is_some() { row_bytes } else { 0 };
+        p.traffic(row_bytes + added + dim as usize * BF16, row_bytes + added);
         // SAFETY: `add_rms_norm(float*, const float*, const bf16*, float, int, float*)`, a null
         // `x` meaning no add; sizes checked above.
         unsafe { dev.launch(self.kernel(K), rows_config(rows, K)?, &p) }
@@ -339,6 +349,8 @@ impl<D: Device> LayerKernels<D> {
             .arg(&pos)
             .arg(&freq)
             .arg(&attention_factor);
+        let rotated = rows * count as usize * dim as usize * F32;
+        p.traffic(rotated + rows * I32 + pairs * F32, rotated);
         // SAFETY: `rope_interleaved(float*, int, int, int, int, int, const int*, const float*,
         // float)`; every slice lies inside its row (checked above) and rows inside `x`.
         unsafe { dev.launch(self.kernel(K), rows_config(rows, K)?, &p) }
@@ -388,7 +400,11 @@ impl<D: Device> LayerKernels<D> {
             .arg(&norm)
             .arg(&scale)
             .arg(&i)
-            .arg(&w);
+            .arg(&w)
+            .traffic(
+                (tokens + 1) * shape.experts * F32,
+                tokens * shape.top_k * (I32 + F32),
+            );
         let mut cfg = rows_config(tokens, K)?;
         cfg.shared_mem_bytes = shape.dynamic_shared() as u32;
         // SAFETY: `route_noaux_tc(const float*, const float*, int, int, int, int, int, float,
@@ -441,7 +457,11 @@ impl<D: Device> LayerKernels<D> {
             .arg(&e)
             .arg(&o)
             .arg(&st)
-            .arg(&sw);
+            .arg(&sw)
+            .traffic(
+                assignments * (I32 + F32),
+                (experts + 1) * I32 + assignments * (I32 + F32),
+            );
         // SAFETY: `group_by_expert(const int*, const float*, int, int, int, int*, int*,
         // float*)`, one block; sizes checked above.
         unsafe { dev.launch(self.kernel(K), rows_config(1, K)?, &p) }
@@ -472,6 +492,11 @@ impl<D: Device> LayerKernels<D> {
         );
         let mut p = KernelParams::new();
         p.arg(&xp).arg(&wp).arg(&kk).arg(&nn).arg(&yp).arg(&acc);
+        let out_bytes = tokens * n * F32;
+        p.traffic(
+            tokens * k * F32 + n * k * BF16 + if accumulate { out_bytes } else { 0 },
+            out_bytes,
+        );
         let tokens = u32::try_from(tokens)
             .ok()
             .filter(|&t| t > 0 && t <= 65_535)
@@ -502,6 +527,7 @@ impl<D: Device> LayerKernels<D> {
         let inter = as_i32(inter, K, "inter")?;
         let mut p = KernelParams::new();
         p.arg(&g).arg(&inter).arg(&hp);
+        p.traffic(rows * 2 * inter as usize * F32, rows * inter as usize * F32);
         // SAFETY: `silu_mul(const float*, int, float*)`; sizes checked above.
         unsafe { dev.launch(self.kernel(K), rows_config(rows, K)?, &p) }
     }
@@ -523,7 +549,39 @@ impl<D: Device> LayerKernels<D> {
         let vocab = as_i32(vocab, K, "vocab")?;
         let mut p = KernelParams::new();
         p.arg(&l).arg(&vocab).arg(&i);
+        p.traffic(rows * vocab as usize * F32, rows * I32);
         // SAFETY: `argmax_rows(const float*, int, int*)`; sizes checked above.
+        unsafe { dev.launch(self.kernel(K), rows_config(rows, K)?, &p) }
+    }
+
+    /// `ids [rows]` = one draw per row of `logits [rows][vocab]` under `params [rows]`
+    /// ([`sampling::SampleRow`]). Rows with a temperature above 0 are overwritten with their
+    /// unnormalized probabilities. The CPU reference is [`sampling::sample_row`].
+    pub fn sample_rows(
+        &self,
+        dev: &D,
+        logits: &D::Memory,
+        rows: usize,
+        vocab: usize,
+        params: &D::Memory,
+        ids: &D::Memory,
+    ) -> Result<()> {
+        const K: &str = "sample_rows";
+        need(logits, rows * vocab * F32, K, "logits")?;
+        need(params, rows * sampling::SAMPLE_ROW_BYTES, K, "params")?;
+        need(ids, rows * I32, K, "ids")?;
+        let (l, s, i) = (logits.device_ptr(), params.device_ptr(), ids.device_ptr());
+        let vocab = as_i32(vocab, K, "vocab")?;
+        let mut p = KernelParams::new();
+        p.arg(&l).arg(&vocab).arg(&s).arg(&i);
+        // At a temperature the row is rewritten as probabilities; the key searches re-read it
+        // (from L2 on a GPU), which is not counted.
+        let row_bytes = rows * vocab as usize * F32;
+        p.traffic(
+            row_bytes + rows * sampling::SAMPLE_ROW_BYTES,
+            row_bytes + rows * I32,
+        );
+        // SAFETY: `sample_rows(float*, int, const SampleRow*, int*)`; sizes checked above.
         unsafe { dev.launch(self.kernel(K), rows_config(rows, K)?, &p) }
     }
 
@@ -587,7 +645,11 @@ impl<D: Device> LayerKernels<D> {
             .arg(&yp)
             .arg(&ys_t)
             .arg(&ys_h)
-            .arg(&bf);
+            .arg(&bf)
+            .traffic(
+                heads * (tokens * k * F32 + n * k * BF16),
+                heads * tokens * n * y_type.bytes(),
+            );
         let (tokens, heads) = match (u32::try_from(tokens), u32::try_from(heads)) {
             (Ok(t), Ok(h)) if t <= 65_535 && h <= 65_535 => (t, h),
             _ => {
@@ -646,7 +708,8 @@ impl<D: Device> LayerKernels<D> {
             .arg(&st)
             .arg(&c)
             .arg(&wd)
-            .arg(&op);
+            .arg(&op)
+            .traffic(rows * count * width * F32, rows * count * width * BF16);
         // SAFETY: `to_bf16_strided(const float*, int, int, int, int, int, bf16*)`; every slice
         // lies inside its row (checked above) and both buffers hold `rows` rows.
         unsafe { dev.launch(self.kernel(K), rows_config(rows, K)?, &p) }
@@ -672,7 +735,11 @@ impl<D: Device> LayerKernels<D> {
         let (ip, rp, op) = (input.device_ptr(), rows.device_ptr(), out.device_ptr());
         let wd = as_i32(width, K, "width")?;
         let mut p = KernelParams::new();
-        p.arg(&ip).arg(&rp).arg(&wd).arg(&op);
+        p.arg(&ip)
+            .arg(&rp)
+            .arg(&wd)
+            .arg(&op)
+            .traffic(selected * (I32 + width * F32), selected * width * F32);
         // SAFETY: `gather_rows(const float*, const int*, int, float*)`; sizes checked above;
         // the caller guarantees the row indices (the executor builds them from its own rows).
         unsafe { dev.launch(self.kernel(K), rows_config(selected, K)?, &p) }

@@ -9,7 +9,7 @@
 
 use half::bf16;
 
-use super::cache::{KvCacheDtype, LatentCacheShape, PagedLatentCache, RawLayer};
+use super::cache::{KvCacheDtype, LatentCacheShape, PAGE_TOKENS, PagedLatentCache, RawLayer};
 use super::reference::AttentionQuery;
 use super::tactic::{LATENT, MlaTactic, ROPE};
 use crate::device::{
@@ -318,6 +318,7 @@ impl<D: Device> MlaKernels<D> {
             lse: &batch.lse,
             part_out: &batch.part_out,
             part_lse: &batch.part_lse,
+            cached_tokens: batch.batch * batch.max_len,
         };
         self.decode_io(dev, cache, &io, splits, softmax_scale)
     }
@@ -363,8 +364,20 @@ impl<D: Device> MlaKernels<D> {
             softmax_scale,
         };
         let cfg = self.decode_config(io.rows, io.heads, splits);
+        let (rows, heads) = (io.rows, io.heads);
+        let query_bytes = rows * heads * (LATENT + ROPE) * 2;
+        let result_bytes = if splits > 1 {
+            rows * heads * splits as usize * (LATENT + 1) * 4
+        } else {
+            rows * heads * (LATENT + 1) * 4
+        };
         let mut params = KernelParams::new();
-        params.arg(&args);
+        params.arg(&args).traffic(
+            io.cached_tokens * cache.bytes_per_token
+                + query_bytes
+                + (io.cached_tokens.div_ceil(PAGE_TOKENS) + rows) * 4,
+            result_bytes,
+        );
         // SAFETY: `args` mirrors the kernel's by-value `DecodeArgs`; every buffer was checked
         // by `DecodeIo::check` for this grid, and the block table only holds pages of the
         // cache (the caller's page tables hand out no others); the dynamic shared memory was
@@ -384,7 +397,8 @@ impl<D: Device> MlaKernels<D> {
                 .arg(&part_lse)
                 .arg(&out)
                 .arg(&lse)
-                .arg(&split_count);
+                .arg(&split_count)
+                .traffic(result_bytes, rows * heads * (LATENT + 1) * 4);
             let cfg = LaunchConfig {
                 grid_dim: ((io.rows * io.heads) as u32, 1, 1),
                 block_dim: (AUX_THREADS, 1, 1),
@@ -497,7 +511,11 @@ impl<D: Device> MlaKernels<D> {
             .arg(&ptrs[4])
             .arg(&ptrs[5])
             .arg(&ptrs[6])
-            .arg(&static_scale);
+            .arg(&static_scale)
+            .traffic(
+                n * ((LATENT + ROPE) * 4 + 4) + LATENT * 2,
+                n * cache.bytes_per_token,
+            );
         let cfg = LaunchConfig {
             grid_dim: (n as u32, 1, 1),
             block_dim: (AUX_THREADS, 1, 1),
@@ -526,6 +544,9 @@ pub struct DecodeIo<'a, D: Device> {
     pub lse: &'a D::Memory,
     pub part_out: &'a D::Memory,
     pub part_lse: &'a D::Memory,
+    /// Tokens the rows attend over in total (the sum of `seq_lens`, as the host knows it when
+    /// it issues the launch): launch traffic accounting only.
+    pub cached_tokens: usize,
 }
 
 impl<D: Device> DecodeIo<'_, D> {

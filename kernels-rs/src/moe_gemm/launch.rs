@@ -335,6 +335,32 @@ pub struct MoeDeviceWeights<D: Device> {
 }
 
 impl<D: Device> MoeDeviceWeights<D> {
+    /// `(read, written)` bytes of `moe_gate_up` and of `moe_down` over `active` experts and
+    /// `assignments` (token, expert) pairs of `tokens` tokens: each active expert's weights
+    /// once (gate ‖ up is two thirds of an expert), the BF16 input, the NVFP4 intermediate,
+    /// the grouping, and the FP32 output `moe_down` accumulates into.
+    pub fn launch_traffic(
+        &self,
+        tokens: usize,
+        assignments: usize,
+        active: usize,
+    ) -> [(usize, usize); 2] {
+        let grouping = (self.experts + 1) * 4 + assignments * 8;
+        let intermediate = assignments * self.inter / 2 + assignments * self.inter / 16;
+        let out = tokens * self.hidden * 4;
+        let gate_up_weights = active * self.bytes_per_expert * 2 / 3;
+        [
+            (
+                gate_up_weights + tokens * self.hidden * 2 + grouping,
+                intermediate,
+            ),
+            (
+                active * self.bytes_per_expert - gate_up_weights + intermediate + grouping + out,
+                out,
+            ),
+        ]
+    }
+
     pub fn upload(dev: &D, host: &MoeWeightsHost, layouts: &[ScaleLoad]) -> Result<Self> {
         host.check()?;
         let mut scales = [None, None];
@@ -685,8 +711,16 @@ impl<D: Device> MoeKernels<D> {
         } else {
             (&self.down, cfg_down)
         };
+        let routing = &r.host;
+        let active = routing
+            .expert_offsets
+            .windows(2)
+            .filter(|o| o[1] > o[0])
+            .count();
+        let [gu, down] = w.launch_traffic(routing.tokens, routing.sorted_token_ids.len(), active);
+        let (read, written) = if gate_up { gu } else { down };
         let mut params = KernelParams::new();
-        params.arg(&args);
+        params.arg(&args).traffic(read, written);
         // SAFETY: `args` matches the kernel's single by-value parameter (`MoeArgs`), every
         // pointer in it is a live allocation of `dev` sized by `check` for this launch's grid,
         // and the dynamic shared memory was opted into at load.
@@ -782,17 +816,19 @@ impl<D: Device> MoeKernels<D> {
         };
         let grouping = [g.expert_offsets, g.sorted_token_ids, g.sorted_weights];
         let args = self.args_from(w, grouping, io);
+        // The routing is on the device: at most every assignment on its own expert.
+        let [gu, down] = w.launch_traffic(g.tokens, assignments, assignments.min(w.experts));
         let mut params = KernelParams::new();
-        params.arg(&args);
+        params.arg(&args).traffic(gu.0, gu.1);
         // SAFETY: `args` matches the kernels' by-value `MoeArgs`; every buffer was checked
         // above for `tokens` rows and `tokens · top_k` assignments, which bound what any
         // grouping of them can address; the grid covers `tokens` rows per expert (the most any
         // expert can get) and blocks past an expert's count return; the dynamic shared memory
         // was opted into at load.
-        unsafe {
-            dev.launch(&self.gate_up, cfg_gu, &params)?;
-            dev.launch(&self.down, cfg_down, &params)
-        }
+        unsafe { dev.launch(&self.gate_up, cfg_gu, &params)? };
+        params.traffic(down.0, down.1);
+        // SAFETY: as above, the same arguments for `moe_down`.
+        unsafe { dev.launch(&self.down, cfg_down, &params) }
     }
 }
 

@@ -1,10 +1,11 @@
 //! A [`Device`] wrapper that records what crosses the host↔device boundary and every launch
-//! (kernel, tactic image, grid): the transfer-count test and the launch list of a step.
+//! (kernel, tactic image, grid, bytes read and written): the transfer-count test and the
+//! launch list of a step.
 
 use std::sync::Mutex;
 
 use kernels::arch::Sm;
-use kernels::device::{Device, KernelParams, LaunchConfig, Result};
+use kernels::device::{Device, KernelParams, LaunchConfig, LaunchTraffic, Result};
 
 /// One launch as the executor issued it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -13,6 +14,8 @@ pub struct LaunchEntry {
     pub tactic: String,
     pub kernel: String,
     pub config: LaunchConfig,
+    /// Device-memory bytes the launch reads and writes at least, as its launcher counts them.
+    pub traffic: LaunchTraffic,
 }
 
 /// Host↔device traffic and launches since the last [`CountingDevice::take`].
@@ -162,6 +165,7 @@ impl<D: Device> Device for CountingDevice<D> {
                 tactic: kernel.tactic.clone(),
                 kernel: kernel.name.clone(),
                 config: cfg,
+                traffic: params.launch_traffic(),
             })
         });
         // SAFETY: forwarded unchanged; the caller's contract is the inner device's.

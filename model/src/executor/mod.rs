@@ -25,6 +25,7 @@ pub use counting::{CountingDevice, DeviceTraffic, LaunchEntry};
 pub use weights::{DeviceLayer, DeviceMlp, DeviceWeights, WeightsError};
 
 use kernels::device::{Device, DeviceError, DeviceExt};
+use kernels::layers::sampling::{SAMPLE_ROW_BYTES, SampleRow};
 use kernels::layers::{HeadRows, LayerKernels, OutputType, RopeSlices, RouterShape};
 use kernels::mla::cache::{KvCacheDtype, PAGE_TOKENS, PageTables, SeqId};
 use kernels::mla::launch::{DecodeIo, DeviceCache, MlaKernels};
@@ -143,6 +144,7 @@ struct Workspace<D: Device> {
     selected: D::Memory,
     logits: D::Memory,
     sampled: D::Memory,
+    sample_params: D::Memory,
 }
 
 /// Steps with more rows than this run MLA unsplit: prefill has parallelism enough in its
@@ -226,6 +228,7 @@ pub fn workspace_buffer_bytes(c: &ModelConfig, s: &WorkspaceShape) -> Vec<(&'sta
         ("selected", n(logit_rows * hidden, 4)),
         ("logits", n(logit_rows * c.vocab_size, 4)),
         ("sampled", n(logit_rows, 4)),
+        ("sample_params", n(logit_rows, SAMPLE_ROW_BYTES)),
     ]
 }
 
@@ -293,6 +296,7 @@ impl<D: Device> Workspace<D> {
             selected: next(),
             logits: next(),
             sampled: next(),
+            sample_params: next(),
             bytes: sizes.iter().map(|(_, b)| b).sum(),
         })
     }
@@ -309,6 +313,9 @@ pub enum StepOutput {
     Logits,
     /// Greedy ids of the selected rows (argmax on the device); only they are read back.
     Greedy,
+    /// One draw per selected row (`sample_rows` on the device, under the step's
+    /// [`SampleRow`]s: one more write); only the ids are read back.
+    Sampled,
 }
 
 /// The result of a step: logits (when asked for) or the greedy ids of the selected rows.
@@ -316,6 +323,7 @@ pub enum StepOutput {
 pub enum StepResult {
     Logits(Logits),
     Greedy(Vec<u32>),
+    Sampled(Vec<u32>),
 }
 
 /// The model on one device. See the module documentation.
@@ -340,6 +348,8 @@ pub struct DeviceExecutor<D: Device> {
     /// Decode steps replay a captured graph per (batch size, output) when on.
     use_graphs: bool,
     graphs: std::collections::HashMap<(usize, StepOutput), D::Graph>,
+    /// Cache tokens the current step's rows attend over (launch traffic accounting only).
+    step_cached_tokens: usize,
 }
 
 impl<D: Device> DeviceExecutor<D> {
@@ -421,6 +431,7 @@ impl<D: Device> DeviceExecutor<D> {
             router,
             use_graphs: false,
             graphs: Default::default(),
+            step_cached_tokens: 0,
             config: c,
         })
     }
@@ -445,6 +456,10 @@ impl<D: Device> DeviceExecutor<D> {
 
     pub fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    pub fn weights(&self) -> &DeviceWeights<D> {
+        &self.weights
     }
 
     pub fn tactics(&self) -> &ExecutorTactics {
@@ -481,12 +496,50 @@ impl<D: Device> DeviceExecutor<D> {
     }
 
     /// Runs `inputs` through the model, appending their tokens to the cache: logits or greedy
-    /// ids of `logit_rows`.
+    /// ids of `logit_rows` ([`StepOutput::Sampled`] needs the draws: see
+    /// [`Self::step_sampled`]).
     pub fn step(
         &mut self,
         inputs: &[SeqInput<'_>],
         logit_rows: LogitRows,
         output: StepOutput,
+    ) -> Result<StepResult, ExecutorError> {
+        if output == StepOutput::Sampled {
+            return Err(ForwardError::InvalidRequest(
+                "a sampled step needs its draws (step_sampled)".into(),
+            )
+            .into());
+        }
+        self.run_step(inputs, logit_rows, output, &[])
+    }
+
+    /// Runs `inputs` and draws one token for the last row of each, under `draws[i]`, on the
+    /// device; only the ids come back.
+    pub fn step_sampled(
+        &mut self,
+        inputs: &[SeqInput<'_>],
+        draws: &[SampleRow],
+    ) -> Result<Vec<u32>, ExecutorError> {
+        if draws.len() != inputs.len() {
+            return Err(ForwardError::InvalidRequest(format!(
+                "{} draws for {} sequences",
+                draws.len(),
+                inputs.len()
+            ))
+            .into());
+        }
+        match self.run_step(inputs, LogitRows::Last, StepOutput::Sampled, draws)? {
+            StepResult::Sampled(ids) => Ok(ids),
+            _ => unreachable!("a sampled step returns ids"),
+        }
+    }
+
+    fn run_step(
+        &mut self,
+        inputs: &[SeqInput<'_>],
+        logit_rows: LogitRows,
+        output: StepOutput,
+        draws: &[SampleRow],
     ) -> Result<StepResult, ExecutorError> {
         let c = &self.config;
         let mut rows: Vec<(SeqId, usize)> = Vec::new();
@@ -547,7 +600,8 @@ impl<D: Device> DeviceExecutor<D> {
                 },
             )?;
         }
-        self.write_step_inputs(inputs, &rows, &selected)?;
+        self.write_step_inputs(inputs, &rows, &selected, draws)?;
+        self.step_cached_tokens = rows.iter().map(|&(_, pos)| pos + 1).sum();
         // A decode step's launches depend on its batch size alone (the split count is planned
         // for the cache's capacity, not the current lengths), so one graph serves every step
         // of that size.
@@ -596,6 +650,7 @@ impl<D: Device> DeviceExecutor<D> {
         inputs: &[SeqInput<'_>],
         rows: &[(SeqId, usize)],
         selected: &[i32],
+        draws: &[SampleRow],
     ) -> Result<(), ExecutorError> {
         let ws = &mut self.workspace;
         let ids: Vec<i32> = inputs
@@ -620,6 +675,9 @@ impl<D: Device> DeviceExecutor<D> {
         dev.write(&mut ws.seq_lens, &seq_lens)?;
         dev.write(&mut ws.block_table, &table)?;
         dev.write(&mut ws.logit_rows, selected)?;
+        if !draws.is_empty() {
+            dev.write(&mut ws.sample_params, draws)?;
+        }
         Ok(())
     }
 
@@ -681,6 +739,7 @@ impl<D: Device> DeviceExecutor<D> {
                     attention_factor: self.attention_factor,
                     softmax_scale: self.softmax_scale,
                     splits,
+                    cached_tokens: self.step_cached_tokens,
                 },
                 lw,
                 &mut self.caches[layer],
@@ -804,8 +863,17 @@ impl<D: Device> DeviceExecutor<D> {
             &ws.logits,
             false,
         )?;
-        if output == StepOutput::Greedy {
-            k.argmax_rows(dev, &ws.logits, r, c.vocab_size, &ws.sampled)?;
+        match output {
+            StepOutput::Logits => {}
+            StepOutput::Greedy => k.argmax_rows(dev, &ws.logits, r, c.vocab_size, &ws.sampled)?,
+            StepOutput::Sampled => k.sample_rows(
+                dev,
+                &ws.logits,
+                r,
+                c.vocab_size,
+                &ws.sample_params,
+                &ws.sampled,
+            )?,
         }
         Ok(())
     }
@@ -831,9 +899,17 @@ impl<D: Device> DeviceExecutor<D> {
                     values,
                 }))
             }
-            StepOutput::Greedy => {
-                let ids: Vec<i32> = dev.download_first(&ws.sampled, r)?;
-                Ok(StepResult::Greedy(ids.iter().map(|&i| i as u32).collect()))
+            StepOutput::Greedy | StepOutput::Sampled => {
+                let ids: Vec<u32> = dev
+                    .download_first::<i32>(&ws.sampled, r)?
+                    .iter()
+                    .map(|&i| i as u32)
+                    .collect();
+                Ok(if output == StepOutput::Greedy {
+                    StepResult::Greedy(ids)
+                } else {
+                    StepResult::Sampled(ids)
+                })
             }
         }
     }
@@ -877,6 +953,7 @@ struct AttentionCtx<'a, D: Device> {
     attention_factor: f32,
     softmax_scale: f32,
     splits: u32,
+    cached_tokens: usize,
 }
 
 /// One layer's attention, `ws.h` → `ws.delta`: the query and compressed-KV products, RoPE,
@@ -1011,6 +1088,7 @@ fn attention<D: Device>(
             lse: &ws.lse,
             part_out: &ws.part_out,
             part_lse: &ws.part_lse,
+            cached_tokens: a.cached_tokens,
         },
         a.splits,
         a.softmax_scale,
@@ -1107,16 +1185,15 @@ impl<D: Device> crate::generate::Stepper for DeviceExecutor<D> {
     fn step_last(
         &mut self,
         inputs: &[SeqInput<'_>],
-        greedy: bool,
-    ) -> Result<crate::generate::LastRows, ForwardError> {
-        let output = if greedy {
-            StepOutput::Greedy
-        } else {
-            StepOutput::Logits
-        };
-        Ok(match self.step(inputs, LogitRows::Last, output)? {
-            StepResult::Logits(l) => crate::generate::LastRows::Logits(l),
-            StepResult::Greedy(ids) => crate::generate::LastRows::Greedy(ids),
-        })
+        draws: &[SampleRow],
+    ) -> Result<Vec<u32>, ForwardError> {
+        // Greedy steps need no draw parameters: one write fewer.
+        if draws.iter().all(|d| d.temperature <= 0.0) {
+            return match self.step(inputs, LogitRows::Last, StepOutput::Greedy)? {
+                StepResult::Greedy(ids) => Ok(ids),
+                _ => unreachable!("a greedy step returns ids"),
+            };
+        }
+        Ok(self.step_sampled(inputs, draws)?)
     }
 }
