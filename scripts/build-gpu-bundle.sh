@@ -8,6 +8,8 @@
 #                                    against the host layer (crate cuda-host, feature cuda)
 #   BUNDLE/ptx/moe_gemm/<sm>/*.cubin the compile gate's kernels (+ manifest; .ptx on request)
 #   BUNDLE/golden/data/moe/          MoE goldens, if the repository has them
+#   BUNDLE/model                     the model binary (feature cuda) and
+#   BUNDLE/golden/data/models/kimi-kernel-dims/  the end-to-end stage's checkpoint
 #   BUNDLE/scripts/gpu-check.sh      the runner (see its header for how to run)
 #
 # Usage: scripts/build-gpu-bundle.sh [BUNDLE_DIR]   (default .gpu-bundle, git-ignored)
@@ -32,6 +34,7 @@ n=$(find ptx/moe_gemm -name '*.cubin' 2>/dev/null | wc -l)
 
 cargo build --release --features cuda -p kernels --bin gpu-check --bin mla-gpu-check --bin allreduce-gpu-check
 cargo build --release --features cuda -p cuda-host --bin ptx-probe-check
+cargo build --release --features cuda -p model --bin model
 # The layers kernels' GPU test is a cargo test binary: find its path from cargo's messages.
 layers_test="$(cargo test --release --no-run --features cuda -p project-tests --test gpu_layers \
   --message-format=json 2>/dev/null | grep -o '"executable":"[^"]*gpu_layers[^"]*"' | tail -1 \
@@ -43,7 +46,7 @@ rm -rf "$BUNDLE"
 mkdir -p "$BUNDLE/scripts" "$BUNDLE/ptx"
 # Debug info (profile.release debug = 1) is most of the binary's size; the bundle must stay
 # well under the device tool's 64 MiB.
-for name in gpu-check mla-gpu-check allreduce-gpu-check ptx-probe-check gpu-layers; do
+for name in gpu-check mla-gpu-check allreduce-gpu-check ptx-probe-check gpu-layers model; do
   src="$ROOT/target/release/$name"
   [[ $name == gpu-layers ]] && src="$layers_test"
   if command -v strip >/dev/null; then
@@ -63,6 +66,8 @@ if [[ "${WITH_PTX:-0}" == 1 ]]; then
 else
   (cd ptx && find moe_gemm -name '*.cubin' -exec cp --parents {} "$BUNDLE/ptx/" \;)
 fi
+mkdir -p "$BUNDLE/golden/data/models"
+cp -r golden/data/models/kimi-kernel-dims "$BUNDLE/golden/data/models/"
 for family in moe mla; do
   if [[ -d golden/data/$family ]]; then
     mkdir -p "$BUNDLE/golden/data"

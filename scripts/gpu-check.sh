@@ -21,6 +21,8 @@
 #                             GPU (crate cuda-host, feature `cuda`), with ptx/ptx_probe/<sm>/
 #   gpu-layers                the decode step's small kernels against the CPU forward pass
 #                             (the test binary of tests/tests/gpu_layers.rs), ptx/layers/<sm>/
+#   model                     the model binary (feature `cuda`) with
+#                             golden/data/models/kimi-kernel-dims/: the end-to-end stage
 #
 # Run there, from the bundle root (or a checkout with target/release/gpu-check):
 #   scripts/gpu-check.sh [gpu-check flags...]     e.g. --tactics portable --iters 50
@@ -119,6 +121,54 @@ fi
 if [[ "${SKIP_ALLREDUCE:-0}" != 1 ]]; then
   run_check allreduce-gpu-check "$(find_bin allreduce-gpu-check "${ALLREDUCE_GPU_CHECK_BIN:-}")" \
     "${ALLREDUCE_CHECK_TIMEOUT:-100}" --ptx-dir "$KIMI_PTX_DIR" --out "$OUT_DIR"
+fi
+# End to end: the golden checkpoint whose latent sizes the MLA kernels are built for, through
+# `model logits --backend cuda` (the device-resident executor, every kernel of a step) with the
+# BF16 and FP8 caches, and with --tp 2 as two processes on this one GPU; each must sit as close
+# to HF's W4A4 goldens as the CPU backend on this machine does (the criterion of
+# tests/tests/device_executor.rs), and --tp 2 within 1e-3 of --tp 1. Then a greedy decode on
+# the device beside the CPU's. Skipped with SKIP_E2E=1.
+e2e() {
+  local model=$1 ckpt="$ROOT/golden/data/models/kimi-kernel-dims" dir="$OUT_DIR/e2e"
+  local tokens=0,144,53,82,39,273,386,455,426,257,282,47,143,491,436,298,395,320,256,441
+  local golden="$ckpt/golden.safetensors:logits_w4a4" status=0
+  mkdir -p "$dir"
+  for kv in bf16 fp8; do
+    for backend in cpu cuda; do
+      "$model" logits --backend "$backend" --ptx-dir "$KIMI_PTX_DIR" --checkpoint "$ckpt" \
+        --tokens "$tokens" --kv-dtype "$kv" --out "$dir/$backend-$kv.safetensors" || return $?
+    done
+    "$model" compare-logits "$dir/cuda-$kv.safetensors" "$golden" \
+      --as-close-as "$dir/cpu-$kv.safetensors" || status=1
+    "$model" logits --backend cuda --tp 2 --ptx-dir "$KIMI_PTX_DIR" --checkpoint "$ckpt" \
+      --tokens "$tokens" --kv-dtype "$kv" --out "$dir/cuda-tp2-$kv.safetensors" || status=1
+    [[ -f "$dir/cuda-tp2-$kv.safetensors" ]] && { "$model" compare-logits \
+      "$dir/cuda-tp2-$kv.safetensors" "$dir/cuda-$kv.safetensors" --max-rel-l2 1e-3 || status=1; }
+  done
+  for backend in cpu cuda; do
+    "$model" run --backend "$backend" --ptx-dir "$KIMI_PTX_DIR" --checkpoint "$ckpt" \
+      --prompt "$tokens" --max-new-tokens 8 --ignore-eos 2>&1 | tee "$dir/run-$backend.txt" \
+      || status=1
+  done
+  return $status
+}
+if [[ "${SKIP_E2E:-0}" != 1 ]]; then
+  model_bin="$(find_bin model "${MODEL_BIN:-}")"
+  if [[ -z "$model_bin" ]]; then
+    echo "gpu-check.sh: e2e: model binary absent, skipped" >&2
+    [[ $rc == 0 ]] && rc=2
+  else
+    echo "== e2e ($model_bin, limit ${E2E_TIMEOUT:-90} s)"
+    export -f e2e
+    export ROOT OUT_DIR KIMI_PTX_DIR
+    set +e
+    timeout --kill-after=20 "${E2E_TIMEOUT:-90}" bash -c "e2e $model_bin" 2>&1 \
+      | tee "$OUT_DIR/e2e.log"
+    r=${PIPESTATUS[0]}
+    set -e
+    [[ $r == 124 ]] && { echo "gpu-check.sh: e2e timed out" >&2; r=1; }
+    if [[ $r == 1 || ( $r == 2 && $rc == 0 ) ]]; then rc=$r; fi
+  fi
 fi
 echo "gpu-check.sh: done, status $rc; results in $OUT_DIR"
 exit "$rc"

@@ -18,6 +18,7 @@ pub mod chat_template;
 pub mod checkpoint;
 pub mod checkpoint_writer;
 pub mod cleanup;
+pub mod compare;
 pub mod config;
 pub mod engine;
 pub mod executor;

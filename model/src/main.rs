@@ -72,6 +72,23 @@ enum Command {
     Run(RunArgs),
     /// Score a prompt: logits for every position from one prefill, as float32 `[T, vocab]`.
     Logits(LogitsArgs),
+    /// Compare two `[T, vocab]` logits tensors per position (rel L2, top-1), e.g. a device
+    /// backend's against the CPU's or a golden; exit 1 when a position exceeds the bound.
+    CompareLogits {
+        /// `FILE[:TENSOR]` (default tensor `logits`).
+        candidate: String,
+        /// `FILE[:TENSOR]`, e.g. `golden.safetensors:logits_w4a4`.
+        reference: String,
+        /// The largest relative L2 error a position may have (unless --as-close-as).
+        #[arg(long, default_value_t = 1e-2)]
+        max_rel_l2: f64,
+        /// Instead of --max-rel-l2: pass when the candidate's median error is at most 1.5×
+        /// this other candidate's and its top-1 agreement at most 0.1 lower (a device backend
+        /// "as close to the golden as the CPU", where a random model's near-tied expert
+        /// choices make pointwise bounds meaningless).
+        #[arg(long, value_name = "FILE[:TENSOR]")]
+        as_close_as: Option<String>,
+    },
     /// Write a random-weight model in the Kimi-K2.5-NVFP4 layout.
     GenerateCheckpoint {
         #[arg(long, value_enum)]
@@ -638,6 +655,12 @@ fn dispatch(cli: Cli) -> Result<()> {
         Command::Tokenize(args) => serving_cli::run_tokenize(args),
         Command::Run(args) => run(args),
         Command::Logits(args) => logits(args),
+        Command::CompareLogits {
+            candidate,
+            reference,
+            max_rel_l2,
+            as_close_as,
+        } => compare_logits(&candidate, &reference, max_rel_l2, as_close_as.as_deref()),
         Command::GenerateCheckpoint {
             preset,
             out,
@@ -1020,6 +1043,41 @@ fn logits(args: LogitsArgs) -> Result<()> {
 
 /// The logits file: replaced if it exists (a result, not a checkpoint), never inside the
 /// checkpoint, written whole or not at all.
+fn compare_logits(
+    candidate: &str,
+    reference: &str,
+    max_rel_l2: f64,
+    as_close_as: Option<&str>,
+) -> Result<()> {
+    let (b, vocab) = model::compare::read_logits(reference)?;
+    let against = |spec: &str| -> Result<model::compare::LogitsAgreement> {
+        let (a, width) = model::compare::read_logits(spec)?;
+        if width != vocab {
+            anyhow::bail!("{spec} has rows of {width}, {reference} of {vocab}");
+        }
+        let agreement = model::compare::compare(&a, &b, vocab)?;
+        println!("{spec} vs {reference}: {}", agreement.summary());
+        Ok(agreement)
+    };
+    let ours = against(candidate)?;
+    match as_close_as {
+        None if ours.max() > max_rel_l2 => anyhow::bail!(
+            "a position's relative L2 error {:.3e} exceeds --max-rel-l2 {max_rel_l2:.1e}",
+            ours.max()
+        ),
+        None => Ok(()),
+        Some(peer) => {
+            let theirs = against(peer)?;
+            let top1 =
+                |a: &model::compare::LogitsAgreement| a.top1_agree as f64 / a.positions as f64;
+            if ours.median() > 1.5 * theirs.median() || top1(&ours) < top1(&theirs) - 0.1 {
+                anyhow::bail!("{candidate} is further from {reference} than {peer} allows");
+            }
+            Ok(())
+        }
+    }
+}
+
 fn logits_output(out: &Path, checkpoint: &Path) -> Result<StagedOutput> {
     StagedOutput::new(out, &[checkpoint], OutputKind::File, true)
 }

@@ -1,0 +1,110 @@
+//! `model compare-logits`: two `[T, vocab]` logits tensors side by side (another backend, a
+//! golden), per position — the check `scripts/gpu-check.sh` runs on a device, where there is
+//! no Python to do it.
+
+use std::path::Path;
+
+use anyhow::{Context, Result, bail};
+
+use crate::sampler::argmax;
+use crate::tensor_file::TensorFile;
+
+/// Per-position agreement of a candidate's logits with a reference's.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LogitsAgreement {
+    pub positions: usize,
+    pub vocab: usize,
+    /// Relative L2 error of each position's row.
+    pub row_rel_l2: Vec<f64>,
+    /// Positions whose argmax agrees.
+    pub top1_agree: usize,
+}
+
+impl LogitsAgreement {
+    pub fn max(&self) -> f64 {
+        self.row_rel_l2.iter().copied().fold(0.0, f64::max)
+    }
+
+    pub fn median(&self) -> f64 {
+        let mut v = self.row_rel_l2.clone();
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(0.0)
+    }
+
+    pub fn summary(&self) -> String {
+        format!(
+            "{} positions × {} vocab: rel L2 per position median {:.3e}, max {:.3e}; top-1 {}/{}",
+            self.positions,
+            self.vocab,
+            self.median(),
+            self.max(),
+            self.top1_agree,
+            self.positions
+        )
+    }
+}
+
+/// Compares `candidate` with `reference`, both `[positions][vocab]` row-major.
+pub fn compare(candidate: &[f32], reference: &[f32], vocab: usize) -> Result<LogitsAgreement> {
+    if vocab == 0 || reference.len() != candidate.len() || !reference.len().is_multiple_of(vocab) {
+        bail!(
+            "{} candidate values against {} reference values in rows of {vocab}",
+            candidate.len(),
+            reference.len()
+        );
+    }
+    let row_rel_l2 = candidate
+        .chunks_exact(vocab)
+        .zip(reference.chunks_exact(vocab))
+        .map(|(a, b)| {
+            let diff: f64 = a.iter().zip(b).map(|(x, y)| f64::from(x - y).powi(2)).sum();
+            let norm: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
+            (diff / norm.max(f64::MIN_POSITIVE)).sqrt()
+        })
+        .collect::<Vec<_>>();
+    let top1_agree = candidate
+        .chunks_exact(vocab)
+        .zip(reference.chunks_exact(vocab))
+        .filter(|(a, b)| argmax(a) == argmax(b))
+        .count();
+    Ok(LogitsAgreement {
+        positions: row_rel_l2.len(),
+        vocab,
+        row_rel_l2,
+        top1_agree,
+    })
+}
+
+/// `FILE` or `FILE:TENSOR` (default tensor `logits`): its values and its row width.
+pub fn read_logits(spec: &str) -> Result<(Vec<f32>, usize)> {
+    let (path, tensor) = match spec.rsplit_once(':') {
+        Some((p, t)) if !t.is_empty() && !t.contains('/') => (p, t),
+        _ => (spec, "logits"),
+    };
+    let file = TensorFile::open(Path::new(path)).with_context(|| format!("opening {path}"))?;
+    let info = file.info(tensor)?;
+    let vocab = *info
+        .shape
+        .last()
+        .with_context(|| format!("{path}: tensor {tensor} is a scalar, not [T, vocab] logits"))?;
+    Ok((file.f32_values(tensor)?, vocab))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identical_rows_agree_and_a_moved_row_shows_its_error() {
+        let reference = [1.0f32, 2.0, 3.0, 0.0, 5.0, 1.0];
+        let same = compare(&reference, &reference, 3).unwrap();
+        assert_eq!((same.max(), same.top1_agree), (0.0, 2));
+        let mut moved = reference;
+        moved[3] = 6.0;
+        let c = compare(&moved, &reference, 3).unwrap();
+        assert_eq!(c.row_rel_l2[0], 0.0);
+        assert!((c.row_rel_l2[1] - 6.0 / 26f64.sqrt()).abs() < 1e-12);
+        assert_eq!(c.top1_agree, 1);
+        assert!(compare(&reference[..3], &reference, 3).is_err());
+    }
+}
