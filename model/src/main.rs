@@ -20,6 +20,7 @@ use model::backend::{Backend, CpuBackend, TunedCpuBackend};
 use model::checkpoint::{Checkpoint, CheckpointError};
 use model::checkpoint_writer::{OutputKind, OwnedTensor, StagedOutput, write_file};
 use model::config::{ConfigError, KvCacheQuant, ModelConfig};
+use model::executor::{ShmAllReduce, TpAllReduce};
 use model::forward::{ForwardError, LogitRows, Model, SeqInput, forward_bytes};
 use model::generate::{
     GenerationRequest, GenerationResult, GenerationTiming, generate, generate_with,
@@ -32,7 +33,6 @@ use model::quantize::{quantize_checkpoint, random_tokens};
 use model::sampler::SamplingParams;
 use model::serving_cli::{self, ChatArgs, ServeArgs, TokenizeArgs};
 use model::tensor_file::{TensorFile, TensorFileError};
-use model::executor::{ShmAllReduce, TpAllReduce};
 use model::tp::{self, RankFailed, TpCpuBackend};
 use model::weights::TpShard;
 use safetensors::Dtype;
@@ -374,7 +374,10 @@ fn on_device<J: DeviceJob>(
                         g.timeout,
                     )
                     .with_context(|| {
-                        format!("rank {} of {}: joining the device all-reduce", g.rank, g.world)
+                        format!(
+                            "rank {} of {}: joining the device all-reduce",
+                            g.rank, g.world
+                        )
                     })?;
                     Some(Box::new(joined) as Box<dyn TpAllReduce<_>>)
                 }
@@ -433,7 +436,10 @@ fn open_gpu<J: DeviceJob>(
                 g.timeout,
             )
             .with_context(|| {
-                format!("rank {} of {}: joining the CUDA IPC all-reduce", g.rank, g.world)
+                format!(
+                    "rank {} of {}: joining the CUDA IPC all-reduce",
+                    g.rank, g.world
+                )
             })?;
             Some(Box::new(joined) as Box<dyn TpAllReduce<_>>)
         }

@@ -85,13 +85,16 @@ fn relative_l2(a: &[f32], b: &[f32]) -> f64 {
 }
 
 fn max_abs(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 /// `--tp 2` and `--tp 4` give `--tp 1`'s logits up to the FP32 order of the split sums: each
 /// rank sums its heads' and intermediate columns' share, the all-reduce adds the shares in rank
-/// order. The bound is what that reordering can move on this random model, where a changed
-/// last bit can flip a near-tied NVFP4 activation code or expert choice in a later layer.
+/// order (measured: rel L2 ≈ 7e-7 for both; the bound leaves room for a near-tied NVFP4
+/// activation code or expert choice that the reordering flips in a later layer).
 #[test]
 fn emulated_tensor_parallel_logits_equal_a_single_rank() {
     let dir = tempfile::tempdir().unwrap();
@@ -104,17 +107,18 @@ fn emulated_tensor_parallel_logits_equal_a_single_rank() {
         assert_eq!(split.len(), single.len());
         let rel = relative_l2(&split, &single);
         let abs = max_abs(&split, &single);
-        let rows: Vec<f64> = split
+        let rows: Vec<String> = split
             .chunks(vocab)
             .zip(single.chunks(vocab))
-            .map(|(a, b)| relative_l2(a, b))
+            .map(|(a, b)| format!("{:.2e}", relative_l2(a, b)))
             .collect();
         println!(
-            "cuda-emulated --tp {tp} vs --tp 1: max abs {abs:.3e}, rel L2 {rel:.3e}, per position {rows:.2e?}"
+            "cuda-emulated --tp {tp} vs --tp 1: max abs {abs:.3e}, rel L2 {rel:.3e}, per position [{}]",
+            rows.join(", ")
         );
         // Bitwise equal would mean the sums were never split.
         assert!(split != single, "--tp {tp}: bitwise equal to --tp 1");
-        assert!(rel < 2e-2, "--tp {tp}: rel L2 {rel}");
+        assert!(rel < 1e-4, "--tp {tp}: rel L2 {rel}");
     }
 }
 

@@ -620,9 +620,13 @@ fn tensor_parallel_ranks_replay_their_graphs_bit_for_bit_and_transfer_only_input
                     let tokens = &tokens;
                     s.spawn(move || {
                         let dev = CountingDevice::new(HostDevice::new(Sm::Sm120));
-                        let tactics =
-                            ExecutorTactics::defaults_for_rank(Sm::Sm120, &shard.config, dtype, world)
-                                .unwrap();
+                        let tactics = ExecutorTactics::defaults_for_rank(
+                            Sm::Sm120,
+                            &shard.config,
+                            dtype,
+                            world,
+                        )
+                        .unwrap();
                         let capacity = StepCapacity {
                             tokens: tokens.len(),
                             logit_rows: 1,
@@ -720,7 +724,10 @@ fn tensor_parallel_ranks_replay_their_graphs_bit_for_bit_and_transfer_only_input
             assert_eq!(collectives, 2 * model.config.num_hidden_layers, "{how}");
             assert_eq!(step.writes, STEP_WRITES, "{how}");
             assert_eq!(step.uploads, 0, "{how}");
-            assert_eq!(step.downloads, 2, "{how}: the sampled id and the status word");
+            assert_eq!(
+                step.downloads, 2,
+                "{how}: the sampled id and the status word"
+            );
             assert_eq!(step.bytes_to_host, 4 + 24, "{how}");
         }
     }

@@ -101,7 +101,8 @@ impl<D: HostAddressed> ShmAllReduce<D> {
             SEGMENT_MAGIC,
             deadline,
             |s| {
-                s.atomic(HEADER_WORLD).store(world as u64, Ordering::Relaxed);
+                s.atomic(HEADER_WORLD)
+                    .store(world as u64, Ordering::Relaxed);
                 s.atomic(HEADER_CAPACITY)
                     .store(layout.capacity as u64, Ordering::Relaxed);
             },
