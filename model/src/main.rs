@@ -20,6 +20,7 @@ use model::backend::{Backend, CpuBackend, TunedCpuBackend};
 use model::checkpoint::{Checkpoint, CheckpointError};
 use model::checkpoint_writer::{OutputKind, OwnedTensor, StagedOutput, write_file};
 use model::config::{ConfigError, KvCacheQuant, ModelConfig};
+use model::executor::{ShmAllReduce, TpAllReduce};
 use model::forward::{ForwardError, LogitRows, Model, SeqInput, forward_bytes};
 use model::generate::{
     GenerationRequest, GenerationResult, GenerationTiming, generate, generate_with,
@@ -200,16 +201,34 @@ struct RunOnDevice<'a> {
     max_rows: usize,
     batch: usize,
     requests: &'a [GenerationRequest],
+    quiet: bool,
+    /// Tensor-parallel ranks (the model is this rank's shard).
+    world: usize,
 }
 
 impl DeviceJob for RunOnDevice<'_> {
     type Output = (Vec<GenerationResult>, GenerationTiming);
-    fn run<D: kernels::device::Device>(self, dev: D) -> Result<Self::Output> {
+    fn run<D: kernels::device::Device + 'static>(
+        self,
+        dev: D,
+        all_reduce: Option<Box<dyn TpAllReduce<D>>>,
+    ) -> Result<Self::Output> {
         let capacity = model::executor::StepCapacity {
             tokens: self.max_rows,
             logit_rows: self.batch,
         };
-        let mut ex = executor_on(dev, self.model, self.kv_dtype, self.cache_tokens, capacity)?;
+        let mut ex = executor_on(
+            dev,
+            self.model,
+            self.kv_dtype,
+            self.cache_tokens,
+            capacity,
+            self.quiet,
+            self.world,
+        )?;
+        if let Some(all_reduce) = all_reduce {
+            ex.set_all_reduce(all_reduce);
+        }
         ex.set_graphs(true);
         Ok(generate_with(&mut ex, self.requests, |_, _| {})?)
     }
@@ -220,18 +239,35 @@ struct LogitsOnDevice<'a> {
     model: &'a Model,
     kv_dtype: KvCacheDtype,
     tokens: &'a [u32],
+    quiet: bool,
+    world: usize,
 }
 
 impl DeviceJob for LogitsOnDevice<'_> {
     type Output = model::forward::Logits;
-    fn run<D: kernels::device::Device>(self, dev: D) -> Result<Self::Output> {
+    fn run<D: kernels::device::Device + 'static>(
+        self,
+        dev: D,
+        all_reduce: Option<Box<dyn TpAllReduce<D>>>,
+    ) -> Result<Self::Output> {
         use model::executor::{StepOutput, StepResult};
         let n = self.tokens.len();
         let capacity = model::executor::StepCapacity {
             tokens: n,
             logit_rows: n,
         };
-        let mut ex = executor_on(dev, self.model, self.kv_dtype, n, capacity)?;
+        let mut ex = executor_on(
+            dev,
+            self.model,
+            self.kv_dtype,
+            n,
+            capacity,
+            self.quiet,
+            self.world,
+        )?;
+        if let Some(all_reduce) = all_reduce {
+            ex.set_all_reduce(all_reduce);
+        }
         let seq = ex.add_sequence();
         let step = ex.step(
             &[SeqInput {
@@ -283,19 +319,90 @@ struct DeviceArgs {
     ptx_dir: PathBuf,
 }
 
-/// Work that runs on whichever device `--backend` names.
+/// Work that runs on whichever device `--backend` names, as one rank of a tensor-parallel
+/// group when `all_reduce` is given.
 trait DeviceJob {
     type Output;
-    fn run<D: kernels::device::Device>(self, dev: D) -> Result<Self::Output>;
+    fn run<D: kernels::device::Device + 'static>(
+        self,
+        dev: D,
+        all_reduce: Option<Box<dyn TpAllReduce<D>>>,
+    ) -> Result<Self::Output>;
 }
 
-/// Opens the device of `args` (not `cpu`) and runs `job` on it. No driver, no device, or a
-/// binary without the `cuda` feature is refused at once (exit code 2).
-fn on_device<J: DeviceJob>(args: &DeviceArgs, job: J) -> Result<J::Output> {
+/// This process's place in a tensor-parallel group on a device backend.
+struct DeviceRank<'a> {
+    segment: &'a str,
+    rank: usize,
+    world: usize,
+    /// The largest partial sum a step all-reduces.
+    capacity_bytes: usize,
+    timeout: std::time::Duration,
+}
+
+impl TpArgs {
+    /// This rank's place in its group (`None` without tensor parallelism); `max_elements`
+    /// bounds the FP32 partial sums of one step.
+    fn device_rank(&self, max_elements: usize) -> Result<Option<DeviceRank<'_>>> {
+        if self.tp == 1 {
+            return Ok(None);
+        }
+        Ok(Some(DeviceRank {
+            segment: self
+                .tp_segment
+                .as_deref()
+                .context("--tp-rank needs --tp-segment")?,
+            rank: self
+                .tp_rank
+                .context("a tensor-parallel rank needs --tp-rank")?,
+            world: self.world(),
+            capacity_bytes: max_elements * 4,
+            timeout: std::time::Duration::from_secs(self.tp_timeout_secs),
+        }))
+    }
+}
+
+/// Opens the device of `args` (not `cpu`) and runs `job` on it, joining the tensor-parallel
+/// group of `tp` if there is one. No driver, no device, or a binary without the `cuda`
+/// feature is refused at once (exit code 2).
+fn on_device<J: DeviceJob>(
+    args: &DeviceArgs,
+    tp: &TpArgs,
+    max_elements: usize,
+    job: J,
+) -> Result<J::Output> {
+    let group = tp.device_rank(max_elements)?;
+    // Interrupted before every rank attached (the segment unlinks itself after), the name goes.
+    let _segment_cleanup = group
+        .as_ref()
+        .map(|g| model::cleanup::register_segment(g.segment));
     match args.backend {
         BackendArg::Cpu => unreachable!("the CPU backend does not use the device executor"),
-        BackendArg::CudaEmulated => job.run(cuda_host::HostDevice::new(args.emulate_sm)),
-        BackendArg::Cuda => open_gpu(args, job),
+        BackendArg::CudaEmulated => {
+            let dev = cuda_host::HostDevice::new(args.emulate_sm);
+            let all_reduce = match &group {
+                Some(g) => {
+                    let joined = ShmAllReduce::join(
+                        &dev,
+                        g.segment,
+                        g.rank,
+                        g.world,
+                        g.capacity_bytes,
+                        g.timeout,
+                    )
+                    .with_context(|| {
+                        format!(
+                            "rank {} of {}: joining the device all-reduce",
+                            g.rank, g.world
+                        )
+                    })?;
+                    Some(Box::new(joined) as Box<dyn TpAllReduce<_>>)
+                }
+                None => None,
+            };
+            job.run(dev, all_reduce)
+        }
+        BackendArg::Cuda => open_gpu(args, group.as_ref(), job),
     }
 }
 
@@ -324,15 +431,46 @@ fn check_backend_available(args: &DeviceArgs) -> Result<()> {
     Ok(())
 }
 
+/// One GPU per rank: rank R runs on device R.
 #[cfg(feature = "cuda")]
-fn open_gpu<J: DeviceJob>(args: &DeviceArgs, job: J) -> Result<J::Output> {
-    let dev = kernels::cuda::GpuContext::new(0, &args.ptx_dir)
+fn open_gpu<J: DeviceJob>(
+    args: &DeviceArgs,
+    group: Option<&DeviceRank<'_>>,
+    job: J,
+) -> Result<J::Output> {
+    let ordinal = group.map_or(0, |g| g.rank);
+    let dev = kernels::cuda::GpuContext::new(ordinal, &args.ptx_dir)
         .map_err(|e| InvalidInput(format!("--backend cuda: {e}")))?;
-    job.run(dev)
+    let all_reduce = match group {
+        Some(g) => {
+            let joined = model::executor::IpcAllReduce::join(
+                ordinal,
+                &args.ptx_dir,
+                g.segment,
+                g.rank,
+                g.world,
+                g.capacity_bytes,
+                g.timeout,
+            )
+            .with_context(|| {
+                format!(
+                    "rank {} of {}: joining the CUDA IPC all-reduce",
+                    g.rank, g.world
+                )
+            })?;
+            Some(Box::new(joined) as Box<dyn TpAllReduce<_>>)
+        }
+        None => None,
+    };
+    job.run(dev, all_reduce)
 }
 
 #[cfg(not(feature = "cuda"))]
-fn open_gpu<J: DeviceJob>(_args: &DeviceArgs, _job: J) -> Result<J::Output> {
+fn open_gpu<J: DeviceJob>(
+    _args: &DeviceArgs,
+    _group: Option<&DeviceRank<'_>>,
+    _job: J,
+) -> Result<J::Output> {
     Err(InvalidInput(
         "--backend cuda: no CUDA driver support in this binary (built without the `cuda` \
          feature; rebuild with `cargo build --release -p model --features cuda`)"
@@ -348,6 +486,8 @@ fn executor_on<D: kernels::device::Device>(
     kv_dtype: KvCacheDtype,
     cache_tokens: usize,
     capacity: model::executor::StepCapacity,
+    quiet: bool,
+    world: usize,
 ) -> Result<model::executor::DeviceExecutor<D>> {
     use model::executor::{DeviceExecutor, ExecutorError, ExecutorTactics};
     let refuse = |e: ExecutorError| -> anyhow::Error {
@@ -360,15 +500,21 @@ fn executor_on<D: kernels::device::Device>(
     };
     let describe = dev.describe();
     let sm = dev.sm()?;
-    let tactics = ExecutorTactics::defaults(sm, &model.config, kv_dtype).map_err(refuse)?;
-    eprintln!(
-        "device: {describe}; tactics: mla_decode {}, moe_gemm {}",
-        tactics.mla.id(),
-        tactics.moe.map_or("-".into(), |t| t.id())
-    );
-    let ex = DeviceExecutor::new(dev, model, kv_dtype, cache_tokens, capacity, tactics, false)
+    let tactics =
+        ExecutorTactics::defaults_for_rank(sm, &model.config, kv_dtype, world).map_err(refuse)?;
+    if !quiet {
+        eprintln!(
+            "device: {describe}; tactics: mla_decode {}, moe_gemm {}",
+            tactics.mla.id(),
+            tactics.moe.map_or("-".into(), |t| t.id())
+        );
+    }
+    let ex = DeviceExecutor::new(dev, model, kv_dtype, cache_tokens, capacity, tactics, quiet)
         .map_err(refuse)?;
     let bytes = ex.device_bytes();
+    if quiet {
+        return Ok(ex);
+    }
     eprintln!(
         "device memory: weights {:.1} MiB, latent cache {:.1} MiB ({}), workspace {:.1} MiB",
         bytes.weights as f64 / (1 << 20) as f64,
@@ -377,18 +523,6 @@ fn executor_on<D: kernels::device::Device>(
         bytes.workspace as f64 / (1 << 20) as f64
     );
     Ok(ex)
-}
-
-fn refuse_device_tp(device: &DeviceArgs, tp: &TpArgs) -> Result<()> {
-    if device.backend != BackendArg::Cpu && tp.world() > 1 {
-        return Err(InvalidInput(format!(
-            "--tp {} with --backend {}: tensor parallelism runs on the CPU backend only so far",
-            tp.world(),
-            device.backend.name()
-        ))
-        .into());
-    }
-    Ok(())
 }
 
 fn refuse_f32_cache(device: &DeviceArgs, kv_dtype: KvCacheDtype) -> Result<KvCacheDtype> {
@@ -883,7 +1017,6 @@ fn run(args: RunArgs) -> Result<()> {
     );
     drop(opened);
     let max_rows = requests[0].prompt.len().max(args.batch);
-    refuse_device_tp(&args.device, &args.tp)?;
     let tactic = args
         .cpu
         .choose(args.tactics.tactics.as_deref(), &config, args.tp.quiet());
@@ -942,9 +1075,18 @@ fn run(args: RunArgs) -> Result<()> {
             max_rows,
             batch: args.batch,
             requests: &requests,
+            quiet: args.tp.quiet(),
+            world: args.tp.world(),
         };
-        header(args.device.backend.name(), 1);
-        on_device(&args.device, job)?
+        let rank = args.tp.shard().rank;
+        if rank == 0 {
+            header(args.device.backend.name(), args.tp.world());
+        }
+        let out = on_device(&args.device, &args.tp, max_rows * config.hidden_size, job)?;
+        if rank != 0 {
+            return Ok(());
+        }
+        out
     };
     for (i, r) in results.iter().enumerate() {
         println!(
@@ -991,7 +1133,6 @@ fn logits(args: LogitsArgs) -> Result<()> {
         .choose(args.tactics.tactics.as_deref(), &config, args.tp.quiet());
     // Checked here, before any work; the file itself is written by rank 0 at the end.
     drop(logits_output(out, dir)?);
-    refuse_device_tp(&args.device, &args.tp)?;
     if args.tp.is_launcher() {
         check_tensor_parallel(dir, &config, args.tp.world())?;
         return tp::launch_ranks(args.tp.world(), &own_args());
@@ -1017,14 +1158,22 @@ fn logits(args: LogitsArgs) -> Result<()> {
         logits
     } else {
         let kv_dtype = refuse_f32_cache(&args.device, kv_dtype)?;
-        on_device(
+        let logits = on_device(
             &args.device,
+            &args.tp,
+            tokens.len() * config.hidden_size,
             LogitsOnDevice {
                 model: &model,
                 kv_dtype,
                 tokens,
+                quiet: args.tp.quiet(),
+                world: args.tp.world(),
             },
-        )?
+        )?;
+        if args.tp.shard().rank != 0 {
+            return Ok(());
+        }
+        logits
     };
     let bytes: &[u8] = bytemuck::cast_slice(&logits.values);
     let view = TensorView::new(Dtype::F32, vec![logits.rows, logits.vocab], bytes)?;

@@ -284,22 +284,17 @@ fn logits_on_cuda_emulated_agree_with_the_cpu() {
 }
 
 /// The device kernels are built for Kimi-K2.5's latent sizes; another model is refused with
-/// the reason and exit code 2, and so are an FP32 cache and tensor parallelism on a device.
+/// the reason and exit code 2, and so is an FP32 cache.
 #[test]
 fn cuda_emulated_refuses_what_the_kernels_cannot_run() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("l.safetensors");
-    let cases: [(&str, &[&str], &str); 3] = [
+    let cases: [(&str, &[&str], &str); 2] = [
         ("kimi-tiny", &["--kv-dtype", "bf16"], "kv_lora_rank"),
         (
             "kimi-kernel-dims",
             &["--kv-dtype", "f32"],
             "--kv-dtype bf16 or fp8",
-        ),
-        (
-            "kimi-kernel-dims",
-            &["--kv-dtype", "bf16", "--tp", "2"],
-            "tensor parallelism",
         ),
     ];
     for (model, extra, want) in cases {

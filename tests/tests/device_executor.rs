@@ -713,3 +713,152 @@ fn the_plan_and_the_executors_allocation_agree_within_one_percent() {
         assert!(rel(got.total(), total) <= 0.01, "total");
     }
 }
+
+/// Tensor parallelism inside one process: two rank threads, each the executor of its shard on
+/// its own host device, summing partials with the all-reduce kernel over a shared-memory
+/// segment. Decode steps replayed from captured graphs (collectives included) equal the eager
+/// steps bit for bit, both ranks compute the same logits, and a decode step moves per rank its
+/// inputs in, the sampled id out and the all-reduce's status word out (nothing else: the
+/// partial sums never leave the device).
+#[test]
+fn tensor_parallel_ranks_replay_their_graphs_bit_for_bit_and_transfer_only_inputs_and_ids() {
+    use kernels::allreduce::shm::{live_segments, unique_segment_name};
+    use model::executor::ShmAllReduce;
+    use model::weights::TpShard;
+    let (model, golden) = load(KERNEL_MODEL);
+    let tokens = ids(&golden, "tokens");
+    let world = 2;
+    let shards: Vec<Model> = (0..world)
+        .map(|rank| {
+            let weights = model
+                .weights
+                .shard(&model.config, TpShard { rank, world })
+                .unwrap();
+            Model::new(model.config.clone(), weights)
+        })
+        .collect();
+    let dtype = KvCacheDtype::Bf16;
+    let steps = 3;
+    let run = |graphs: bool| {
+        let segment = unique_segment_name("device-tp-test");
+        let per_rank: Vec<_> = std::thread::scope(|s| {
+            let handles: Vec<_> = shards
+                .iter()
+                .enumerate()
+                .map(|(rank, shard)| {
+                    let segment = segment.clone();
+                    let tokens = &tokens;
+                    s.spawn(move || {
+                        let dev = CountingDevice::new(HostDevice::new(Sm::Sm120));
+                        let tactics = ExecutorTactics::defaults_for_rank(
+                            Sm::Sm120,
+                            &shard.config,
+                            dtype,
+                            world,
+                        )
+                        .unwrap();
+                        let capacity = StepCapacity {
+                            tokens: tokens.len(),
+                            logit_rows: 1,
+                        };
+                        let cache = tokens.len() + steps + 1;
+                        let mut ex =
+                            DeviceExecutor::new(dev, shard, dtype, cache, capacity, tactics, true)
+                                .unwrap();
+                        let all_reduce = ShmAllReduce::join(
+                            ex.device(),
+                            &segment,
+                            rank,
+                            world,
+                            tokens.len() * shard.config.hidden_size * 4,
+                            std::time::Duration::from_secs(120),
+                        )
+                        .unwrap();
+                        ex.set_all_reduce(Box::new(all_reduce));
+                        ex.set_graphs(graphs);
+                        let seq = ex.add_sequence();
+                        ex.step(
+                            &[SeqInput { seq, tokens }],
+                            LogitRows::Last,
+                            StepOutput::Greedy,
+                        )
+                        .unwrap();
+                        let mut logits = Vec::new();
+                        for step in 0..steps {
+                            let next = [7 + step as u32];
+                            let StepResult::Logits(l) = ex
+                                .step(
+                                    &[SeqInput { seq, tokens: &next }],
+                                    LogitRows::Last,
+                                    StepOutput::Logits,
+                                )
+                                .unwrap()
+                            else {
+                                unreachable!("asked for logits")
+                            };
+                            logits.push(l.values);
+                        }
+                        ex.device().take();
+                        ex.step(
+                            &[SeqInput { seq, tokens: &[1] }],
+                            LogitRows::Last,
+                            StepOutput::Greedy,
+                        )
+                        .unwrap();
+                        (logits, ex.device().take(), ex.graph_count())
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(live_segments(&segment).is_empty(), "{segment} left behind");
+        per_rank
+    };
+    let eager = run(false);
+    let replayed = run(true);
+    let bits = |v: &[Vec<f32>]| -> Vec<Vec<u32>> {
+        v.iter()
+            .map(|r| r.iter().map(|x| x.to_bits()).collect())
+            .collect()
+    };
+    for rank in 0..world {
+        assert_eq!(eager[rank].2, 0);
+        assert_eq!(replayed[rank].2, 2, "a graph per output kind");
+        assert_eq!(
+            bits(&replayed[rank].0),
+            bits(&eager[rank].0),
+            "rank {rank}: replay differs from eager"
+        );
+        assert_eq!(
+            bits(&eager[rank].0),
+            bits(&eager[0].0),
+            "rank {rank} and rank 0 disagree"
+        );
+        for (how, (_, step, _)) in [("eager", &eager[rank]), ("replayed", &replayed[rank])] {
+            let collectives = step
+                .launches
+                .iter()
+                .filter(|l| l.family == "allreduce")
+                .count();
+            println!(
+                "tp {world} rank {rank} {how} decode step: {} launches ({collectives} all-reduce), \
+                 {} writes ({} B), {} uploads, {} reads ({} B)",
+                step.launches.len(),
+                step.writes,
+                step.bytes_to_device,
+                step.uploads,
+                step.downloads,
+                step.bytes_to_host
+            );
+            // After o_proj and after the MLP or MoE, every layer.
+            assert_eq!(collectives, 2 * model.config.num_hidden_layers, "{how}");
+            assert_eq!(step.writes, STEP_WRITES, "{how}");
+            assert_eq!(step.uploads, 0, "{how}");
+            assert_eq!(
+                step.downloads, 2,
+                "{how}: the sampled id and the status word"
+            );
+            assert_eq!(step.bytes_to_host, 4 + 24, "{how}");
+        }
+    }
+}

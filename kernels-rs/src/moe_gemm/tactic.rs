@@ -343,6 +343,25 @@ impl MoeGemmTactic {
                 }
             }
         }
+        // A tensor-parallel rank's experts hold `moe_intermediate_size / world` columns: 64
+        // or 128 for a small model split 4 or 2 ways, which only the MMA's own K (64) divides.
+        // After the tactics above, so that where both serve the heuristic keeps its choice.
+        for variant in KernelVariant::ALL {
+            let t = MoeGemmTactic {
+                variant,
+                tile_n: 128,
+                tile_m: 8,
+                tile_k: Self::MMA_K,
+                warps: 4,
+                stages: 2,
+                split_k: 1,
+                swap_ab: true,
+                scale_load: ScaleLoad::Swizzled128x4,
+            };
+            if t.fits(sm) {
+                out.push(t);
+            }
+        }
         // Prefill shape: tokens as the MMA's A operand, with the checkpoint's scales as-is.
         let prefill = MoeGemmTactic {
             variant: if sm == Sm::Sm120 {

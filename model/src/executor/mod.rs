@@ -18,9 +18,13 @@
 //! MLA in BF16, the MoE input in BF16 (as on a GPU), the norm weights as BF16 (what the
 //! checkpoint stores), and FP32 sums in another order.
 
+mod all_reduce;
 mod counting;
 mod weights;
 
+#[cfg(feature = "cuda")]
+pub use all_reduce::IpcAllReduce;
+pub use all_reduce::{HostAddressed, ShmAllReduce, TpAllReduce};
 pub use counting::{CountingDevice, DeviceTraffic, LaunchEntry};
 pub use weights::{DeviceLayer, DeviceMlp, DeviceWeights, WeightsError};
 
@@ -55,6 +59,18 @@ impl ExecutorTactics {
         config: &ModelConfig,
         kv_dtype: KvCacheDtype,
     ) -> Result<Self, ExecutorError> {
+        Self::defaults_for_rank(sm, config, kv_dtype, 1)
+    }
+
+    /// The defaults for one rank of `world` tensor-parallel ranks: its experts hold
+    /// `moe_intermediate_size / world` of the intermediate columns, which the MoE tiles must
+    /// divide.
+    pub fn defaults_for_rank(
+        sm: kernels::arch::Sm,
+        config: &ModelConfig,
+        kv_dtype: KvCacheDtype,
+        world: usize,
+    ) -> Result<Self, ExecutorError> {
         check_supported(config)?;
         let mla_shape = ProblemShape::Mla {
             batch: 1,
@@ -69,12 +85,13 @@ impl ExecutorTactics {
                 tokens_per_expert: 1,
                 active_experts: config.num_experts_per_tok as u32,
                 hidden: config.hidden_size as u32,
-                inter: config.moe_intermediate_size as u32,
+                inter: (config.moe_intermediate_size / world.max(1)) as u32,
             };
             Some(MoeGemmTactic::heuristic_default(sm, &shape).ok_or_else(|| {
                 ExecutorError::Unsupported(format!(
                     "no MoE GEMM tactic for {sm} serves hidden {} / intermediate {}",
-                    config.hidden_size, config.moe_intermediate_size
+                    config.hidden_size,
+                    config.moe_intermediate_size / world.max(1)
                 ))
             })?)
         } else {
@@ -350,6 +367,8 @@ pub struct DeviceExecutor<D: Device> {
     graphs: std::collections::HashMap<(usize, StepOutput), D::Graph>,
     /// Cache tokens the current step's rows attend over (launch traffic accounting only).
     step_cached_tokens: usize,
+    /// This rank's share of a tensor-parallel group; `None`: the whole model on one device.
+    all_reduce: Option<Box<dyn TpAllReduce<D>>>,
 }
 
 impl<D: Device> DeviceExecutor<D> {
@@ -432,8 +451,18 @@ impl<D: Device> DeviceExecutor<D> {
             use_graphs: false,
             graphs: Default::default(),
             step_cached_tokens: 0,
+            all_reduce: None,
             config: c,
         })
+    }
+
+    /// Makes this executor one rank of a tensor-parallel group: `model` (given to
+    /// [`new`](Self::new)) must be this rank's shard, and every step sums the partial products
+    /// of attention and of the MLP or MoE over the group with `all_reduce`, where the CPU
+    /// forward calls `all_reduce_sum`. Drops captured graphs (they lack the collectives).
+    pub fn set_all_reduce(&mut self, all_reduce: Box<dyn TpAllReduce<D>>) {
+        self.graphs.clear();
+        self.all_reduce = Some(all_reduce);
     }
 
     /// Decode steps (one new token per sequence) capture their launches once per batch size
@@ -637,6 +666,9 @@ impl<D: Device> DeviceExecutor<D> {
             self.launch_step(n, selected.len(), every_row, splits, output)?;
         }
         let result = self.read_result(selected.len(), output)?;
+        if let Some(all_reduce) = self.all_reduce.as_mut() {
+            all_reduce.check(&self.dev)?;
+        }
         for input in inputs {
             self.pages
                 .commit(input.seq, input.tokens.len())
@@ -702,6 +734,13 @@ impl<D: Device> DeviceExecutor<D> {
             &mut self.workspace,
             &self.weights,
         );
+        let mut all_reduce = self.all_reduce.as_deref_mut();
+        // A rank's attention and MLP outputs are partial sums over its heads and intermediate
+        // columns: summed over the group before they join the residual.
+        let mut sum_partials = |ws: &Workspace<D>| match all_reduce.as_mut() {
+            Some(ar) => ar.sum_f32(dev, &ws.delta, n * c.hidden_size),
+            None => Ok(()),
+        };
         let hidden = c.hidden_size;
         dev.fill(&mut ws.bad_id, 0xFF)?;
         k.embed_gather(
@@ -746,6 +785,7 @@ impl<D: Device> DeviceExecutor<D> {
                 ws,
                 n,
             )?;
+            sum_partials(ws)?;
             k.add_rms_norm(
                 dev,
                 &ws.x,
@@ -818,6 +858,7 @@ impl<D: Device> DeviceExecutor<D> {
                     }
                 }
             }
+            sum_partials(ws)?;
         }
         Ok(())
     }

@@ -1,0 +1,309 @@
+//! The tensor-parallel all-reduce of the device executor: a rank's partial sums (after
+//! `o_proj`, after the MLP or MoE down products) summed over every rank, on the device, in
+//! stream order, so a captured decode graph holds it like any other launch.
+//!
+//! Two implementations of [`TpAllReduce`]:
+//! - [`ShmAllReduce`] (`cuda-emulated`): the real `allreduce.cu`, run by the host execution
+//!   layer, over rank regions that live in one POSIX shared-memory segment every rank process
+//!   maps — the peers' regions are reachable, as CUDA IPC makes them on a GPU — with the
+//!   kernel's own generation flags.
+//! - [`IpcAllReduce`] (feature `cuda`): [`kernels::allreduce::cuda::CudaIpcCommunicator`]'s
+//!   kernels over CUDA IPC regions, launched on the executor's stream.
+//!
+//! The residual add is not fused into the collective: the executor adds the summed partial
+//! into the residual stream in the next `add_rms_norm`, as the CPU tensor-parallel forward
+//! adds it after `all_reduce_sum`.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use kernels::allreduce::algorithm::{Algorithm, Transfer};
+use kernels::allreduce::cpu::default_islands;
+use kernels::allreduce::layout::{HEADER_CAPACITY, HEADER_MAGIC, HEADER_WORLD, SegmentLayout};
+use kernels::allreduce::shm::{JoinError, SharedSegment, create_or_join};
+use kernels::allreduce::tactic::{
+    AllReduceTactic, CONTROL_BYTES, CONTROL_STATUS, DeviceOffsets, FAMILY, KERNEL, KernelStatus,
+    LaunchShape, pack_params,
+};
+use kernels::allreduce::{DType, Islands};
+use kernels::device::{Device, DeviceError, DeviceExt, DeviceMemory, KernelParams, LaunchConfig};
+
+/// Sums partial results across the tensor-parallel ranks, on the device.
+pub trait TpAllReduce<D: Device> {
+    /// Ranks taking part.
+    fn world(&self) -> usize;
+    /// Sums the first `elements` FP32 values of `data` over every rank, in place, in stream
+    /// order (recorded, not run, while `dev` captures a graph). Every rank must make the same
+    /// calls in the same order.
+    fn sum_f32(&mut self, dev: &D, data: &D::Memory, elements: usize) -> Result<(), DeviceError>;
+    /// After a step's result is read: the first error a collective of the step left (a peer
+    /// that timed out or called another collective).
+    fn check(&mut self, dev: &D) -> Result<(), DeviceError>;
+}
+
+/// Devices whose memory addresses are host addresses of this process (the host execution
+/// layer), so a kernel can address a shared-memory segment mapped here.
+pub trait HostAddressed: Device {}
+
+impl HostAddressed for cuda_host::HostDevice {}
+impl<D: HostAddressed> HostAddressed for super::CountingDevice<D> {}
+
+/// Magic of a device all-reduce segment (not the CPU communicator's: the two never share one).
+const SEGMENT_MAGIC: u64 = 0x6465_7674_7061_7231; // "devtpar1"
+/// The emulated path launches one block: the host layer then needs no co-resident launch, and
+/// one flag round per phase is what a decode-sized message costs on a GPU too.
+const EMULATED_BLOCKS: u32 = 1;
+const EMULATED_THREADS: u32 = 256;
+/// One-shot pull: every rank reads every peer's outbox and sums in rank order.
+const ALGORITHM: Algorithm = Algorithm::OneShot(Transfer::Pull);
+
+fn setup_error(what: impl std::fmt::Display) -> DeviceError {
+    DeviceError::Driver {
+        what: "tensor-parallel all-reduce".into(),
+        detail: what.to_string(),
+    }
+}
+
+/// The emulated all-reduce: see the module documentation.
+pub struct ShmAllReduce<D: Device> {
+    /// Keeps every rank's region mapped; the name is unlinked once all ranks have attached.
+    segment: SharedSegment,
+    peers: Vec<u64>,
+    offsets: DeviceOffsets,
+    islands: Islands,
+    rank: usize,
+    world: usize,
+    timeout: Duration,
+    kernel: D::Kernel,
+    control: D::Memory,
+}
+
+impl<D: HostAddressed> ShmAllReduce<D> {
+    /// Joins (rank 0: creates) segment `name` for `world` ranks, each message at most
+    /// `capacity_bytes`; waits up to `timeout` for every rank to attach, and lets a collective
+    /// wait that long for a peer.
+    pub fn join(
+        dev: &D,
+        name: &str,
+        rank: usize,
+        world: usize,
+        capacity_bytes: usize,
+        timeout: Duration,
+    ) -> Result<Self, DeviceError> {
+        let layout = SegmentLayout::new(world, capacity_bytes, false);
+        let offsets = DeviceOffsets::new(&layout);
+        let deadline = Instant::now() + timeout;
+        let mut segment = create_or_join(
+            name,
+            rank,
+            layout.total(),
+            HEADER_MAGIC,
+            SEGMENT_MAGIC,
+            deadline,
+            |s| {
+                s.atomic(HEADER_WORLD)
+                    .store(world as u64, Ordering::Relaxed);
+                s.atomic(HEADER_CAPACITY)
+                    .store(layout.capacity as u64, Ordering::Relaxed);
+            },
+        )
+        .map_err(|e| match e {
+            JoinError::Io { op, source } => setup_error(format_args!("{op} {name:?}: {source}")),
+            JoinError::NotPublished => setup_error(format_args!(
+                "rank {rank}: segment {name:?} did not appear within {timeout:?}"
+            )),
+        })?;
+        let found = (
+            segment.atomic(HEADER_WORLD).load(Ordering::Relaxed),
+            segment.atomic(HEADER_CAPACITY).load(Ordering::Relaxed),
+        );
+        if found != (world as u64, layout.capacity as u64) {
+            return Err(setup_error(format_args!(
+                "rank {rank}: segment {name:?} has (world, capacity) = {found:?}, this rank expects {:?}",
+                (world, layout.capacity)
+            )));
+        }
+        segment
+            .atomic(layout.pid(rank))
+            .store(u64::from(std::process::id()), Ordering::Relaxed);
+        segment
+            .atomic(layout.attached(rank))
+            .store(1, Ordering::Release);
+        while (0..world).any(|r| segment.atomic(layout.attached(r)).load(Ordering::Acquire) == 0) {
+            if Instant::now() > deadline {
+                return Err(setup_error(format_args!(
+                    "rank {rank}: not every rank attached to {name:?} within {timeout:?}"
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // Every rank has it mapped: the name can go, so no kill can leak it.
+        segment
+            .unlink()
+            .map_err(|e| setup_error(format_args!("unlinking {name:?}: {e}")))?;
+        let base = segment.base() as u64;
+        let peers = (0..world).map(|r| base + layout.region(r) as u64).collect();
+        let image = AllReduceTactic {
+            algorithm: ALGORITHM,
+            dtype: DType::F32,
+            threads: EMULATED_THREADS,
+            blocks: EMULATED_BLOCKS,
+        };
+        let kernel = dev.load_kernel(FAMILY, &image.image_id(), KERNEL, 0)?;
+        let control = dev.alloc_zeroed(CONTROL_BYTES)?;
+        Ok(Self {
+            segment,
+            peers,
+            offsets,
+            islands: default_islands(world),
+            rank,
+            world,
+            timeout,
+            kernel,
+            control,
+        })
+    }
+
+    /// The segment's name (already unlinked from `/dev/shm`).
+    pub fn segment_name(&self) -> &str {
+        self.segment.name()
+    }
+}
+
+impl<D: HostAddressed> TpAllReduce<D> for ShmAllReduce<D> {
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn sum_f32(&mut self, dev: &D, data: &D::Memory, elements: usize) -> Result<(), DeviceError> {
+        if elements * 4 > data.len() {
+            return Err(DeviceError::Invalid(format!(
+                "all-reduce of {elements} FP32 values over an allocation of {} B",
+                data.len()
+            )));
+        }
+        let shape = LaunchShape {
+            algorithm: ALGORITHM,
+            dtype: DType::F32,
+            len: elements,
+            rank: self.rank,
+            offsets: self.offsets,
+            islands: &self.islands,
+            timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
+        };
+        let params = pack_params(
+            &shape,
+            &self.peers,
+            data.device_ptr(),
+            None,
+            self.control.device_ptr(),
+        )
+        .map_err(setup_error)?;
+        let cfg = LaunchConfig {
+            grid_dim: (EMULATED_BLOCKS, 1, 1),
+            block_dim: (EMULATED_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut args = KernelParams::new();
+        // One-shot pull: this rank's values into its outbox, every rank's outbox read, the sum
+        // written back.
+        let bytes = elements * 4;
+        args.arg(&params)
+            .traffic(bytes * (1 + self.world), bytes * 2);
+        // SAFETY: the parameter is the kernel's one `ArParams`; its addresses are `data` (at
+        // least `elements` values, checked above), this rank's control block and the rank
+        // regions of the segment this value keeps mapped.
+        unsafe { dev.launch(&self.kernel, cfg, &args) }
+    }
+
+    fn check(&mut self, dev: &D) -> Result<(), DeviceError> {
+        let control: Vec<u64> = dev.download_first(&self.control, CONTROL_STATUS / 8 + 1)?;
+        match KernelStatus::decode(control[CONTROL_STATUS / 8]) {
+            KernelStatus::Ok => Ok(()),
+            status => Err(setup_error(format_args!(
+                "rank {} of {}: {status:?}",
+                self.rank, self.world
+            ))),
+        }
+    }
+}
+
+/// The all-reduce on GPUs: `CudaIpcCommunicator`'s kernels over CUDA IPC regions.
+#[cfg(feature = "cuda")]
+pub struct IpcAllReduce {
+    communicator: kernels::allreduce::cuda::CudaIpcCommunicator,
+}
+
+#[cfg(feature = "cuda")]
+impl IpcAllReduce {
+    /// Joins rendezvous `name` as `rank` of `world` on GPU `device` (the executor's), messages
+    /// up to `capacity_bytes`. Fails cleanly (an error, no panic) without a driver.
+    pub fn join(
+        device: usize,
+        ptx_dir: &std::path::Path,
+        name: &str,
+        rank: usize,
+        world: usize,
+        capacity_bytes: usize,
+        timeout: Duration,
+    ) -> Result<Self, DeviceError> {
+        use kernels::allreduce::cuda::{CudaIpcCommunicator, CudaIpcConfig};
+        let config = CudaIpcConfig {
+            device,
+            ptx_dir: ptx_dir.to_path_buf(),
+            timeout,
+            capacity_bytes,
+            ..CudaIpcConfig::default()
+        };
+        let communicator =
+            CudaIpcCommunicator::new(name, rank, world, config).map_err(setup_error)?;
+        Ok(Self { communicator })
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl TpAllReduce<kernels::cuda::GpuContext> for IpcAllReduce {
+    fn world(&self) -> usize {
+        self.communicator.islands().world_size()
+    }
+
+    fn sum_f32(
+        &mut self,
+        _dev: &kernels::cuda::GpuContext,
+        data: &kernels::cuda::GpuMemory,
+        elements: usize,
+    ) -> Result<(), DeviceError> {
+        use kernels::allreduce::cost::Choice;
+        use kernels::allreduce::tactic::default_blocks;
+        let bytes = elements * 4;
+        if bytes > data.len() {
+            return Err(DeviceError::Invalid(format!(
+                "all-reduce of {elements} FP32 values over an allocation of {} B",
+                data.len()
+            )));
+        }
+        let Choice::Custom(algorithm) = self.communicator.choose(bytes) else {
+            return Err(setup_error(
+                "the policy sends this size to NCCL, which the captured step does not run yet",
+            ));
+        };
+        let tactic = AllReduceTactic {
+            algorithm,
+            dtype: DType::F32,
+            threads: 512,
+            blocks: default_blocks(bytes),
+        };
+        // SAFETY: `data` is a live allocation of at least `elements` FP32 values on the
+        // executor's device; the communicator's stream is that context's default stream, the
+        // executor's, so stream order keeps the step's other launches off it meanwhile.
+        unsafe {
+            self.communicator
+                .launch_raw(tactic, elements, data.device_ptr(), None)
+        }
+        .map_err(setup_error)
+    }
+
+    fn check(&mut self, _dev: &kernels::cuda::GpuContext) -> Result<(), DeviceError> {
+        self.communicator.check().map_err(setup_error)
+    }
+}
