@@ -10,8 +10,9 @@
 //!   (wave quantization);
 //! - `t_compute` = FLOPs of the padded tiles / (the datapath's dense peak × the fraction of
 //!   SMs that have work);
-//! - `t_empty`: CTAs launched for experts with no tokens (`moe_gate_up`'s grid spans every
-//!   expert) still cost a block launch each;
+//! - `t_empty`: CTAs launched with no work still cost a block launch each: `moe_gate_up` and
+//!   `moe_down` size `grid.y` by the experts the step's assignments could reach
+//!   (`MoeGroupingBounds`), not by the ones the router picked;
 //! - `launch`: one kernel boundary inside a CUDA graph.
 //!
 //! The all-reduce uses the existing link-level cost model (`kernels::allreduce::cost`), with
@@ -24,10 +25,36 @@ use kernels::allreduce::tactic::AllReduceTactic;
 use kernels::allreduce::topology::{Topology, fixtures};
 use kernels::arch::{GpuSpec, Sm};
 use kernels::mla::{MlaKind, MlaSplitTactic, MlaTactic};
+use kernels::moe_gemm::launch::MoeGroupingBounds;
 use kernels::moe_gemm::{KernelVariant, MoeGemmTactic};
 use kernels::tactic::ProblemShape;
 
 use crate::manifest::Image;
+
+/// The grid the device path launches for an MoE shape: `MoeGroupingBounds::for_tokens` of
+/// the most tokens the shape's assignments (`active_experts × tokens_per_expert`, the latter
+/// rounded up) can come from, under `top_k` experts per token out of `experts`.
+pub fn moe_grid_bounds(
+    shape: &ProblemShape,
+    experts: u32,
+    top_k: u32,
+) -> Option<MoeGroupingBounds> {
+    let ProblemShape::Moe {
+        tokens_per_expert,
+        active_experts,
+        ..
+    } = *shape
+    else {
+        return None;
+    };
+    let top_k = top_k.max(1) as usize;
+    let tokens = (active_experts as usize * tokens_per_expert as usize).div_ceil(top_k);
+    Some(MoeGroupingBounds::for_tokens(
+        tokens,
+        top_k,
+        experts as usize,
+    ))
+}
 
 /// Assumed parameters of the model (see the module documentation).
 #[derive(Clone, Debug, PartialEq)]
@@ -150,14 +177,14 @@ impl<'a> Model<'a> {
         limits.blocks_per_sm(regs, threads, smem)
     }
 
-    /// Both kernels of one MoE layer (`moe_gate_up`, `moe_down`) for `shape`, with
-    /// `total_experts` in the grid's y dimension.
+    /// Both kernels of one MoE layer (`moe_gate_up`, `moe_down`) for `shape`, on the grid
+    /// `bounds` size (as `moe_gemm::launch::launch_configs` does).
     pub fn moe(
         &self,
         t: &MoeGemmTactic,
         image: Option<&Image>,
         shape: &ProblemShape,
-        total_experts: u32,
+        bounds: &MoeGroupingBounds,
     ) -> Option<Predicted> {
         let ProblemShape::Moe {
             tokens_per_expert,
@@ -170,9 +197,13 @@ impl<'a> Model<'a> {
         };
         let (h, i) = (f64::from(hidden), f64::from(inter));
         let active = f64::from(active_experts);
-        let empty = f64::from(total_experts.saturating_sub(active_experts));
+        let grid_experts = bounds.max_active_experts as f64;
         let (tn, tk) = (f64::from(t.tile_n), f64::from(t.tile_k));
         let m_tiles = f64::from(tokens_per_expert.div_ceil(t.tile_m));
+        // CTAs along z per expert; an expert with more tiles loops within them.
+        let grid_tiles = f64::from(bounds.token_tiles(t.tile_m));
+        let work_tiles = m_tiles.min(grid_tiles);
+        let empty_tiles = (grid_experts * grid_tiles - active * work_tiles).max(0.0);
         let padded_tokens = m_tiles * f64::from(t.tile_m);
         let tokens = f64::from(tokens_per_expert);
         // NVFP4 weights: half a byte per element plus one E4M3 scale per 16.
@@ -192,8 +223,8 @@ impl<'a> Model<'a> {
         let smem = t.smem();
         let gx = i / (tn / 2.0);
         let gate_up = Launch {
-            work_ctas: gx * active * m_tiles,
-            empty_ctas: gx * empty * m_tiles,
+            work_ctas: gx * active * work_tiles,
+            empty_ctas: gx * empty_tiles,
             occupancy: self.occupancy(image, "moe_gate_up", threads, smem.gate_up),
             bytes: active * (2.0 * i * h * fp4 + tokens * h * 2.0 + tokens * i * fp4),
             flops: 2.0 * active * padded_tokens * 2.0 * i * h,
@@ -203,8 +234,8 @@ impl<'a> Model<'a> {
         let dx = h / tn;
         let sk = f64::from(t.split_k);
         let down = Launch {
-            work_ctas: dx * active * m_tiles * sk,
-            empty_ctas: dx * empty * m_tiles * sk,
+            work_ctas: dx * active * work_tiles * sk,
+            empty_ctas: dx * empty_tiles * sk,
             occupancy: self.occupancy(image, "moe_down", threads, smem.down),
             // Weights, the NVFP4 intermediate, and f32 atomics per split into the output.
             bytes: active * (h * i * fp4 + tokens * i * fp4 + tokens * h * 4.0 * sk),
@@ -375,8 +406,9 @@ mod tests {
     fn predictions_respect_the_memory_roofline() {
         let m = Model::new(&RTX_PRO_6000);
         let bw = RTX_PRO_6000.mem_bandwidth_gbs * 1e9;
+        let bounds = MoeGroupingBounds::for_tokens(1, 8, 384);
         for t in MoeGemmTactic::space(Sm::Sm120) {
-            let p = m.moe(&t, None, &batch1(), 384).unwrap();
+            let p = m.moe(&t, None, &batch1(), &bounds).unwrap();
             assert!(p.us > p.bytes / bw * 1e6, "{t}: {p:?}");
         }
         for t in MlaSplitTactic::space(Sm::Sm120) {
@@ -391,16 +423,26 @@ mod tests {
         }
     }
 
-    /// `moe_gate_up`/`moe_down` launch `grid.y` over all 384 experts: at batch 1, 376 of them
-    /// have no tokens. The model charges their CTAs; a grid over the active experts would not.
+    /// A grid with `grid.y` over all 384 experts (as the kernels had before they walked the
+    /// active list) leaves 376 of them without tokens at batch 1: the model charges their
+    /// CTAs, and the grid the device path now launches (the 8 experts one token can reach)
+    /// does not.
     #[test]
     fn idle_experts_ctas_cost_time_at_batch_one() {
         let m = Model::new(&RTX_PRO_6000);
         let t = MoeGemmTactic::heuristic_default(Sm::Sm120, &batch1()).unwrap();
-        let all = m.moe(&t, None, &batch1(), 384).unwrap();
-        let active_only = m.moe(&t, None, &batch1(), 8).unwrap();
+        let every_expert = MoeGroupingBounds {
+            max_active_experts: 384,
+            tokens_per_pass: 1,
+        };
+        let reachable = moe_grid_bounds(&batch1(), 384, 8).unwrap();
+        assert_eq!(reachable, MoeGroupingBounds::for_tokens(1, 8, 384));
+        assert_eq!(reachable.max_active_experts, 8);
+        let all = m.moe(&t, None, &batch1(), &every_expert).unwrap();
+        let active_only = m.moe(&t, None, &batch1(), &reachable).unwrap();
         println!(
-            "{t} at batch 1 (predicted): grid over 384 experts {:.1} µs, over the 8 active {:.1} µs",
+            "{t} at batch 1 (predicted): grid over 384 experts {:.1} µs, over the 8 reachable \
+             {:.1} µs",
             all.us, active_only.us
         );
         assert!(active_only.us < all.us);

@@ -18,6 +18,7 @@ use kernels::allreduce::tactic::AllReduceTactic;
 use kernels::arch::{GpuSpec, Sm};
 use kernels::mla::MlaSplitTactic;
 use kernels::moe_gemm::MoeGemmTactic;
+use kernels::moe_gemm::launch::MoeGroupingBounds;
 use kernels::tactic::cache::{CacheLookup, Expected, load};
 use kernels::tactic::{KernelFamily, ProblemShape};
 use model::config::ModelConfig;
@@ -145,7 +146,11 @@ fn step(c: &Ctx<'_>, batch: u32) -> Result<Step> {
             &moe_t.tactic,
             image,
             &moe_shape,
-            cfg.n_routed_experts as u32,
+            &MoeGroupingBounds::for_tokens(
+                batch as usize,
+                cfg.num_experts_per_tok,
+                cfg.n_routed_experts,
+            ),
         )
         .context("MoE prediction")?;
     add("moe_gemm", pred.us, moe_layers, 2);

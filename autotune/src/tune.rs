@@ -226,6 +226,7 @@ struct Predictor<'a> {
     model: Model<'a>,
     manifest: &'a Manifest,
     experts: u32,
+    top_k: u32,
     ar_host: kernels::allreduce::cost::Host,
 }
 
@@ -233,7 +234,10 @@ impl Predictor<'_> {
     fn predict(&self, t: &Any, family: KernelFamily, shape: &ProblemShape) -> Option<Predicted> {
         let image = self.manifest.image(family, self.sm, &t.image_id());
         match t {
-            Any::Moe(m) => self.model.moe(m, image, shape, self.experts),
+            Any::Moe(m) => {
+                let bounds = cost::moe_grid_bounds(shape, self.experts, self.top_k)?;
+                self.model.moe(m, image, shape, &bounds)
+            }
             Any::Mla(m) => self.model.mla(m, image, shape),
             Any::Ar(a) => cost::allreduce(&self.ar_host, a, shape),
             Any::Layers(_) => self.model.dense(shape),
@@ -251,6 +255,7 @@ pub fn run(opts: &Options) -> Result<Report> {
         model: Model::new(gpu),
         manifest: &manifest,
         experts: opts.model.n_routed_experts as u32,
+        top_k: opts.model.num_experts_per_tok as u32,
         ar_host: cost::allreduce_host(opts.tp),
     };
     let mut notes = vec![format!(

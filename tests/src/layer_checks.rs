@@ -375,6 +375,9 @@ pub fn expert_grouping_matches_grouped_routing<D: Device>(dev: &D, k: &LayerKern
             poisoned(dev, a),
             poisoned(dev, a),
         );
+        // Not 0xFF: the list's padding is -1, which that poison would fake.
+        let mut active_d = dev.alloc_elements::<i32>(experts + 1).unwrap();
+        dev.fill(&mut active_d, 0x55).unwrap();
         k.group_by_expert(
             dev,
             &ids_d,
@@ -385,6 +388,7 @@ pub fn expert_grouping_matches_grouped_routing<D: Device>(dev: &D, k: &LayerKern
             &offsets_d,
             &tokens_d,
             &sorted_w_d,
+            &active_d,
         )
         .unwrap();
         let want = GroupedRouting::new(&routing, experts).unwrap();
@@ -399,6 +403,10 @@ pub fn expert_grouping_matches_grouped_routing<D: Device>(dev: &D, k: &LayerKern
         assert_eq!(
             dev.download::<f32>(&sorted_w_d).unwrap(),
             want.sorted_weights
+        );
+        assert_eq!(
+            dev.download::<i32>(&active_d).unwrap(),
+            want.active_expert_list()
         );
     }
 }

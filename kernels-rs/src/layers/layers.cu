@@ -8,7 +8,8 @@
 //   route_noaux_tc   DeepSeek-V3 / Kimi routing: sigmoid scores, correction bias for choosing
 //                    only, group-limited top-k, normalized weights × scaling factor
 //   group_by_expert  routing → expert_offsets / sorted_token_ids / sorted_weights, the MoE
-//                    kernels' layout (tokens in increasing order within an expert)
+//                    kernels' layout (tokens in increasing order within an expert), and the
+//                    list of active experts the MoE grid's y dimension walks
 //   dense_bf16       y[t] = x[t] · Wᵀ, W BF16 [N, K] row-major (the decode-shaped products)
 //   dense_heads_bf16 per head h: y[t, h] = x[t, h] · W_hᵀ over strided rows (the absorbed
 //                    attention's W_UK and W_UV products, every head in one launch)
@@ -222,17 +223,25 @@ extern "C" __global__ void __launch_bounds__(kThreads) route_noaux_tc(
 // One CTA: a stable counting sort of `assignments` (= tokens · top_k) routing entries by
 // expert. Writes expert_offsets [experts + 1], sorted_token_ids and sorted_weights
 // [assignments]; within an expert, tokens keep their order (t, then slot k), as
-// moe_gemm::launch::GroupedRouting does on the host.
+// moe_gemm::launch::GroupedRouting does on the host. active_experts [1 + experts]: the number
+// of experts with a token, their ids in increasing order, then -1.
 extern "C" __global__ void __launch_bounds__(kThreads) group_by_expert(
     const int* ids, const float* weights, int assignments, int top_k, int experts,
-    int* expert_offsets, int* sorted_token_ids, float* sorted_weights) {
+    int* expert_offsets, int* sorted_token_ids, float* sorted_weights, int* active_experts) {
   // Counts, then an exclusive scan by thread 0 (experts ≤ a few thousand).
   for (int e = threadIdx.x; e <= experts; e += kThreads) expert_offsets[e] = 0;
   __syncthreads();
   for (int a = threadIdx.x; a < assignments; a += kThreads) atomicAdd(&expert_offsets[ids[a] + 1], 1);
   __syncthreads();
-  if (threadIdx.x == 0)
-    for (int e = 1; e <= experts; ++e) expert_offsets[e] += expert_offsets[e - 1];
+  if (threadIdx.x == 0) {
+    int active = 0;
+    for (int e = 1; e <= experts; ++e) {
+      if (expert_offsets[e] > 0) active_experts[1 + active++] = e - 1;
+      expert_offsets[e] += expert_offsets[e - 1];
+    }
+    active_experts[0] = active;
+    for (int e = active; e < experts; ++e) active_experts[1 + e] = -1;
+  }
   __syncthreads();
   // Stable placement: each expert's entries in assignment order, one thread per expert.
   for (int e = threadIdx.x; e < experts; e += kThreads) {

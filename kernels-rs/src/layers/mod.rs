@@ -416,7 +416,9 @@ impl<D: Device> LayerKernels<D> {
     /// Groups `tokens · top_k` routing entries (`ids`, `weights`, as [`route`](Self::route)
     /// writes them) by expert: `expert_offsets [experts + 1]`, `sorted_token_ids` and
     /// `sorted_weights [tokens · top_k]`, the MoE kernels' layout, tokens in increasing order
-    /// within an expert. Ids must be below `experts` (the router guarantees it).
+    /// within an expert, and `active_experts [1 + experts]` (the count of experts with a
+    /// token, their ids, then -1; as `GroupedRouting::active_expert_list`). Ids must be below
+    /// `experts` (the router guarantees it).
     #[allow(clippy::too_many_arguments)]
     pub fn group_by_expert(
         &self,
@@ -429,6 +431,7 @@ impl<D: Device> LayerKernels<D> {
         expert_offsets: &D::Memory,
         sorted_token_ids: &D::Memory,
         sorted_weights: &D::Memory,
+        active_experts: &D::Memory,
     ) -> Result<()> {
         const K: &str = "group_by_expert";
         let assignments = tokens * top_k;
@@ -437,12 +440,14 @@ impl<D: Device> LayerKernels<D> {
         need(expert_offsets, (experts + 1) * I32, K, "expert_offsets")?;
         need(sorted_token_ids, assignments * I32, K, "sorted_token_ids")?;
         need(sorted_weights, assignments * F32, K, "sorted_weights")?;
-        let (i, w, o, st, sw) = (
+        need(active_experts, (experts + 1) * I32, K, "active_experts")?;
+        let (i, w, o, st, sw, ae) = (
             ids.device_ptr(),
             weights.device_ptr(),
             expert_offsets.device_ptr(),
             sorted_token_ids.device_ptr(),
             sorted_weights.device_ptr(),
+            active_experts.device_ptr(),
         );
         let (a, k, e) = (
             as_i32(assignments, K, "assignments")?,
@@ -458,12 +463,13 @@ impl<D: Device> LayerKernels<D> {
             .arg(&o)
             .arg(&st)
             .arg(&sw)
+            .arg(&ae)
             .traffic(
                 assignments * (I32 + F32),
-                (experts + 1) * I32 + assignments * (I32 + F32),
+                2 * (experts + 1) * I32 + assignments * (I32 + F32),
             );
         // SAFETY: `group_by_expert(const int*, const float*, int, int, int, int*, int*,
-        // float*)`, one block; sizes checked above.
+        // float*, int*)`, one block; sizes checked above.
         unsafe { dev.launch(self.kernel(K), rows_config(1, K)?, &p) }
     }
 

@@ -8,7 +8,7 @@ use serde_json::{Value, json};
 
 use super::launch::{
     ExpertWeights, GroupedRouting, H_POISON, MoeDeviceActivations, MoeDeviceRouting,
-    MoeDeviceWeights, MoeKernels, MoeWeightsHost,
+    MoeDeviceWeights, MoeGroupingBounds, MoeKernels, MoeWeightsHost,
 };
 use crate::device::Device;
 use crate::formats::nvfp4::{Nvfp4Matrix, amax, global_scale_for_amax};
@@ -271,6 +271,9 @@ pub fn check_case<D: Device>(
 
 /// [`check_case`], calling `before_run(run)` before each of the two runs (the host layer
 /// changes its thread and block schedule there, so the runs execute in different orders).
+/// The first run's grid fits the routing exactly; the second's spans every expert the
+/// assignments could reach (as a CUDA graph's must) with one token tile per pass, so the CTAs
+/// past the active experts exit and those of an expert with several tiles loop over them.
 pub fn check_case_with<D: Device>(
     gpu: &D,
     kernels: &MoeKernels<D>,
@@ -297,8 +300,16 @@ pub fn check_case_with<D: Device>(
             acts.poison(gpu).map_err(|e| e.to_string())?;
         }
         before_run(run);
+        let bounds = if run == 0 {
+            r.host.exact_bounds()
+        } else {
+            MoeGroupingBounds {
+                tokens_per_pass: 1,
+                ..MoeGroupingBounds::for_tokens(r.host.tokens, r.host.top_k, r.host.experts)
+            }
+        };
         kernels
-            .run(gpu, w, r, &mut acts)
+            .run_with_bounds(gpu, w, r, &mut acts, &bounds)
             .map_err(|e| e.to_string())?;
         gpu.synchronize()
             .map_err(|e| format!("{e} (kernel fault?)"))?;

@@ -14,7 +14,10 @@
 //!   quantized with).
 //! - Routing: `expert_offsets [E+1]` (prefix sums), `sorted_token_ids [A]` and
 //!   `sorted_weights [A]` grouped by expert, tokens in increasing order within an expert
-//!   (the order of `Routing::assignments`).
+//!   (the order of `Routing::assignments`); `active_experts [1+E]`: the number of experts
+//!   with a token, their ids, then -1. The grid's y dimension walks that list and its z
+//!   dimension the token tiles, each CTA looping over its expert's tiles, so the grid is
+//!   sized by [`MoeGroupingBounds`], not by the routing itself.
 //! - `x`: `[T, H]` BF16; `h_q [A, I/2]`, `h_sf [A, I/16]` the NVFP4 intermediate; `out [T, H]`
 //!   f32, **accumulated atomically** by `moe_down`, so it must be zeroed before each run.
 
@@ -40,6 +43,7 @@ pub const H_POISON: u8 = 0xFF;
 #[derive(Clone, Copy, Debug, Default)]
 pub struct MoeArgs {
     pub expert_offsets: u64,
+    pub active_experts: u64,
     pub sorted_token_ids: u64,
     pub sorted_weights: u64,
     pub hidden: i32,
@@ -59,12 +63,12 @@ pub struct MoeArgs {
 }
 
 const _: () = {
-    assert!(std::mem::size_of::<MoeArgs>() == 128);
+    assert!(std::mem::size_of::<MoeArgs>() == 136);
     assert!(std::mem::align_of::<MoeArgs>() == 8);
-    assert!(std::mem::offset_of!(MoeArgs, hidden) == 24);
-    assert!(std::mem::offset_of!(MoeArgs, inter) == 28);
-    assert!(std::mem::offset_of!(MoeArgs, x) == 32);
-    assert!(std::mem::offset_of!(MoeArgs, out) == 120);
+    assert!(std::mem::offset_of!(MoeArgs, hidden) == 32);
+    assert!(std::mem::offset_of!(MoeArgs, inter) == 36);
+    assert!(std::mem::offset_of!(MoeArgs, x) == 40);
+    assert!(std::mem::offset_of!(MoeArgs, out) == 128);
 };
 
 /// One expert's weights as a checkpoint holds them (row-major scales).
@@ -273,6 +277,61 @@ impl GroupedRouting {
             .filter(|w| w[1] > w[0])
             .count()
     }
+
+    /// `[1 + experts]`: the number of experts with a token, their ids in increasing order,
+    /// then -1 (what `layers::group_by_expert` writes on the device).
+    pub fn active_expert_list(&self) -> Vec<i32> {
+        let mut list = vec![-1; self.experts + 1];
+        let mut active = 0;
+        for (e, w) in self.expert_offsets.windows(2).enumerate() {
+            if w[1] > w[0] {
+                active += 1;
+                list[active] = e as i32;
+            }
+        }
+        list[0] = active as i32;
+        list
+    }
+
+    /// Bounds that fit this grouping exactly: one CTA per active expert and token tile.
+    pub fn exact_bounds(&self) -> MoeGroupingBounds {
+        MoeGroupingBounds {
+            max_active_experts: self.active_experts(),
+            tokens_per_pass: self.max_per_expert,
+        }
+    }
+}
+
+/// What the host knows of a grouping when it sizes the MoE grid: on the device path, only
+/// the step's shape (a CUDA graph's grid cannot depend on the routing). `grid.y` is
+/// `max_active_experts` (CTAs past the actual count exit at once) and `grid.z` covers
+/// `tokens_per_pass` tokens of an expert; an expert with more loops over its further token
+/// tiles, so any bounds compute the same output, and only the parallelism changes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeGroupingBounds {
+    pub max_active_experts: usize,
+    pub tokens_per_pass: usize,
+}
+
+impl MoeGroupingBounds {
+    /// The most experts `tokens · top_k` assignments can reach, and twice their mean load
+    /// over those experts per pass: a decode batch's expert that draws more than that (rare
+    /// under a balanced router) takes a second pass, instead of every grid carrying the
+    /// worst case of `tokens` tiles per expert.
+    pub fn for_tokens(tokens: usize, top_k: usize, experts: usize) -> Self {
+        let assignments = tokens * top_k;
+        let max_active_experts = experts.min(assignments);
+        let mean_load = assignments.div_ceil(max_active_experts.max(1));
+        MoeGroupingBounds {
+            max_active_experts,
+            tokens_per_pass: (2 * mean_load).min(tokens),
+        }
+    }
+
+    /// `grid.z` before the split-K factor: token tiles of `tile_m` per pass.
+    pub fn token_tiles(&self, tile_m: u32) -> u32 {
+        self.tokens_per_pass.div_ceil(tile_m as usize).max(1) as u32
+    }
 }
 
 /// Shape constraints of `moe_gemm.cu` that it does not check itself: violating one makes the
@@ -398,6 +457,7 @@ impl<D: Device> MoeDeviceWeights<D> {
 pub struct MoeDeviceRouting<D: Device> {
     pub host: GroupedRouting,
     expert_offsets: D::Memory,
+    active_experts: D::Memory,
     sorted_token_ids: D::Memory,
     sorted_weights: D::Memory,
 }
@@ -418,6 +478,7 @@ impl<D: Device> MoeDeviceRouting<D> {
         };
         Ok(Self {
             expert_offsets: dev.upload(&routing.expert_offsets)?,
+            active_experts: dev.upload(&routing.active_expert_list())?,
             sorted_token_ids: dev.upload(&ids)?,
             sorted_weights: dev.upload(&ws)?,
             host: routing,
@@ -553,6 +614,7 @@ impl<D: Device> MoeKernels<D> {
         w: &MoeDeviceWeights<D>,
         r: &MoeDeviceRouting<D>,
         a: &MoeDeviceActivations<D>,
+        bounds: &MoeGroupingBounds,
     ) -> Result<()> {
         let t = &self.tactic;
         check_problem(t, w.hidden, w.inter)?;
@@ -583,9 +645,7 @@ impl<D: Device> MoeKernels<D> {
                 a.assignments
             ));
         }
-        if w.experts > 65_535 || r.host.max_per_expert.div_ceil(t.tile_m as usize) > 65_535 {
-            return bad("grid y/z beyond 65535".into());
-        }
+        check_grid(t, w.experts, bounds)?;
         if w.scales[t.scale_load.macro_value() as usize].is_none() {
             return bad(format!(
                 "weights were uploaded without {:?} scales",
@@ -601,7 +661,12 @@ impl<D: Device> MoeKernels<D> {
         r: &MoeDeviceRouting<D>,
         a: &MoeDeviceActivations<D>,
     ) -> MoeArgs {
-        let grouping = [&r.expert_offsets, &r.sorted_token_ids, &r.sorted_weights];
+        let grouping = [
+            &r.expert_offsets,
+            &r.active_experts,
+            &r.sorted_token_ids,
+            &r.sorted_weights,
+        ];
         let io = MoeDeviceIo {
             x: &a.x,
             h_q: &a.h_q,
@@ -612,12 +677,17 @@ impl<D: Device> MoeKernels<D> {
     }
 
     /// The kernels' argument block from the weights, the grouping buffers
-    /// (`expert_offsets`, `sorted_token_ids`, `sorted_weights`) and the activations; the
-    /// tactic's scale layout must have been uploaded (the callers check).
+    /// (`expert_offsets`, `active_experts`, `sorted_token_ids`, `sorted_weights`) and the
+    /// activations; the tactic's scale layout must have been uploaded (the callers check).
     fn args_from(
         &self,
         w: &MoeDeviceWeights<D>,
-        [expert_offsets, sorted_token_ids, sorted_weights]: [&D::Memory; 3],
+        [
+            expert_offsets,
+            active_experts,
+            sorted_token_ids,
+            sorted_weights,
+        ]: [&D::Memory; 4],
         io: &MoeDeviceIo<'_, D>,
     ) -> MoeArgs {
         let (w13_sf, w2_sf) = w.scales[self.tactic.scale_load.macro_value() as usize]
@@ -625,6 +695,7 @@ impl<D: Device> MoeKernels<D> {
             .expect("checked by the caller");
         MoeArgs {
             expert_offsets: expert_offsets.device_ptr(),
+            active_experts: active_experts.device_ptr(),
             sorted_token_ids: sorted_token_ids.device_ptr(),
             sorted_weights: sorted_weights.device_ptr(),
             hidden: w.hidden as i32,
@@ -644,19 +715,18 @@ impl<D: Device> MoeKernels<D> {
         }
     }
 
-    /// Launch configurations `(moe_gate_up, moe_down)`; `None` when no expert has a token
-    /// (a zero grid dimension is invalid).
+    /// Launch configurations `(moe_gate_up, moe_down)`; `None` when no expert can have a
+    /// token (a zero grid dimension is invalid).
     pub fn launch_configs(
         &self,
         hidden: usize,
         inter: usize,
-        experts: usize,
-        max_per_expert: usize,
+        bounds: &MoeGroupingBounds,
     ) -> Option<(LaunchConfig, LaunchConfig)> {
-        launch_configs(&self.tactic, hidden, inter, experts, max_per_expert)
+        launch_configs(&self.tactic, hidden, inter, bounds)
     }
 
-    /// Launches `moe_gate_up`: `x` → `h_q`, `h_sf`.
+    /// Launches `moe_gate_up`: `x` → `h_q`, `h_sf`, on a grid that fits the routing exactly.
     pub fn launch_gate_up(
         &self,
         dev: &D,
@@ -664,10 +734,11 @@ impl<D: Device> MoeKernels<D> {
         r: &MoeDeviceRouting<D>,
         a: &mut MoeDeviceActivations<D>,
     ) -> Result<()> {
-        self.launch(dev, w, r, a, true)
+        self.launch(dev, w, r, a, &r.host.exact_bounds(), true)
     }
 
-    /// Launches `moe_down`: `h` → `out` (accumulated: zero `out` first).
+    /// Launches `moe_down`: `h` → `out` (accumulated: zero `out` first), on a grid that fits
+    /// the routing exactly.
     pub fn launch_down(
         &self,
         dev: &D,
@@ -675,10 +746,10 @@ impl<D: Device> MoeKernels<D> {
         r: &MoeDeviceRouting<D>,
         a: &mut MoeDeviceActivations<D>,
     ) -> Result<()> {
-        self.launch(dev, w, r, a, false)
+        self.launch(dev, w, r, a, &r.host.exact_bounds(), false)
     }
 
-    /// Zeroes `out`, then runs both kernels.
+    /// Zeroes `out`, then runs both kernels on a grid that fits the routing exactly.
     pub fn run(
         &self,
         dev: &D,
@@ -686,9 +757,23 @@ impl<D: Device> MoeKernels<D> {
         r: &MoeDeviceRouting<D>,
         a: &mut MoeDeviceActivations<D>,
     ) -> Result<()> {
+        self.run_with_bounds(dev, w, r, a, &r.host.exact_bounds())
+    }
+
+    /// [`run`](Self::run) on the grid `bounds` size: bounds that do not cover the routing
+    /// (fewer token tiles per pass than an expert has) make the CTAs loop; bounds below the
+    /// active experts are refused, since the CTAs of the experts past them would be missing.
+    pub fn run_with_bounds(
+        &self,
+        dev: &D,
+        w: &MoeDeviceWeights<D>,
+        r: &MoeDeviceRouting<D>,
+        a: &mut MoeDeviceActivations<D>,
+        bounds: &MoeGroupingBounds,
+    ) -> Result<()> {
         a.zero_out(dev)?;
-        self.launch_gate_up(dev, w, r, a)?;
-        self.launch_down(dev, w, r, a)
+        self.launch(dev, w, r, a, bounds, true)?;
+        self.launch(dev, w, r, a, bounds, false)
     }
 
     fn launch(
@@ -697,12 +782,21 @@ impl<D: Device> MoeKernels<D> {
         w: &MoeDeviceWeights<D>,
         r: &MoeDeviceRouting<D>,
         a: &mut MoeDeviceActivations<D>,
+        bounds: &MoeGroupingBounds,
         gate_up: bool,
     ) -> Result<()> {
-        self.check(w, r, a)?;
-        let Some((cfg_gu, cfg_down)) =
-            self.launch_configs(w.hidden, w.inter, w.experts, r.host.max_per_expert)
-        else {
+        self.check(w, r, a, bounds)?;
+        if bounds.max_active_experts < r.host.active_experts() {
+            return Err(DeviceError::Shape {
+                tactic: self.tactic.id(),
+                why: format!(
+                    "grid for {} active experts, the routing has {}",
+                    bounds.max_active_experts,
+                    r.host.active_experts()
+                ),
+            });
+        }
+        let Some((cfg_gu, cfg_down)) = self.launch_configs(w.hidden, w.inter, bounds) else {
             return Ok(());
         };
         let args = self.args(w, r, a);
@@ -729,15 +823,19 @@ impl<D: Device> MoeKernels<D> {
 }
 
 /// A routing grouped on the device in the same step (by `layers::group_by_expert`): the host
-/// knows only its bounds, so the grid is sized for the worst case — every expert's tiles up to
-/// `tokens` rows — and the blocks of experts with fewer tokens return at once. That keeps a
-/// decode step free of host decisions (and capturable as a CUDA graph).
+/// knows only `bounds` (usually [`MoeGroupingBounds::for_tokens`]), which size the grid; the
+/// CTAs past the active experts return at once and those of an expert with more tokens than
+/// a pass covers loop. That keeps a decode step free of host decisions (and capturable as a
+/// CUDA graph).
 pub struct MoeDeviceGrouping<'a, D: Device> {
     pub tokens: usize,
     pub top_k: usize,
     pub experts: usize,
+    pub bounds: MoeGroupingBounds,
     /// `[experts + 1]` i32
     pub expert_offsets: &'a D::Memory,
+    /// `[1 + experts]` i32: the active count, then the active experts' ids
+    pub active_experts: &'a D::Memory,
     /// `[tokens · top_k]` i32
     pub sorted_token_ids: &'a D::Memory,
     /// `[tokens · top_k]` f32
@@ -786,6 +884,11 @@ impl<D: Device> MoeKernels<D> {
                 (g.experts + 1) * 4,
             ),
             (
+                "active_experts",
+                g.active_experts.len(),
+                (g.experts + 1) * 4,
+            ),
+            (
                 "sorted_token_ids",
                 g.sorted_token_ids.len(),
                 assignments * 4,
@@ -801,30 +904,40 @@ impl<D: Device> MoeKernels<D> {
                 return bad(format!("{name} holds {have} B, the launch needs {want} B"));
             }
         }
-        if w.experts > 65_535 || g.tokens.div_ceil(t.tile_m as usize) > 65_535 {
-            return bad("grid y/z beyond 65535".into());
+        // Any grouping of `tokens · top_k` assignments has at most that many active experts.
+        let reachable = g.experts.min(assignments);
+        if g.bounds.max_active_experts < reachable {
+            return bad(format!(
+                "grid for {} active experts, {} tokens × top-{} can reach {reachable}",
+                g.bounds.max_active_experts, g.tokens, g.top_k
+            ));
         }
+        check_grid(t, w.experts, &g.bounds)?;
         if w.scales[t.scale_load.macro_value() as usize].is_none() {
             return bad(format!(
                 "weights were uploaded without {:?} scales",
                 t.scale_load
             ));
         }
-        let Some((cfg_gu, cfg_down)) = launch_configs(t, w.hidden, w.inter, w.experts, g.tokens)
-        else {
+        let Some((cfg_gu, cfg_down)) = launch_configs(t, w.hidden, w.inter, &g.bounds) else {
             return Ok(());
         };
-        let grouping = [g.expert_offsets, g.sorted_token_ids, g.sorted_weights];
+        let grouping = [
+            g.expert_offsets,
+            g.active_experts,
+            g.sorted_token_ids,
+            g.sorted_weights,
+        ];
         let args = self.args_from(w, grouping, io);
-        // The routing is on the device: at most every assignment on its own expert.
-        let [gu, down] = w.launch_traffic(g.tokens, assignments, assignments.min(w.experts));
+        // The routing is on the device: at most the grid's bound of experts is active.
+        let [gu, down] = w.launch_traffic(g.tokens, assignments, g.bounds.max_active_experts);
         let mut params = KernelParams::new();
         params.arg(&args).traffic(gu.0, gu.1);
         // SAFETY: `args` matches the kernels' by-value `MoeArgs`; every buffer was checked
         // above for `tokens` rows and `tokens · top_k` assignments, which bound what any
-        // grouping of them can address; the grid covers `tokens` rows per expert (the most any
-        // expert can get) and blocks past an expert's count return; the dynamic shared memory
-        // was opted into at load.
+        // grouping of them can address; grid.y covers every expert the assignments can reach
+        // and the CTAs loop over their expert's token tiles, so every row is computed once;
+        // the dynamic shared memory was opted into at load.
         unsafe { dev.launch(&self.gate_up, cfg_gu, &params)? };
         params.traffic(down.0, down.1);
         // SAFETY: as above, the same arguments for `moe_down`.
@@ -832,24 +945,39 @@ impl<D: Device> MoeKernels<D> {
     }
 }
 
+/// Grid dimensions within CUDA's y/z limit.
+fn check_grid(t: &MoeGemmTactic, experts: usize, bounds: &MoeGroupingBounds) -> Result<()> {
+    let z = bounds.token_tiles(t.tile_m) as usize * t.split_k as usize;
+    if bounds.max_active_experts > experts.min(65_535) || z > 65_535 {
+        return Err(DeviceError::Shape {
+            tactic: t.id(),
+            why: format!(
+                "grid y {} (of {experts} experts) / z {z} beyond the experts or 65535",
+                bounds.max_active_experts
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// Launch configurations `(moe_gate_up, moe_down)` of `tactic` for a problem; `None` when no
-/// expert has a token (a zero grid dimension is invalid).
+/// expert can have a token (a zero grid dimension is invalid).
 pub fn launch_configs(
     tactic: &MoeGemmTactic,
     hidden: usize,
     inter: usize,
-    experts: usize,
-    max_per_expert: usize,
+    bounds: &MoeGroupingBounds,
 ) -> Option<(LaunchConfig, LaunchConfig)> {
-    if max_per_expert == 0 {
+    if bounds.max_active_experts == 0 || bounds.tokens_per_pass == 0 {
         return None;
     }
     let t = tactic;
     let smem = t.smem();
-    let m_tiles = max_per_expert.div_ceil(t.tile_m as usize) as u32;
+    let m_tiles = bounds.token_tiles(t.tile_m);
+    let experts = bounds.max_active_experts;
     let block = (t.threads(), 1, 1);
     Some((
-        // grid: (inter / (TN/2), experts, ceil(max tokens per expert / TM))
+        // grid: (inter / (TN/2), most active experts, token tiles per pass)
         LaunchConfig {
             grid_dim: (
                 (inter / (t.tile_n as usize / 2)) as u32,
@@ -859,7 +987,7 @@ pub fn launch_configs(
             block_dim: block,
             shared_mem_bytes: smem.gate_up as u32,
         },
-        // grid: (hidden / TN, experts, ceil(max tokens per expert / TM) · SPLIT_K)
+        // grid: (hidden / TN, most active experts, token tiles per pass · SPLIT_K)
         LaunchConfig {
             grid_dim: (
                 (hidden / t.tile_n as usize) as u32,
@@ -893,6 +1021,14 @@ mod tests {
         assert_eq!(g.sorted_weights, vec![0.2, 0.3, 0.6, 0.1, 0.4, 0.5]);
         assert_eq!(g.max_per_expert, 3);
         assert_eq!(g.active_experts(), 3);
+        assert_eq!(g.active_expert_list(), vec![3, 0, 1, 2, -1]);
+        assert_eq!(
+            g.exact_bounds(),
+            MoeGroupingBounds {
+                max_active_experts: 3,
+                tokens_per_pass: 3
+            }
+        );
         assert!(GroupedRouting::new(&routing(), 2).is_err());
     }
 
@@ -974,7 +1110,31 @@ mod tests {
     }
 
     #[test]
-    fn moe_args_is_a_flat_128_byte_block() {
-        assert_eq!(std::mem::size_of::<MoeArgs>(), 128);
+    fn device_bounds_cover_what_the_assignments_can_reach() {
+        // Kimi-K2.5: 384 experts, top-8. Batch 1 reaches 8 experts, batch 32 at most 256, a
+        // prefill chunk of 8192 tokens all 384 with twice its mean load of 171 per pass.
+        let b = |tokens| MoeGroupingBounds::for_tokens(tokens, 8, 384);
+        let pair = |g: MoeGroupingBounds| (g.max_active_experts, g.tokens_per_pass);
+        assert_eq!(pair(b(1)), (8, 1));
+        assert_eq!(pair(b(8)), (64, 2));
+        assert_eq!(pair(b(32)), (256, 2));
+        assert_eq!(pair(b(8192)), (384, 342));
+        assert_eq!(pair(b(0)), (0, 0));
+        assert_eq!(b(8192).token_tiles(16), 22);
+        // TP8 batch 1, the 128-row tile: 4 × 8 gate/up CTAs and 56 × 8 down CTAs, where a
+        // grid over every expert launched 4 × 384 and 56 × 384.
+        let t = MoeGemmTactic::enumerate(Sm::Sm120)
+            .into_iter()
+            .find(|t| t.tile_n == 128 && t.tile_m == 8)
+            .unwrap();
+        let (gu, down) = launch_configs(&t, 7168, 256, &b(1)).unwrap();
+        assert_eq!(gu.grid_dim, (4, 8, 1));
+        assert_eq!(down.grid_dim, (56, 8, 1));
+        assert!(launch_configs(&t, 7168, 256, &b(0)).is_none());
+    }
+
+    #[test]
+    fn moe_args_is_a_flat_136_byte_block() {
+        assert_eq!(std::mem::size_of::<MoeArgs>(), 136);
     }
 }

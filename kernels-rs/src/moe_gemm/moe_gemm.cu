@@ -4,7 +4,10 @@
 // tactic's parameters as -D macros generated from `MoeGemmTactic::nvcc_defines`, and the
 // shared-memory sizes Rust computed, which are static_asserted against the layout below.
 //
-// Two kernels, both over tokens grouped by expert (`expert_offsets` into `sorted_token_ids`):
+// Two kernels, both over tokens grouped by expert (`expert_offsets` into `sorted_token_ids`),
+// with grid.y over the list of active experts (`active_experts`: the count, then the ids) and
+// grid.z over token tiles: a CTA loops over its expert's tiles z, z + gridDim.z, ... so a grid
+// sized from bounds the host knows before the routing exists (a CUDA graph's) drops no token.
 //   moe_gate_up: h = SiLU(x·W_gateᵀ) ⊙ (x·W_upᵀ) on this rank's intermediate shard, then h is
 //                quantized to NVFP4 with the down projection's input_scale.
 //   moe_down:    out[token] += routing_weight · (h·W_downᵀ); out is this rank's partial sum
@@ -93,6 +96,7 @@ static_assert(SmemLayout::down == MOE_EXPECT_SMEM_DOWN, "Rust and CUDA smem disa
 
 struct MoeArgs {
   const int* expert_offsets;     // [E + 1] prefix sums of assignments per expert
+  const int* active_experts;     // [1 + E]: how many experts have a token, then their ids
   const int* sorted_token_ids;   // [A] token of each assignment, grouped by expert
   const float* sorted_weights;   // [A] routing weight of each assignment
   int hidden;                    // H (7168)
@@ -383,14 +387,9 @@ __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 
 using namespace moe;
 
-// grid: (inter / (TN/2), experts, ceil(max tokens per expert / TM)); block: THREADS.
-extern "C" __global__ void __launch_bounds__(THREADS, 1) moe_gate_up(const MoeArgs args) {
-  extern __shared__ __align__(16) uint8_t smem[];
-  const int e = blockIdx.y;
-  const int begin = args.expert_offsets[e], count = args.expert_offsets[e + 1] - begin;
-  const int m0 = blockIdx.z * TM;
-  if (m0 >= count) return;
-  const int i0 = blockIdx.x * (TN / 2);
+// Token tile [m0, m0 + TM) of expert e's `count` assignments (from `begin`), gate/up rows i0..
+__device__ __forceinline__ void gate_up_tile(const MoeArgs& args, uint8_t* smem, int e, int begin,
+                                             int count, int m0, int i0) {
   const int H = args.hidden, I = args.inter;
   const int warp = threadIdx.x >> 5;
 
@@ -480,14 +479,23 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) moe_gate_up(const MoeAr
   }
 }
 
-// grid: (hidden / TN, experts, ceil(max tokens per expert / TM) · SPLIT_K); block: THREADS.
-extern "C" __global__ void __launch_bounds__(THREADS, 1) moe_down(const MoeArgs args) {
+// grid: (inter / (TN/2), most active experts, token tiles per pass); block: THREADS.
+extern "C" __global__ void __launch_bounds__(THREADS, 1) moe_gate_up(const MoeArgs args) {
   extern __shared__ __align__(16) uint8_t smem[];
-  const int e = blockIdx.y;
+  if (int(blockIdx.y) >= args.active_experts[0]) return;
+  const int e = args.active_experts[1 + blockIdx.y];
   const int begin = args.expert_offsets[e], count = args.expert_offsets[e + 1] - begin;
-  const int m0 = (blockIdx.z / SPLIT_K) * TM, split = blockIdx.z % SPLIT_K;
-  if (m0 >= count) return;
-  const int h0 = blockIdx.x * TN;
+  const int i0 = blockIdx.x * (TN / 2);
+  for (int m0 = blockIdx.z * TM; m0 < count; m0 += int(gridDim.z) * TM) {
+    gate_up_tile(args, smem, e, begin, count, m0, i0);
+    // The next tile's first loads overwrite the epilogue's staging of this one.
+    __syncthreads();
+  }
+}
+
+// Token tile [m0, m0 + TM) of expert e, output rows h0.., K split `split`.
+__device__ __forceinline__ void down_tile(const MoeArgs& args, uint8_t* smem, int e, int begin,
+                                          int count, int m0, int h0, int split) {
   const int H = args.hidden, I = args.inter;
   const int warp = threadIdx.x >> 5;
 
@@ -560,5 +568,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) moe_down(const MoeArgs 
                   acc[mw][mt][r] * deq * args.sorted_weights[a]);
       }
     }
+  }
+}
+
+// grid: (hidden / TN, most active experts, token tiles per pass · SPLIT_K); block: THREADS.
+extern "C" __global__ void __launch_bounds__(THREADS, 1) moe_down(const MoeArgs args) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  if (int(blockIdx.y) >= args.active_experts[0]) return;
+  const int e = args.active_experts[1 + blockIdx.y];
+  const int begin = args.expert_offsets[e], count = args.expert_offsets[e + 1] - begin;
+  const int h0 = blockIdx.x * TN, split = blockIdx.z % SPLIT_K;
+  const int tiles_per_pass = int(gridDim.z) / SPLIT_K;
+  for (int m0 = (blockIdx.z / SPLIT_K) * TM; m0 < count; m0 += tiles_per_pass * TM) {
+    down_tile(args, smem, e, begin, count, m0, h0, split);
+    // The next tile's first loads overwrite the stages this one may still be reading.
+    __syncthreads();
   }
 }

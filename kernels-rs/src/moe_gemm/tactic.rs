@@ -319,11 +319,18 @@ impl MoeGemmTactic {
     /// The tactic space built for `sm`: every combination of the axes below that the template
     /// accepts and whose shared memory fits the SM's opt-in limit. The axes are kept small so
     /// the compile gate (one nvcc run per tactic) stays within minutes on two cores.
+    ///
+    /// The narrow tile (64 weight rows on 2 warps) is for decode: at TP8 batch 1 an expert's
+    /// 256 intermediate rows and 7168 output rows make too few 128-row CTAs to fill the SMs,
+    /// and half-width tiles double them; it is built only for the token tiles decode uses.
     pub fn enumerate(sm: Sm) -> Vec<MoeGemmTactic> {
         let mut out = Vec::new();
         for variant in KernelVariant::ALL {
-            for (tile_n, warps) in [(128, 4), (256, 8)] {
+            for (tile_n, warps) in [(64, 2), (128, 4), (256, 8)] {
                 for tile_m in [8, 16, 32] {
+                    if tile_n == 64 && tile_m > 16 {
+                        continue;
+                    }
                     for stages in [2, 4] {
                         let t = MoeGemmTactic {
                             variant,
@@ -466,6 +473,29 @@ mod tests {
         assert!(big90.fits(Sm::Sm90));
         assert!(MoeGemmTactic::enumerate(Sm::Sm90).contains(&big90));
         assert!(!MoeGemmTactic::enumerate(Sm::Sm120).contains(&big));
+    }
+
+    #[test]
+    fn narrow_decode_tiles_are_in_each_space() {
+        for (sm, variants) in [(Sm::Sm120, 1), (Sm::Sm90, 2)] {
+            let narrow: Vec<_> = MoeGemmTactic::enumerate(sm)
+                .into_iter()
+                .filter(|t| t.tile_n == 64)
+                .collect();
+            // Token tiles 8 and 16, 2 and 4 stages, per variant built for the SM.
+            assert_eq!(narrow.len(), 4 * variants, "{sm}: {narrow:?}");
+            assert!(narrow.iter().all(|t| t.warps == 2 && t.tile_m <= 16));
+        }
+        let t = MoeGemmTactic {
+            tile_n: 64,
+            warps: 2,
+            tile_m: 8,
+            stages: 2,
+            ..decode()
+        };
+        assert_eq!(t.id(), "native_n64_m8_k256_w2_s2_sk1_wa_sfsw");
+        // 64 rows on 4 warps would leave each warp half an MMA of each half.
+        assert!(MoeGemmTactic { warps: 4, ..t }.validate().is_err());
     }
 
     #[test]

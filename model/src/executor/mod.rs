@@ -35,7 +35,7 @@ use kernels::mla::cache::{KvCacheDtype, PAGE_TOKENS, PageTables, SeqId};
 use kernels::mla::launch::{DecodeIo, DeviceCache, MlaKernels};
 use kernels::mla::tactic::{LATENT, MlaTactic, ROPE};
 use kernels::moe_gemm::MoeGemmTactic;
-use kernels::moe_gemm::launch::{MoeDeviceGrouping, MoeDeviceIo, MoeKernels};
+use kernels::moe_gemm::launch::{MoeDeviceGrouping, MoeDeviceIo, MoeGroupingBounds, MoeKernels};
 use kernels::tactic::{ProblemShape, Tactic};
 
 use crate::config::ModelConfig;
@@ -153,6 +153,7 @@ struct Workspace<D: Device> {
     route_ids: D::Memory,
     route_weights: D::Memory,
     expert_offsets: D::Memory,
+    active_experts: D::Memory,
     sorted_token_ids: D::Memory,
     sorted_weights: D::Memory,
     x_bf16: D::Memory,
@@ -237,6 +238,7 @@ pub fn workspace_buffer_bytes(c: &ModelConfig, s: &WorkspaceShape) -> Vec<(&'sta
         ("route_ids", n(assignments, 4)),
         ("route_weights", n(assignments, 4)),
         ("expert_offsets", n(experts + 1, 4)),
+        ("active_experts", n(experts + 1, 4)),
         ("sorted_token_ids", n(assignments, 4)),
         ("sorted_weights", n(assignments, 4)),
         ("x_bf16", n(rows * hidden, 2)),
@@ -305,6 +307,7 @@ impl<D: Device> Workspace<D> {
             route_ids: next(),
             route_weights: next(),
             expert_offsets: next(),
+            active_experts: next(),
             sorted_token_ids: next(),
             sorted_weights: next(),
             x_bf16: next(),
@@ -832,6 +835,7 @@ impl<D: Device> DeviceExecutor<D> {
                         &ws.expert_offsets,
                         &ws.sorted_token_ids,
                         &ws.sorted_weights,
+                        &ws.active_experts,
                     )?;
                     k.to_bf16_strided(dev, &ws.h, n, hidden, 0, 0, 1, hidden, &ws.x_bf16)?;
                     dev.fill(&mut ws.delta, 0)?;
@@ -842,7 +846,9 @@ impl<D: Device> DeviceExecutor<D> {
                             tokens: n,
                             top_k: router.top_k,
                             experts: router.experts,
+                            bounds: MoeGroupingBounds::for_tokens(n, router.top_k, router.experts),
                             expert_offsets: &ws.expert_offsets,
+                            active_experts: &ws.active_experts,
                             sorted_token_ids: &ws.sorted_token_ids,
                             sorted_weights: &ws.sorted_weights,
                         },
