@@ -1,0 +1,378 @@
+"""Peer benchmark: our CPU engine against llama.cpp and HF transformers on the same model.
+
+Run by bench/peer/run.sh (which makes the Python environment); every step works inside the
+git-ignored folder bench/peer/work and is skipped when its output is already there.
+
+1. builds llama.cpp's llama-bench and llama-batched-bench from the llama.cpp that the pinned
+   llama-cpp-python sdist vendors (CPU only, GGML_NATIVE);
+2. makes a random BF16 DeepSeek-V3 model with the `mini` preset's dimensions (peer_model.py);
+3. quantizes its routed experts to NVFP4 with our `model quantize`;
+4. converts that checkpoint to GGUF with llama.cpp's converter, which repacks the ModelOpt
+   NVFP4 expert bytes as they are (convert_gguf.py: synthetic vocabulary);
+5. measures in interleaved rounds, the order of the three engines rotating every round:
+   prefill of a 128- and a 512-token prompt (batch 1), decode at batch 1 and 4 after a
+   128-token prompt; ours via `model run --ignore-eos`, llama.cpp via `llama-bench` (batch 1)
+   and `llama-batched-bench` (batch 4), HF transformers float32 via `peer_model.py hf`;
+6. measures the machine's read bandwidth (bench's `peer-llamacpp bandwidth`: the best of
+   passes summing a 512 MiB buffer on every thread) and decode at batch 1 with one competing
+   busy process;
+7. writes bench/results/peer-llamacpp.{txt,json} and the chart peer-llamacpp.svg (plotters,
+   `peer-llamacpp chart`).
+
+Figures are medians of the rounds, all measured in this run.
+"""
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+LLAMA_CPP_PYTHON = "0.3.36"  # the first sdist checked whose llama.cpp converts ModelOpt NVFP4
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+WORK = HERE / "work"
+RESULTS = REPO / "bench" / "results"
+PY = sys.executable
+
+PREFILL_LENS = (128, 512)
+DECODE_PROMPT = 128
+DECODE_BATCHES = (1, 4)
+ENGINES = ("ours", "llama.cpp", "hf")
+
+
+def log(msg):
+    print(f"[peer {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def run(cmd, env=None, cwd=None, capture=True, nice=False, merge_stderr=False):
+    cmd = [str(c) for c in cmd]
+    if nice:
+        cmd = ["nice", "-n", "10"] + cmd
+    stderr = subprocess.STDOUT if merge_stderr else subprocess.PIPE
+    p = subprocess.run(cmd, env=env, cwd=cwd, text=True,
+                       stdout=subprocess.PIPE if capture else None,
+                       stderr=stderr if capture else None)
+    if p.returncode != 0:
+        tail = (p.stderr or "")[-4000:] + (p.stdout or "")[-2000:]
+        raise SystemExit(f"failed ({p.returncode}): {' '.join(cmd)}\n{tail}")
+    return p.stdout or ""
+
+
+def load_average():
+    return Path("/proc/loadavg").read_text().split()[:3]
+
+
+# ------------------------------------------------------------------ setup
+def llama_cpp_dir():
+    return WORK / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+
+
+def build_llama_cpp(threads):
+    src = llama_cpp_dir()
+    if not src.is_dir():
+        WORK.mkdir(parents=True, exist_ok=True)
+        log(f"downloading the llama-cpp-python {LLAMA_CPP_PYTHON} sdist")
+        run([PY, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary",
+             "llama-cpp-python", f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", WORK])
+        with tarfile.open(WORK / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz") as t:
+            t.extractall(WORK, filter="data")
+    build = WORK / "build-llama"
+    bins = [build / "bin" / "llama-bench", build / "bin" / "llama-batched-bench"]
+    if all(b.exists() for b in bins):
+        return bins
+    log("building llama-bench and llama-batched-bench (CPU only, GGML_NATIVE; minutes)")
+    run(["cmake", "-S", src, "-B", build, "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+         "-DGGML_NATIVE=ON", "-DGGML_CUDA=OFF", "-DGGML_METAL=OFF", "-DGGML_VULKAN=OFF",
+         "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+         "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_HTML=OFF",
+         "-DBUILD_SHARED_LIBS=OFF"], nice=True)
+    run(["ninja", "-C", build, f"-j{threads}", "llama-bench", "llama-batched-bench"], nice=True)
+    return bins
+
+
+def build_ours():
+    log("building our `model` binary and the bench's `peer-llamacpp` (release)")
+    run(["cargo", "build", "--release", "--locked", "-p", "model", "--bin", "model",
+         "-p", "bench", "--bin", "peer-llamacpp"], cwd=REPO, nice=True, capture=False)
+    target = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target")) / "release"
+    return target / "model", target / "peer-llamacpp"
+
+
+def make_models(model_bin):
+    bf16, nvfp4, gguf = WORK / "mini-bf16", WORK / "mini-nvfp4", WORK / "mini-nvfp4.gguf"
+    if not (bf16 / "config.json").exists():
+        log("making the random BF16 model (mini dimensions)")
+        run([PY, HERE / "peer_model.py", "make", "--out", bf16])
+    if not (nvfp4 / "hf_quant_config.json").exists():
+        log("quantizing its routed experts to NVFP4 with `model quantize`")
+        run([model_bin, "quantize", "--input", bf16, "--output", nvfp4, "--force"])
+    if not gguf.exists():
+        log("converting our NVFP4 checkpoint to GGUF with llama.cpp's converter")
+        tmp = gguf.with_suffix(".tmp")
+        run([PY, HERE / "convert_gguf.py", llama_cpp_dir(), nvfp4, tmp])
+        tmp.rename(gguf)
+    return bf16, nvfp4, gguf
+
+
+# ------------------------------------------------------------------ one measurement each
+def ours(model_bin, nvfp4, threads, prompt, batch, new_tokens):
+    env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
+    out = run([model_bin, "run", "--checkpoint", nvfp4, "--prompt-len", prompt,
+               "--batch", batch, "--max-new-tokens", new_tokens, "--ignore-eos",
+               # A 16-bit latent cache, like llama.cpp's default F16 KV cache.
+               "--kv-dtype", "bf16"], env=env)
+    pre = re.search(r"^prefill: .* = ([0-9.]+) tok/s", out, re.M)
+    dec = re.search(r"^decode: .* = ([0-9.]+) tok/s", out, re.M)
+    if not pre or not dec:
+        raise SystemExit(f"`model run` printed no prefill/decode rate:\n{out[-2000:]}")
+    return float(pre.group(1)), float(dec.group(1))
+
+
+def llama_bench(bench_bin, gguf, threads, prompt=0, gen=0, depth=0):
+    out = run([bench_bin, "-m", gguf, "-t", threads, "-p", prompt, "-n", gen, "-d", depth,
+               "-r", 1, "-o", "json"])
+    rows = json.loads(out)
+    if len(rows) != 1:
+        raise SystemExit(f"llama-bench gave {len(rows)} rows, expected 1")
+    return float(rows[0]["avg_ts"]), rows[0]
+
+
+def llama_batched(batched_bin, gguf, threads, prompt, gen, batch):
+    ctx = batch * (prompt + gen) + 16
+    out = run([batched_bin, "-m", gguf, "-t", threads, "-tb", threads, "-c", ctx,
+               "-b", 2048, "-ub", 512, "-npp", prompt, "-ntg", gen, "-npl", batch,
+               "--output-format", "jsonl"], merge_stderr=True)
+    rows = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
+    if len(rows) != 1:
+        raise SystemExit(f"llama-batched-bench gave {len(rows)} rows:\n{out[-2000:]}")
+    return float(rows[0]["speed_tg"])
+
+
+def hf(bf16, threads, prompt, batch, decode):
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), CUDA_VISIBLE_DEVICES="")
+    out = run([PY, "-W", "ignore", HERE / "peer_model.py", "hf", "--model", bf16,
+               "--prompt", prompt, "--batch", batch, "--decode", decode,
+               "--threads", threads], env=env)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+class Busy:
+    """One competing process spinning on a core for the length of a `with` block."""
+
+    def __enter__(self):
+        self.p = subprocess.Popen([PY, "-c", "while True: pass"])
+        time.sleep(0.5)
+        return self
+
+    def __exit__(self, *exc):
+        self.p.kill()
+        self.p.wait()
+
+
+# ------------------------------------------------------------------ the run
+def main():
+    ap = argparse.ArgumentParser(description="ours vs llama.cpp vs HF transformers, CPU")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--busy-rounds", type=int, default=2)
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers column")
+    ap.add_argument("--out", type=Path, default=RESULTS / "peer-llamacpp")
+    a = ap.parse_args()
+    t = a.threads
+    n = a.decode_tokens
+
+    bench_bin, batched_bin = build_llama_cpp(t)
+    model_bin, peer_bin = build_ours()
+    bf16, nvfp4, gguf = make_models(model_bin)
+
+    rows = [f"prefill-{p}" for p in PREFILL_LENS] + [f"decode-b{b}" for b in DECODE_BATCHES]
+    samples = {r: {e: [] for e in ENGINES} for r in rows}
+    loads = [load_average()]
+    llama_info = None
+    engines = [e for e in ENGINES if not (a.no_hf and e == "hf")]
+
+    def measure(engine, row):
+        nonlocal llama_info
+        kind, arg = row.split("-")
+        if kind == "prefill":
+            p = int(arg)
+            if engine == "ours":
+                return ours(model_bin, nvfp4, t, p, 1, 1)[0]
+            if engine == "llama.cpp":
+                ts, llama_info = llama_bench(bench_bin, gguf, t, prompt=p)
+                return ts
+            return hf(bf16, t, p, 1, 0)["prefill_tok_s"]
+        b = int(arg[1:])
+        if engine == "ours":
+            return ours(model_bin, nvfp4, t, DECODE_PROMPT, b, n + 1)[1]
+        if engine == "llama.cpp":
+            if b == 1:
+                return llama_bench(bench_bin, gguf, t, gen=n, depth=DECODE_PROMPT)[0]
+            return llama_batched(batched_bin, gguf, t, DECODE_PROMPT, n, b)
+        return hf(bf16, t, DECODE_PROMPT, b, n)["decode_tok_s"]
+
+    for r in range(a.rounds):
+        # Rotating the order spreads drift in the machine's load over all three engines.
+        order = engines[r % len(engines):] + engines[:r % len(engines)]
+        for row in rows:
+            for e in order:
+                v = measure(e, row)
+                samples[row][e].append(v)
+                log(f"round {r + 1}/{a.rounds} {row:<12} {e:<9} {v:8.1f} tok/s")
+        loads.append(load_average())
+
+    log("read bandwidth")
+    bw = json.loads(run([peer_bin, "bandwidth"]).strip().splitlines()[-1])
+    step = json.loads(run([PY, HERE / "peer_model.py", "step-bytes", "--model", nvfp4]))
+
+    busy = {"ours": [], "llama.cpp": []}
+    quiet = {"ours": [], "llama.cpp": []}
+    for r in range(a.busy_rounds):
+        for e in busy:
+            quiet[e].append(measure(e, "decode-b1"))
+            with Busy():
+                busy[e].append(measure(e, "decode-b1"))
+            log(f"busy round {r + 1}: {e} quiet {quiet[e][-1]:.1f} busy {busy[e][-1]:.1f}")
+    loads.append(load_average())
+
+    med = {row: {e: statistics.median(v) for e, v in d.items() if v} for row, d in samples.items()}
+    data = {
+        "cpu": cpu_model(),
+        "isa": isa(),
+        "threads": t,
+        "rounds": a.rounds,
+        "decode_tokens": n,
+        "decode_prompt": DECODE_PROMPT,
+        "versions": versions(model_bin, llama_info),
+        "load_average": loads,
+        "samples": samples,
+        "median": med,
+        "read_bandwidth_gb_s": bw["read_gb_s"],
+        "copy_bandwidth_gb_s": bw["copy_gb_s"],
+        "decode_step_bytes": step["step_bytes"],
+        "checkpoint_bytes": {k: step[k] for k in ("dense_bytes", "routed_expert_bytes",
+                                                  "embedding_bytes")},
+        "gguf_bytes": gguf.stat().st_size,
+        "busy": {e: {"quiet": statistics.median(quiet[e]), "busy": statistics.median(busy[e]),
+                     "quiet_samples": quiet[e], "busy_samples": busy[e]} for e in busy},
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    json_path = a.out.with_suffix(".json")
+    json_path.write_text(json.dumps(data, indent=1) + "\n")
+    txt = table(data)
+    a.out.with_suffix(".txt").write_text(txt)
+    print(txt)
+    run([peer_bin, "chart", "--json", json_path, "--out", a.out.with_suffix(".svg")],
+        capture=False)
+
+
+def cpu_model():
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def isa():
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    named = ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+             "avx512_fp16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16"]
+    return " ".join(f for f in named if f in flags)
+
+
+def versions(model_bin, llama_info):
+    import torch
+    import transformers
+    rust = run(["rustc", "--version"]).strip()
+    commit = run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO).strip()
+    info = llama_info or {}
+    return {
+        "ours": f"kimi-sm120 {commit} ({rust})",
+        "llama.cpp": f"vendored by llama-cpp-python {LLAMA_CPP_PYTHON} sdist "
+                     f"(build {info.get('build_number', '?')}, {info.get('build_commit', '?')}), "
+                     f"backend {info.get('backends', '?')}",
+        "hf": f"transformers {transformers.__version__}, torch {torch.__version__}, float32",
+    }
+
+
+def table(d):
+    med, busy = d["median"], d["busy"]
+    out = []
+    w = out.append
+    w("Peer benchmark: ours vs llama.cpp vs HF transformers, CPU, the same random model")
+    w("(DeepSeek-V3 architecture, `mini` dimensions: 6 layers, hidden 1024, 64 routed experts")
+    w(" top-8 in NVFP4, the rest BF16; llama.cpp runs the GGUF its converter made from our")
+    w(" NVFP4 checkpoint, NVFP4 expert bytes repacked as they are; HF runs the BF16 weights in")
+    w(" float32). `bench/peer/run.sh` wrote this file: every figure is MEASURED in this run.")
+    w("")
+    w(f"date: {d['date']}")
+    w(f"cpu: {d['cpu']}; threads: {d['threads']} (every engine)")
+    w(f"isa: {d['isa']}")
+    for e, v in d["versions"].items():
+        w(f"{e}: {v}")
+    la = ", ".join("/".join(l) for l in d["load_average"])
+    w(f"load average (1/5/15 min) at the start, after each round, at the end: {la}")
+    w("SHARED MACHINE: other agents were building Rust on these cores during the run (load")
+    w("above the thread count): absolute figures are low and noisy, the ratios are the point.")
+    w("")
+    w(f"median of {d['rounds']} interleaved rounds, tok/s (engine order rotated each round);")
+    w(f"prefill: one prompt of that many random tokens, batch 1; decode: {d['decode_tokens']} new")
+    w(f"tokens per sequence after a {d['decode_prompt']}-token prompt, batch 1 or 4 (tok/s over")
+    w("all sequences); llama.cpp: llama-bench -p N (prefill), -n N -d 128 (decode b1),")
+    w("llama-batched-bench -npp 128 -ntg N -npl 4, S_TG (decode b4).")
+    w("")
+    w(f"{'row':<12} {'ours':>9} {'llama.cpp':>10} {'HF fp32':>9} {'ours/llama':>11} {'ours/HF':>8}")
+    for row, m in med.items():
+        o, l, h = m.get("ours"), m.get("llama.cpp"), m.get("hf")
+        w(f"{row:<12} {fmt(o):>9} {fmt(l):>10} {fmt(h):>9} {ratio(o, l):>11} {ratio(o, h):>8}")
+    w("")
+    w("every round, tok/s:")
+    for row, s in d["samples"].items():
+        w(f"  {row:<12} " + "; ".join(f"{e} " + " ".join(f"{v:.1f}" for v in vs)
+                                       for e, vs in s.items() if vs))
+    w("")
+    bw = d["read_bandwidth_gb_s"]
+    step = d["decode_step_bytes"]
+    w(f"read bandwidth: {bw:.1f} GB/s (copy {d['copy_bandwidth_gb_s']:.1f} GB/s), measured after")
+    w("the rounds: the best of passes summing a 512 MiB buffer on every thread.")
+    w(f"bytes one batch-1 decode step reads: {step / 1e6:.1f} MB (computed from our checkpoint's")
+    w("tensor sizes: every weight but the embedding, one embedding row, 8 of the 64 routed")
+    w("experts per MoE layer; the latent cache is a few hundred KB and is left out).")
+    for e in ("ours", "llama.cpp"):
+        tok = med["decode-b1"].get(e)
+        if tok:
+            gbs = tok * step / 1e9
+            w(f"  {e:<9} decode b1 {tok:.1f} tok/s x {step / 1e6:.1f} MB = {gbs:.1f} GB/s = "
+              f"{gbs / bw:.2f} of the read bandwidth (goal >= 0.8)")
+    w("")
+    w("decode b1 with one competing busy process (a Python loop on one core), medians:")
+    for e, v in busy.items():
+        w(f"  {e:<9} quiet {v['quiet']:.1f} tok/s, busy {v['busy']:.1f} tok/s, "
+          f"busy/quiet {v['busy'] / v['quiet']:.2f}")
+    return "\n".join(out) + "\n"
+
+
+def fmt(v):
+    return "-" if v is None else f"{v:.1f}"
+
+
+def ratio(a, b):
+    return "-" if a is None or b is None else f"{a / b:.2f}"
+
+
+if __name__ == "__main__":
+    main()
