@@ -257,7 +257,9 @@ impl Tactic for MoeGemmTactic {
             .into_iter()
             .filter(|t| t.serves(shape))
             .collect();
-        space.sort_by_key(|t| (t.tile_n, t.stages, t.tile_m));
+        // 128 weight rows first: the 64-row tiles fill more SMs at tiny batches but lose at
+        // batch 32 (predicted), so they are left to the tuner, not made the default.
+        space.sort_by_key(|t| (t.tile_n < 128, t.tile_n, t.stages, t.tile_m));
         let tpe = *tokens_per_expert;
         if tpe > 32
             && let Some(t) = space.iter().find(|t| !t.swap_ab)
