@@ -1,7 +1,9 @@
 //! The step-time model: predicted decode tok/s of the model on `tp` RTX PRO 6000s over PCIe.
 //!
-//! The GPU executor's recorded launch list does not exist yet ("The model on GPUs" has not
-//! landed), so the launch list of one decode step is built here from the model config: per
+//! The device executor records its launches (`model::executor::CountingDevice`: kernel, grid,
+//! bytes read and written), but only on models it can hold, not on Kimi-K2.5 itself, and "The
+//! model on GPUs" is still open; so the launch list of one decode step is built here from the
+//! model config: per
 //! layer the norms, the attention projections, RoPE and the cache append, MLA decode (+
 //! combine), the MoE (router, grouping, `moe_gate_up` + `moe_down`, the shared expert) or the
 //! dense MLP, and two all-reduces; then the final norm, lm_head and argmax. Each launch's time
@@ -303,8 +305,8 @@ pub fn write_report(
     let mut text = format!(
         "# PREDICTED decode step time: {model_name} on {tp}x {} over PCIe (TP{tp}), every request \
          at {CONTEXT} cached tokens (FP8 latent cache)\n\
-         # Launch list built from the model config (the GPU executor's recorded launch list does \
-         not exist yet); per-launch times from autotune's cost model, all-reduces from \
+         # Launch list built from the model config (the device executor records its launches, \
+         but cannot hold Kimi-K2.5 here); per-launch times from autotune's cost model, all-reduces from \
          kernels::allreduce::cost (two-sockets-4x4 host). Nothing here is measured.\n\
          # roofline: tok/s if the step only streamed its minimum DRAM bytes (weights once, the \
          latent cache once) at {:.0} GB/s. vLLM in the seeds (measured by others): ~{VLLM_FIRST_TOK_S:.0} \
