@@ -123,8 +123,11 @@ def make_models(model_bin):
 
 
 # ------------------------------------------------------------------ one measurement each
-def ours(model_bin, nvfp4, threads, prompt, batch, new_tokens):
+def ours(model_bin, nvfp4, threads, prompt, batch, new_tokens, isa=None):
     env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
+    if isa:
+        # The CPU kernels' dispatch, forced (kimi's `KIMI_CPU_ISA`); unset, the best one.
+        env["KIMI_CPU_ISA"] = isa
     out = run([model_bin, "run", "--checkpoint", nvfp4, "--prompt-len", prompt,
                "--batch", batch, "--max-new-tokens", new_tokens, "--ignore-eos",
                # A 16-bit latent cache, like llama.cpp's default F16 KV cache.
@@ -185,6 +188,8 @@ def main():
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--busy-rounds", type=int, default=2)
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers column")
+    ap.add_argument("--also-isa", action="append", default=[], choices=["avx2", "scalar"],
+                    help="one more column: ours with the CPU kernels' dispatch forced to this ISA")
     ap.add_argument("--out", type=Path, default=RESULTS / "peer-llamacpp")
     a = ap.parse_args()
     t = a.threads
@@ -198,22 +203,27 @@ def main():
     samples = {r: {e: [] for e in ENGINES} for r in rows}
     loads = [load_average()]
     llama_info = None
-    engines = [e for e in ENGINES if not (a.no_hf and e == "hf")]
+    forced = [f"ours-{i}" for i in a.also_isa]
+    engines = [e for e in ENGINES if not (a.no_hf and e == "hf")] + forced
+    for d in samples.values():
+        d.update({e: [] for e in forced})
+    bandwidths = []
 
     def measure(engine, row):
         nonlocal llama_info
         kind, arg = row.split("-")
+        isa = engine.split("-", 1)[1] if engine.startswith("ours-") else None
         if kind == "prefill":
             p = int(arg)
-            if engine == "ours":
-                return ours(model_bin, nvfp4, t, p, 1, 1)[0]
+            if engine.startswith("ours"):
+                return ours(model_bin, nvfp4, t, p, 1, 1, isa)[0]
             if engine == "llama.cpp":
                 ts, llama_info = llama_bench(bench_bin, gguf, t, prompt=p)
                 return ts
             return hf(bf16, t, p, 1, 0)["prefill_tok_s"]
         b = int(arg[1:])
-        if engine == "ours":
-            return ours(model_bin, nvfp4, t, DECODE_PROMPT, b, n + 1)[1]
+        if engine.startswith("ours"):
+            return ours(model_bin, nvfp4, t, DECODE_PROMPT, b, n + 1, isa)[1]
         if engine == "llama.cpp":
             if b == 1:
                 return llama_bench(bench_bin, gguf, t, gen=n, depth=DECODE_PROMPT)[0]
@@ -228,10 +238,12 @@ def main():
                 v = measure(e, row)
                 samples[row][e].append(v)
                 log(f"round {r + 1}/{a.rounds} {row:<12} {e:<9} {v:8.1f} tok/s")
+        # The bandwidth in every round, beside the engines: the best is the machine's.
+        bandwidths.append(json.loads(run([peer_bin, "bandwidth"]).strip().splitlines()[-1]))
+        log(f"round {r + 1}/{a.rounds} read bandwidth {bandwidths[-1]['read_gb_s']:.1f} GB/s")
         loads.append(load_average())
 
-    log("read bandwidth")
-    bw = json.loads(run([peer_bin, "bandwidth"]).strip().splitlines()[-1])
+    bw = max(bandwidths, key=lambda b: b["read_gb_s"])
     step = json.loads(run([PY, HERE / "peer_model.py", "step-bytes", "--model", nvfp4]))
 
     busy = {"ours": [], "llama.cpp": []}
@@ -257,6 +269,7 @@ def main():
         "samples": samples,
         "median": med,
         "read_bandwidth_gb_s": bw["read_gb_s"],
+        "read_bandwidth_samples": [b["read_gb_s"] for b in bandwidths],
         "copy_bandwidth_gb_s": bw["copy_gb_s"],
         "decode_step_bytes": step["step_bytes"],
         "checkpoint_bytes": {k: step[k] for k in ("dense_bytes", "routed_expert_bytes",
@@ -326,8 +339,9 @@ def table(d):
         w(f"{e}: {v}")
     la = ", ".join("/".join(l) for l in d["load_average"])
     w(f"load average (1/5/15 min) at the start, after each round, at the end: {la}")
-    w("SHARED MACHINE: other agents were building Rust on these cores during the run (load")
-    w("above the thread count): absolute figures are low and noisy, the ratios are the point.")
+    if max(float(l[0]) for l in d["load_average"]) > d["threads"] + 0.5:
+        w("SHARED MACHINE: other work ran on these cores during the run (1-minute load above")
+        w("the thread count at some point): absolute figures are noisy, the ratios are the point.")
     w("")
     w(f"median of {d['rounds']} interleaved rounds, tok/s (engine order rotated each round);")
     w(f"prefill: one prompt of that many random tokens, batch 1; decode: {d['decode_tokens']} new")
@@ -335,10 +349,20 @@ def table(d):
     w("all sequences); llama.cpp: llama-bench -p N (prefill), -n N -d 128 (decode b1),")
     w("llama-batched-bench -npp 128 -ntg N -npl 4, S_TG (decode b4).")
     w("")
-    w(f"{'row':<12} {'ours':>9} {'llama.cpp':>10} {'HF fp32':>9} {'ours/llama':>11} {'ours/HF':>8}")
+    forced = sorted({e for m in med.values() for e in m if e.startswith("ours-")})
+    head = f"{'row':<12} {'ours':>9} {'llama.cpp':>10} {'HF fp32':>9} {'ours/llama':>11} {'ours/HF':>8}"
+    for e in forced:
+        head += f" {e:>10} {e + '/llama':>15}"
+    w(head)
     for row, m in med.items():
         o, l, h = m.get("ours"), m.get("llama.cpp"), m.get("hf")
-        w(f"{row:<12} {fmt(o):>9} {fmt(l):>10} {fmt(h):>9} {ratio(o, l):>11} {ratio(o, h):>8}")
+        line = f"{row:<12} {fmt(o):>9} {fmt(l):>10} {fmt(h):>9} {ratio(o, l):>11} {ratio(o, h):>8}"
+        for e in forced:
+            line += f" {fmt(m.get(e)):>10} {ratio(m.get(e), l):>15}"
+        w(line)
+    if forced:
+        w("ours-ISA: our binary with the CPU kernels' dispatch forced (KIMI_CPU_ISA); llama.cpp")
+        w("stays built for the native ISA (GGML_NATIVE).")
     w("")
     w("every round, tok/s:")
     for row, s in d["samples"].items():
@@ -347,12 +371,13 @@ def table(d):
     w("")
     bw = d["read_bandwidth_gb_s"]
     step = d["decode_step_bytes"]
-    w(f"read bandwidth: {bw:.1f} GB/s (copy {d['copy_bandwidth_gb_s']:.1f} GB/s), measured after")
-    w("the rounds: the best of passes summing a 512 MiB buffer on every thread.")
+    samples = ", ".join(f"{v:.1f}" for v in d.get("read_bandwidth_samples", [bw]))
+    w(f"read bandwidth: {bw:.1f} GB/s (copy {d['copy_bandwidth_gb_s']:.1f} GB/s): the best of the")
+    w(f"rounds ({samples}), each the best of passes summing a 512 MiB buffer on every thread.")
     w(f"bytes one batch-1 decode step reads: {step / 1e6:.1f} MB (computed from our checkpoint's")
     w("tensor sizes: every weight but the embedding, one embedding row, 8 of the 64 routed")
     w("experts per MoE layer; the latent cache is a few hundred KB and is left out).")
-    for e in ("ours", "llama.cpp"):
+    for e in ["ours", "llama.cpp"] + forced:
         tok = med["decode-b1"].get(e)
         if tok:
             gbs = tok * step / 1e9

@@ -379,9 +379,10 @@ impl FromStr for CpuTactic {
 /// this binary was built from them: a tactic cache records it, and a cache tuned on other
 /// sources is stale.
 pub fn cpu_kernel_source_hash() -> String {
-    let sources: [&[u8]; 6] = [
+    let sources: [&[u8]; 7] = [
         include_bytes!("cpu_tactic.rs"),
-        include_bytes!("dense.rs"),
+        include_bytes!("dense/mod.rs"),
+        include_bytes!("dense/bf16_tile.rs"),
         include_bytes!("moe_gemm/cpu.rs"),
         include_bytes!("moe_gemm/cpu_simd.rs"),
         include_bytes!("moe_gemm/cpu_int.rs"),

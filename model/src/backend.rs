@@ -16,6 +16,23 @@ pub trait Backend: Send + Sync {
     /// `out = x · Wᵀ` for `x: [tokens, w.cols]`.
     fn matmul(&self, x: &[f32], tokens: usize, w: MatrixView<'_>, out: &mut [f32]);
 
+    /// `out[h] = x[h] · w[h]ᵀ` for every head, `x: [heads, tokens, cols]`,
+    /// `out: [heads, tokens, rows]` (the absorbed attention's W_UK and W_UV products), which a
+    /// backend may run side by side.
+    fn matmul_per_head(&self, x: &[f32], tokens: usize, w: &[MatrixView<'_>], out: &mut [f32]) {
+        let Some(first) = w.first() else {
+            return;
+        };
+        let (x_len, out_len) = (tokens * first.cols(), tokens * first.rows());
+        for ((w, x), out) in w
+            .iter()
+            .zip(x.chunks_exact(x_len))
+            .zip(out.chunks_exact_mut(out_len))
+        {
+            self.matmul(x, tokens, *w, out);
+        }
+    }
+
     /// Routed experts (grouped GEMM), W4A4 for NVFP4 experts; records activation maxima when
     /// `amax` is given (calibration).
     fn moe(
@@ -96,6 +113,10 @@ impl Backend for TunedCpuBackend {
         self.run(|| kernels::dense::matmul_transposed_tuned(&self.tactic, x, tokens, w, out));
     }
 
+    fn matmul_per_head(&self, x: &[f32], tokens: usize, w: &[MatrixView<'_>], out: &mut [f32]) {
+        self.run(|| kernels::dense::matmul_per_head_tuned(&self.tactic, x, tokens, w, out));
+    }
+
     fn moe(
         &self,
         x: &[f32],
@@ -137,6 +158,10 @@ impl Backend for CpuBackend {
 
     fn matmul(&self, x: &[f32], tokens: usize, w: MatrixView<'_>, out: &mut [f32]) {
         kernels::dense::matmul_transposed(x, tokens, w, out);
+    }
+
+    fn matmul_per_head(&self, x: &[f32], tokens: usize, w: &[MatrixView<'_>], out: &mut [f32]) {
+        kernels::dense::matmul_per_head_tuned(&CpuTactic::DEFAULT, x, tokens, w, out);
     }
 
     fn moe(

@@ -378,36 +378,41 @@ impl Model {
             cache.write(layer, seq, pos, &normed, pe_part)?;
         }
 
-        // Absorb W_UK into the query, head by head: q_abs[:, h] = q_nope[:, h] · W_UK[h], a
-        // product with the pre-transposed W_UK[h]ᵀ (`[L, P]`), so it runs as one backend matmul.
-        let mut q_abs = vec![0.0f32; n * heads * latent];
+        // Absorb W_UK into the query, per head: q_abs[:, h] = q_nope[:, h] · W_UK[h], a
+        // product with the pre-transposed W_UK[h]ᵀ (`[L, P]`); all heads in one backend call.
+        let w_uk_t = self.absorbed[layer].w_uk_t.data.as_slice();
+        let uk_heads: Vec<MatrixView<'_>> = w_uk_t
+            .chunks_exact(latent * nope)
+            .take(heads)
+            .map(|data| MatrixView::Bf16 {
+                rows: latent,
+                cols: nope,
+                data,
+            })
+            .collect();
+        // [heads, n, P] in, [heads, n, L] out.
+        let mut q_nope = vec![0.0f32; heads * n * nope];
         let mut q_pe = vec![0.0f32; n * heads * rope_dim];
-        let w_uk_t = &self.absorbed[layer].w_uk_t;
-        let mut q_nope = vec![0.0f32; n * nope];
-        let mut head_out = vec![0.0f32; n * latent];
-        for head in 0..heads {
-            for r in 0..n {
+        for r in 0..n {
+            for head in 0..heads {
                 let q_head = &q[(r * heads + head) * qk..(r * heads + head + 1) * qk];
-                q_nope[r * nope..(r + 1) * nope].copy_from_slice(&q_head[..nope]);
+                q_nope[(head * n + r) * nope..(head * n + r + 1) * nope]
+                    .copy_from_slice(&q_head[..nope]);
                 let pe =
                     &mut q_pe[(r * heads + head) * rope_dim..(r * heads + head + 1) * rope_dim];
                 pe.copy_from_slice(&q_head[nope..]);
                 self.rope.apply(pe, rows[r].1);
             }
-            let data = &w_uk_t.data.as_slice()[head * latent * nope..(head + 1) * latent * nope];
-            backend.matmul(
-                &q_nope,
-                n,
-                MatrixView::Bf16 {
-                    rows: latent,
-                    cols: nope,
-                    data,
-                },
-                &mut head_out,
-            );
+        }
+        let mut absorbed = vec![0.0f32; heads * n * latent];
+        backend.matmul_per_head(&q_nope, n, &uk_heads, &mut absorbed);
+        let mut q_abs = vec![0.0f32; n * heads * latent];
+        for head in 0..heads {
             for r in 0..n {
                 q_abs[(r * heads + head) * latent..(r * heads + head + 1) * latent]
-                    .copy_from_slice(&head_out[r * latent..(r + 1) * latent]);
+                    .copy_from_slice(
+                        &absorbed[(head * n + r) * latent..(head * n + r + 1) * latent],
+                    );
             }
         }
 
@@ -434,32 +439,33 @@ impl Model {
         let mut lse = vec![0.0f32; n * heads];
         backend.mla_attention(cache, &problem, &mut o_latent, &mut lse)?;
 
-        // Back out of latent space with W_UV, head by head: o[:, h] = o_latent[:, h] · W_UV[h]ᵀ,
-        // where W_UV[h] is kv_b's rows h·(P+V)+P .. (h+1)·(P+V): a plain backend matmul.
-        let mut o = vec![0.0f32; n * heads * v_dim];
-        let mut latent_rows = vec![0.0f32; n * latent];
-        let mut head_v = vec![0.0f32; n * v_dim];
-        for head in 0..heads {
-            for r in 0..n {
-                latent_rows[r * latent..(r + 1) * latent].copy_from_slice(
-                    &o_latent[(r * heads + head) * latent..(r * heads + head + 1) * latent],
-                );
-            }
-            let first = head * (nope + v_dim) + nope;
-            let data = &w.kv_b.data.as_slice()[first * latent..(first + v_dim) * latent];
-            backend.matmul(
-                &latent_rows,
-                n,
+        // Back out of latent space with W_UV, per head: o[:, h] = o_latent[:, h] · W_UV[h]ᵀ,
+        // where W_UV[h] is kv_b's rows h·(P+V)+P .. (h+1)·(P+V); all heads in one call.
+        let uv_heads: Vec<MatrixView<'_>> = (0..heads)
+            .map(|head| {
+                let first = head * (nope + v_dim) + nope;
                 MatrixView::Bf16 {
                     rows: v_dim,
                     cols: latent,
-                    data,
-                },
-                &mut head_v,
-            );
+                    data: &w.kv_b.data.as_slice()[first * latent..(first + v_dim) * latent],
+                }
+            })
+            .collect();
+        let mut latent_rows = vec![0.0f32; heads * n * latent];
+        for head in 0..heads {
+            for r in 0..n {
+                latent_rows[(head * n + r) * latent..(head * n + r + 1) * latent].copy_from_slice(
+                    &o_latent[(r * heads + head) * latent..(r * heads + head + 1) * latent],
+                );
+            }
+        }
+        let mut head_v = vec![0.0f32; heads * n * v_dim];
+        backend.matmul_per_head(&latent_rows, n, &uv_heads, &mut head_v);
+        let mut o = vec![0.0f32; n * heads * v_dim];
+        for head in 0..heads {
             for r in 0..n {
                 o[(r * heads + head) * v_dim..(r * heads + head + 1) * v_dim]
-                    .copy_from_slice(&head_v[r * v_dim..(r + 1) * v_dim]);
+                    .copy_from_slice(&head_v[(head * n + r) * v_dim..(head * n + r + 1) * v_dim]);
             }
         }
         let mut out = vec![0.0f32; n * c.hidden_size];

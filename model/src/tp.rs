@@ -71,6 +71,10 @@ impl Backend for TpCpuBackend {
         self.compute.matmul(x, tokens, w, out);
     }
 
+    fn matmul_per_head(&self, x: &[f32], tokens: usize, w: &[MatrixView<'_>], out: &mut [f32]) {
+        self.compute.matmul_per_head(x, tokens, w, out);
+    }
+
     fn moe(
         &self,
         x: &[f32],

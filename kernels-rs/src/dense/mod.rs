@@ -4,10 +4,11 @@
 
 use rayon::prelude::*;
 
-use half::bf16;
-
 use crate::cpu_tactic::CpuTactic;
 use crate::matrix::MatrixView;
+use crate::moe_gemm::cpu_simd::Isa;
+
+pub mod bf16_tile;
 
 /// `out[t, j] = Σ_i x[t, i] · w[j, i]` for `x: [tokens, cols]`, `w: [rows, cols]`,
 /// `out: [tokens, rows]`. Each weight row is read once for all tokens, since at decode the
@@ -54,17 +55,37 @@ pub fn matmul_transposed_tuned(
     // Row-major in weight rows (`[rows, tokens]`) so that threads own disjoint chunks.
     let mut transposed = vec![0.0f32; rows * tokens];
     match w {
-        // BF16 rows are dotted straight from the mapping: widening a BF16 is a shift, cheaper
-        // than a round trip through a buffer, and the row stays in L1 across tokens.
+        // BF16 rows are read straight from the mapping and widened in registers (a shift),
+        // a tile of rows × tokens at a time: each widened weight vector serves every token of
+        // the tile. Inside a task the token tiles are the outer loop, so the task's rows stay
+        // in L2 while each token tile's activations stay in L1.
         MatrixView::Bf16 { data, .. } => {
-            let dot_bf16 = dot_bf16_kernel();
+            let isa = Isa::detect();
             let task = |(task, chunk): (usize, &mut [f32])| {
-                for (i, out_row) in chunk.chunks_exact_mut(tokens).enumerate() {
-                    let row = task * rows_per_task + i;
-                    let weights = &data[row * cols..(row + 1) * cols];
-                    for (t, o) in out_row.iter_mut().enumerate() {
-                        *o = dot_bf16(&x[t * cols..(t + 1) * cols], weights);
+                let first_row = task * rows_per_task;
+                let task_rows = chunk.len() / tokens;
+                let mut t0 = 0;
+                while t0 < tokens {
+                    let (tile_rows, tile_tokens) = bf16_tile::tile(isa, tokens - t0);
+                    let mut r = 0;
+                    while r < task_rows {
+                        let n = tile_rows.min(task_rows - r);
+                        let row = first_row + r;
+                        bf16_tile::compute_tile(
+                            isa,
+                            bf16_tile::Tile {
+                                x: &x[t0 * cols..(t0 + tile_tokens) * cols],
+                                w: &data[row * cols..(row + n) * cols],
+                                cols,
+                                rows: n,
+                                tokens: tile_tokens,
+                            },
+                            &mut chunk[r * tokens + t0..],
+                            tokens,
+                        );
+                        r += n;
                     }
+                    t0 += tile_tokens;
                 }
             };
             if w.bytes() < parallel_min_bytes {
@@ -94,109 +115,80 @@ pub fn matmul_transposed_tuned(
                 });
         }
     }
-    for (j, column) in transposed.chunks_exact(tokens).enumerate() {
-        for (t, &v) in column.iter().enumerate() {
-            out[t * rows + j] = v;
-        }
-    }
-}
-
-/// `x · w` for a BF16 `w`, with the widest SIMD the CPU has (chosen once).
-pub type DotBf16 = fn(&[f32], &[bf16]) -> f32;
-
-pub fn dot_bf16_kernel() -> DotBf16 {
-    static KERNEL: std::sync::OnceLock<DotBf16> = std::sync::OnceLock::new();
-    *KERNEL.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                return |x, w| {
-                    // SAFETY: the CPU supports AVX-512F, checked just above.
-                    unsafe { dot_bf16_avx512(x, w) }
-                };
+    // Back to `[tokens, rows]`, a block of tokens per task: each weight row's values for the
+    // block are contiguous in `transposed`, and the block's output rows fill line by line
+    // (element by element over all tokens, a prefill's transpose was a twentieth of it).
+    const TRANSPOSE_TOKENS: usize = 16;
+    let scatter = |(block, out_block): (usize, &mut [f32])| {
+        let (t0, n) = (block * TRANSPOSE_TOKENS, out_block.len() / rows);
+        for (j, column) in transposed.chunks_exact(tokens).enumerate() {
+            for (k, &v) in column[t0..t0 + n].iter().enumerate() {
+                out_block[k * rows + j] = v;
             }
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                return |x, w| {
-                    // SAFETY: the CPU supports AVX2 and FMA, checked just above.
-                    unsafe { dot_bf16_avx2(x, w) }
-                };
-            }
-        }
-        dot_bf16_portable
-    })
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-fn dot_bf16_avx512(x: &[f32], w: &[bf16]) -> f32 {
-    use std::arch::x86_64::*;
-    assert_eq!(x.len(), w.len());
-    // Four 16-lane accumulators: enough independent FMAs in flight to cover their latency.
-    const STEP: usize = 64;
-    let full = x.len() / STEP * STEP;
-    let widen = |p: *const half::bf16| {
-        // SAFETY: the caller keeps `p..p+16` inside `w`; BF16 widens to F32 by a 16-bit shift.
-        unsafe {
-            let halves = _mm256_loadu_si256(p as *const __m256i);
-            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(halves)))
         }
     };
-    let mut acc = [_mm512_setzero_ps(); 4];
-    let mut i = 0;
-    while i < full {
-        for (k, a) in acc.iter_mut().enumerate() {
-            let offset = i + 16 * k;
-            // SAFETY: offset + 16 <= full <= len of both slices.
-            unsafe {
-                let xs = _mm512_loadu_ps(x.as_ptr().add(offset));
-                *a = _mm512_fmadd_ps(xs, widen(w.as_ptr().add(offset)), *a);
-            }
-        }
-        i += STEP;
+    if tokens <= TRANSPOSE_TOKENS {
+        scatter((0, out));
+    } else {
+        out.par_chunks_mut(TRANSPOSE_TOKENS * rows)
+            .enumerate()
+            .for_each(scatter);
     }
-    let sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-    let mut total = _mm512_reduce_add_ps(sum);
-    for (a, b) in x[full..].iter().zip(&w[full..]) {
-        total += a * b.to_f32();
-    }
-    total
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn dot_bf16_avx2(x: &[f32], w: &[bf16]) -> f32 {
-    dot_bf16_lanes::<8>(x, w)
-}
-
-fn dot_bf16_portable(x: &[f32], w: &[bf16]) -> f32 {
-    dot_bf16_lanes::<8>(x, w)
-}
-
-/// `LANES` independent accumulators over 2·LANES elements per step (two vectors in flight),
-/// in a shape the compiler turns into SIMD inside the `target_feature` wrappers above.
-#[inline(always)]
-fn dot_bf16_lanes<const LANES: usize>(x: &[f32], w: &[bf16]) -> f32 {
-    let step = 2 * LANES;
-    let full = x.len() / step * step;
-    let mut acc = [[0.0f32; LANES]; 2];
-    for (xs, ws) in x[..full]
-        .chunks_exact(step)
-        .zip(w[..full].chunks_exact(step))
-    {
-        for half in 0..2 {
-            for k in 0..LANES {
-                let widened = f32::from_bits((ws[half * LANES + k].to_bits() as u32) << 16);
-                acc[half][k] += xs[half * LANES + k] * widened;
-            }
-        }
+/// `out[h] = x[h] · w[h]ᵀ` for every head `h` of `w`, with `x: [heads, tokens, cols]` and
+/// `out: [heads, tokens, rows]`: the absorbed attention's per-head products (W_UK, W_UV). One
+/// head's weights are too small to be worth splitting across threads (128 KB at Kimi's
+/// dimensions), so the heads are the parallel tasks, unless all of them together are below
+/// [`dense_parallel_min_bytes`](CpuTactic::dense_parallel_min_bytes). Bit-identical to one
+/// [`matmul_transposed_tuned`] per head.
+///
+/// # Panics
+/// If shapes disagree, the heads' shapes differ, or the tactic is invalid.
+pub fn matmul_per_head_tuned(
+    tactic: &CpuTactic,
+    x: &[f32],
+    tokens: usize,
+    w: &[MatrixView<'_>],
+    out: &mut [f32],
+) {
+    let Some(first) = w.first() else {
+        return;
+    };
+    let (rows, cols) = (first.rows(), first.cols());
+    assert!(
+        w.iter().all(|h| h.rows() == rows && h.cols() == cols),
+        "matmul_per_head: heads of different shapes"
+    );
+    assert_eq!(
+        x.len(),
+        w.len() * tokens * cols,
+        "matmul_per_head: x is not [heads, {tokens}, {cols}]"
+    );
+    assert_eq!(
+        out.len(),
+        w.len() * tokens * rows,
+        "matmul_per_head: out is not [heads, {tokens}, {rows}]"
+    );
+    if tokens == 0 || rows == 0 {
+        return;
     }
-    let mut sum: f32 = acc[0].iter().zip(&acc[1]).map(|(a, b)| a + b).sum();
-    for (a, b) in x[full..].iter().zip(&w[full..]) {
-        sum += a * b.to_f32();
+    let head = |(h, (x, out)): (usize, (&[f32], &mut [f32]))| {
+        matmul_transposed_tuned(tactic, x, tokens, w[h], out);
+    };
+    let total: usize = w.iter().map(MatrixView::bytes).sum();
+    let pairs = x
+        .chunks_exact(tokens * cols)
+        .zip(out.chunks_exact_mut(tokens * rows));
+    if total < tactic.dense_parallel_min_bytes {
+        pairs.enumerate().for_each(head);
+    } else {
+        pairs
+            .collect::<Vec<_>>()
+            .into_par_iter()
+            .enumerate()
+            .for_each(head);
     }
-    sum
 }
 
 /// Dot product with 8 independent accumulators, so the compiler can vectorize it without
@@ -224,6 +216,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 mod tests {
     use super::*;
     use crate::formats::nvfp4::Nvfp4Matrix;
+    use half::bf16;
 
     #[test]
     fn bf16_and_nvfp4_products_match_a_naive_loop() {
@@ -258,6 +251,44 @@ mod tests {
                     assert!((out[t * rows + j] - expected).abs() < 1e-4, "t{t} j{j}");
                 }
             }
+        }
+    }
+
+    #[test]
+    fn per_head_products_equal_one_product_per_head_serial_or_parallel() {
+        let (heads, tokens, rows, cols) = (5, 3, 24, 48);
+        let x: Vec<f32> = (0..heads * tokens * cols)
+            .map(|i| ((i * 29 % 89) as f32 - 44.0) / 30.0)
+            .collect();
+        let w: Vec<bf16> = (0..heads * rows * cols)
+            .map(|i| bf16::from_f32(((i * 61 % 103) as f32 - 51.0) / 50.0))
+            .collect();
+        let views: Vec<MatrixView<'_>> = w
+            .chunks_exact(rows * cols)
+            .map(|data| MatrixView::Bf16 { rows, cols, data })
+            .collect();
+        let mut want = vec![0.0; heads * tokens * rows];
+        for (h, view) in views.iter().enumerate() {
+            matmul_transposed(
+                &x[h * tokens * cols..(h + 1) * tokens * cols],
+                tokens,
+                *view,
+                &mut want[h * tokens * rows..(h + 1) * tokens * rows],
+            );
+        }
+        for min_bytes in [0, 1 << 30] {
+            let tactic = CpuTactic {
+                dense_parallel_min_bytes: min_bytes,
+                ..CpuTactic::DEFAULT
+            };
+            let mut got = vec![f32::NAN; heads * tokens * rows];
+            matmul_per_head_tuned(&tactic, &x, tokens, &views, &mut got);
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "parallel threshold {min_bytes}"
+            );
         }
     }
 
