@@ -5,7 +5,9 @@
 //! - `cuda::GpuContext` (feature `cuda`): a GPU through the CUDA driver (cudarc), with the
 //!   cubins of the compile gate;
 //! - `cuda_host::HostDevice` (crate `cuda-host`): the same `.cu` sources compiled for the CPU
-//!   and run by the host execution layer.
+//!   and run by the host execution layer;
+//! - [`dry::DryDevice`]: memory that is only a size and an address, launches checked against
+//!   the SM's limits and then dropped: a step's launch list for a model too large to hold.
 //!
 //! The launchers (`moe_gemm::launch`, `mla::launch`) are written once against this trait, so
 //! the argument structs, grid geometry, buffer sizing and poisoning that a GPU run uses are
@@ -17,6 +19,8 @@ use std::marker::PhantomData;
 use std::path::PathBuf;
 
 use crate::moe_gemm::Sm;
+
+pub mod dry;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DeviceError {
