@@ -1144,7 +1144,11 @@ mod tests {
             ] {
                 let uploaded = MoeDeviceWeights::upload(&dev, &host, layouts).unwrap();
                 let zeroed = MoeDeviceWeights::zeroed(&dev, host.shape(), layouts).unwrap();
-                assert_eq!(uploaded.buffer_bytes(), zeroed.buffer_bytes(), "{layouts:?}");
+                assert_eq!(
+                    uploaded.buffer_bytes(),
+                    zeroed.buffer_bytes(),
+                    "{layouts:?}"
+                );
                 assert_eq!(uploaded.bytes_per_expert, zeroed.bytes_per_expert);
             }
         }
