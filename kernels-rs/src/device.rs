@@ -19,6 +19,7 @@ use std::marker::PhantomData;
 use std::path::PathBuf;
 
 use crate::moe_gemm::Sm;
+use crate::tactic::ProblemShape;
 
 pub mod dry;
 
@@ -101,6 +102,7 @@ pub struct KernelParams<'a> {
     ptrs: Vec<*mut c_void>,
     sizes: Vec<usize>,
     traffic: LaunchTraffic,
+    problem: Option<ProblemShape>,
     _borrow: PhantomData<&'a ()>,
 }
 
@@ -123,6 +125,18 @@ impl<'a> KernelParams<'a> {
             written: written as u64,
         };
         self
+    }
+
+    /// Names the problem the launch computes where a cost model prices it by shape (a dense
+    /// product's `m, n, k`). Devices ignore it; a recording device lists it.
+    pub fn problem(&mut self, shape: ProblemShape) -> &mut Self {
+        self.problem = Some(shape);
+        self
+    }
+
+    /// What [`problem`](Self::problem) recorded.
+    pub fn launch_problem(&self) -> Option<&ProblemShape> {
+        self.problem.as_ref()
     }
 
     /// What [`traffic`](Self::traffic) recorded (zero when the launcher did not say).

@@ -458,6 +458,22 @@ mod tests {
             let lm_head = &launches[start + 1];
             let lm_head_bytes = (c.vocab_size * c.hidden_size * 2) as u64;
             assert!(lm_head.traffic.read >= lm_head_bytes, "{lm_head:?}");
+            // The executor's lm_head is replicated: every rank computes the whole vocabulary.
+            assert_eq!(
+                lm_head.problem,
+                Some(kernels::tactic::ProblemShape::Dense {
+                    m: batch as u32,
+                    n: c.vocab_size as u32,
+                    k: c.hidden_size as u32
+                })
+            );
+            assert!(
+                launches
+                    .iter()
+                    .filter(|l| l.kernel.starts_with("dense_"))
+                    .all(|l| l.problem.is_some()),
+                "every dense product names its m, n, k"
+            );
 
             assert!(
                 launches
