@@ -467,7 +467,7 @@ fn a_decode_step_transfers_its_inputs_and_the_sampled_ids_only() {
     );
     let read: u64 = step.launches.iter().map(|l| l.traffic.read).sum();
     let written: u64 = step.launches.iter().map(|l| l.traffic.written).sum();
-    let dense = weights_every_step_reads(ex.weights(), &model.config);
+    let (dense, _) = model::executor::weights_every_step_reads(ex.weights(), &model.config, 1);
     let held = ex.device_bytes();
     println!(
         "decode step: {read} B read, {written} B written; the weights every step must read \
@@ -495,39 +495,6 @@ fn a_decode_step_transfers_its_inputs_and_the_sampled_ids_only() {
             "{kernel}"
         );
     }
-}
-
-/// Bytes of the weights a step reads whatever the routing: every BF16 matrix but the embedding
-/// (one row per token) and the routed experts (top-k of them), W_UV's rows of `kv_b` (W_UK is
-/// read from its transposed copy).
-fn weights_every_step_reads<D: kernels::device::Device>(
-    w: &model::executor::DeviceWeights<D>,
-    c: &model::config::ModelConfig,
-) -> u64 {
-    use kernels::device::DeviceMemory;
-    use model::executor::DeviceMlp;
-    let v_share = |m: &D::Memory| m.len() * c.v_head_dim / (c.qk_nope_head_dim + c.v_head_dim);
-    let mut bytes = w.lm_head.len();
-    for l in &w.layers {
-        let a = &l.attention;
-        bytes += a.q_a.as_ref().map_or(0, |(q_a, _, _)| q_a.len())
-            + a.q_b.len()
-            + a.kv_a_latent.len()
-            + a.kv_a_rope.len()
-            + a.w_uk_t.len()
-            + v_share(&a.kv_b)
-            + a.o.len();
-        bytes += match &l.mlp {
-            DeviceMlp::Dense(d) => d.gate_up.len() + d.down.len(),
-            DeviceMlp::Moe(m) => {
-                m.router.len()
-                    + m.shared
-                        .as_ref()
-                        .map_or(0, |s| s.gate_up.len() + s.down.len())
-            }
-        };
-    }
-    bytes as u64
 }
 
 /// A model whose latent sizes the MLA kernels are not built for is refused with the reason.
