@@ -1,15 +1,15 @@
 //! The step-time model: predicted decode tok/s of the model on `tp` RTX PRO 6000s over PCIe.
 //!
-//! The device executor records its launches (`model::executor::CountingDevice`: kernel, grid,
-//! bytes read and written), but only on models it can hold, not on Kimi-K2.5 itself, and "The
-//! model on GPUs" is still open; so the launch list of one decode step is built here from the
-//! model config: per
-//! layer the norms, the attention projections, RoPE and the cache append, MLA decode (+
-//! combine), the MoE (router, grouping, `moe_gate_up` + `moe_down`, the shared expert) or the
-//! dense MLP, and two all-reduces; then the final norm, lm_head and argmax. Each launch's time
-//! is the cost model's prediction for the tactic chosen — the heuristic default, or the tactic
-//! cache's winner — and the all-reduces come from the all-reduce cost model. Every figure is
-//! predicted; none is measured.
+//! The launch list of one decode step is the device executor's own, recorded for rank 0 of the
+//! TP group on a dry device (`model::executor::DryStep`: zeroed weights of the rank's shapes,
+//! no kernel runs), with the MoE and MLA tactics chosen here: per layer the norms, the
+//! attention products, RoPE and the cache append, MLA decode + combine, the MoE (router,
+//! grouping, `moe_gate_up` + `moe_down`, the shared expert) or the dense MLP, and two
+//! all-reduces; then the final norm, lm_head and argmax. Each launch is priced by the cost
+//! model: the MoE and MLA pairs for the tactic chosen — the heuristic default, or the tactic
+//! cache's winner — the dense products by the `m, n, k` their launcher names, the all-reduces
+//! by the all-reduce cost model for its tactic, every other launch by its recorded bytes at the
+//! streaming bandwidth plus a launch. Every time is predicted; none is measured.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -19,11 +19,14 @@ use anyhow::{Context, Result};
 use kernels::allreduce::tactic::AllReduceTactic;
 use kernels::arch::{GpuSpec, Sm};
 use kernels::mla::MlaSplitTactic;
+use kernels::mla::cache::KvCacheDtype;
 use kernels::moe_gemm::MoeGemmTactic;
 use kernels::moe_gemm::launch::MoeGroupingBounds;
 use kernels::tactic::cache::{CacheLookup, Expected, load};
 use kernels::tactic::{KernelFamily, ProblemShape};
 use model::config::ModelConfig;
+use model::executor::{DryStep, ExecutorTactics};
+use model::weights::TpShard;
 use plotters::prelude::*;
 use serde_json::json;
 
@@ -77,7 +80,9 @@ struct Ctx<'a> {
     ar_host: kernels::allreduce::cost::Host,
 }
 
-/// One decode step at `batch` (every request at [`CONTEXT`] cached tokens).
+/// One decode step at `batch` (every request at [`CONTEXT`] cached tokens): the launch list
+/// the executor records for rank 0 on a dry device with the tactics chosen here, each launch
+/// priced by the cost model.
 fn step(c: &Ctx<'_>, batch: u32) -> Result<Step> {
     let cfg = c.cfg;
     let tp = c.tp;
@@ -87,46 +92,11 @@ fn step(c: &Ctx<'_>, batch: u32) -> Result<Step> {
     let h = cfg.hidden_size as f64;
     let b = f64::from(batch);
     let mut by: BTreeMap<&'static str, f64> = BTreeMap::new();
-    let mut launches = 0u32;
     let mut min_bytes = 0.0;
-    let mut add = |family: &'static str, us: f64, count: u32, launches_each: u32| {
-        *by.entry(family).or_default() += us * f64::from(count);
-        launches += launches_each * count;
-    };
-    // BF16 products.
+    // Weights once: every BF16 product's matrix.
     for p in dense_products(cfg, tp) {
-        let shape = ProblemShape::Dense {
-            m: batch,
-            n: p.n,
-            k: p.k,
-        };
-        let pred = c.model.dense(&shape).context("dense prediction")?;
-        add("dense", pred.us, p.per_step, 1);
         min_bytes += f64::from(p.n) * f64::from(p.k) * 2.0 * f64::from(p.per_step);
     }
-    // Small kernels: per layer two residual add + norms, the q_a norm, RoPE of q, the cache
-    // append (norm + RoPE + write); per MoE layer routing and grouping and SiLU·up of the
-    // shared expert; per dense layer SiLU·up; per step the embedding, final norm and argmax.
-    let small = |bytes: f64| cost_small(c, bytes);
-    let act = b * h * 4.0;
-    add("small", small(2.0 * act), layers, 2);
-    add("small", small(b * 1536.0 * 8.0), layers, 1);
-    add("small", small(b * 192.0 * 8.0 * 4.0), layers, 1);
-    add("small", small(b * 576.0 * 8.0), layers, 1);
-    add(
-        "small",
-        small(b * cfg.n_routed_experts as f64 * 8.0),
-        moe_layers,
-        2,
-    );
-    add("small", small(b * 512.0 * 4.0), moe_layers, 1);
-    add(
-        "small",
-        small(b * cfg.intermediate_size as f64 / f64::from(tp) * 8.0),
-        dense_layers,
-        1,
-    );
-    add("small", small(act), 1, 3);
     // MoE.
     let (active, tpe) = expert_load(cfg, batch);
     let moe_shape = ProblemShape::Moe {
@@ -142,7 +112,7 @@ fn step(c: &Ctx<'_>, batch: u32) -> Result<Step> {
     let image = c
         .manifest
         .image(KernelFamily::MoeGemm, c.sm, &moe_t.tactic.id());
-    let pred = c
+    let moe_pair = c
         .model
         .moe(
             &moe_t.tactic,
@@ -155,7 +125,6 @@ fn step(c: &Ctx<'_>, batch: u32) -> Result<Step> {
             ),
         )
         .context("MoE prediction")?;
-    add("moe_gemm", pred.us, moe_layers, 2);
     min_bytes += f64::from(active)
         * 3.0
         * h
@@ -176,13 +145,12 @@ fn step(c: &Ctx<'_>, batch: u32) -> Result<Step> {
     let image = c
         .manifest
         .image(KernelFamily::MlaDecode, c.sm, &mla_t.tactic.kernel.id());
-    let pred = c
+    let mla_pair = c
         .model
         .mla(&mla_t.tactic, image, &mla_shape)
         .context("MLA prediction")?;
-    add("mla", pred.us, layers, 2);
     min_bytes += b * f64::from(CONTEXT) * 644.0 * f64::from(layers);
-    // All-reduces: two per layer.
+    // All-reduces.
     let ar_shape = ProblemShape::AllReduce {
         elements: u64::from(batch) * cfg.hidden_size as u64,
         dtype: "bf16".into(),
@@ -192,15 +160,51 @@ fn step(c: &Ctx<'_>, batch: u32) -> Result<Step> {
         .lookup
         .choose::<AllReduceTactic>(c.sm, &ar_shape)
         .context("no all-reduce tactic serves the shape")?;
-    let pred = cost::allreduce(&c.ar_host, &ar_t.tactic, &ar_shape).context("all-reduce")?;
-    if tp > 1 {
-        add("allreduce", pred.us, 2 * layers, 1);
+    let ar = cost::allreduce(&c.ar_host, &ar_t.tactic, &ar_shape).context("all-reduce")?;
+
+    let recorded = DryStep {
+        model: "step-time".into(),
+        config: cfg.clone(),
+        sm: c.sm,
+        shard: TpShard {
+            rank: 0,
+            world: tp as usize,
+        },
+        batch: batch as usize,
+        context: CONTEXT as usize,
+        kv_dtype: KvCacheDtype::Fp8E4m3,
+        tactics: ExecutorTactics {
+            moe: Some(moe_t.tactic),
+            mla: mla_t.tactic.kernel,
+        },
+        tactics_source: "step-time".into(),
+    }
+    .record()
+    .map_err(|e| anyhow::anyhow!("recording the decode step on a dry device: {e}"))?;
+    for l in recorded.launches() {
+        let (family, us) = match (l.kernel.as_str(), &l.problem) {
+            // The cost model prices each pair as one: gate/up with down, decode with combine.
+            ("moe_gate_up", _) => ("moe_gemm", moe_pair.us),
+            ("moe_down", _) => ("moe_gemm", 0.0),
+            ("mla_decode", _) => ("mla", mla_pair.us),
+            ("mla_combine", _) => ("mla", 0.0),
+            ("allreduce", _) => ("allreduce", ar.us),
+            (_, Some(dense @ ProblemShape::Dense { .. })) => (
+                "dense",
+                c.model.dense(dense).context("dense prediction")?.us,
+            ),
+            _ => (
+                "small",
+                cost_small(c, (l.traffic.read + l.traffic.written) as f64),
+            ),
+        };
+        *by.entry(family).or_default() += us;
     }
     let total_us = by.values().sum();
     Ok(Step {
         batch,
         by_family: by,
-        launches,
+        launches: recorded.launches().len() as u32,
         total_us,
         min_bytes,
         tactics: vec![moe_t.describe(), mla_t.describe(), ar_t.describe()],
@@ -305,8 +309,8 @@ pub fn write_report(
     let mut text = format!(
         "# PREDICTED decode step time: {model_name} on {tp}x {} over PCIe (TP{tp}), every request \
          at {CONTEXT} cached tokens (FP8 latent cache)\n\
-         # Launch list built from the model config (the device executor records its launches, \
-         but cannot hold Kimi-K2.5 here); per-launch times from autotune's cost model, all-reduces from \
+         # Launch list RECORDED from the device executor (rank 0, on a dry device: no kernel ran); \
+         per-launch times from autotune's cost model, all-reduces from \
          kernels::allreduce::cost (two-sockets-4x4 host). Nothing here is measured.\n\
          # roofline: tok/s if the step only streamed its minimum DRAM bytes (weights once, the \
          latent cache once) at {:.0} GB/s. vLLM in the seeds (measured by others): ~{VLLM_FIRST_TOK_S:.0} \
@@ -344,7 +348,7 @@ pub fn write_report(
         "tp": tp,
         "gpu": gpu.name,
         "context_tokens": CONTEXT,
-        "launch_list": "built from the model config (no recorded executor launch list yet)",
+        "launch_list": "recorded from the device executor (model::executor::DryStep: rank 0 on a dry device, no kernel ran)",
         "vllm_measured_by_others_tok_s": {"first_request": VLLM_FIRST_TOK_S, "steady": VLLM_STEADY_TOK_S},
         "defaults": rows(&defaults),
         "tuned": tuned.as_deref().map(rows),
@@ -476,6 +480,10 @@ mod tests {
                 assert!(s.by_family[f] > 0.0, "{f}");
             }
         }
+        // The executor's recorded list: the same launches at every batch, at least per layer
+        // the cache append, MLA decode + combine and two all-reduces.
+        assert!(steps.iter().all(|s| s.launches == steps[0].launches));
+        assert!(steps[0].launches >= 5 * cfg.num_hidden_layers as u32);
         // More sequences per step: more tokens per second (weights are shared).
         assert!(steps.windows(2).all(|w| w[1].tok_s() > w[0].tok_s()));
         // Without tensor parallelism there is no all-reduce.

@@ -19,6 +19,10 @@ pub const STATIC_SMEM_LIMIT: usize = 49_152;
 /// Architectural register ceiling per thread (ptxas never exceeds it; it spills instead).
 pub const MAX_REGS_PER_THREAD: u32 = 255;
 pub const MAX_THREADS_PER_BLOCK: u32 = 1024;
+/// Largest block dimensions (x, y, z) a launch may have on every supported SM.
+pub const MAX_BLOCK_DIM: (u32, u32, u32) = (1024, 1024, 64);
+/// Largest grid dimensions (x, y, z) a launch may have on every supported SM.
+pub const MAX_GRID_DIM: (u32, u32, u32) = (i32::MAX as u32, 65_535, 65_535);
 pub const WARP_SIZE: u32 = 32;
 
 /// A compile target of the gate.

@@ -5,7 +5,9 @@
 //! - `cuda::GpuContext` (feature `cuda`): a GPU through the CUDA driver (cudarc), with the
 //!   cubins of the compile gate;
 //! - `cuda_host::HostDevice` (crate `cuda-host`): the same `.cu` sources compiled for the CPU
-//!   and run by the host execution layer.
+//!   and run by the host execution layer;
+//! - [`dry::DryDevice`]: memory that is only a size and an address, launches checked against
+//!   the SM's limits and then dropped: a step's launch list for a model too large to hold.
 //!
 //! The launchers (`moe_gemm::launch`, `mla::launch`) are written once against this trait, so
 //! the argument structs, grid geometry, buffer sizing and poisoning that a GPU run uses are
@@ -17,6 +19,9 @@ use std::marker::PhantomData;
 use std::path::PathBuf;
 
 use crate::moe_gemm::Sm;
+use crate::tactic::ProblemShape;
+
+pub mod dry;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DeviceError {
@@ -97,6 +102,7 @@ pub struct KernelParams<'a> {
     ptrs: Vec<*mut c_void>,
     sizes: Vec<usize>,
     traffic: LaunchTraffic,
+    problem: Option<ProblemShape>,
     _borrow: PhantomData<&'a ()>,
 }
 
@@ -119,6 +125,18 @@ impl<'a> KernelParams<'a> {
             written: written as u64,
         };
         self
+    }
+
+    /// Names the problem the launch computes where a cost model prices it by shape (a dense
+    /// product's `m, n, k`). Devices ignore it; a recording device lists it.
+    pub fn problem(&mut self, shape: ProblemShape) -> &mut Self {
+        self.problem = Some(shape);
+        self
+    }
+
+    /// What [`problem`](Self::problem) recorded.
+    pub fn launch_problem(&self) -> Option<&ProblemShape> {
+        self.problem.as_ref()
     }
 
     /// What [`traffic`](Self::traffic) recorded (zero when the launcher did not say).

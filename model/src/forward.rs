@@ -201,14 +201,6 @@ impl Model {
         &self.absorbed[layer].w_uk_t
     }
 
-    pub(crate) fn rope(&self) -> &Rope {
-        &self.rope
-    }
-
-    pub(crate) fn softmax_scale(&self) -> f32 {
-        self.softmax_scale
-    }
-
     pub fn cache_shape(&self) -> LatentCacheShape {
         LatentCacheShape {
             layers: self.config.num_hidden_layers,

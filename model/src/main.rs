@@ -121,6 +121,10 @@ enum Command {
     },
     /// Memory per GPU under tensor parallelism and the longest context that fits.
     Plan(PlanArgs),
+    /// The launch list of one decode step of a rank, recorded from the device executor on a
+    /// dry device (no kernel runs, no weights are held): kernel, grid, bytes per launch, and
+    /// totals per kernel.
+    LaunchList(LaunchListArgs),
     /// Summarize a checkpoint directory or one safetensors file.
     Inspect { path: PathBuf },
 }
@@ -676,6 +680,107 @@ struct PlanArgs {
     max_num_seqs: usize,
 }
 
+#[derive(clap::Args)]
+struct LaunchListArgs {
+    #[arg(long, value_enum, default_value = "kimi-k2.5")]
+    preset: Preset,
+    /// Ranks of the tensor-parallel group; the list is rank `--rank`'s.
+    #[arg(long, default_value_t = 8, value_parser = at_least_one)]
+    tp: usize,
+    #[arg(long, default_value_t = 0)]
+    rank: usize,
+    /// Sequences in the decode step.
+    #[arg(long, default_value_t = 1, value_parser = at_least_one)]
+    batch: usize,
+    /// Tokens every sequence attends over (its new one included).
+    #[arg(long, default_value_t = 4096, value_parser = at_least_one)]
+    context: usize,
+    /// `bf16` or `fp8`.
+    #[arg(long, default_value = "bf16")]
+    kv_dtype: String,
+    /// The SM whose limits and tactics apply: 120 (RTX PRO 6000) or 90 (H200).
+    #[arg(long, default_value = "120", value_parser = parse_sm)]
+    sm: kernels::arch::Sm,
+    /// Tactic cache (`autotune ... --out FILE`) to take the MoE and MLA tactics from; without
+    /// it, the heuristic defaults.
+    #[arg(long)]
+    tactics: Option<PathBuf>,
+    /// Also write the list to this file.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+fn launch_list_command(args: LaunchListArgs) -> Result<()> {
+    use model::executor::{DryStep, decode_tactics};
+    let config = args.preset.model_config();
+    if args.rank >= args.tp {
+        bail!(InvalidInput(format!(
+            "--rank {} of --tp {}: ranks are 0..{}",
+            args.rank, args.tp, args.tp
+        )));
+    }
+    check_tensor_parallel(Path::new(args.preset.id()), &config, args.tp)?;
+    let kv_dtype = KvCacheDtype::parse(&args.kv_dtype).ok_or_else(|| {
+        InvalidInput(format!(
+            "--kv-dtype {}: expected bf16 or fp8",
+            args.kv_dtype
+        ))
+    })?;
+    if args.context > config.max_position_embeddings {
+        bail!(InvalidInput(format!(
+            "--context {}: the model's max_position_embeddings is {}",
+            args.context, config.max_position_embeddings
+        )));
+    }
+    let (tactics, tactics_source) = decode_tactics(
+        args.tactics.as_deref(),
+        args.sm,
+        &config,
+        args.tp,
+        args.batch,
+        args.context,
+        kv_dtype,
+    )?;
+    let step = DryStep {
+        model: args.preset.id().into(),
+        config,
+        sm: args.sm,
+        shard: TpShard {
+            rank: args.rank,
+            world: args.tp,
+        },
+        batch: args.batch,
+        context: args.context,
+        kv_dtype,
+        tactics,
+        tactics_source,
+    }
+    .record()?;
+    let mut regenerate = format!(
+        "cargo run --release -p model -- launch-list --preset {} --tp {} --rank {} --batch {} \
+         --context {} --kv-dtype {} --sm {}",
+        args.preset.id(),
+        args.tp,
+        args.rank,
+        args.batch,
+        args.context,
+        kv_dtype.id(),
+        args.sm
+    );
+    if let Some(t) = &args.tactics {
+        regenerate += &format!(" --tactics {}", t.display());
+    }
+    if let Some(o) = &args.out {
+        regenerate += &format!(" --out {}", o.display());
+    }
+    let text = step.render(&regenerate);
+    print!("{text}");
+    if let Some(path) = &args.out {
+        std::fs::write(path, &text).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
 fn at_least_one(text: &str) -> Result<usize, String> {
     match text.parse::<usize>() {
         Ok(n) if n >= 1 => Ok(n),
@@ -829,6 +934,7 @@ fn dispatch(cli: Cli) -> Result<()> {
             }
         }
         Command::Plan(args) => plan_command(args),
+        Command::LaunchList(args) => launch_list_command(args),
         Command::Inspect { path } => {
             if path.is_dir() {
                 inspect_checkpoint(&path)

@@ -311,3 +311,45 @@ fn cuda_emulated_refuses_what_the_kernels_cannot_run() {
         assert!(text.contains(want), "{model} {extra:?}: {text}");
     }
 }
+
+/// `model launch-list` records Kimi-K2.5's decode step of rank 0 of TP8 on a dry device and
+/// writes the same text it prints; a rank outside the group is refused as input (exit 2).
+#[test]
+fn launch_list_records_kimi_tp8_on_a_dry_device() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("list.txt");
+    let printed = run_ok(
+        model_cmd()
+            .args([
+                "launch-list",
+                "--preset",
+                "kimi-k2.5",
+                "--tp",
+                "8",
+                "--batch",
+                "2",
+                "--context",
+                "256",
+                "--kv-dtype",
+                "fp8",
+            ])
+            .arg("--out")
+            .arg(&out),
+    );
+    let written = std::fs::read_to_string(&out).unwrap();
+    assert!(printed.contains(&written), "the file is what was printed");
+    assert!(written.starts_with("# Launch list of one decode step, RECORDED"));
+    assert!(written.contains("rank 0 of TP8, batch 2, context 256"));
+    assert!(written.contains("FP8 cache"));
+    let launches = written.lines().filter(|l| l.contains(" grid (")).count();
+    let total = written
+        .lines()
+        .find_map(|l| l.strip_prefix("total: "))
+        .expect("a total line");
+    assert!(
+        total.starts_with(&format!("{launches} launches")),
+        "{total}"
+    );
+    let (code, text) = run_fails(model_cmd().args(["launch-list", "--tp", "8", "--rank", "8"]));
+    assert_eq!(code, 2, "{text}");
+}

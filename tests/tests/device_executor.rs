@@ -467,7 +467,7 @@ fn a_decode_step_transfers_its_inputs_and_the_sampled_ids_only() {
     );
     let read: u64 = step.launches.iter().map(|l| l.traffic.read).sum();
     let written: u64 = step.launches.iter().map(|l| l.traffic.written).sum();
-    let dense = weights_every_step_reads(ex.weights(), &model.config);
+    let (dense, _) = model::executor::weights_every_step_reads(ex.weights(), &model.config, 1);
     let held = ex.device_bytes();
     println!(
         "decode step: {read} B read, {written} B written; the weights every step must read \
@@ -495,39 +495,6 @@ fn a_decode_step_transfers_its_inputs_and_the_sampled_ids_only() {
             "{kernel}"
         );
     }
-}
-
-/// Bytes of the weights a step reads whatever the routing: every BF16 matrix but the embedding
-/// (one row per token) and the routed experts (top-k of them), W_UV's rows of `kv_b` (W_UK is
-/// read from its transposed copy).
-fn weights_every_step_reads<D: kernels::device::Device>(
-    w: &model::executor::DeviceWeights<D>,
-    c: &model::config::ModelConfig,
-) -> u64 {
-    use kernels::device::DeviceMemory;
-    use model::executor::DeviceMlp;
-    let v_share = |m: &D::Memory| m.len() * c.v_head_dim / (c.qk_nope_head_dim + c.v_head_dim);
-    let mut bytes = w.lm_head.len();
-    for l in &w.layers {
-        let a = &l.attention;
-        bytes += a.q_a.as_ref().map_or(0, |(q_a, _, _)| q_a.len())
-            + a.q_b.len()
-            + a.kv_a_latent.len()
-            + a.kv_a_rope.len()
-            + a.w_uk_t.len()
-            + v_share(&a.kv_b)
-            + a.o.len();
-        bytes += match &l.mlp {
-            DeviceMlp::Dense(d) => d.gate_up.len() + d.down.len(),
-            DeviceMlp::Moe(m) => {
-                m.router.len()
-                    + m.shared
-                        .as_ref()
-                        .map_or(0, |s| s.gate_up.len() + s.down.len())
-            }
-        };
-    }
-    bytes as u64
 }
 
 /// A model whose latent sizes the MLA kernels are not built for is refused with the reason.
@@ -861,4 +828,100 @@ fn tensor_parallel_ranks_replay_their_graphs_bit_for_bit_and_transfer_only_input
             assert_eq!(step.bytes_to_host, 4 + 24, "{how}");
         }
     }
+}
+
+/// `DeviceWeights::zeroed` for rank r of TP n allocates exactly what uploading that rank's
+/// `ModelWeights::shard` allocates: the same tensors, in the same order, of the same sizes.
+#[test]
+fn zeroed_weights_of_a_rank_equal_the_sharded_uploads_allocations() {
+    use kernels::device::dry::DryDevice;
+    use kernels::moe_gemm::ScaleLoad;
+    use model::executor::DeviceWeights;
+    use model::weights::TpShard;
+    let (model, _) = load(KERNEL_MODEL);
+    let c = &model.config;
+    let worlds: Vec<usize> = [1, 2, 4, 8]
+        .into_iter()
+        .filter(|&w| c.check_tensor_parallel(w).is_ok())
+        .collect();
+    assert!(worlds.len() >= 3, "{KERNEL_MODEL} splits over {worlds:?}");
+    // The MoE tactic decides only the experts' scale layout here: both are checked.
+    let default = ExecutorTactics::defaults(Sm::Sm120, c, KvCacheDtype::Bf16)
+        .unwrap()
+        .moe
+        .expect("a MoE model");
+    let layouts = [ScaleLoad::Swizzled128x4, ScaleLoad::RowMajor].map(|scale_load| {
+        Some(kernels::moe_gemm::MoeGemmTactic {
+            scale_load,
+            ..default
+        })
+    });
+    for (world, moe) in worlds.into_iter().zip(layouts.into_iter().cycle()) {
+        for rank in [0, world - 1] {
+            let shard = TpShard { rank, world };
+            let sharded = Model::new(c.clone(), model.weights.shard(c, shard).unwrap());
+            let real =
+                DeviceWeights::upload(&HostDevice::new(Sm::Sm120), &sharded, moe, true).unwrap();
+            let dry = DeviceWeights::zeroed(&DryDevice::default(), c, shard, moe).unwrap();
+            assert_eq!(real.allocations(), dry.allocations(), "{shard:?}");
+            assert_eq!(real.device_bytes(), dry.device_bytes(), "{shard:?}");
+            assert_eq!(real.heads, dry.heads);
+            assert_eq!(real.heads, c.num_attention_heads / world);
+            assert!(real.allocations().len() > 10 * c.num_hidden_layers);
+        }
+    }
+}
+
+/// The dry recording of a decode step equals the launch list the same executor issues on the
+/// host execution layer, launch for launch (kernel, tactic, grid, block, shared memory and
+/// bytes): the dry device refuses nothing and changes nothing a real step does.
+#[test]
+fn a_dry_decode_step_records_the_launches_the_emulated_step_runs() {
+    use model::executor::DryStep;
+    let (model, golden) = load(KERNEL_MODEL);
+    let tokens = ids(&golden, "tokens");
+    let c = &model.config;
+    let context = tokens.len() + 1;
+    let dtype = KvCacheDtype::Bf16;
+    let tactics = ExecutorTactics::defaults(Sm::Sm120, c, dtype).unwrap();
+    let dry = DryStep {
+        model: KERNEL_MODEL.into(),
+        config: c.clone(),
+        sm: Sm::Sm120,
+        shard: model::weights::TpShard::SINGLE,
+        batch: 1,
+        context,
+        kv_dtype: dtype,
+        tactics: tactics.clone(),
+        tactics_source: "heuristic defaults".into(),
+    }
+    .record()
+    .unwrap();
+
+    let dev = CountingDevice::new(HostDevice::new(Sm::Sm120));
+    let capacity = StepCapacity {
+        tokens: tokens.len(),
+        logit_rows: 1,
+    };
+    let mut ex = DeviceExecutor::new(dev, &model, dtype, context, capacity, tactics, true).unwrap();
+    ex.set_graphs(true);
+    let seq = ex.add_sequence();
+    let step = |ex: &mut DeviceExecutor<_>, tokens: &[u32]| {
+        ex.step(
+            &[SeqInput { seq, tokens }],
+            LogitRows::Last,
+            StepOutput::Greedy,
+        )
+        .unwrap()
+    };
+    step(&mut ex, &tokens);
+    ex.device().take();
+    step(&mut ex, &[1]);
+    let emulated = ex.device().take();
+    assert_eq!(dry.traffic.launches, emulated.launches);
+    assert_eq!(
+        (dry.traffic.writes, dry.traffic.downloads, dry.traffic.fills),
+        (emulated.writes, emulated.downloads, emulated.fills)
+    );
+    assert_eq!(dry.held, ex.device_bytes());
 }

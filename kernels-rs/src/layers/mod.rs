@@ -16,6 +16,7 @@
 pub mod sampling;
 
 use crate::device::{Device, DeviceError, DeviceMemory, KernelParams, LaunchConfig, Result};
+use crate::tactic::ProblemShape;
 
 pub const FAMILY: &str = "layers";
 /// The only image of the family.
@@ -502,7 +503,12 @@ impl<D: Device> LayerKernels<D> {
         p.traffic(
             tokens * k * F32 + n * k * BF16 + if accumulate { out_bytes } else { 0 },
             out_bytes,
-        );
+        )
+        .problem(ProblemShape::Dense {
+            m: tokens as u32,
+            n: nn as u32,
+            k: kk as u32,
+        });
         let tokens = u32::try_from(tokens)
             .ok()
             .filter(|&t| t > 0 && t <= 65_535)
@@ -655,7 +661,13 @@ impl<D: Device> LayerKernels<D> {
             .traffic(
                 heads * (tokens * k * F32 + n * k * BF16),
                 heads * tokens * n * y_type.bytes(),
-            );
+            )
+            // Every head's product at once: one product of `heads · n` outputs.
+            .problem(ProblemShape::Dense {
+                m: tokens as u32,
+                n: (heads * n) as u32,
+                k: kk as u32,
+            });
         let (tokens, heads) = match (u32::try_from(tokens), u32::try_from(heads)) {
             (Ok(t), Ok(h)) if t <= 65_535 && h <= 65_535 => (t, h),
             _ => {

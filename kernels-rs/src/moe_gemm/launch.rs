@@ -25,7 +25,7 @@ use crate::device::{
     Device, DeviceError, DeviceExt, DeviceMemory, KernelParams, LaunchConfig, Result,
 };
 use crate::formats::nvfp4::Nvfp4View;
-use crate::formats::swizzle::SwizzledScales;
+use crate::formats::swizzle::{SWIZZLE_ROWS, SWIZZLE_SCALE_COLS, SwizzledScales, round_up};
 use crate::moe_gemm::reference::Routing;
 use crate::moe_gemm::{MoeGemmTactic, ScaleLoad, SmemFootprint};
 
@@ -82,6 +82,58 @@ pub struct ExpertWeights<'a> {
     pub down: Nvfp4View<'a>,
     pub gate_up_input_scale: f32,
     pub down_input_scale: f32,
+}
+
+/// The sizes every buffer of a layer's routed experts follows from: what an upload of real
+/// weights and a zeroed placeholder of them ([`MoeDeviceWeights::zeroed`]) share.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeWeightsShape {
+    pub experts: usize,
+    pub hidden: usize,
+    pub inter: usize,
+}
+
+impl MoeWeightsShape {
+    /// The kernels need at least one expert and both sizes in whole NVFP4 blocks.
+    pub fn check(&self) -> Result<()> {
+        let (e, h, i) = (self.experts, self.hidden, self.inter);
+        if h == 0 || i == 0 || !h.is_multiple_of(16) || !i.is_multiple_of(16) || e == 0 {
+            return Err(DeviceError::Invalid(format!(
+                "experts {e}, hidden {h}, inter {i}: need ≥ 1 expert and multiples of 16"
+            )));
+        }
+        Ok(())
+    }
+
+    /// `w13`: `[E, 2I, H/2]` bytes.
+    pub fn w13_bytes(&self) -> usize {
+        self.experts * 2 * self.inter * self.hidden / 2
+    }
+
+    /// `w2`: `[E, H, I/2]` bytes.
+    pub fn w2_bytes(&self) -> usize {
+        self.experts * self.hidden * self.inter / 2
+    }
+
+    /// `(w13_sf, w2_sf)` bytes of all experts in `layout` (the swizzle pads each expert's
+    /// scales to whole 128 × 4 atoms).
+    pub fn scale_bytes(&self, layout: ScaleLoad) -> (usize, usize) {
+        let (e, h, i) = (self.experts, self.hidden, self.inter);
+        match layout {
+            ScaleLoad::RowMajor => (e * 2 * i * h / 16, e * h * i / 16),
+            ScaleLoad::Swizzled128x4 => {
+                let padded = |rows: usize, scale_cols: usize| {
+                    round_up(rows, SWIZZLE_ROWS) * round_up(scale_cols, SWIZZLE_SCALE_COLS)
+                };
+                (e * padded(2 * i, h / 16), e * padded(h, i / 16))
+            }
+        }
+    }
+
+    /// Bytes one expert's weights and scales occupy as a kernel reads them (row-major scales).
+    pub fn bytes_per_expert(&self) -> usize {
+        3 * self.hidden * self.inter / 2 + 3 * self.hidden * self.inter / 16
+    }
 }
 
 /// All experts' weights in the kernels' layout, on the host, with row-major scales (the
@@ -153,19 +205,26 @@ impl MoeWeightsHost {
         Ok(w)
     }
 
+    /// Experts, hidden and intermediate sizes.
+    pub fn shape(&self) -> MoeWeightsShape {
+        MoeWeightsShape {
+            experts: self.experts,
+            hidden: self.hidden,
+            inter: self.inter,
+        }
+    }
+
     /// Checks that every buffer has the size its shape implies.
     pub fn check(&self) -> Result<()> {
-        let (e, h, i) = (self.experts, self.hidden, self.inter);
-        if h == 0 || i == 0 || !h.is_multiple_of(16) || !i.is_multiple_of(16) || e == 0 {
-            return Err(DeviceError::Invalid(format!(
-                "experts {e}, hidden {h}, inter {i}: need ≥ 1 expert and multiples of 16"
-            )));
-        }
+        let shape = self.shape();
+        shape.check()?;
+        let (w13_sf, w2_sf) = shape.scale_bytes(ScaleLoad::RowMajor);
+        let e = shape.experts;
         let sizes = [
-            ("w13", self.w13.len(), e * 2 * i * h / 2),
-            ("w13_sf", self.w13_sf.len(), e * 2 * i * h / 16),
-            ("w2", self.w2.len(), e * h * i / 2),
-            ("w2_sf", self.w2_sf.len(), e * h * i / 16),
+            ("w13", self.w13.len(), shape.w13_bytes()),
+            ("w13_sf", self.w13_sf.len(), w13_sf),
+            ("w2", self.w2.len(), shape.w2_bytes()),
+            ("w2_sf", self.w2_sf.len(), w2_sf),
             ("w13_gs", self.w13_gs.len(), e),
             ("a13_gs", self.a13_gs.len(), e),
             ("w2_gs", self.w2_gs.len(), e),
@@ -184,7 +243,7 @@ impl MoeWeightsHost {
     /// Bytes one expert's weights and scales occupy as a kernel reads them (row-major scales):
     /// the unique weight traffic of one active expert.
     pub fn bytes_per_expert(&self) -> usize {
-        3 * self.hidden * self.inter / 2 + 3 * self.hidden * self.inter / 16
+        self.shape().bytes_per_expert()
     }
 
     /// `(w13_sf, w2_sf)` of all experts in `layout`.
@@ -440,6 +499,54 @@ impl<D: Device> MoeDeviceWeights<D> {
             a2_gs: dev.upload(&host.a2_gs)?,
             scales,
         })
+    }
+
+    /// Zeroed buffers of the sizes [`upload`](Self::upload) makes for `shape` and `layouts`:
+    /// the weights' footprint and addresses without their values (a dry run's placeholder).
+    pub fn zeroed(dev: &D, shape: MoeWeightsShape, layouts: &[ScaleLoad]) -> Result<Self> {
+        shape.check()?;
+        let mut scales = [None, None];
+        for &layout in layouts {
+            let (a, b) = shape.scale_bytes(layout);
+            scales[layout.macro_value() as usize] =
+                Some((dev.alloc_zeroed(a)?, dev.alloc_zeroed(b)?));
+        }
+        let per_expert_f32 = || dev.alloc_elements::<f32>(shape.experts);
+        Ok(Self {
+            experts: shape.experts,
+            hidden: shape.hidden,
+            inter: shape.inter,
+            bytes_per_expert: shape.bytes_per_expert(),
+            w13: dev.alloc_zeroed(shape.w13_bytes())?,
+            w2: dev.alloc_zeroed(shape.w2_bytes())?,
+            w13_gs: per_expert_f32()?,
+            a13_gs: per_expert_f32()?,
+            w2_gs: per_expert_f32()?,
+            a2_gs: per_expert_f32()?,
+            scales,
+        })
+    }
+
+    /// Every buffer's name and bytes (scales per layout held).
+    pub fn buffer_bytes(&self) -> Vec<(String, usize)> {
+        let mut out: Vec<(String, usize)> = [
+            ("w13", &self.w13),
+            ("w2", &self.w2),
+            ("w13_gs", &self.w13_gs),
+            ("a13_gs", &self.a13_gs),
+            ("w2_gs", &self.w2_gs),
+            ("a2_gs", &self.a2_gs),
+        ]
+        .into_iter()
+        .map(|(name, m)| (name.to_string(), m.len()))
+        .collect();
+        for (layout, held) in self.scales.iter().enumerate() {
+            if let Some((a, b)) = held {
+                out.push((format!("w13_sf[{layout}]"), a.len()));
+                out.push((format!("w2_sf[{layout}]"), b.len()));
+            }
+        }
+        out
     }
 
     pub fn device_bytes(&self) -> usize {
@@ -1004,6 +1111,48 @@ pub fn launch_configs(
 mod tests {
     use super::*;
     use crate::moe_gemm::{KernelVariant, Sm};
+
+    /// A zeroed placeholder has every buffer of the size an upload of real experts makes, in
+    /// both scale layouts, for sizes the swizzle pads (48 rows, 3 scale columns) and not.
+    #[test]
+    fn zeroed_weights_have_the_uploads_buffer_sizes() {
+        let dev = crate::device::dry::DryDevice::default();
+        for (experts, hidden, inter) in [(3, 48, 32), (2, 256, 128)] {
+            let shape = MoeWeightsShape {
+                experts,
+                hidden,
+                inter,
+            };
+            let (w13_sf, w2_sf) = shape.scale_bytes(ScaleLoad::RowMajor);
+            let host = MoeWeightsHost {
+                experts,
+                hidden,
+                inter,
+                w13: vec![0; shape.w13_bytes()],
+                w13_sf: vec![0; w13_sf],
+                w2: vec![0; shape.w2_bytes()],
+                w2_sf: vec![0; w2_sf],
+                w13_gs: vec![1.0; experts],
+                a13_gs: vec![1.0; experts],
+                w2_gs: vec![1.0; experts],
+                a2_gs: vec![1.0; experts],
+            };
+            for layouts in [
+                &[ScaleLoad::RowMajor][..],
+                &[ScaleLoad::Swizzled128x4],
+                &[ScaleLoad::RowMajor, ScaleLoad::Swizzled128x4],
+            ] {
+                let uploaded = MoeDeviceWeights::upload(&dev, &host, layouts).unwrap();
+                let zeroed = MoeDeviceWeights::zeroed(&dev, host.shape(), layouts).unwrap();
+                assert_eq!(
+                    uploaded.buffer_bytes(),
+                    zeroed.buffer_bytes(),
+                    "{layouts:?}"
+                );
+                assert_eq!(uploaded.bytes_per_expert, zeroed.bytes_per_expert);
+            }
+        }
+    }
 
     fn routing() -> Routing {
         Routing {

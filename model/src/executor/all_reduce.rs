@@ -10,6 +10,10 @@
 //! - [`IpcAllReduce`] (feature `cuda`): [`kernels::allreduce::cuda::CudaIpcCommunicator`]'s
 //!   kernels over CUDA IPC regions, launched on the executor's stream.
 //!
+//! [`DryAllReduce`] issues the GPU path's launch (its tactic, grid and parameter block) on a
+//! device where no kernel runs ([`Dry`]), with peers that are not there: the collective's
+//! place in a recorded step's launch list.
+//!
 //! The residual add is not fused into the collective: the executor adds the summed partial
 //! into the residual stream in the next `add_rms_norm`, as the CPU tensor-parallel forward
 //! adds it after `all_reduce_sum`.
@@ -21,11 +25,13 @@ use kernels::allreduce::algorithm::{Algorithm, Transfer};
 use kernels::allreduce::cpu::default_islands;
 use kernels::allreduce::layout::{HEADER_CAPACITY, HEADER_MAGIC, HEADER_WORLD, SegmentLayout};
 use kernels::allreduce::shm::{JoinError, SharedSegment, create_or_join};
+use kernels::allreduce::tactic::default_blocks;
 use kernels::allreduce::tactic::{
     AllReduceTactic, CONTROL_BYTES, CONTROL_STATUS, DeviceOffsets, FAMILY, KERNEL, KernelStatus,
     LaunchShape, pack_params,
 };
 use kernels::allreduce::{DType, Islands};
+use kernels::device::dry::Dry;
 use kernels::device::{Device, DeviceError, DeviceExt, DeviceMemory, KernelParams, LaunchConfig};
 
 /// Sums partial results across the tensor-parallel ranks, on the device.
@@ -47,6 +53,7 @@ pub trait HostAddressed: Device {}
 
 impl HostAddressed for cuda_host::HostDevice {}
 impl<D: HostAddressed> HostAddressed for super::CountingDevice<D> {}
+impl<D: Dry> Dry for super::CountingDevice<D> {}
 
 /// Magic of a device all-reduce segment (not the CPU communicator's: the two never share one).
 const SEGMENT_MAGIC: u64 = 0x6465_7674_7061_7231; // "devtpar1"
@@ -54,8 +61,27 @@ const SEGMENT_MAGIC: u64 = 0x6465_7674_7061_7231; // "devtpar1"
 /// one flag round per phase is what a decode-sized message costs on a GPU too.
 const EMULATED_BLOCKS: u32 = 1;
 const EMULATED_THREADS: u32 = 256;
-/// One-shot pull: every rank reads every peer's outbox and sums in rank order.
+/// One-shot pull: every rank reads every peer's outbox and sums in rank order (also what the
+/// GPU communicator's default policy picks at every size).
 const ALGORITHM: Algorithm = Algorithm::OneShot(Transfer::Pull);
+/// Threads per block of the GPU collective's launches (an image of `tactic::THREADS`).
+const GPU_THREADS: u32 = 512;
+
+/// The tactic the GPU path launches for a message of `bytes`: blocks by size.
+fn gpu_tactic(algorithm: Algorithm, bytes: usize) -> AllReduceTactic {
+    AllReduceTactic {
+        algorithm,
+        dtype: DType::F32,
+        threads: GPU_THREADS,
+        blocks: default_blocks(bytes),
+    }
+}
+
+/// `(read, written)` bytes of a one-shot pull of `bytes` over `world` ranks: this rank's
+/// values into its outbox, every rank's outbox read, the sum written back.
+fn one_shot_pull_traffic(bytes: usize, world: usize) -> (usize, usize) {
+    (bytes * (1 + world), bytes * 2)
+}
 
 fn setup_error(what: impl std::fmt::Display) -> DeviceError {
     DeviceError::Driver {
@@ -205,11 +231,8 @@ impl<D: HostAddressed> TpAllReduce<D> for ShmAllReduce<D> {
             shared_mem_bytes: 0,
         };
         let mut args = KernelParams::new();
-        // One-shot pull: this rank's values into its outbox, every rank's outbox read, the sum
-        // written back.
-        let bytes = elements * 4;
-        args.arg(&params)
-            .traffic(bytes * (1 + self.world), bytes * 2);
+        let (read, written) = one_shot_pull_traffic(elements * 4, self.world);
+        args.arg(&params).traffic(read, written);
         // SAFETY: the parameter is the kernel's one `ArParams`; its addresses are `data` (at
         // least `elements` values, checked above), this rank's control block and the rank
         // regions of the segment this value keeps mapped.
@@ -274,7 +297,6 @@ impl TpAllReduce<kernels::cuda::GpuContext> for IpcAllReduce {
         elements: usize,
     ) -> Result<(), DeviceError> {
         use kernels::allreduce::cost::Choice;
-        use kernels::allreduce::tactic::default_blocks;
         let bytes = elements * 4;
         if bytes > data.len() {
             return Err(DeviceError::Invalid(format!(
@@ -287,12 +309,7 @@ impl TpAllReduce<kernels::cuda::GpuContext> for IpcAllReduce {
                 "the policy sends this size to NCCL, which the captured step does not run yet",
             ));
         };
-        let tactic = AllReduceTactic {
-            algorithm,
-            dtype: DType::F32,
-            threads: 512,
-            blocks: default_blocks(bytes),
-        };
+        let tactic = gpu_tactic(algorithm, bytes);
         // SAFETY: `data` is a live allocation of at least `elements` FP32 values on the
         // executor's device; the communicator's stream is that context's default stream, the
         // executor's, so stream order keeps the step's other launches off it meanwhile.
@@ -305,5 +322,107 @@ impl TpAllReduce<kernels::cuda::GpuContext> for IpcAllReduce {
 
     fn check(&mut self, _dev: &kernels::cuda::GpuContext) -> Result<(), DeviceError> {
         self.communicator.check().map_err(setup_error)
+    }
+}
+
+/// The GPU path's collective for one rank, on a device where no kernel runs: see the module
+/// documentation. The peers' regions are one allocation of this device laid out as the
+/// communicator's segment, so the parameter block is the one a GPU launch would get.
+pub struct DryAllReduce<D: Device> {
+    rank: usize,
+    world: usize,
+    offsets: DeviceOffsets,
+    islands: Islands,
+    peers: Vec<u64>,
+    kernel: D::Kernel,
+    control: D::Memory,
+    /// Keeps the peers' addresses allocated.
+    _segment: D::Memory,
+}
+
+impl<D: Dry> DryAllReduce<D> {
+    /// Rank `rank` of `world`, messages up to `capacity_bytes`.
+    pub fn new(
+        dev: &D,
+        rank: usize,
+        world: usize,
+        capacity_bytes: usize,
+    ) -> Result<Self, DeviceError> {
+        if rank >= world {
+            return Err(setup_error(format_args!("rank {rank} of {world}")));
+        }
+        let layout = SegmentLayout::new(world, capacity_bytes, false);
+        let segment = dev.alloc_zeroed(layout.total())?;
+        let peers = (0..world)
+            .map(|r| segment.device_ptr() + layout.region(r) as u64)
+            .collect();
+        // Every message size launches the same image; blocks differ only in the grid.
+        let image = gpu_tactic(ALGORITHM, capacity_bytes);
+        Ok(Self {
+            rank,
+            world,
+            offsets: DeviceOffsets::new(&layout),
+            islands: default_islands(world),
+            peers,
+            kernel: dev.load_kernel(FAMILY, &image.image_id(), KERNEL, 0)?,
+            control: dev.alloc_zeroed(CONTROL_BYTES)?,
+            _segment: segment,
+        })
+    }
+}
+
+impl<D: Dry> TpAllReduce<D> for DryAllReduce<D> {
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn sum_f32(&mut self, dev: &D, data: &D::Memory, elements: usize) -> Result<(), DeviceError> {
+        let bytes = elements * 4;
+        if bytes > data.len() {
+            return Err(DeviceError::Invalid(format!(
+                "all-reduce of {elements} FP32 values over an allocation of {} B",
+                data.len()
+            )));
+        }
+        let tactic = gpu_tactic(ALGORITHM, bytes);
+        tactic.validate().map_err(setup_error)?;
+        let shape = LaunchShape {
+            algorithm: tactic.algorithm,
+            dtype: tactic.dtype,
+            len: elements,
+            rank: self.rank,
+            offsets: self.offsets,
+            islands: &self.islands,
+            timeout_ns: 0,
+        };
+        let params = pack_params(
+            &shape,
+            &self.peers,
+            data.device_ptr(),
+            None,
+            self.control.device_ptr(),
+        )
+        .map_err(setup_error)?;
+        let cfg = LaunchConfig {
+            grid_dim: (tactic.blocks, 1, 1),
+            block_dim: (tactic.threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (read, written) = one_shot_pull_traffic(bytes, self.world);
+        let mut args = KernelParams::new();
+        args.arg(&params).traffic(read, written);
+        // SAFETY: a `Dry` device runs no kernel; the parameter is the kernel's one `ArParams`.
+        unsafe { dev.launch(&self.kernel, cfg, &args) }
+    }
+
+    fn check(&mut self, dev: &D) -> Result<(), DeviceError> {
+        let control: Vec<u64> = dev.download_first(&self.control, CONTROL_STATUS / 8 + 1)?;
+        match KernelStatus::decode(control[CONTROL_STATUS / 8]) {
+            KernelStatus::Ok => Ok(()),
+            status => Err(setup_error(format_args!(
+                "rank {} of {}: {status:?}",
+                self.rank, self.world
+            ))),
+        }
     }
 }

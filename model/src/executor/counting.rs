@@ -6,6 +6,7 @@ use std::sync::Mutex;
 
 use kernels::arch::Sm;
 use kernels::device::{Device, KernelParams, LaunchConfig, LaunchTraffic, Result};
+use kernels::tactic::ProblemShape;
 
 /// One launch as the executor issued it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -16,6 +17,8 @@ pub struct LaunchEntry {
     pub config: LaunchConfig,
     /// Device-memory bytes the launch reads and writes at least, as its launcher counts them.
     pub traffic: LaunchTraffic,
+    /// The problem the launcher named, if any (dense products: `m, n, k`).
+    pub problem: Option<ProblemShape>,
 }
 
 /// Host↔device traffic and launches since the last [`CountingDevice::take`].
@@ -166,6 +169,7 @@ impl<D: Device> Device for CountingDevice<D> {
                 kernel: kernel.name.clone(),
                 config: cfg,
                 traffic: params.launch_traffic(),
+                problem: params.launch_problem().cloned(),
             })
         });
         // SAFETY: forwarded unchanged; the caller's contract is the inner device's.

@@ -20,12 +20,16 @@
 
 mod all_reduce;
 mod counting;
+mod launch_list;
 mod weights;
 
 #[cfg(feature = "cuda")]
 pub use all_reduce::IpcAllReduce;
-pub use all_reduce::{HostAddressed, ShmAllReduce, TpAllReduce};
+pub use all_reduce::{DryAllReduce, HostAddressed, ShmAllReduce, TpAllReduce};
 pub use counting::{CountingDevice, DeviceTraffic, LaunchEntry};
+pub use launch_list::{
+    DryStep, KernelTotals, RecordedStep, decode_tactics, weights_every_step_reads,
+};
 pub use weights::{DeviceLayer, DeviceMlp, DeviceWeights, WeightsError};
 
 use kernels::device::{Device, DeviceError, DeviceExt};
@@ -387,24 +391,64 @@ impl<D: Device> DeviceExecutor<D> {
         tactics: ExecutorTactics,
         quiet: bool,
     ) -> Result<Self, ExecutorError> {
-        let c = model.config.clone();
-        check_supported(&c)?;
-        let mla = MlaKernels::load(&dev, tactics.mla)?;
-        if mla.tactic.kind.is_fp8() != (kv_dtype == KvCacheDtype::Fp8E4m3) {
-            return Err(ExecutorError::Unsupported(format!(
-                "MLA tactic {} reads a {} cache, the executor's is {}",
-                mla.tactic.id(),
-                if mla.tactic.kind.is_fp8() {
-                    "FP8"
-                } else {
-                    "BF16"
-                },
-                kv_dtype.id()
-            )));
-        }
-        let moe = tactics.moe.map(|t| MoeKernels::load(&dev, t)).transpose()?;
-        let layer_kernels = LayerKernels::load(&dev)?;
-        let weights = DeviceWeights::upload(&dev, model, moe.as_ref().map(|m| m.tactic), quiet)?;
+        check_supported(&model.config)?;
+        // The tactics are refused before the weights are uploaded, not after.
+        let kernels = StepKernels::load(&dev, &tactics, kv_dtype)?;
+        let weights = DeviceWeights::upload(&dev, model, tactics.moe, quiet)?;
+        Self::assemble(
+            dev,
+            &model.config,
+            weights,
+            kernels,
+            kv_dtype,
+            cache_tokens,
+            capacity,
+            tactics,
+        )
+    }
+
+    /// As [`new`](Self::new), with weights already on `dev` (made for `tactics.moe`'s scale
+    /// layout): uploaded, or [`DeviceWeights::zeroed`] for a dry run.
+    pub fn with_weights(
+        dev: D,
+        config: &ModelConfig,
+        weights: DeviceWeights<D>,
+        kv_dtype: KvCacheDtype,
+        cache_tokens: usize,
+        capacity: StepCapacity,
+        tactics: ExecutorTactics,
+    ) -> Result<Self, ExecutorError> {
+        check_supported(config)?;
+        let kernels = StepKernels::load(&dev, &tactics, kv_dtype)?;
+        Self::assemble(
+            dev,
+            config,
+            weights,
+            kernels,
+            kv_dtype,
+            cache_tokens,
+            capacity,
+            tactics,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        dev: D,
+        config: &ModelConfig,
+        weights: DeviceWeights<D>,
+        kernels: StepKernels<D>,
+        kv_dtype: KvCacheDtype,
+        cache_tokens: usize,
+        capacity: StepCapacity,
+        tactics: ExecutorTactics,
+    ) -> Result<Self, ExecutorError> {
+        let c = config.clone();
+        let StepKernels {
+            mla,
+            moe,
+            layers: layer_kernels,
+        } = kernels;
         let heads = weights.heads;
         let pages = PageTables::new(cache_tokens.div_ceil(PAGE_TOKENS).max(1));
         let caches = (0..c.num_hidden_layers)
@@ -421,7 +465,7 @@ impl<D: Device> DeviceExecutor<D> {
                 logit_rows: capacity.logit_rows,
             },
         )?;
-        let rope = model.rope();
+        let rope = crate::rope::Rope::new(&c);
         let rope_inv_freq = dev.upload(rope.inv_freq())?;
         let router = (c.n_routed_experts > 0).then(|| RouterShape {
             experts: c.n_routed_experts,
@@ -436,7 +480,7 @@ impl<D: Device> DeviceExecutor<D> {
         }
         Ok(Self {
             attention_factor: rope.attention_factor(),
-            softmax_scale: model.softmax_scale(),
+            softmax_scale: c.softmax_scale(),
             eps: c.rms_norm_eps as f32,
             dev,
             heads,
@@ -959,6 +1003,40 @@ impl<D: Device> DeviceExecutor<D> {
                 })
             }
         }
+    }
+}
+
+/// The kernels a step launches, loaded (and so checked against the device) for a tactic set.
+struct StepKernels<D: Device> {
+    mla: MlaKernels<D>,
+    moe: Option<MoeKernels<D>>,
+    layers: LayerKernels<D>,
+}
+
+impl<D: Device> StepKernels<D> {
+    fn load(
+        dev: &D,
+        tactics: &ExecutorTactics,
+        kv_dtype: KvCacheDtype,
+    ) -> Result<Self, ExecutorError> {
+        let mla = MlaKernels::load(dev, tactics.mla)?;
+        if mla.tactic.kind.is_fp8() != (kv_dtype == KvCacheDtype::Fp8E4m3) {
+            return Err(ExecutorError::Unsupported(format!(
+                "MLA tactic {} reads a {} cache, the executor's is {}",
+                mla.tactic.id(),
+                if mla.tactic.kind.is_fp8() {
+                    "FP8"
+                } else {
+                    "BF16"
+                },
+                kv_dtype.id()
+            )));
+        }
+        Ok(Self {
+            mla,
+            moe: tactics.moe.map(|t| MoeKernels::load(dev, t)).transpose()?,
+            layers: LayerKernels::load(dev)?,
+        })
     }
 }
 

@@ -3,6 +3,11 @@
 //! into its latent and RoPE rows, gate and up concatenated), norm weights as BF16, W_UK
 //! transposed per head as the absorbed attention uses it, and the routed experts in the MoE
 //! kernels' layout ([`MoeDeviceWeights`]).
+//!
+//! Every tensor's shape comes from the config and the rank's share of it, in one walk
+//! ([`DeviceWeights::upload`] checks the host tensors against those shapes;
+//! [`DeviceWeights::zeroed`] allocates them without values, for a dry run of a model too large
+//! to hold).
 
 use half::bf16;
 use indicatif::ProgressBar;
@@ -11,11 +16,14 @@ use kernels::formats::nvfp4::Nvfp4View;
 use kernels::matrix::MatrixView;
 use kernels::mla::tactic::{LATENT, ROPE};
 use kernels::moe_gemm::MoeGemmTactic;
-use kernels::moe_gemm::launch::{ExpertWeights as KernelExpert, MoeDeviceWeights, MoeWeightsHost};
+use kernels::moe_gemm::launch::{
+    ExpertWeights as KernelExpert, MoeDeviceWeights, MoeWeightsHost, MoeWeightsShape,
+};
 
+use crate::config::ModelConfig;
 use crate::forward::Model;
 use crate::weights::{
-    Bf16Weight, DenseMlpWeights, ExpertWeights, MlpWeights, MoeWeights, QueryProjection,
+    Bf16Weight, DenseMlpWeights, ExpertWeights, MlpWeights, MoeWeights, QueryProjection, TpShard,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -81,119 +89,214 @@ pub struct DeviceWeights<D: Device> {
     pub norm: D::Memory,
     pub lm_head: D::Memory,
     bytes: usize,
+    allocations: Vec<(String, usize)>,
 }
 
-/// Counts what it uploads, and names the tensor when an upload fails.
-struct Uploader<'a, D: Device> {
+/// A row-major matrix's `[rows, cols]`.
+type Shape = [usize; 2];
+
+/// Builds a [`DeviceWeights`] from one walk over the tensors whose shapes come from the config
+/// and the rank's share of it: with `host`, each tensor's values are uploaded (after checking
+/// the host tensor has that shape); without, a zeroed allocation of that shape stands in.
+struct Builder<'a, D: Device> {
     dev: &'a D,
     bytes: usize,
+    /// Name and bytes of every allocation, in walk order.
+    allocations: Vec<(String, usize)>,
 }
 
-impl<D: Device> Uploader<'_, D> {
+fn mismatch(tensor: String, what: String) -> WeightsError {
+    WeightsError::Unsupported {
+        tensor,
+        why: format!("{what} (expected from the config and the rank's share of it)"),
+    }
+}
+
+impl<D: Device> Builder<'_, D> {
+    fn keep(&mut self, tensor: String, memory: D::Memory) -> D::Memory {
+        self.bytes += memory.len();
+        self.allocations.push((tensor, memory.len()));
+        memory
+    }
+
+    fn upload_error(tensor: &str) -> impl FnOnce(DeviceError) -> WeightsError + '_ {
+        move |source| WeightsError::Upload {
+            tensor: tensor.to_string(),
+            source,
+        }
+    }
+
+    /// `count` values of `T`: uploaded from `host`, or zeroed.
     fn values<T: bytemuck::Pod>(
         &mut self,
-        tensor: impl Fn() -> String,
-        values: &[T],
+        tensor: String,
+        count: usize,
+        host: Option<&[T]>,
     ) -> Result<D::Memory, WeightsError> {
-        let memory = self
-            .dev
-            .upload(values)
-            .map_err(|source| WeightsError::Upload {
-                tensor: tensor(),
-                source,
-            })?;
-        self.bytes += memory.len();
-        Ok(memory)
+        let memory = match host {
+            Some(values) => {
+                if values.len() != count {
+                    return Err(mismatch(
+                        tensor,
+                        format!("has {} values, not {count}", values.len()),
+                    ));
+                }
+                self.dev.upload(values)
+            }
+            None => self.dev.alloc_zeroed(count * std::mem::size_of::<T>()),
+        }
+        .map_err(Self::upload_error(&tensor))?;
+        Ok(self.keep(tensor, memory))
     }
 
     fn bf16(
         &mut self,
-        tensor: impl Fn() -> String,
-        w: &Bf16Weight,
+        tensor: String,
+        [rows, cols]: Shape,
+        host: Option<&Bf16Weight>,
     ) -> Result<D::Memory, WeightsError> {
-        self.values(tensor, w.data.as_slice())
+        if let Some(w) = host
+            && (w.rows, w.cols) != (rows, cols)
+        {
+            return Err(mismatch(
+                tensor,
+                format!("is [{}, {}], not [{rows}, {cols}]", w.rows, w.cols),
+            ));
+        }
+        self.values(tensor, rows * cols, host.map(|w| w.data.as_slice()))
     }
 
     /// Norm weights (FP32 in the model, BF16 in the checkpoint and for the kernels).
-    fn norm(&mut self, tensor: impl Fn() -> String, w: &[f32]) -> Result<D::Memory, WeightsError> {
-        let v: Vec<bf16> = w.iter().map(|&x| bf16::from_f32(x)).collect();
-        self.values(tensor, &v)
+    fn norm(
+        &mut self,
+        tensor: String,
+        len: usize,
+        host: Option<&[f32]>,
+    ) -> Result<D::Memory, WeightsError> {
+        let v: Option<Vec<bf16>> = host.map(|w| w.iter().map(|&x| bf16::from_f32(x)).collect());
+        self.values(tensor, len, v.as_deref())
     }
 
+    /// Gate and up rows concatenated, then down: `inter` rows of this rank.
     fn dense_mlp(
         &mut self,
         prefix: &str,
-        w: &DenseMlpWeights,
+        hidden: usize,
+        inter: usize,
+        host: Option<&DenseMlpWeights>,
     ) -> Result<DeviceDenseMlp<D>, WeightsError> {
-        let mut gate_up = Vec::with_capacity((w.gate.rows + w.up.rows) * w.gate.cols);
-        gate_up.extend_from_slice(w.gate.data.as_slice());
-        gate_up.extend_from_slice(w.up.data.as_slice());
+        let gate_up = match host {
+            Some(w) => {
+                for (name, m) in [("gate_proj", &w.gate), ("up_proj", &w.up)] {
+                    if (m.rows, m.cols) != (inter, hidden) {
+                        return Err(mismatch(
+                            format!("{prefix}.{name}"),
+                            format!("is [{}, {}], not [{inter}, {hidden}]", m.rows, m.cols),
+                        ));
+                    }
+                }
+                let mut v = Vec::with_capacity(2 * inter * hidden);
+                v.extend_from_slice(w.gate.data.as_slice());
+                v.extend_from_slice(w.up.data.as_slice());
+                Some(v)
+            }
+            None => None,
+        };
         Ok(DeviceDenseMlp {
-            gate_up: self.values(|| format!("{prefix}.gate_proj/up_proj"), &gate_up)?,
-            down: self.bf16(|| format!("{prefix}.down_proj"), &w.down)?,
-            inter: w.gate.rows,
+            gate_up: self.values(
+                format!("{prefix}.gate_proj/up_proj"),
+                2 * inter * hidden,
+                gate_up.as_deref(),
+            )?,
+            down: self.bf16(
+                format!("{prefix}.down_proj"),
+                [hidden, inter],
+                host.map(|w| &w.down),
+            )?,
+            inter,
         })
     }
 
     fn experts(
         &mut self,
         prefix: &str,
-        w: &MoeWeights,
+        shape: MoeWeightsShape,
+        host: Option<&MoeWeights>,
         tactic: MoeGemmTactic,
     ) -> Result<MoeDeviceWeights<D>, WeightsError> {
-        let unsupported = |e: usize, why: &str| WeightsError::Unsupported {
-            tensor: format!("{prefix}.experts.{e}"),
-            why: why.to_string(),
-        };
-        fn nvfp4<'a>(m: MatrixView<'a>) -> Option<Nvfp4View<'a>> {
-            match m {
-                MatrixView::Nvfp4(v) => Some(v),
-                MatrixView::Bf16 { .. } => None,
-            }
-        }
-        let bf16_expert = |e: usize| {
-            unsupported(
-                e,
-                "is BF16; the device MoE kernels take NVFP4 routed experts (use --backend cpu)",
-            )
-        };
-        let views = w
-            .experts
-            .iter()
-            .map(ExpertWeights::view)
-            .enumerate()
-            .map(|(e, v)| {
-                Ok(KernelExpert {
-                    gate: nvfp4(v.gate).ok_or_else(|| bf16_expert(e))?,
-                    up: nvfp4(v.up).ok_or_else(|| bf16_expert(e))?,
-                    down: nvfp4(v.down).ok_or_else(|| bf16_expert(e))?,
-                    gate_up_input_scale: v
-                        .gate_up_input_scale
-                        .ok_or_else(|| unsupported(e, "has no gate/up input_scale"))?,
-                    down_input_scale: v
-                        .down_input_scale
-                        .ok_or_else(|| unsupported(e, "has no down input_scale"))?,
-                })
-            })
-            .collect::<Result<Vec<_>, WeightsError>>()?;
-        let host = MoeWeightsHost::from_experts(&views).map_err(|e| WeightsError::Unsupported {
-            tensor: format!("{prefix}.experts"),
-            why: e.to_string(),
-        })?;
-        let uploaded =
-            MoeDeviceWeights::upload(self.dev, &host, &[tactic.scale_load]).map_err(|source| {
-                WeightsError::Upload {
-                    tensor: format!("{prefix}.experts"),
-                    source,
+        let tensor = format!("{prefix}.experts");
+        let device = match host {
+            Some(w) => {
+                let packed = pack_experts(prefix, w)?;
+                if packed.shape() != shape {
+                    return Err(mismatch(
+                        tensor,
+                        format!("are {:?}, not {shape:?}", packed.shape()),
+                    ));
                 }
-            })?;
-        self.bytes += uploaded.device_bytes();
-        Ok(uploaded)
+                MoeDeviceWeights::upload(self.dev, &packed, &[tactic.scale_load])
+            }
+            None => MoeDeviceWeights::zeroed(self.dev, shape, &[tactic.scale_load]),
+        }
+        .map_err(Self::upload_error(&tensor))?;
+        self.bytes += device.device_bytes();
+        self.allocations.extend(
+            device
+                .buffer_bytes()
+                .into_iter()
+                .map(|(name, bytes)| (format!("{tensor}.{name}"), bytes)),
+        );
+        Ok(device)
     }
 }
 
+/// A layer's routed experts (NVFP4, with their input scales) in the MoE kernels' layout.
+fn pack_experts(prefix: &str, w: &MoeWeights) -> Result<MoeWeightsHost, WeightsError> {
+    let unsupported = |e: usize, why: &str| WeightsError::Unsupported {
+        tensor: format!("{prefix}.experts.{e}"),
+        why: why.to_string(),
+    };
+    fn nvfp4<'a>(m: MatrixView<'a>) -> Option<Nvfp4View<'a>> {
+        match m {
+            MatrixView::Nvfp4(v) => Some(v),
+            MatrixView::Bf16 { .. } => None,
+        }
+    }
+    let bf16_expert = |e: usize| {
+        unsupported(
+            e,
+            "is BF16; the device MoE kernels take NVFP4 routed experts (use --backend cpu)",
+        )
+    };
+    let views = w
+        .experts
+        .iter()
+        .map(ExpertWeights::view)
+        .enumerate()
+        .map(|(e, v)| {
+            Ok(KernelExpert {
+                gate: nvfp4(v.gate).ok_or_else(|| bf16_expert(e))?,
+                up: nvfp4(v.up).ok_or_else(|| bf16_expert(e))?,
+                down: nvfp4(v.down).ok_or_else(|| bf16_expert(e))?,
+                gate_up_input_scale: v
+                    .gate_up_input_scale
+                    .ok_or_else(|| unsupported(e, "has no gate/up input_scale"))?,
+                down_input_scale: v
+                    .down_input_scale
+                    .ok_or_else(|| unsupported(e, "has no down input_scale"))?,
+            })
+        })
+        .collect::<Result<Vec<_>, WeightsError>>()?;
+    MoeWeightsHost::from_experts(&views).map_err(|e| WeightsError::Unsupported {
+        tensor: format!("{prefix}.experts"),
+        why: e.to_string(),
+    })
+}
+
 impl<D: Device> DeviceWeights<D> {
-    /// Uploads every weight of `model`; `moe_tactic` decides the experts' scale layout.
+    /// Uploads every weight of `model` (the whole model, or one rank's
+    /// [`ModelWeights::shard`](crate::weights::ModelWeights::shard) of it); `moe_tactic`
+    /// decides the experts' scale layout.
     pub fn upload(
         dev: &D,
         model: &Model,
@@ -201,97 +304,292 @@ impl<D: Device> DeviceWeights<D> {
         quiet: bool,
     ) -> Result<Self, WeightsError> {
         let c = &model.config;
-        let w = &model.weights;
-        let (nope, v_dim) = (c.qk_nope_head_dim, c.v_head_dim);
-        let heads = w.layers.first().map_or(c.num_attention_heads, |l| {
-            l.attention.kv_b.rows / (nope + v_dim)
-        });
+        let kv_rows = c.qk_nope_head_dim + c.v_head_dim;
+        let heads = model
+            .weights
+            .layers
+            .first()
+            .map_or(c.num_attention_heads, |l| l.attention.kv_b.rows / kv_rows);
+        if heads == 0 || !c.num_attention_heads.is_multiple_of(heads) {
+            return Err(mismatch(
+                "model.layers.0.self_attn.kv_b_proj".into(),
+                format!(
+                    "holds {heads} heads, not a share of the config's {}",
+                    c.num_attention_heads
+                ),
+            ));
+        }
+        let world = c.num_attention_heads / heads;
+        Self::build(dev, c, world, Some(model), moe_tactic, quiet)
+    }
+
+    /// Zeroed allocations of every weight rank `shard.rank` of `shard.world` holds, of the
+    /// shapes an upload of that rank's [`ModelWeights::shard`](crate::weights::ModelWeights::shard)
+    /// makes: the executor's footprint and launches without the weights' values (a dry run
+    /// of a model too large to hold; on a real device, a step of it computes on zeros).
+    pub fn zeroed(
+        dev: &D,
+        config: &ModelConfig,
+        shard: TpShard,
+        moe_tactic: Option<MoeGemmTactic>,
+    ) -> Result<Self, WeightsError> {
+        if shard.world > 1 {
+            config
+                .check_tensor_parallel(shard.world)
+                .map_err(|why| WeightsError::Unsupported {
+                    tensor: "the model".into(),
+                    why,
+                })?;
+        }
+        Self::build(dev, config, shard.world.max(1), None, moe_tactic, true)
+    }
+
+    /// The one walk over the tensors (see [`Builder`]): shapes from `c` split over `world`
+    /// ranks as `ModelWeights::shard` splits them.
+    fn build(
+        dev: &D,
+        c: &ModelConfig,
+        world: usize,
+        host: Option<&Model>,
+        moe_tactic: Option<MoeGemmTactic>,
+        quiet: bool,
+    ) -> Result<Self, WeightsError> {
+        if (c.kv_lora_rank, c.qk_rope_head_dim) != (LATENT, ROPE) {
+            return Err(WeightsError::Unsupported {
+                tensor: "the model".into(),
+                why: format!(
+                    "has kv_lora_rank {} and qk_rope_head_dim {}; the kernels need {LATENT} and \
+                     {ROPE}",
+                    c.kv_lora_rank, c.qk_rope_head_dim
+                ),
+            });
+        }
+        let hidden = c.hidden_size;
+        let heads = c.num_attention_heads / world;
+        let (nope, v_dim, qk) = (c.qk_nope_head_dim, c.v_head_dim, c.qk_head_dim());
+        let w = host.map(|m| &m.weights);
+        if let Some(w) = w
+            && w.layers.len() != c.num_hidden_layers
+        {
+            return Err(mismatch(
+                "model.layers".into(),
+                format!("has {} layers, not {}", w.layers.len(), c.num_hidden_layers),
+            ));
+        }
         let bar = if quiet {
             ProgressBar::hidden()
         } else {
-            crate::checkpoint::progress_bar(w.layers.len() as u64 + 1, "upload")
+            crate::checkpoint::progress_bar(c.num_hidden_layers as u64 + 1, "upload")
         };
-        let mut up = Uploader { dev, bytes: 0 };
-        let embed = up.bf16(|| "model.embed_tokens".into(), &w.embed)?;
-        let mut layers = Vec::with_capacity(w.layers.len());
-        for (i, lw) in w.layers.iter().enumerate() {
+        let mut up = Builder {
+            dev,
+            bytes: 0,
+            allocations: Vec::new(),
+        };
+        let embed = up.bf16(
+            "model.embed_tokens".into(),
+            [c.vocab_size, hidden],
+            w.map(|w| &w.embed),
+        )?;
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for i in 0..c.num_hidden_layers {
             let p = format!("model.layers.{i}");
-            let at = &lw.attention;
-            let (q_a, q_b) = match &at.q {
-                QueryProjection::LowRank { a, norm, b } => (
-                    Some((
-                        up.bf16(|| format!("{p}.self_attn.q_a_proj"), a)?,
-                        up.norm(|| format!("{p}.self_attn.q_a_layernorm"), norm)?,
-                        a.rows,
-                    )),
-                    up.bf16(|| format!("{p}.self_attn.q_b_proj"), b)?,
-                ),
-                QueryProjection::Full(q) => (None, up.bf16(|| format!("{p}.self_attn.q_proj"), q)?),
+            let lw = w.map(|w| &w.layers[i]);
+            let at = lw.map(|l| &l.attention);
+            let (q_a, q_b) = match c.q_lora_rank {
+                Some(rank) => {
+                    let low = at
+                        .map(|a| match &a.q {
+                            QueryProjection::LowRank { a, norm, b } => Ok((a, norm, b)),
+                            QueryProjection::Full(_) => Err(mismatch(
+                                format!("{p}.self_attn.q_proj"),
+                                "is a full query projection, the config has q_lora_rank".into(),
+                            )),
+                        })
+                        .transpose()?;
+                    (
+                        Some((
+                            up.bf16(
+                                format!("{p}.self_attn.q_a_proj"),
+                                [rank, hidden],
+                                low.map(|l| l.0),
+                            )?,
+                            up.norm(
+                                format!("{p}.self_attn.q_a_layernorm"),
+                                rank,
+                                low.map(|l| l.1.as_slice()),
+                            )?,
+                            rank,
+                        )),
+                        up.bf16(
+                            format!("{p}.self_attn.q_b_proj"),
+                            [heads * qk, rank],
+                            low.map(|l| l.2),
+                        )?,
+                    )
+                }
+                None => {
+                    let full = at
+                        .map(|a| match &a.q {
+                            QueryProjection::Full(q) => Ok(q),
+                            QueryProjection::LowRank { .. } => Err(mismatch(
+                                format!("{p}.self_attn.q_a_proj"),
+                                "is a low-rank query, the config has no q_lora_rank".into(),
+                            )),
+                        })
+                        .transpose()?;
+                    (
+                        None,
+                        up.bf16(format!("{p}.self_attn.q_proj"), [heads * qk, hidden], full)?,
+                    )
+                }
             };
-            if at.kv_a.rows != LATENT + ROPE {
+            if let Some(a) = at
+                && a.kv_a.rows != LATENT + ROPE
+            {
                 return Err(WeightsError::Unsupported {
                     tensor: format!("{p}.self_attn.kv_a_proj_with_mqa"),
                     why: format!(
                         "has {} rows, the kernels need {}",
-                        at.kv_a.rows,
+                        a.kv_a.rows,
                         LATENT + ROPE
                     ),
                 });
             }
+            let kv_a_latent = at.map(|a| a.kv_a.rows_slice(0, LATENT));
+            let kv_a_rope = at.map(|a| a.kv_a.rows_slice(LATENT, LATENT + ROPE));
             let attention = DeviceAttention {
                 q_a,
                 q_b,
                 kv_a_latent: up.bf16(
-                    || format!("{p}.self_attn.kv_a_proj_with_mqa[:{LATENT}]"),
-                    &at.kv_a.rows_slice(0, LATENT),
+                    format!("{p}.self_attn.kv_a_proj_with_mqa[:{LATENT}]"),
+                    [LATENT, hidden],
+                    kv_a_latent.as_ref(),
                 )?,
                 kv_a_rope: up.bf16(
-                    || format!("{p}.self_attn.kv_a_proj_with_mqa[{LATENT}:]"),
-                    &at.kv_a.rows_slice(LATENT, LATENT + ROPE),
+                    format!("{p}.self_attn.kv_a_proj_with_mqa[{LATENT}:]"),
+                    [ROPE, hidden],
+                    kv_a_rope.as_ref(),
                 )?,
-                kv_a_norm: up.norm(|| format!("{p}.self_attn.kv_a_layernorm"), &at.kv_a_norm)?,
+                kv_a_norm: up.norm(
+                    format!("{p}.self_attn.kv_a_layernorm"),
+                    c.kv_lora_rank,
+                    at.map(|a| a.kv_a_norm.as_slice()),
+                )?,
                 w_uk_t: up.bf16(
-                    || format!("{p}.self_attn.kv_b_proj (W_UK)"),
-                    model.w_uk_t(i),
+                    format!("{p}.self_attn.kv_b_proj (W_UK)"),
+                    [heads * LATENT, nope],
+                    host.map(|m| m.w_uk_t(i)),
                 )?,
-                kv_b: up.bf16(|| format!("{p}.self_attn.kv_b_proj"), &at.kv_b)?,
-                o: up.bf16(|| format!("{p}.self_attn.o_proj"), &at.o)?,
+                kv_b: up.bf16(
+                    format!("{p}.self_attn.kv_b_proj"),
+                    [heads * (nope + v_dim), LATENT],
+                    at.map(|a| &a.kv_b),
+                )?,
+                o: up.bf16(
+                    format!("{p}.self_attn.o_proj"),
+                    [hidden, heads * v_dim],
+                    at.map(|a| &a.o),
+                )?,
             };
-            let mlp = match &lw.mlp {
-                MlpWeights::Dense(d) => DeviceMlp::Dense(up.dense_mlp(&format!("{p}.mlp"), d)?),
-                MlpWeights::Moe(m) => {
-                    let tactic = moe_tactic.ok_or_else(|| WeightsError::Unsupported {
-                        tensor: format!("{p}.mlp"),
-                        why: "is a MoE layer, but no MoE tactic was given".into(),
-                    })?;
-                    DeviceMlp::Moe(DeviceMoe {
-                        router: up.bf16(|| format!("{p}.mlp.gate"), &m.router)?,
-                        correction_bias: up.values(
-                            || format!("{p}.mlp.gate.e_score_correction_bias"),
-                            &m.correction_bias,
-                        )?,
-                        experts: up.experts(&format!("{p}.mlp"), m, tactic)?,
-                        shared: m
-                            .shared
-                            .as_ref()
-                            .map(|s| up.dense_mlp(&format!("{p}.mlp.shared_experts"), s))
-                            .transpose()?,
+            let mlp = if c.is_moe_layer(i) {
+                let m = lw
+                    .map(|l| match &l.mlp {
+                        MlpWeights::Moe(m) => Ok(m),
+                        MlpWeights::Dense(_) => Err(mismatch(
+                            format!("{p}.mlp"),
+                            "is a dense MLP, the config makes it a MoE layer".into(),
+                        )),
                     })
+                    .transpose()?;
+                let tactic = moe_tactic.ok_or_else(|| WeightsError::Unsupported {
+                    tensor: format!("{p}.mlp"),
+                    why: "is a MoE layer, but no MoE tactic was given".into(),
+                })?;
+                let experts = MoeWeightsShape {
+                    experts: c.n_routed_experts,
+                    hidden,
+                    inter: c.moe_intermediate_size / world,
+                };
+                let shared_inter = c.moe_intermediate_size * c.n_shared_experts / world;
+                if let Some(m) = m
+                    && m.shared.is_some() != (c.n_shared_experts > 0)
+                {
+                    return Err(mismatch(
+                        format!("{p}.mlp.shared_experts"),
+                        format!(
+                            "are {}, the config has n_shared_experts {}",
+                            if m.shared.is_some() {
+                                "present"
+                            } else {
+                                "absent"
+                            },
+                            c.n_shared_experts
+                        ),
+                    ));
                 }
+                DeviceMlp::Moe(DeviceMoe {
+                    router: up.bf16(
+                        format!("{p}.mlp.gate"),
+                        [c.n_routed_experts, hidden],
+                        m.map(|m| &m.router),
+                    )?,
+                    correction_bias: up.values(
+                        format!("{p}.mlp.gate.e_score_correction_bias"),
+                        c.n_routed_experts,
+                        m.map(|m| m.correction_bias.as_slice()),
+                    )?,
+                    experts: up.experts(&format!("{p}.mlp"), experts, m, tactic)?,
+                    shared: (c.n_shared_experts > 0)
+                        .then(|| {
+                            up.dense_mlp(
+                                &format!("{p}.mlp.shared_experts"),
+                                hidden,
+                                shared_inter,
+                                m.and_then(|m| m.shared.as_ref()),
+                            )
+                        })
+                        .transpose()?,
+                })
+            } else {
+                let d = lw
+                    .map(|l| match &l.mlp {
+                        MlpWeights::Dense(d) => Ok(d),
+                        MlpWeights::Moe(_) => Err(mismatch(
+                            format!("{p}.mlp"),
+                            "is a MoE layer, the config makes it dense".into(),
+                        )),
+                    })
+                    .transpose()?;
+                DeviceMlp::Dense(up.dense_mlp(
+                    &format!("{p}.mlp"),
+                    hidden,
+                    c.intermediate_size / world,
+                    d,
+                )?)
             };
             layers.push(DeviceLayer {
-                input_norm: up.norm(|| format!("{p}.input_layernorm"), &lw.input_norm)?,
+                input_norm: up.norm(
+                    format!("{p}.input_layernorm"),
+                    hidden,
+                    lw.map(|l| l.input_norm.as_slice()),
+                )?,
                 attention,
                 post_attention_norm: up.norm(
-                    || format!("{p}.post_attention_layernorm"),
-                    &lw.post_attention_norm,
+                    format!("{p}.post_attention_layernorm"),
+                    hidden,
+                    lw.map(|l| l.post_attention_norm.as_slice()),
                 )?,
                 mlp,
             });
             bar.inc(1);
         }
-        let norm = up.norm(|| "model.norm".into(), &w.norm)?;
-        let lm_head = up.bf16(|| "lm_head".into(), &w.lm_head)?;
+        let norm = up.norm("model.norm".into(), hidden, w.map(|w| w.norm.as_slice()))?;
+        let lm_head = up.bf16(
+            "lm_head".into(),
+            [c.vocab_size, hidden],
+            w.map(|w| &w.lm_head),
+        )?;
         bar.inc(1);
         bar.finish_and_clear();
         Ok(Self {
@@ -301,11 +599,17 @@ impl<D: Device> DeviceWeights<D> {
             norm,
             lm_head,
             bytes: up.bytes,
+            allocations: up.allocations,
         })
     }
 
     /// Device bytes of every uploaded weight.
     pub fn device_bytes(&self) -> usize {
         self.bytes
+    }
+
+    /// Every allocation's tensor name and bytes, in upload order.
+    pub fn allocations(&self) -> &[(String, usize)] {
+        &self.allocations
     }
 }
