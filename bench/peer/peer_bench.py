@@ -75,7 +75,18 @@ def llama_cpp_dir():
     return WORK / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
 
 
-def build_llama_cpp(threads):
+# llama.cpp built for one instruction set instead of the native one: GGML_NATIVE off, the
+# x86 feature options named (ggml's CPU backend takes them at build time only).
+LLAMA_ISA_FLAGS = {
+    "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+             "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF",
+             "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF",
+             "-DGGML_AVX_VNNI=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
+             "-DGGML_AMX_BF16=OFF"],
+}
+
+
+def build_llama_cpp(threads, isa=None):
     src = llama_cpp_dir()
     if not src.is_dir():
         WORK.mkdir(parents=True, exist_ok=True)
@@ -84,13 +95,14 @@ def build_llama_cpp(threads):
              "llama-cpp-python", f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", WORK])
         with tarfile.open(WORK / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz") as t:
             t.extractall(WORK, filter="data")
-    build = WORK / "build-llama"
+    build = WORK / ("build-llama" if isa is None else f"build-llama-{isa}")
     bins = [build / "bin" / "llama-bench", build / "bin" / "llama-batched-bench"]
     if all(b.exists() for b in bins):
         return bins
-    log("building llama-bench and llama-batched-bench (CPU only, GGML_NATIVE; minutes)")
+    isa_flags = ["-DGGML_NATIVE=ON"] if isa is None else LLAMA_ISA_FLAGS[isa]
+    log(f"building llama-bench and llama-batched-bench (CPU only, {isa or 'GGML_NATIVE'}; minutes)")
     run(["cmake", "-S", src, "-B", build, "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-         "-DGGML_NATIVE=ON", "-DGGML_CUDA=OFF", "-DGGML_METAL=OFF", "-DGGML_VULKAN=OFF",
+         *isa_flags, "-DGGML_CUDA=OFF", "-DGGML_METAL=OFF", "-DGGML_VULKAN=OFF",
          "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
          "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_HTML=OFF",
          "-DBUILD_SHARED_LIBS=OFF"], nice=True)
@@ -188,22 +200,28 @@ def main():
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--busy-rounds", type=int, default=2)
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers column")
-    ap.add_argument("--also-isa", action="append", default=[], choices=["avx2", "scalar"],
-                    help="one more column: ours with the CPU kernels' dispatch forced to this ISA")
+    ap.add_argument("--also-isa", action="append", default=[], choices=["avx2"],
+                    help="two more columns: ours with the CPU kernels' dispatch forced to this "
+                         "ISA, and llama.cpp built for it (GGML_NATIVE off)")
+    ap.add_argument("--build-only", action="store_true",
+                    help="build llama.cpp (and its --also-isa builds) and ours, then stop")
     ap.add_argument("--out", type=Path, default=RESULTS / "peer-llamacpp")
     a = ap.parse_args()
     t = a.threads
     n = a.decode_tokens
 
     bench_bin, batched_bin = build_llama_cpp(t)
+    llama_isa_bins = {isa: build_llama_cpp(t, isa) for isa in a.also_isa}
     model_bin, peer_bin = build_ours()
+    if a.build_only:
+        return
     bf16, nvfp4, gguf = make_models(model_bin)
 
     rows = [f"prefill-{p}" for p in PREFILL_LENS] + [f"decode-b{b}" for b in DECODE_BATCHES]
     samples = {r: {e: [] for e in ENGINES} for r in rows}
     loads = [load_average()]
     llama_info = None
-    forced = [f"ours-{i}" for i in a.also_isa]
+    forced = [f"{e}-{i}" for i in a.also_isa for e in ("ours", "llama.cpp")]
     engines = [e for e in ENGINES if not (a.no_hf and e == "hf")] + forced
     for d in samples.values():
         d.update({e: [] for e in forced})
@@ -212,22 +230,24 @@ def main():
     def measure(engine, row):
         nonlocal llama_info
         kind, arg = row.split("-")
-        isa = engine.split("-", 1)[1] if engine.startswith("ours-") else None
+        isa = engine.split("-", 1)[1] if "-" in engine else None
+        bench_b, batched_b = llama_isa_bins[isa] if isa else (bench_bin, batched_bin)
         if kind == "prefill":
             p = int(arg)
             if engine.startswith("ours"):
                 return ours(model_bin, nvfp4, t, p, 1, 1, isa)[0]
-            if engine == "llama.cpp":
-                ts, llama_info = llama_bench(bench_bin, gguf, t, prompt=p)
+            if engine.startswith("llama.cpp"):
+                ts, info = llama_bench(bench_b, gguf, t, prompt=p)
+                llama_info = llama_info or info
                 return ts
             return hf(bf16, t, p, 1, 0)["prefill_tok_s"]
         b = int(arg[1:])
         if engine.startswith("ours"):
             return ours(model_bin, nvfp4, t, DECODE_PROMPT, b, n + 1, isa)[1]
-        if engine == "llama.cpp":
+        if engine.startswith("llama.cpp"):
             if b == 1:
-                return llama_bench(bench_bin, gguf, t, gen=n, depth=DECODE_PROMPT)[0]
-            return llama_batched(batched_bin, gguf, t, DECODE_PROMPT, n, b)
+                return llama_bench(bench_b, gguf, t, gen=n, depth=DECODE_PROMPT)[0]
+            return llama_batched(batched_b, gguf, t, DECODE_PROMPT, n, b)
         return hf(bf16, t, DECODE_PROMPT, b, n)["decode_tok_s"]
 
     for r in range(a.rounds):
@@ -349,20 +369,22 @@ def table(d):
     w("all sequences); llama.cpp: llama-bench -p N (prefill), -n N -d 128 (decode b1),")
     w("llama-batched-bench -npp 128 -ntg N -npl 4, S_TG (decode b4).")
     w("")
-    forced = sorted({e for m in med.values() for e in m if e.startswith("ours-")})
+    isas = sorted({e.split("-", 1)[1] for m in med.values() for e in m if "-" in e})
+    forced = [f"ours-{i}" for i in isas]
     head = f"{'row':<12} {'ours':>9} {'llama.cpp':>10} {'HF fp32':>9} {'ours/llama':>11} {'ours/HF':>8}"
-    for e in forced:
-        head += f" {e:>10} {e + '/llama':>15}"
+    for i in isas:
+        head += f" {'ours-' + i:>10} {'llama.cpp-' + i:>15} {'ratio':>6}"
     w(head)
     for row, m in med.items():
         o, l, h = m.get("ours"), m.get("llama.cpp"), m.get("hf")
         line = f"{row:<12} {fmt(o):>9} {fmt(l):>10} {fmt(h):>9} {ratio(o, l):>11} {ratio(o, h):>8}"
-        for e in forced:
-            line += f" {fmt(m.get(e)):>10} {ratio(m.get(e), l):>15}"
+        for i in isas:
+            oi, li = m.get(f"ours-{i}"), m.get(f"llama.cpp-{i}")
+            line += f" {fmt(oi):>10} {fmt(li):>15} {ratio(oi, li):>6}"
         w(line)
-    if forced:
-        w("ours-ISA: our binary with the CPU kernels' dispatch forced (KIMI_CPU_ISA); llama.cpp")
-        w("stays built for the native ISA (GGML_NATIVE).")
+    for i in isas:
+        w(f"ours-{i}: our binary with the CPU kernels' dispatch forced (KIMI_CPU_ISA={i});")
+        w(f"llama.cpp-{i}: llama.cpp built for {i} only (GGML_NATIVE off); ratio: ours-{i} / llama.cpp-{i}.")
     w("")
     w("every round, tok/s:")
     for row, s in d["samples"].items():
@@ -377,7 +399,7 @@ def table(d):
     w(f"bytes one batch-1 decode step reads: {step / 1e6:.1f} MB (computed from our checkpoint's")
     w("tensor sizes: every weight but the embedding, one embedding row, 8 of the 64 routed")
     w("experts per MoE layer; the latent cache is a few hundred KB and is left out).")
-    for e in ["ours", "llama.cpp"] + forced:
+    for e in ["ours", "llama.cpp"] + [f"{e}-{i}" for i in isas for e in ("ours", "llama.cpp")]:
         tok = med["decode-b1"].get(e)
         if tok:
             gbs = tok * step / 1e9

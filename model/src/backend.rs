@@ -54,6 +54,13 @@ pub trait Backend: Send + Sync {
         lse: &mut [f32],
     ) -> Result<(), CacheError>;
 
+    /// Runs one forward step: `step` makes all of that step's calls. A backend may choose per
+    /// step how to run them (the CPU backend: with fewer threads while other processes want
+    /// the cores).
+    fn run_step(&self, step: &mut (dyn FnMut() + Send)) {
+        step()
+    }
+
     /// Sums a tensor-parallel partial result across ranks in place (identical bits on every
     /// rank). A single-rank backend has nothing to do.
     fn all_reduce_sum(&self, _data: &mut [f32]) -> Result<(), String> {
@@ -71,10 +78,64 @@ pub struct CpuBackend;
 /// count of its own runs the calls in a rayon pool of that size, owned by the backend (so no
 /// process-wide setting: a call is handed to that pool exactly as a call from outside rayon's
 /// global pool is handed to the global one).
+///
+/// While other processes keep cores busy, a step runs with only the cores they leave
+/// ([`step_threads`]): a fork-join step waits at every join for its slowest thread, and a
+/// thread that shares its core with another process is descheduled for whole time slices, so
+/// with one busy process on two cores a two-thread step ran at 0.3 of its quiet speed where
+/// one thread keeps about half. `KIMI_CPU_ADAPTIVE_THREADS=0` turns this off.
 #[derive(Clone, Debug, Default)]
 pub struct TunedCpuBackend {
     tactic: CpuTactic,
     pool: Option<Arc<rayon::ThreadPool>>,
+    /// Pools of fewer threads for contended steps, by size, made when first needed.
+    reduced: Arc<std::sync::Mutex<Vec<Arc<rayon::ThreadPool>>>>,
+}
+
+/// Environment variable that turns the contended-step thread reduction off (`0`).
+pub const ADAPTIVE_THREADS_ENV: &str = "KIMI_CPU_ADAPTIVE_THREADS";
+
+thread_local! {
+    /// Set while a contended step runs on a reduced pool: the backend's calls stay in it.
+    static IN_REDUCED_STEP: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Threads a step should use out of `threads`: the cores that other processes' runnable
+/// threads leave (at least one), from `/proc/loadavg`'s running count minus this process's
+/// running threads; `threads` where that cannot be read.
+pub fn step_threads(threads: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    match others_running() {
+        Some(others) => threads.min(cores.saturating_sub(others).max(1)),
+        None => threads,
+    }
+}
+
+/// Runnable threads of other processes, system-wide, now.
+fn others_running() -> Option<usize> {
+    let running = running_in_loadavg(&std::fs::read_to_string("/proc/loadavg").ok()?)?;
+    let mut own = 0;
+    for task in std::fs::read_dir("/proc/self/task").ok()? {
+        let stat = std::fs::read_to_string(task.ok()?.path().join("stat")).ok()?;
+        own += usize::from(task_is_running(&stat)?);
+    }
+    Some(running.saturating_sub(own))
+}
+
+/// The runnable count of `/proc/loadavg` (its fourth field, `running/total`).
+fn running_in_loadavg(text: &str) -> Option<usize> {
+    text.split_whitespace()
+        .nth(3)?
+        .split('/')
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// Whether a `/proc/<pid>/task/<tid>/stat` line is of a running thread: its state follows the
+/// `)` that closes the command name (which may itself hold spaces and parentheses).
+fn task_is_running(stat: &str) -> Option<bool> {
+    Some(stat.rsplit_once(')')?.1.split_whitespace().next()? == "R")
 }
 
 impl TunedCpuBackend {
@@ -89,7 +150,27 @@ impl TunedCpuBackend {
                 format!("cpu tactic threads={}: {e}", tactic.threads)
             })?))
         };
-        Ok(Self { tactic, pool })
+        Ok(Self {
+            tactic,
+            pool,
+            reduced: Default::default(),
+        })
+    }
+
+    fn reduced_pool(&self, threads: usize) -> Option<Arc<rayon::ThreadPool>> {
+        let mut pools = self.reduced.lock().ok()?;
+        if let Some(pool) = pools.iter().find(|p| p.current_num_threads() == threads) {
+            return Some(pool.clone());
+        }
+        let pool = Arc::new(
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .thread_name(|i| format!("cpu-step-{i}"))
+                .build()
+                .ok()?,
+        );
+        pools.push(pool.clone());
+        Some(pool)
     }
 
     pub fn tactic(&self) -> &CpuTactic {
@@ -98,8 +179,8 @@ impl TunedCpuBackend {
 
     fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         match &self.pool {
-            Some(pool) => pool.install(f),
-            None => f(),
+            Some(pool) if !IN_REDUCED_STEP.get() => pool.install(f),
+            _ => f(),
         }
     }
 }
@@ -107,6 +188,25 @@ impl TunedCpuBackend {
 impl Backend for TunedCpuBackend {
     fn name(&self) -> &'static str {
         "cpu"
+    }
+
+    fn run_step(&self, step: &mut (dyn FnMut() + Send)) {
+        if std::env::var_os(ADAPTIVE_THREADS_ENV).is_some_and(|v| v == "0") {
+            return step();
+        }
+        let threads = self
+            .pool
+            .as_ref()
+            .map_or_else(rayon::current_num_threads, |p| p.current_num_threads());
+        let want = step_threads(threads);
+        match (want < threads).then(|| self.reduced_pool(want)).flatten() {
+            Some(pool) => pool.install(|| {
+                IN_REDUCED_STEP.set(true);
+                step();
+                IN_REDUCED_STEP.set(false);
+            }),
+            None => step(),
+        }
     }
 
     fn matmul(&self, x: &[f32], tokens: usize, w: MatrixView<'_>, out: &mut [f32]) {
@@ -184,5 +284,33 @@ impl Backend for CpuBackend {
         lse: &mut [f32],
     ) -> Result<(), CacheError> {
         kernels::mla::cpu::mla_attention(cache, problem, out, lse)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_step_gets_between_one_thread_and_all_of_them() {
+        for threads in 1..5 {
+            let n = step_threads(threads);
+            assert!((1..=threads).contains(&n), "{threads} threads: {n}");
+        }
+    }
+
+    #[test]
+    fn the_proc_files_are_read_as_linux_writes_them() {
+        assert_eq!(running_in_loadavg("0.70 1.74 2.29 3/412 12345\n"), Some(3));
+        assert_eq!(running_in_loadavg("0.70 1.74"), None);
+        assert_eq!(
+            task_is_running("4242 (cpu step (1)) R 1 4242 0"),
+            Some(true)
+        );
+        assert_eq!(task_is_running("4242 (model) S 1 4242 0"), Some(false));
+        assert_eq!(task_is_running("garbage"), None);
+        if std::path::Path::new("/proc/loadavg").exists() {
+            assert!(others_running().is_some(), "/proc is readable here");
+        }
     }
 }

@@ -222,6 +222,28 @@ impl Model {
         cache: &mut PagedLatentCache,
         inputs: &[SeqInput<'_>],
         logit_rows: LogitRows,
+        calibration: Option<&mut Calibration>,
+    ) -> Result<Logits, ForwardError> {
+        let mut calibration = calibration;
+        let mut result = None;
+        backend.run_step(&mut || {
+            result = Some(self.forward_step(
+                backend,
+                cache,
+                inputs,
+                logit_rows,
+                calibration.as_deref_mut(),
+            ));
+        });
+        result.expect("a backend runs the step it is given")
+    }
+
+    fn forward_step(
+        &self,
+        backend: &dyn Backend,
+        cache: &mut PagedLatentCache,
+        inputs: &[SeqInput<'_>],
+        logit_rows: LogitRows,
         mut calibration: Option<&mut Calibration>,
     ) -> Result<Logits, ForwardError> {
         let c = &self.config;

@@ -79,7 +79,14 @@ pub fn mla_attention_compiled_for(
     // Enough chunks for the tactic's tasks per thread over the whole batch, none shorter than
     // its minimum chunk.
     let total: usize = slots.iter().map(Vec::len).sum();
-    let want_tasks = tactic.mla_tasks_per_thread * rayon::current_num_threads();
+    // Per planned thread, not per thread of the pool this call happens to run in: where the
+    // chunks are cut sets the rounding, and a backend that runs a contended step on fewer
+    // threads must still give the same bits.
+    let planned_threads = match tactic.threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
+    let want_tasks = tactic.mla_tasks_per_thread * planned_threads;
     let chunk = total
         .div_ceil(want_tasks)
         .max(tactic.mla_min_chunk)
