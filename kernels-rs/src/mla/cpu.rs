@@ -320,6 +320,44 @@ mod tests {
         (x % 2001) as f32 / 1000.0 - 1.0
     }
 
+    /// A cache of `shape` whose `layer` holds one sequence per length of `lens` (hashed
+    /// values), and the queries that attend to all of each.
+    fn filled_cache(
+        shape: LatentCacheShape,
+        dtype: KvCacheDtype,
+        layer: usize,
+        lens: &[usize],
+    ) -> (PagedLatentCache, Vec<AttentionQuery>) {
+        let (l, r) = (shape.latent_dim, shape.rope_dim);
+        let mut cache = PagedLatentCache::new(shape, dtype, 64);
+        let mut queries = Vec::new();
+        for (i, &len) in lens.iter().enumerate() {
+            let seq = cache.add_sequence();
+            cache.reserve(seq, len).unwrap();
+            for t in 0..len {
+                let c: Vec<f32> = (0..l as u64)
+                    .map(|j| hash((i * 7919 + t) as u64 * 97 + j))
+                    .collect();
+                let k: Vec<f32> = (0..r as u64)
+                    .map(|j| hash((i * 31 + t) as u64 * 89 + j + 5))
+                    .collect();
+                cache.write(layer, seq, t, &c, &k).unwrap();
+            }
+            cache.commit(seq, len).unwrap();
+            queries.push(AttentionQuery { seq, context: len });
+        }
+        (cache, queries)
+    }
+
+    /// Hashed `q_abs` and `q_pe` of `rows × heads` queries.
+    fn hashed_queries(rows: usize, heads: usize, l: usize, r: usize) -> (Vec<f32>, Vec<f32>) {
+        let q_abs = (0..rows * heads * l)
+            .map(|i| 2.0 * hash(i as u64 + 11))
+            .collect();
+        let q_pe = (0..rows * heads * r).map(|i| hash(i as u64 + 13)).collect();
+        (q_abs, q_pe)
+    }
+
     #[test]
     fn matches_the_reference_for_every_dtype_batch_and_length() {
         let shape = LatentCacheShape {
@@ -329,31 +367,9 @@ mod tests {
         };
         let lens = [1usize, 63, 64, 65, 700, 1500];
         for dtype in [KvCacheDtype::F32, KvCacheDtype::Bf16, KvCacheDtype::Fp8E4m3] {
-            let mut cache = PagedLatentCache::new(shape, dtype, 64);
-            let mut queries = Vec::new();
-            for (i, &len) in lens.iter().enumerate() {
-                let seq = cache.add_sequence();
-                cache.reserve(seq, len).unwrap();
-                for t in 0..len {
-                    let c: Vec<f32> = (0..64)
-                        .map(|j| hash((i * 7919 + t) as u64 * 97 + j))
-                        .collect();
-                    let k: Vec<f32> = (0..16)
-                        .map(|j| hash((i * 31 + t) as u64 * 89 + j + 5))
-                        .collect();
-                    cache.write(1, seq, t, &c, &k).unwrap();
-                }
-                cache.commit(seq, len).unwrap();
-                queries.push(AttentionQuery { seq, context: len });
-            }
-            let heads = 3;
-            let rows = queries.len();
-            let q_abs: Vec<f32> = (0..rows * heads * 64)
-                .map(|i| 2.0 * hash(i as u64 + 11))
-                .collect();
-            let q_pe: Vec<f32> = (0..rows * heads * 16)
-                .map(|i| hash(i as u64 + 13))
-                .collect();
+            let (cache, queries) = filled_cache(shape, dtype, 1, &lens);
+            let (heads, rows) = (3, queries.len());
+            let (q_abs, q_pe) = hashed_queries(rows, heads, 64, 16);
             let problem = MlaProblem {
                 layer: 1,
                 heads,
@@ -390,30 +406,9 @@ mod tests {
         };
         let lens = [1usize, 70, 333];
         for dtype in [KvCacheDtype::Bf16, KvCacheDtype::Fp8E4m3] {
-            let mut cache = PagedLatentCache::new(shape, dtype, 64);
-            let mut queries = Vec::new();
-            for (i, &len) in lens.iter().enumerate() {
-                let seq = cache.add_sequence();
-                cache.reserve(seq, len).unwrap();
-                for t in 0..len {
-                    let c: Vec<f32> = (0..48)
-                        .map(|j| hash((i * 7919 + t) as u64 * 97 + j))
-                        .collect();
-                    let k: Vec<f32> = (0..16)
-                        .map(|j| hash((i * 31 + t) as u64 * 89 + j + 5))
-                        .collect();
-                    cache.write(0, seq, t, &c, &k).unwrap();
-                }
-                cache.commit(seq, len).unwrap();
-                queries.push(AttentionQuery { seq, context: len });
-            }
+            let (cache, queries) = filled_cache(shape, dtype, 0, &lens);
             let (heads, rows) = (3, lens.len());
-            let q_abs: Vec<f32> = (0..rows * heads * 48)
-                .map(|i| 2.0 * hash(i as u64 + 11))
-                .collect();
-            let q_pe: Vec<f32> = (0..rows * heads * 16)
-                .map(|i| hash(i as u64 + 13))
-                .collect();
+            let (q_abs, q_pe) = hashed_queries(rows, heads, 48, 16);
             let problem = MlaProblem {
                 layer: 0,
                 heads,
@@ -491,22 +486,9 @@ mod tests {
             };
             let shape = LatentCacheShape { layers: 1, latent_dim: 32, rope_dim: 16 };
             let lens = [1usize, 300, 1100];
-            let mut cache = PagedLatentCache::new(shape, dtype, 64);
-            let mut queries = Vec::new();
-            for (i, &len) in lens.iter().enumerate() {
-                let seq = cache.add_sequence();
-                cache.reserve(seq, len).unwrap();
-                for t in 0..len {
-                    let c: Vec<f32> = (0..32).map(|j| hash((i * 7919 + t) as u64 * 97 + j)).collect();
-                    let k: Vec<f32> = (0..16).map(|j| hash((i * 31 + t) as u64 * 89 + j + 5)).collect();
-                    cache.write(0, seq, t, &c, &k).unwrap();
-                }
-                cache.commit(seq, len).unwrap();
-                queries.push(AttentionQuery { seq, context: len });
-            }
+            let (cache, queries) = filled_cache(shape, dtype, 0, &lens);
             let (heads, rows) = (2, lens.len());
-            let q_abs: Vec<f32> = (0..rows * heads * 32).map(|i| 2.0 * hash(i as u64 + 11)).collect();
-            let q_pe: Vec<f32> = (0..rows * heads * 16).map(|i| hash(i as u64 + 13)).collect();
+            let (q_abs, q_pe) = hashed_queries(rows, heads, 32, 16);
             let problem = MlaProblem {
                 layer: 0,
                 heads,
