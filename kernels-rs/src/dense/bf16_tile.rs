@@ -160,6 +160,8 @@ fn tile_portable<const R: usize, const T: usize>(
     }
 }
 
+// The register tile reads best as acc[row][token] indexed by both loop counters.
+#[allow(clippy::needless_range_loop)]
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn tile_avx512<const R: usize, const T: usize>(
@@ -215,7 +217,7 @@ unsafe fn tile_avx512<const R: usize, const T: usize>(
 #[inline(always)]
 fn prefetch_next_tile<const R: usize>(w: *const bf16, cols: usize, i: usize) {
     use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-    if i % 32 == 0 {
+    if i.is_multiple_of(32) {
         for r in 0..R {
             // A prefetch never faults; `wrapping_add` keeps the address arithmetic defined
             // past the end of the weights.
@@ -236,6 +238,8 @@ fn reduce8_avx(s8: std::arch::x86_64::__m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2)))
 }
 
+// As in tile_avx512.
+#[allow(clippy::needless_range_loop)]
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn tile_avx2<const R: usize, const T: usize>(
