@@ -8,27 +8,35 @@
 //! decoded no faster than batch 1, and prefill ran at a fraction of the FMA peak.
 //!
 //! ## One summation order for every ISA and every tile
-//! Element `i < ⌊cols/16⌋·16` of a dot product goes into lane `i mod 16` by a fused
-//! multiply-add, in increasing `i`; the 16 lanes are summed by the tree
-//! `s8[l] = a[l] + a[l+8]`, `s4[l] = s8[l] + s8[l+4]`, `s2[l] = s4[l] + s4[l+2]`,
-//! `s = s2[0] + s2[1]`; the last `cols mod 16` elements are fused into `s` in order. AVX-512
-//! holds the 16 lanes in one `zmm`, AVX2 in two `ymm` (lanes 0–7, 8–15), the portable code in
-//! an array with `f32::mul_add`. A result therefore depends on neither the ISA nor the tile,
-//! so every tiling, thread split and dispatch gives the same bits.
+//! The order of the previous AVX-512 kernel, so that the model's numerics (checked against
+//! HF's goldens, where one flipped NVFP4 code or expert choice shows) stay what they were:
+//! element `i < ⌊cols/64⌋·64` goes into lane `i mod 16` of accumulator set `(i / 16) mod 4`
+//! by a fused multiply-add, in increasing `i`; the sets are added lane-wise as
+//! `(a0 + a1) + (a2 + a3)`; the 16 lanes are summed by the tree `s8[l] = a[l] + a[l+8]`,
+//! `s4[l] = s8[l] + s8[l+4]`, `s2[l] = s4[l] + s4[l+2]`, `s = s2[0] + s2[1]`; the last
+//! `cols mod 64` elements are added to `s` in order (multiply, then add). AVX-512 holds a set
+//! in one `zmm`, AVX2 in two `ymm` (lanes 0–7, 8–15), the portable code in an array with
+//! `f32::mul_add`. A result depends on neither the ISA nor the tile, so every tiling, thread
+//! split and dispatch gives the same bits (the previous AVX2 kernel had an order of its own).
 //!
 //! ## Tiles
-//! - AVX-512 (32 registers): 4 rows × up to 4 tokens, 16 accumulators.
-//! - AVX2 (16 registers, a 16-lane accumulator is two of them): 4 rows × 1 token (decode at
-//!   batch 1, where the weights are the traffic), else 2 rows × 2 tokens (8 accumulators, 4
-//!   widened weight halves, 2 activation halves).
-//! - Portable: 4 × 4, left to the compiler.
+//! - AVX-512 (32 registers): 4 rows × 1 token (decode at batch 1, where the weights are the
+//!   traffic) with the four sets in one pass (16 accumulators); 4 rows × up to 4 tokens with
+//!   one pass per set (16 accumulators; the tile's rows stay in L1 between passes).
+//! - AVX2 (16 registers, a set is two `ymm`): 1 × 1 in one pass (8 accumulators); 2 × 2 with
+//!   one pass per set (8 accumulators).
+//! - Portable: as AVX-512.
 
 use half::bf16;
 
 use crate::moe_gemm::cpu_simd::Isa;
 
-/// Lanes of the summation order (one `zmm` of f32).
+/// Lanes of a set (one `zmm` of f32).
 pub const LANES: usize = 16;
+/// Accumulator sets: consecutive 16-element slices go to sets 0, 1, 2, 3, 0, …
+pub const SETS: usize = 4;
+/// Elements one step of every set covers.
+const STEP: usize = LANES * SETS;
 /// Most weight rows one kernel call takes.
 pub const MAX_TILE_ROWS: usize = 4;
 /// Most tokens one kernel call takes.
@@ -37,9 +45,10 @@ pub const MAX_TILE_TOKENS: usize = 4;
 /// The tile (weight rows, tokens) `isa` uses when `tokens` tokens are left.
 pub fn tile(isa: Isa, tokens: usize) -> (usize, usize) {
     match isa {
-        Isa::Avx512 | Isa::Scalar => (MAX_TILE_ROWS, tokens.min(MAX_TILE_TOKENS)),
-        Isa::Avx2Fma if tokens == 1 => (4, 1),
+        Isa::Avx2Fma if tokens == 1 => (1, 1),
         Isa::Avx2Fma => (2, 2),
+        Isa::Avx512 | Isa::Scalar if tokens == 1 => (MAX_TILE_ROWS, 1),
+        Isa::Avx512 | Isa::Scalar => (MAX_TILE_ROWS, tokens.min(MAX_TILE_TOKENS)),
     }
 }
 
@@ -99,8 +108,16 @@ pub fn compute_tile(isa: Isa, t: Tile<'_>, out: &mut [f32], out_row_stride: usiz
         // SAFETY: the CPU supports the ISA (asserted above) and the slices cover the tile.
         Isa::Avx512 => unsafe { dispatch!(tile_avx512) },
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        Isa::Avx2Fma => unsafe { dispatch!(tile_avx2) },
+        // SAFETY: as above; AVX2 takes 1 × 1 and 2 × 2 only (asserted above).
+        Isa::Avx2Fma => unsafe {
+            match (t.rows, t.tokens) {
+                (1, 1) => tile_avx2_one(t, out),
+                (1, 2) => tile_avx2_sets::<1, 2>(t, out, out_row_stride),
+                (2, 1) => tile_avx2_sets::<2, 1>(t, out, out_row_stride),
+                (2, 2) => tile_avx2_sets::<2, 2>(t, out, out_row_stride),
+                _ => unreachable!("checked above"),
+            }
+        },
         _ => dispatch!(tile_portable),
     }
 }
@@ -119,11 +136,11 @@ fn widen(w: bf16) -> f32 {
     f32::from_bits(u32::from(w.to_bits()) << 16)
 }
 
-/// The tail elements past the last whole 16 (`cols mod 16` of them), fused in order.
+/// The tail elements past the last whole step (`cols mod 64` of them), in order.
 #[inline(always)]
 fn add_tail(mut s: f32, x: &[f32], w: &[bf16], from: usize) -> f32 {
     for (a, &b) in x[from..].iter().zip(&w[from..]) {
-        s = a.mul_add(widen(b), s);
+        s += a * widen(b);
     }
     s
 }
@@ -134,24 +151,28 @@ fn tile_portable<const R: usize, const T: usize>(
     out_row_stride: usize,
 ) {
     let cols = t.cols;
-    let full = cols / LANES * LANES;
-    let mut acc = [[[0.0f32; LANES]; T]; R];
-    for i in (0..full).step_by(LANES) {
-        for (r, acc_r) in acc.iter_mut().enumerate() {
-            let w: [f32; LANES] = std::array::from_fn(|l| widen(t.w[r * cols + i + l]));
-            for (k, acc_rt) in acc_r.iter_mut().enumerate() {
-                let x = &t.x[k * cols + i..k * cols + i + LANES];
-                for l in 0..LANES {
-                    acc_rt[l] = x[l].mul_add(w[l], acc_rt[l]);
+    let full = cols / STEP * STEP;
+    let mut acc = [[[[0.0f32; LANES]; SETS]; T]; R];
+    for i in (0..full).step_by(STEP) {
+        for set in 0..SETS {
+            let e0 = i + set * LANES;
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                let w: [f32; LANES] = std::array::from_fn(|l| widen(t.w[r * cols + e0 + l]));
+                for (k, acc_rt) in acc_r.iter_mut().enumerate() {
+                    let x = &t.x[k * cols + e0..k * cols + e0 + LANES];
+                    for l in 0..LANES {
+                        acc_rt[set][l] = x[l].mul_add(w[l], acc_rt[set][l]);
+                    }
                 }
             }
         }
     }
     for (r, acc_r) in acc.iter().enumerate() {
-        for (k, acc_rt) in acc_r.iter().enumerate() {
-            let s = reduce_lanes(acc_rt);
+        for (k, a) in acc_r.iter().enumerate() {
+            let sum: [f32; LANES] =
+                std::array::from_fn(|l| (a[0][l] + a[1][l]) + (a[2][l] + a[3][l]));
             out[r * out_row_stride + k] = add_tail(
-                s,
+                reduce_lanes(&sum),
                 &t.x[k * cols..(k + 1) * cols],
                 &t.w[r * cols..(r + 1) * cols],
                 full,
@@ -160,7 +181,7 @@ fn tile_portable<const R: usize, const T: usize>(
     }
 }
 
-// The register tile reads best as acc[row][token] indexed by both loop counters.
+// The register tile reads best as acc[row][token][set] indexed by the loop counters.
 #[allow(clippy::needless_range_loop)]
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
@@ -171,37 +192,71 @@ unsafe fn tile_avx512<const R: usize, const T: usize>(
 ) {
     use std::arch::x86_64::*;
     let cols = t.cols;
-    let full = cols / LANES * LANES;
+    let full = cols / STEP * STEP;
     let (x, w) = (t.x.as_ptr(), t.w.as_ptr());
-    let mut acc = [[_mm512_setzero_ps(); T]; R];
-    let mut i = 0;
-    while i < full {
-        prefetch_next_tile::<R>(w, cols, i);
-        let mut widened = [_mm512_setzero_ps(); R];
-        for (r, v) in widened.iter_mut().enumerate() {
-            // SAFETY: row r's elements i..i+16 are inside `w` (checked by the caller); BF16
+    // [set][r][k]. With one token all four sets fit in registers (4 × R) and the row streams
+    // once; with more, each set is its own pass over the tile's rows (R × T registers; the
+    // rows stay in L1 between passes), each set's sums the same as in one pass.
+    let mut sets = [[[_mm512_setzero_ps(); T]; R]; SETS];
+    macro_rules! widen_at {
+        ($r:expr, $e0:expr) => {
+            // SAFETY: row r's elements e0..e0+16 are inside `w` (checked by the caller); BF16
             // widens to f32 by a 16-bit shift.
-            *v = unsafe {
-                let halves = _mm256_loadu_si256(w.add(r * cols + i) as *const __m256i);
+            unsafe {
+                let halves = _mm256_loadu_si256(w.add($r * cols + $e0) as *const __m256i);
                 _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(halves)))
-            };
-        }
-        for k in 0..T {
-            // SAFETY: token k's elements i..i+16 are inside `x`.
-            let xs = unsafe { _mm512_loadu_ps(x.add(k * cols + i)) };
-            for r in 0..R {
-                acc[r][k] = _mm512_fmadd_ps(xs, widened[r], acc[r][k]);
             }
-        }
-        i += LANES;
+        };
     }
-    for (r, acc_r) in acc.iter().enumerate() {
-        for (k, &a) in acc_r.iter().enumerate() {
-            let lo = _mm512_castps512_ps256(a);
-            let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a)));
-            let s = reduce8_avx(_mm256_add_ps(lo, hi));
+    if T == 1 {
+        let mut i = 0;
+        while i < full {
+            prefetch_next_tile::<R>(w, cols, i);
+            for set in 0..SETS {
+                let e0 = i + set * LANES;
+                // SAFETY: the token's elements e0..e0+16 are inside `x`.
+                let xs = unsafe { _mm512_loadu_ps(x.add(e0)) };
+                for r in 0..R {
+                    sets[set][r][0] = _mm512_fmadd_ps(xs, widen_at!(r, e0), sets[set][r][0]);
+                }
+            }
+            i += STEP;
+        }
+    } else {
+        for (set, set_acc) in sets.iter_mut().enumerate() {
+            let mut acc = [[_mm512_setzero_ps(); T]; R];
+            let mut i = 0;
+            while i < full {
+                if set == 0 {
+                    prefetch_next_tile::<R>(w, cols, i);
+                }
+                let e0 = i + set * LANES;
+                let mut widened = [_mm512_setzero_ps(); R];
+                for (r, v) in widened.iter_mut().enumerate() {
+                    *v = widen_at!(r, e0);
+                }
+                for k in 0..T {
+                    // SAFETY: token k's elements e0..e0+16 are inside `x`.
+                    let xs = unsafe { _mm512_loadu_ps(x.add(k * cols + e0)) };
+                    for r in 0..R {
+                        acc[r][k] = _mm512_fmadd_ps(xs, widened[r], acc[r][k]);
+                    }
+                }
+                i += STEP;
+            }
+            *set_acc = acc;
+        }
+    }
+    for r in 0..R {
+        for k in 0..T {
+            let sum = _mm512_add_ps(
+                _mm512_add_ps(sets[0][r][k], sets[1][r][k]),
+                _mm512_add_ps(sets[2][r][k], sets[3][r][k]),
+            );
+            let lo = _mm512_castps512_ps256(sum);
+            let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(sum)));
             out[r * out_row_stride + k] = add_tail(
-                s,
+                reduce8_avx(_mm256_add_ps(lo, hi)),
                 &t.x[k * cols..(k + 1) * cols],
                 &t.w[r * cols..(r + 1) * cols],
                 full,
@@ -210,20 +265,21 @@ unsafe fn tile_avx512<const R: usize, const T: usize>(
     }
 }
 
-/// Asks for the lines the next tile of `R` rows reads at element `i`, once per 64-byte line:
-/// to the hardware prefetcher each tile is `R` new streams, and a tile of short rows ends
-/// before it has ramped up on them.
+/// Asks for the lines the next tile of `R` rows reads at element `i` (one 64-element step is
+/// two 64-byte lines of a BF16 row): to the hardware prefetcher each tile is `R` new
+/// streams, and a tile of short rows ends before it has ramped up on them.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn prefetch_next_tile<const R: usize>(w: *const bf16, cols: usize, i: usize) {
     use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-    if i.is_multiple_of(32) {
-        for r in 0..R {
-            // A prefetch never faults; `wrapping_add` keeps the address arithmetic defined
-            // past the end of the weights.
-            let ahead = w.wrapping_add((R + r) * cols + i);
-            // SAFETY: prefetching any address is allowed.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8) };
+    for r in 0..R {
+        // A prefetch never faults; `wrapping_add` keeps the address arithmetic defined past
+        // the end of the weights.
+        let ahead = w.wrapping_add((R + r) * cols + i);
+        // SAFETY: prefetching any address is allowed.
+        unsafe {
+            _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(32) as *const i8);
         }
     }
 }
@@ -238,50 +294,98 @@ fn reduce8_avx(s8: std::arch::x86_64::__m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2)))
 }
 
-// As in tile_avx512.
+/// One (row, token) in one pass: four sets of two `ymm` (lanes 0–7 and 8–15 of each set).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile_avx2_one(t: Tile<'_>, out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let cols = t.cols;
+    let full = cols / STEP * STEP;
+    let (x, w) = (t.x.as_ptr(), t.w.as_ptr());
+    let mut acc = [[_mm256_setzero_ps(); 2]; SETS];
+    let mut i = 0;
+    while i < full {
+        prefetch_next_tile::<1>(w, cols, i);
+        for (set, a) in acc.iter_mut().enumerate() {
+            for (half, ah) in a.iter_mut().enumerate() {
+                let e = i + set * LANES + 8 * half;
+                // SAFETY: elements e..e+8 of the row and the token are inside `w` and `x`.
+                unsafe {
+                    let halves = _mm_loadu_si128(w.add(e) as *const __m128i);
+                    let ws =
+                        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(halves)));
+                    *ah = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(e)), ws, *ah);
+                }
+            }
+        }
+        i += STEP;
+    }
+    let half_sum = |h: usize| {
+        _mm256_add_ps(
+            _mm256_add_ps(acc[0][h], acc[1][h]),
+            _mm256_add_ps(acc[2][h], acc[3][h]),
+        )
+    };
+    let s8 = _mm256_add_ps(half_sum(0), half_sum(1));
+    out[0] = add_tail(reduce8_avx(s8), &t.x[..cols], &t.w[..cols], full);
+}
+
+/// Up to 2 rows × 2 tokens: one pass per set (8 accumulators), the tile's rows in L1 between
+/// passes.
 #[allow(clippy::needless_range_loop)]
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn tile_avx2<const R: usize, const T: usize>(
+unsafe fn tile_avx2_sets<const R: usize, const T: usize>(
     t: Tile<'_>,
     out: &mut [f32],
     out_row_stride: usize,
 ) {
     use std::arch::x86_64::*;
     let cols = t.cols;
-    let full = cols / LANES * LANES;
+    let full = cols / STEP * STEP;
     let (x, w) = (t.x.as_ptr(), t.w.as_ptr());
-    // [r][k][half]: half 0 holds lanes 0–7, half 1 lanes 8–15.
-    let mut acc = [[[_mm256_setzero_ps(); 2]; T]; R];
-    let mut i = 0;
-    while i < full {
-        prefetch_next_tile::<R>(w, cols, i);
-        let mut widened = [[_mm256_setzero_ps(); 2]; R];
-        for (r, v) in widened.iter_mut().enumerate() {
-            for (half, vh) in v.iter_mut().enumerate() {
-                // SAFETY: row r's elements i+8·half .. +8 are inside `w`.
-                *vh = unsafe {
-                    let halves = _mm_loadu_si128(w.add(r * cols + i + 8 * half) as *const __m128i);
-                    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(halves)))
-                };
+    // [set][r][k][half]
+    let mut sets = [[[[_mm256_setzero_ps(); 2]; T]; R]; SETS];
+    for set in 0..SETS {
+        let mut acc = [[[_mm256_setzero_ps(); 2]; T]; R];
+        let mut i = 0;
+        while i < full {
+            if set == 0 {
+                prefetch_next_tile::<R>(w, cols, i);
             }
-        }
-        for k in 0..T {
             for half in 0..2 {
-                // SAFETY: token k's elements i+8·half .. +8 are inside `x`.
-                let xs = unsafe { _mm256_loadu_ps(x.add(k * cols + i + 8 * half)) };
-                for r in 0..R {
-                    acc[r][k][half] = _mm256_fmadd_ps(xs, widened[r][half], acc[r][k][half]);
+                let e = i + set * LANES + 8 * half;
+                let mut widened = [_mm256_setzero_ps(); R];
+                for (r, v) in widened.iter_mut().enumerate() {
+                    // SAFETY: row r's elements e..e+8 are inside `w`.
+                    *v = unsafe {
+                        let halves = _mm_loadu_si128(w.add(r * cols + e) as *const __m128i);
+                        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(halves)))
+                    };
+                }
+                for k in 0..T {
+                    // SAFETY: token k's elements e..e+8 are inside `x`.
+                    let xs = unsafe { _mm256_loadu_ps(x.add(k * cols + e)) };
+                    for r in 0..R {
+                        acc[r][k][half] = _mm256_fmadd_ps(xs, widened[r], acc[r][k][half]);
+                    }
                 }
             }
+            i += STEP;
         }
-        i += LANES;
+        sets[set] = acc;
     }
-    for (r, acc_r) in acc.iter().enumerate() {
-        for (k, a) in acc_r.iter().enumerate() {
-            let s = reduce8_avx(_mm256_add_ps(a[0], a[1]));
+    for r in 0..R {
+        for k in 0..T {
+            let half_sum = |h: usize| {
+                _mm256_add_ps(
+                    _mm256_add_ps(sets[0][r][k][h], sets[1][r][k][h]),
+                    _mm256_add_ps(sets[2][r][k][h], sets[3][r][k][h]),
+                )
+            };
+            let s8 = _mm256_add_ps(half_sum(0), half_sum(1));
             out[r * out_row_stride + k] = add_tail(
-                s,
+                reduce8_avx(s8),
                 &t.x[k * cols..(k + 1) * cols],
                 &t.w[r * cols..(r + 1) * cols],
                 full,
@@ -306,14 +410,17 @@ mod tests {
 
     /// The summation order of the module documentation, written out element by element.
     fn canonical_dot(x: &[f32], w: &[bf16]) -> f32 {
-        let full = x.len() / LANES * LANES;
-        let mut lanes = [0.0f32; LANES];
+        let full = x.len() / STEP * STEP;
+        let mut sets = [[0.0f32; LANES]; SETS];
         for i in 0..full {
-            lanes[i % LANES] = x[i].mul_add(w[i].to_f32(), lanes[i % LANES]);
+            let (set, lane) = ((i / LANES) % SETS, i % LANES);
+            sets[set][lane] = x[i].mul_add(w[i].to_f32(), sets[set][lane]);
         }
+        let lanes: [f32; LANES] =
+            std::array::from_fn(|l| (sets[0][l] + sets[1][l]) + (sets[2][l] + sets[3][l]));
         let mut s = reduce_lanes(&lanes);
         for i in full..x.len() {
-            s = x[i].mul_add(w[i].to_f32(), s);
+            s += x[i] * w[i].to_f32();
         }
         s
     }
@@ -325,7 +432,7 @@ mod tests {
         #[test]
         fn every_isa_and_tile_gives_the_canonical_bits(
             seed in 0usize..1000,
-            cols in 1usize..200,
+            cols in 1usize..400,
             tokens in 1usize..=4,
         ) {
             for isa in Isa::all_supported() {
