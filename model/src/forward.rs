@@ -222,9 +222,8 @@ impl Model {
         cache: &mut PagedLatentCache,
         inputs: &[SeqInput<'_>],
         logit_rows: LogitRows,
-        calibration: Option<&mut Calibration>,
+        mut calibration: Option<&mut Calibration>,
     ) -> Result<Logits, ForwardError> {
-        let mut calibration = calibration;
         let mut result = None;
         backend.run_step(&mut || {
             result = Some(self.forward_step(

@@ -159,6 +159,13 @@ pub fn quantize_row_int_with(
     }
 }
 
+/// `2·e2m1` of the magnitude ordinal 0..=7 (0, 1, 2, 3, 4, 6, 8, 12) as arithmetic, which
+/// vectorizes where a table lookup would not.
+#[inline(always)]
+fn magnitude_twice(ordinal: u8) -> i8 {
+    (ordinal + ordinal.saturating_sub(4) + 2 * u8::from(ordinal == 7)) as i8
+}
+
 /// The blocks of [`quantize_row_int_with`] (not the padding).
 #[inline(always)]
 fn quantize_blocks(
@@ -234,9 +241,7 @@ fn quantize_block_int(
         ordinal += u8::from((m == 0.75) | (m == 1.75) | (m == 3.5));
         // searchsorted places NaN after every bound.
         let ordinal = if m.is_nan() { 7 } else { ordinal };
-        // MAGNITUDE_TWICE[ordinal] (0, 1, 2, 3, 4, 6, 8, 12) as arithmetic, which
-        // vectorizes where a table lookup would not.
-        let v = (ordinal + ordinal.saturating_sub(4) + 2 * u8::from(ordinal == 7)) as i8;
+        let v = magnitude_twice(ordinal);
         let v = if q < 0.0 { -v } else { v };
         sum += i32::from(v);
         *v_out = v;
@@ -852,9 +857,8 @@ mod tests {
     #[test]
     fn the_magnitude_arithmetic_is_the_table() {
         for ordinal in 0u8..8 {
-            let v = (ordinal + ordinal.saturating_sub(4) + 2 * u8::from(ordinal == 7)) as i8;
             assert_eq!(
-                v,
+                magnitude_twice(ordinal),
                 MAGNITUDE_TWICE[usize::from(ordinal)],
                 "ordinal {ordinal}"
             );

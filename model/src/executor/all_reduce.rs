@@ -90,6 +90,23 @@ fn setup_error(what: impl std::fmt::Display) -> DeviceError {
     }
 }
 
+/// The status word the all-reduce kernel left in a rank's control block, as an error
+/// unless it reports success.
+fn check_control_status<D: Device>(
+    dev: &D,
+    control: &D::Memory,
+    rank: usize,
+    world: usize,
+) -> Result<(), DeviceError> {
+    let words: Vec<u64> = dev.download_first(control, CONTROL_STATUS / 8 + 1)?;
+    match KernelStatus::decode(words[CONTROL_STATUS / 8]) {
+        KernelStatus::Ok => Ok(()),
+        status => Err(setup_error(format_args!(
+            "rank {rank} of {world}: {status:?}"
+        ))),
+    }
+}
+
 /// The emulated all-reduce: see the module documentation.
 pub struct ShmAllReduce<D: Device> {
     /// Keeps every rank's region mapped; the name is unlinked once all ranks have attached.
@@ -240,14 +257,7 @@ impl<D: HostAddressed> TpAllReduce<D> for ShmAllReduce<D> {
     }
 
     fn check(&mut self, dev: &D) -> Result<(), DeviceError> {
-        let control: Vec<u64> = dev.download_first(&self.control, CONTROL_STATUS / 8 + 1)?;
-        match KernelStatus::decode(control[CONTROL_STATUS / 8]) {
-            KernelStatus::Ok => Ok(()),
-            status => Err(setup_error(format_args!(
-                "rank {} of {}: {status:?}",
-                self.rank, self.world
-            ))),
-        }
+        check_control_status(dev, &self.control, self.rank, self.world)
     }
 }
 
@@ -416,13 +426,6 @@ impl<D: Dry> TpAllReduce<D> for DryAllReduce<D> {
     }
 
     fn check(&mut self, dev: &D) -> Result<(), DeviceError> {
-        let control: Vec<u64> = dev.download_first(&self.control, CONTROL_STATUS / 8 + 1)?;
-        match KernelStatus::decode(control[CONTROL_STATUS / 8]) {
-            KernelStatus::Ok => Ok(()),
-            status => Err(setup_error(format_args!(
-                "rank {} of {}: {status:?}",
-                self.rank, self.world
-            ))),
-        }
+        check_control_status(dev, &self.control, self.rank, self.world)
     }
 }
