@@ -49,6 +49,10 @@ pub struct CpuTactic {
     pub dense_parallel_min_bytes: usize,
     /// Dense products: weight rows per parallel task.
     pub dense_rows_per_task: usize,
+    /// Dense BF16 products over at least this many tokens widen each task's rows once into
+    /// an f32 panel ([`bf16_panel`](crate::dense::bf16_panel)); fewer tokens widen in
+    /// registers. Same bits either way.
+    pub dense_panel_min_tokens: usize,
     /// MLA split-KV: the shortest chunk worth a task of its own (a multiple of [`MLA_TILE`]).
     pub mla_min_chunk: usize,
     /// MLA split-KV: chunks aimed for per pool thread over the whole batch.
@@ -112,10 +116,11 @@ pub enum CpuTacticError {
     BadKind { key: String, value: String },
 }
 
-const KEYS: [&str; 7] = [
+const KEYS: [&str; 8] = [
     "moe_item",
     "dense_min",
     "dense_rows",
+    "dense_panel",
     "mla_chunk",
     "mla_tasks",
     "threads",
@@ -127,6 +132,8 @@ const KEYS: [&str; 7] = [
 const MAX_ITEM_BYTES: usize = 64 << 20;
 const MAX_PARALLEL_MIN_BYTES: usize = 1 << 40;
 const MAX_ROWS_PER_TASK: usize = 1 << 16;
+/// Above any batch a step takes: the panel is never used.
+const MAX_PANEL_MIN_TOKENS: usize = 1 << 20;
 const MAX_MLA_CHUNK: usize = 1 << 20;
 const MAX_TASKS_PER_THREAD: usize = 256;
 const MAX_THREADS: usize = 1024;
@@ -137,6 +144,7 @@ impl CpuTactic {
         moe_item_bytes: 128 * 1024,
         dense_parallel_min_bytes: 512 << 10,
         dense_rows_per_task: 64,
+        dense_panel_min_tokens: crate::dense::bf16_panel::PANEL_MIN_TOKENS,
         mla_min_chunk: 256,
         mla_tasks_per_thread: 4,
         threads: 0,
@@ -145,13 +153,14 @@ impl CpuTactic {
 
     /// The stable id: every key in a fixed order, sizes in bytes with a `k`/`m` suffix when
     /// exact, e.g.
-    /// `moe_item=128k,dense_min=512k,dense_rows=64,mla_chunk=256,mla_tasks=4,threads=0,moe_dot=int`.
+    /// `moe_item=128k,dense_min=512k,dense_rows=64,dense_panel=8,mla_chunk=256,mla_tasks=4,threads=0,moe_dot=int`.
     pub fn id(&self) -> String {
         format!(
-            "moe_item={},dense_min={},dense_rows={},mla_chunk={},mla_tasks={},threads={},moe_dot={}",
+            "moe_item={},dense_min={},dense_rows={},dense_panel={},mla_chunk={},mla_tasks={},threads={},moe_dot={}",
             size(self.moe_item_bytes),
             size(self.dense_parallel_min_bytes),
             self.dense_rows_per_task,
+            self.dense_panel_min_tokens,
             self.mla_min_chunk,
             self.mla_tasks_per_thread,
             self.threads,
@@ -192,6 +201,7 @@ impl CpuTactic {
                 "moe_item" => tactic.moe_item_bytes = n,
                 "dense_min" => tactic.dense_parallel_min_bytes = n,
                 "dense_rows" => tactic.dense_rows_per_task = n,
+                "dense_panel" => tactic.dense_panel_min_tokens = n,
                 "mla_chunk" => tactic.mla_min_chunk = n,
                 "mla_tasks" => tactic.mla_tasks_per_thread = n,
                 "threads" => tactic.threads = n,
@@ -221,6 +231,12 @@ impl CpuTactic {
             MAX_PARALLEL_MIN_BYTES,
         )?;
         range("dense_rows", self.dense_rows_per_task, 1, MAX_ROWS_PER_TASK)?;
+        range(
+            "dense_panel",
+            self.dense_panel_min_tokens,
+            1,
+            MAX_PANEL_MIN_TOKENS,
+        )?;
         range("mla_chunk", self.mla_min_chunk, MLA_TILE, MAX_MLA_CHUNK)?;
         if !self.mla_min_chunk.is_multiple_of(MLA_TILE) {
             return Err(CpuTacticError::OutOfRange(format!(
@@ -379,10 +395,11 @@ impl FromStr for CpuTactic {
 /// this binary was built from them: a tactic cache records it, and a cache tuned on other
 /// sources is stale.
 pub fn cpu_kernel_source_hash() -> String {
-    let sources: [&[u8]; 7] = [
+    let sources: [&[u8]; 8] = [
         include_bytes!("cpu_tactic.rs"),
         include_bytes!("dense/mod.rs"),
         include_bytes!("dense/bf16_tile.rs"),
+        include_bytes!("dense/bf16_panel.rs"),
         include_bytes!("moe_gemm/cpu.rs"),
         include_bytes!("moe_gemm/cpu_simd.rs"),
         include_bytes!("moe_gemm/cpu_int.rs"),
@@ -606,6 +623,7 @@ mod tests {
             moe in 1usize..MAX_ITEM_BYTES,
             dmin in 0usize..(1 << 32),
             drows in 1usize..MAX_ROWS_PER_TASK,
+            panel in 1usize..MAX_PANEL_MIN_TOKENS,
             chunk in 1usize..4096,
             tasks in 1usize..MAX_TASKS_PER_THREAD,
             threads in 0usize..MAX_THREADS,
@@ -615,6 +633,7 @@ mod tests {
                 moe_item_bytes: moe,
                 dense_parallel_min_bytes: dmin,
                 dense_rows_per_task: drows,
+                dense_panel_min_tokens: panel,
                 mla_min_chunk: chunk * MLA_TILE,
                 mla_tasks_per_thread: tasks,
                 threads,

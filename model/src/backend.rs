@@ -33,6 +33,20 @@ pub trait Backend: Send + Sync {
         }
     }
 
+    /// `outs[m] = x · ws[m]ᵀ` for weights that read the same activations (`x: [tokens,
+    /// cols]`), which a backend may run as one call.
+    fn matmul_many(
+        &self,
+        x: &[f32],
+        tokens: usize,
+        ws: &[MatrixView<'_>],
+        outs: &mut [&mut [f32]],
+    ) {
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            self.matmul(x, tokens, *w, out);
+        }
+    }
+
     /// Routed experts (grouped GEMM), W4A4 for NVFP4 experts; records activation maxima when
     /// `amax` is given (calibration).
     fn moe(
@@ -217,6 +231,18 @@ impl Backend for TunedCpuBackend {
         self.run(|| kernels::dense::matmul_per_head_tuned(&self.tactic, x, tokens, w, out));
     }
 
+    fn matmul_many(
+        &self,
+        x: &[f32],
+        tokens: usize,
+        ws: &[MatrixView<'_>],
+        outs: &mut [&mut [f32]],
+    ) {
+        self.run(|| {
+            kernels::dense::matmul_transposed_many_tuned(&self.tactic, x, tokens, ws, outs)
+        });
+    }
+
     fn moe(
         &self,
         x: &[f32],
@@ -262,6 +288,16 @@ impl Backend for CpuBackend {
 
     fn matmul_per_head(&self, x: &[f32], tokens: usize, w: &[MatrixView<'_>], out: &mut [f32]) {
         kernels::dense::matmul_per_head_tuned(&CpuTactic::DEFAULT, x, tokens, w, out);
+    }
+
+    fn matmul_many(
+        &self,
+        x: &[f32],
+        tokens: usize,
+        ws: &[MatrixView<'_>],
+        outs: &mut [&mut [f32]],
+    ) {
+        kernels::dense::matmul_transposed_many_tuned(&CpuTactic::DEFAULT, x, tokens, ws, outs);
     }
 
     fn moe(

@@ -305,6 +305,20 @@ impl Checkpoint {
         }
     }
 
+    /// Maps every page of every shard now ([`TensorFile::populate`]), in parallel, with a
+    /// progress bar: for a model the CPU computes on, so that the first request does not pay
+    /// the page faults of the whole model (llama.cpp maps with `MAP_POPULATE` for the same
+    /// reason).
+    pub fn populate(&self) {
+        use rayon::prelude::*;
+        let progress = progress_bar(self.shards.len() as u64, "mapping weights into memory");
+        self.shards.par_iter().for_each(|shard| {
+            shard.populate();
+            progress.inc(1);
+        });
+        progress.finish_and_clear();
+    }
+
     /// Loads every weight the text model needs, with a progress bar over layers.
     pub fn load_weights(&self) -> Result<ModelWeights, CheckpointError> {
         let c = self.model_config().clone();

@@ -371,18 +371,20 @@ impl Model {
         let heads = w.kv_b.rows / (nope + v_dim);
         let qk = nope + rope_dim;
 
+        // The first query projection and the compressed KV read the same input: one call.
         let mut q = vec![0.0f32; n * heads * qk];
+        let mut kv = vec![0.0f32; n * (latent + rope_dim)];
         match &w.q {
             QueryProjection::LowRank { a, norm, b } => {
                 let mut qa = vec![0.0f32; n * a.rows];
-                backend.matmul(h, n, a.view(), &mut qa);
+                backend.matmul_many(h, n, &[a.view(), w.kv_a.view()], &mut [&mut qa, &mut kv]);
                 let qa = rms_norm_rows(&qa, a.rows, norm, c.rms_norm_eps);
                 backend.matmul(&qa, n, b.view(), &mut q);
             }
-            QueryProjection::Full(wq) => backend.matmul(h, n, wq.view(), &mut q),
+            QueryProjection::Full(wq) => {
+                backend.matmul_many(h, n, &[wq.view(), w.kv_a.view()], &mut [&mut q, &mut kv])
+            }
         }
-        let mut kv = vec![0.0f32; n * (latent + rope_dim)];
-        backend.matmul(h, n, w.kv_a.view(), &mut kv);
 
         for (row, &(seq, pos)) in kv.chunks_exact_mut(latent + rope_dim).zip(rows) {
             let (c_part, pe_part) = row.split_at_mut(latent);
@@ -496,7 +498,21 @@ impl Model {
     ) -> Vec<f32> {
         let c = &self.config;
         let mut logits = vec![0.0f32; n * c.n_routed_experts];
-        backend.matmul(h, n, w.router.view(), &mut logits);
+        // The router and the shared experts' gate and up read the same input: one call.
+        let shared = w.shared.as_ref().map(|shared| {
+            let inter = shared.gate.rows;
+            let (mut gate, mut up) = (vec![0.0f32; n * inter], vec![0.0f32; n * inter]);
+            backend.matmul_many(
+                h,
+                n,
+                &[w.router.view(), shared.gate.view(), shared.up.view()],
+                &mut [&mut logits, &mut gate, &mut up],
+            );
+            (shared, gate, up)
+        });
+        if shared.is_none() {
+            backend.matmul(h, n, w.router.view(), &mut logits);
+        }
         let routing = route(&logits, &w.correction_bias, c);
         let experts: Vec<ExpertView<'_>> = w.experts.iter().map(ExpertWeights::view).collect();
         let mut out = vec![0.0f32; n * c.hidden_size];
@@ -507,8 +523,8 @@ impl Model {
         } else {
             backend.moe(h, c.hidden_size, &routing, &experts, &mut out, amax);
         }
-        if let Some(shared) = &w.shared {
-            add_in_place(&mut out, &dense_mlp(backend, shared, h, n));
+        if let Some((shared, gate, up)) = shared {
+            add_in_place(&mut out, &mlp_down(backend, shared, gate, &up, n));
         }
         out
     }
@@ -573,9 +589,24 @@ fn dense_mlp(backend: &dyn Backend, w: &DenseMlpWeights, h: &[f32], n: usize) ->
     let inter = w.gate.rows;
     let mut gate = vec![0.0f32; n * inter];
     let mut up = vec![0.0f32; n * inter];
-    backend.matmul(h, n, w.gate.view(), &mut gate);
-    backend.matmul(h, n, w.up.view(), &mut up);
-    for (g, u) in gate.iter_mut().zip(&up) {
+    backend.matmul_many(
+        h,
+        n,
+        &[w.gate.view(), w.up.view()],
+        &mut [&mut gate, &mut up],
+    );
+    mlp_down(backend, w, gate, &up, n)
+}
+
+/// `down(silu(gate) · up)` from the gate and up products.
+fn mlp_down(
+    backend: &dyn Backend,
+    w: &DenseMlpWeights,
+    mut gate: Vec<f32>,
+    up: &[f32],
+    n: usize,
+) -> Vec<f32> {
+    for (g, u) in gate.iter_mut().zip(up) {
         *g = silu(*g) * u;
     }
     let mut out = vec![0.0f32; n * w.down.rows];

@@ -973,6 +973,7 @@ fn load(dir: &Path, shard: TpShard) -> Result<(Checkpoint, Model)> {
     let checkpoint = Checkpoint::open(dir)?;
     let config = checkpoint.model_config().clone();
     check_tensor_parallel(dir, &config, shard.world)?;
+    checkpoint.populate();
     let weights = checkpoint
         .load_weights()?
         .shard(&config, shard)

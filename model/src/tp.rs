@@ -75,6 +75,16 @@ impl Backend for TpCpuBackend {
         self.compute.matmul_per_head(x, tokens, w, out);
     }
 
+    fn matmul_many(
+        &self,
+        x: &[f32],
+        tokens: usize,
+        ws: &[MatrixView<'_>],
+        outs: &mut [&mut [f32]],
+    ) {
+        self.compute.matmul_many(x, tokens, ws, outs);
+    }
+
     fn moe(
         &self,
         x: &[f32],

@@ -8,7 +8,14 @@ use crate::cpu_tactic::CpuTactic;
 use crate::matrix::MatrixView;
 use crate::moe_gemm::cpu_simd::Isa;
 
+pub mod bf16_panel;
 pub mod bf16_tile;
+
+thread_local! {
+    /// A pool thread's f32 panel of widened weight rows, kept between products (a prefill
+    /// makes hundreds of them).
+    static PANEL: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
 
 /// `out[t, j] = Σ_i x[t, i] · w[j, i]` for `x: [tokens, cols]`, `w: [rows, cols]`,
 /// `out: [tokens, rows]`. Each weight row is read once for all tokens, since at decode the
@@ -36,8 +43,6 @@ pub fn matmul_transposed_tuned(
     if let Err(e) = tactic.validate() {
         panic!("{e}");
     }
-    let (parallel_min_bytes, rows_per_task) =
-        (tactic.dense_parallel_min_bytes, tactic.dense_rows_per_task);
     let (rows, cols) = (w.rows(), w.cols());
     assert_eq!(
         x.len(),
@@ -52,41 +57,109 @@ pub fn matmul_transposed_tuned(
     if tokens == 0 || rows == 0 {
         return;
     }
-    // Row-major in weight rows (`[rows, tokens]`) so that threads own disjoint chunks.
+    // Row-major in weight rows (`[rows, tokens]`) so that threads own disjoint chunks; at one
+    // token that is `out` itself.
+    if tokens == 1 {
+        products_by_row(tactic, x, tokens, w, out);
+        return;
+    }
     let mut transposed = vec![0.0f32; rows * tokens];
+    products_by_row(tactic, x, tokens, w, &mut transposed);
+    // Back to `[tokens, rows]`, a block of tokens per task: each weight row's values for the
+    // block are contiguous in `transposed`, and the block's output rows fill line by line
+    // (element by element over all tokens, a prefill's transpose was a twentieth of it).
+    const TRANSPOSE_TOKENS: usize = 16;
+    let scatter = |(block, out_block): (usize, &mut [f32])| {
+        let (t0, n) = (block * TRANSPOSE_TOKENS, out_block.len() / rows);
+        for (j, column) in transposed.chunks_exact(tokens).enumerate() {
+            for (k, &v) in column[t0..t0 + n].iter().enumerate() {
+                out_block[k * rows + j] = v;
+            }
+        }
+    };
+    if tokens <= TRANSPOSE_TOKENS {
+        scatter((0, out));
+    } else {
+        out.par_chunks_mut(TRANSPOSE_TOKENS * rows)
+            .enumerate()
+            .for_each(scatter);
+    }
+}
+
+/// `transposed[j, t] = x[t] · w[j]` (`[rows, tokens]`), the weight rows split into tasks as
+/// [`matmul_transposed_tuned`] documents.
+fn products_by_row(
+    tactic: &CpuTactic,
+    x: &[f32],
+    tokens: usize,
+    w: MatrixView<'_>,
+    transposed: &mut [f32],
+) {
+    let (parallel_min_bytes, rows_per_task) =
+        (tactic.dense_parallel_min_bytes, tactic.dense_rows_per_task);
+    let cols = w.cols();
     match w {
         // BF16 rows are read straight from the mapping and widened in registers (a shift),
         // a tile of rows × tokens at a time: each widened weight vector serves every token of
         // the tile. Inside a task the token tiles are the outer loop, so the task's rows stay
         // in L2 while each token tile's activations stay in L1.
-        MatrixView::Bf16 { data, .. } => {
+        // Many tokens (prefill): each task widens its rows once into an f32 panel that every
+        // token tile then reads (same bits as the register tiles below).
+        MatrixView::Bf16 { data, .. } if tokens >= tactic.dense_panel_min_tokens => {
             let isa = Isa::detect();
+            let full = bf16_panel::panel_cols(cols);
+            let xp = bf16_panel::reorder_activations(isa, x, tokens, cols);
+            let (panel_rows, tile_tokens) =
+                (bf16_panel::panel_rows(cols), bf16_panel::tile_tokens(isa));
             let task = |(task, chunk): (usize, &mut [f32])| {
                 let first_row = task * rows_per_task;
                 let task_rows = chunk.len() / tokens;
-                let mut t0 = 0;
-                while t0 < tokens {
-                    let (tile_rows, tile_tokens) = bf16_tile::tile(isa, tokens - t0);
-                    let mut r = 0;
-                    while r < task_rows {
-                        let n = tile_rows.min(task_rows - r);
-                        let row = first_row + r;
-                        bf16_tile::compute_tile(
-                            isa,
-                            bf16_tile::Tile {
-                                x: &x[t0 * cols..(t0 + tile_tokens) * cols],
-                                w: &data[row * cols..(row + n) * cols],
-                                cols,
-                                rows: n,
-                                tokens: tile_tokens,
-                            },
-                            &mut chunk[r * tokens + t0..],
-                            tokens,
-                        );
-                        r += n;
+                PANEL.with_borrow_mut(|panel| {
+                    panel.resize(panel.len().max(panel_rows.min(task_rows) * full), 0.0);
+                    for r0 in (0..task_rows).step_by(panel_rows) {
+                        let n = panel_rows.min(task_rows - r0);
+                        let w = &data[(first_row + r0) * cols..(first_row + r0 + n) * cols];
+                        bf16_panel::widen_rows(isa, w, cols, &mut panel[..n * full]);
+                        for t0 in (0..tokens).step_by(tile_tokens) {
+                            let tile_tokens = tile_tokens.min(tokens - t0);
+                            for r in (0..n).step_by(bf16_panel::TILE_ROWS) {
+                                let tile_rows = bf16_panel::TILE_ROWS.min(n - r);
+                                bf16_panel::compute_panel_tile(
+                                    isa,
+                                    bf16_panel::PanelTile {
+                                        panel: &panel[r * full..(r + tile_rows) * full],
+                                        xp: &xp[t0 * full..(t0 + tile_tokens) * full],
+                                        w: &w[r * cols..(r + tile_rows) * cols],
+                                        x: &x[t0 * cols..(t0 + tile_tokens) * cols],
+                                        cols,
+                                        rows: tile_rows,
+                                        tokens: tile_tokens,
+                                    },
+                                    &mut chunk[(r0 + r) * tokens + t0..],
+                                    tokens,
+                                );
+                            }
+                        }
                     }
-                    t0 += tile_tokens;
-                }
+                });
+            };
+            // The work is the weights times the tokens that read them.
+            if w.bytes() * tokens < parallel_min_bytes {
+                transposed
+                    .chunks_mut(rows_per_task * tokens)
+                    .enumerate()
+                    .for_each(task);
+            } else {
+                transposed
+                    .par_chunks_mut(rows_per_task * tokens)
+                    .enumerate()
+                    .for_each(task);
+            }
+        }
+        MatrixView::Bf16 { data, .. } => {
+            let isa = Isa::detect();
+            let task = |(task, chunk): (usize, &mut [f32])| {
+                register_tiles(isa, x, tokens, data, cols, task * rows_per_task, chunk);
             };
             if w.bytes() < parallel_min_bytes {
                 transposed
@@ -118,21 +191,99 @@ pub fn matmul_transposed_tuned(
     // Back to `[tokens, rows]`, a block of tokens per task: each weight row's values for the
     // block are contiguous in `transposed`, and the block's output rows fill line by line
     // (element by element over all tokens, a prefill's transpose was a twentieth of it).
-    const TRANSPOSE_TOKENS: usize = 16;
-    let scatter = |(block, out_block): (usize, &mut [f32])| {
-        let (t0, n) = (block * TRANSPOSE_TOKENS, out_block.len() / rows);
-        for (j, column) in transposed.chunks_exact(tokens).enumerate() {
-            for (k, &v) in column[t0..t0 + n].iter().enumerate() {
-                out_block[k * rows + j] = v;
-            }
+}
+
+/// `chunk[r, t] = x[t] · w[first_row + r]` (`[rows, tokens]`) for BF16 rows `data` of `cols`
+/// elements, by [`bf16_tile`]'s register tiles. Inside the chunk the token tiles are the outer
+/// loop, so its rows stay in L2 while each token tile's activations stay in L1.
+fn register_tiles(
+    isa: Isa,
+    x: &[f32],
+    tokens: usize,
+    data: &[half::bf16],
+    cols: usize,
+    first_row: usize,
+    chunk: &mut [f32],
+) {
+    let task_rows = chunk.len() / tokens;
+    let mut t0 = 0;
+    while t0 < tokens {
+        let (tile_rows, tile_tokens) = bf16_tile::tile(isa, tokens - t0);
+        let mut r = 0;
+        while r < task_rows {
+            let n = tile_rows.min(task_rows - r);
+            let row = first_row + r;
+            bf16_tile::compute_tile(
+                isa,
+                bf16_tile::Tile {
+                    x: &x[t0 * cols..(t0 + tile_tokens) * cols],
+                    w: &data[row * cols..(row + n) * cols],
+                    cols,
+                    rows: n,
+                    tokens: tile_tokens,
+                },
+                &mut chunk[r * tokens + t0..],
+                tokens,
+            );
+            r += n;
         }
+        t0 += tile_tokens;
+    }
+}
+
+/// `outs[m] = x · ws[m]ᵀ` for several weight matrices that read the same activations (the
+/// query and compressed-KV projections; the router and the shared expert's gate and up),
+/// bit-identical to one [`matmul_transposed_tuned`] each. At one token (decode) the rows of
+/// all of them are the tasks of one parallel call: a product of a few hundred KB is over in
+/// microseconds, and each parallel call ends waiting for the slowest thread.
+///
+/// # Panics
+/// If shapes disagree or the tactic is invalid.
+pub fn matmul_transposed_many_tuned(
+    tactic: &CpuTactic,
+    x: &[f32],
+    tokens: usize,
+    ws: &[MatrixView<'_>],
+    outs: &mut [&mut [f32]],
+) {
+    assert_eq!(
+        ws.len(),
+        outs.len(),
+        "matmul_many: {} weights, {} outputs",
+        ws.len(),
+        outs.len()
+    );
+    let all_bf16 = ws.iter().all(|w| matches!(w, MatrixView::Bf16 { .. }));
+    if tokens != 1 || !all_bf16 {
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            matmul_transposed_tuned(tactic, x, tokens, *w, out);
+        }
+        return;
+    }
+    if let Err(e) = tactic.validate() {
+        panic!("{e}");
+    }
+    let rows_per_task = tactic.dense_rows_per_task;
+    let mut tasks = Vec::new();
+    for (w, out) in ws.iter().zip(outs.iter_mut()) {
+        let MatrixView::Bf16 { rows, cols, data } = *w else {
+            unreachable!("checked above")
+        };
+        assert_eq!(x.len(), cols, "matmul_many: x is not [1, {cols}]");
+        assert_eq!(out.len(), rows, "matmul_many: out is not [1, {rows}]");
+        for (task, chunk) in out.chunks_mut(rows_per_task).enumerate() {
+            tasks.push((data, cols, task * rows_per_task, chunk));
+        }
+    }
+    let isa = Isa::detect();
+    let run = |(data, cols, first_row, chunk): (&[half::bf16], usize, usize, &mut [f32])| {
+        register_tiles(isa, x, 1, data, cols, first_row, chunk);
     };
-    if tokens <= TRANSPOSE_TOKENS {
-        scatter((0, out));
+    let bytes: usize = ws.iter().map(MatrixView::bytes).sum();
+    if bytes < tactic.dense_parallel_min_bytes {
+        tasks.into_iter().for_each(run);
     } else {
-        out.par_chunks_mut(TRANSPOSE_TOKENS * rows)
-            .enumerate()
-            .for_each(scatter);
+        tasks.into_par_iter().for_each(run);
     }
 }
 
@@ -249,6 +400,92 @@ mod tests {
                         .map(|i| x[t * cols + i] * values[j * cols + i])
                         .sum();
                     assert!((out[t * rows + j] - expected).abs() < 1e-4, "t{t} j{j}");
+                }
+            }
+        }
+    }
+
+    /// A product over many tokens (the panel path) gives, for every token, the bits of the
+    /// same token's product alone (the register tiles), serial and parallel.
+    #[test]
+    fn many_token_products_equal_each_token_alone() {
+        for (tokens, rows, cols) in [(8, 37, 80), (19, 70, 448), (9, 5, 130), (32, 130, 1024)] {
+            let x: Vec<f32> = (0..tokens * cols)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0 + 1e-3 * (i % 11) as f32)
+                .collect();
+            let w: Vec<bf16> = (0..rows * cols)
+                .map(|i| bf16::from_f32(((i * 53 % 97) as f32 - 48.0) / 40.0))
+                .collect();
+            let view = MatrixView::Bf16 {
+                rows,
+                cols,
+                data: &w,
+            };
+            let mut want = vec![0.0; tokens * rows];
+            for (xt, out) in x.chunks_exact(cols).zip(want.chunks_exact_mut(rows)) {
+                matmul_transposed(xt, 1, view, out);
+            }
+            for (min_bytes, rows_per_task) in [(0, 64), (1 << 30, 64), (0, 7)] {
+                let tactic = CpuTactic {
+                    dense_parallel_min_bytes: min_bytes,
+                    dense_rows_per_task: rows_per_task,
+                    ..CpuTactic::DEFAULT
+                };
+                let mut got = vec![f32::NAN; tokens * rows];
+                matmul_transposed_tuned(&tactic, &x, tokens, view, &mut got);
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{tokens}x{rows}x{cols} {tactic}"
+                );
+            }
+        }
+    }
+
+    /// Several products of the same activations in one call give each product's bits, at one
+    /// token (one parallel call over all their rows) and at several.
+    #[test]
+    fn many_products_equal_each_alone() {
+        let cols = 192;
+        let shapes = [37usize, 130, 5];
+        let w: Vec<Vec<bf16>> = shapes
+            .iter()
+            .enumerate()
+            .map(|(m, &rows)| {
+                (0..rows * cols)
+                    .map(|i| bf16::from_f32((((i + 7 * m) * 53 % 97) as f32 - 48.0) / 40.0))
+                    .collect()
+            })
+            .collect();
+        let views: Vec<MatrixView<'_>> = shapes
+            .iter()
+            .zip(&w)
+            .map(|(&rows, data)| MatrixView::Bf16 { rows, cols, data })
+            .collect();
+        for tokens in [1, 3, 9] {
+            let x: Vec<f32> = (0..tokens * cols)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+                .collect();
+            for min_bytes in [0, 1 << 30] {
+                let tactic = CpuTactic {
+                    dense_parallel_min_bytes: min_bytes,
+                    dense_rows_per_task: 16,
+                    ..CpuTactic::DEFAULT
+                };
+                let mut got: Vec<Vec<f32>> =
+                    shapes.iter().map(|r| vec![f32::NAN; tokens * r]).collect();
+                let mut outs: Vec<&mut [f32]> = got.iter_mut().map(Vec::as_mut_slice).collect();
+                matmul_transposed_many_tuned(&tactic, &x, tokens, &views, &mut outs);
+                for (view, got) in views.iter().zip(&got) {
+                    let mut want = vec![0.0; got.len()];
+                    matmul_transposed(&x, tokens, *view, &mut want);
+                    assert!(
+                        got.iter()
+                            .zip(&want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "tokens {tokens}, min bytes {min_bytes}"
+                    );
                 }
             }
         }

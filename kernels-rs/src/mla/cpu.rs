@@ -201,7 +201,20 @@ fn attend_chunk(args: ChunkArgs<'_>) -> Partial {
             let qa = &q_abs[head * l..(head + 1) * l];
             let qp = &q_pe[head * r..(head + 1) * r];
             let mut tile_max = f32::NEG_INFINITY;
-            for (i, s) in scores[..n].iter_mut().enumerate() {
+            // Four keys at a time: four independent dot products in flight instead of one
+            // chain of dependent adds (each key's sum in `dot`'s order).
+            let mut i = 0;
+            while i + DOT_KEYS <= n {
+                let latents = std::array::from_fn(|k| &latent[(i + k) * l..(i + k + 1) * l]);
+                let ropes = std::array::from_fn(|k| &rope[(i + k) * r..(i + k + 1) * r]);
+                let (d_latent, d_rope) = (dots(qa, latents), dots(qp, ropes));
+                for k in 0..DOT_KEYS {
+                    scores[i + k] = (d_latent[k] + d_rope[k]) * scale;
+                    tile_max = tile_max.max(scores[i + k]);
+                }
+                i += DOT_KEYS;
+            }
+            for (i, s) in scores[..n].iter_mut().enumerate().skip(i) {
                 *s = (dot(qa, &latent[i * l..(i + 1) * l]) + dot(qp, &rope[i * r..(i + 1) * r]))
                     * scale;
                 tile_max = tile_max.max(*s);
@@ -265,6 +278,34 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
+/// Keys whose scores [`dots`] computes together.
+const DOT_KEYS: usize = 4;
+
+/// `[dot(a, b[0]), …, dot(a, b[3])]`, each in [`dot`]'s order (the same bits), computed side by
+/// side so that the four accumulator chains overlap.
+#[inline(always)]
+fn dots(a: &[f32], b: [&[f32]; DOT_KEYS]) -> [f32; DOT_KEYS] {
+    let full = a.len() / 16 * 16;
+    let mut acc = [[0.0f32; 16]; DOT_KEYS];
+    for e0 in (0..full).step_by(16) {
+        let x = &a[e0..e0 + 16];
+        for (acc_k, b_k) in acc.iter_mut().zip(&b) {
+            let y = &b_k[e0..e0 + 16];
+            for i in 0..16 {
+                acc_k[i] += x[i] * y[i];
+            }
+        }
+    }
+    std::array::from_fn(|k| {
+        let tail: f32 = a[full..]
+            .iter()
+            .zip(&b[k][full..])
+            .map(|(x, y)| x * y)
+            .sum();
+        acc[k].iter().sum::<f32>() + tail
+    })
+}
+
 /// `acc = acc · alpha + Σ_i probs[i] · latent[i]`, the keys in order for every element (the
 /// bits of scaling once and then one `axpy` per key), a [`ACC_CHUNK`] slice of `acc` at a time
 /// held in registers across the tile's keys instead of loaded and stored once per key.
@@ -309,6 +350,22 @@ fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+        /// Four dot products side by side give each one's bits.
+        #[test]
+        fn dots_side_by_side_equal_each_dot(len in 0usize..700, seed in 0u64..1000) {
+            let a: Vec<f32> = (0..len as u64).map(|i| hash(seed * 7919 + i)).collect();
+            let b: Vec<Vec<f32>> = (0..DOT_KEYS as u64)
+                .map(|k| (0..len as u64).map(|i| hash(seed * 104_729 + k * 1_000_003 + i)).collect())
+                .collect();
+            let got = dots(&a, std::array::from_fn(|k| b[k].as_slice()));
+            for k in 0..DOT_KEYS {
+                proptest::prop_assert_eq!(got[k].to_bits(), dot(&a, &b[k]).to_bits());
+            }
+        }
+    }
     use crate::mla::cache::{KvCacheDtype, LatentCacheShape, SeqId};
     use crate::mla::reference::{AttentionQuery, mla_attention_reference};
 

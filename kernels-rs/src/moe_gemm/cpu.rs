@@ -225,6 +225,7 @@ pub fn moe_cpu_tuned(
             .zip(xq_scales.par_chunks_mut(pb))
             .zip(in_amax.par_iter_mut())
             .enumerate()
+            .with_min_len(QUANTIZE_ROWS_PER_TASK)
             .for_each(|(r, (((codes, corr), scales), am))| {
                 let (t, _) = plan.order[r];
                 let row = &x[t * hidden..(t + 1) * hidden];
@@ -238,6 +239,7 @@ pub fn moe_cpu_tuned(
         xq.par_chunks_mut(hidden)
             .zip(in_amax.par_iter_mut())
             .enumerate()
+            .with_min_len(QUANTIZE_ROWS_PER_TASK)
             .for_each(|(r, (dst, am))| {
                 let (t, _) = plan.order[r];
                 let row = &x[t * hidden..(t + 1) * hidden];
@@ -320,6 +322,7 @@ pub fn moe_cpu_tuned(
         .into_par_iter()
         .zip(down_amax.par_iter_mut())
         .enumerate()
+        .with_min_len(QUANTIZE_ROWS_PER_TASK)
         .for_each_init(Vec::new, |row, (r, (dst, am))| {
             let e = plan.row_expert[r];
             let (n, inter, i) = (plan.count(e), inters[e], r - plan.row_start[e]);
@@ -387,6 +390,7 @@ pub fn moe_cpu_tuned(
     if hidden > 0 {
         out.par_chunks_mut(hidden)
             .enumerate()
+            .with_min_len(QUANTIZE_ROWS_PER_TASK)
             .for_each(|(t, out_row)| {
                 out_row.fill(0.0);
                 for k in 0..top_k {
@@ -420,6 +424,11 @@ pub fn moe_cpu_tuned(
         SCRATCH.with(|s| s.set(scratch));
     }
 }
+
+/// Rows one task of the quantization and combine phases takes at least: a row is about a
+/// microsecond of work, and a decode step's eight are done before another thread would have
+/// woken for them.
+const QUANTIZE_ROWS_PER_TASK: usize = 16;
 
 /// Where phase 2b writes one row's quantized activations.
 enum ActDst<'a> {

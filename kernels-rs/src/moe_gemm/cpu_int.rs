@@ -684,8 +684,11 @@ mod x86 {
         let (codes, corr, sa) = (x.codes.as_ptr(), x.corr.as_ptr(), x.scales.as_ptr());
         let blocks = cols / NVFP4_BLOCK;
         let full = blocks / GROUP_BLOCKS;
-        // Only a ragged row has a tail group; it is read from this copy.
-        let tail = if full < groups {
+        // Only a ragged row has a tail group. A tail of exactly one half (8 blocks: rows of
+        // 384 or 2048 + 128 columns) is read in place, its empty second half skipped; any
+        // other is read from a zero-padded copy.
+        let half_tail = blocks % GROUP_BLOCKS == GROUP_BLOCKS / 2;
+        let tail = if full < groups && !half_tail {
             tail_group(w, r, full)
         } else {
             ([0; GROUP_BYTES], [0; GROUP_BLOCKS])
@@ -699,9 +702,10 @@ mod x86 {
         };
         let mut acc = [[_mm256_setzero_ps(); 2]; N];
         for g in 0..groups {
-            // SAFETY: as in vnni_rows4.
+            // SAFETY: as in vnni_rows4; a half tail is read in place for its first half only,
+            // whose 64 packed bytes and 8 scales end the row.
             unsafe {
-                let (packed, scales) = if g < full {
+                let (packed, scales) = if g < full || half_tail {
                     (
                         row_packed.add(g * GROUP_BYTES),
                         row_scales.add(g * GROUP_BLOCKS),
@@ -712,7 +716,8 @@ mod x86 {
                 let ahead = packed.wrapping_add(PREFETCH_ROWS * cols / 2);
                 _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
                 _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64).cast());
-                for h in 0..2 {
+                let halves = if g < full || !half_tail { 2 } else { 1 };
+                for h in 0..halves {
                     let p0 = _mm256_loadu_si256(packed.add(64 * h).cast());
                     let p1 = _mm256_loadu_si256(packed.add(64 * h + 32).cast());
                     // 64-bit chunks (b0,b1), (b4,b5) | (b2,b3), (b6,b7), then in block order.
@@ -994,9 +999,18 @@ mod tests {
     #[test]
     fn every_isa_equals_the_integer_reference_and_the_w4a4_dot() {
         let mut rng = Rng(9);
-        // Whole groups, partial groups, Kimi's rows and a TP8 down row; token counts around
-        // the group of four.
-        for (rows, cols) in [(9, 16), (7, 48), (5, 256), (6, 272), (9, 7168), (4, 2048)] {
+        // Whole groups, partial groups (half a group: read in place by AVX2), Kimi's rows and
+        // a TP8 down row; token counts around the group of four.
+        for (rows, cols) in [
+            (9, 16),
+            (7, 48),
+            (3, 128),
+            (5, 256),
+            (6, 272),
+            (5, 384),
+            (9, 7168),
+            (4, 2048),
+        ] {
             for n in [1, 3, 4, 5, 9] {
                 check_shape(&mut rng, rows, cols, n, 1.0 / 2688.0);
             }
