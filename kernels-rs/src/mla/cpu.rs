@@ -91,7 +91,7 @@ pub fn mla_attention_compiled_for(
         .div_ceil(want_tasks)
         .max(tactic.mla_min_chunk)
         .next_multiple_of(TILE);
-    let tasks: Vec<(usize, usize, usize)> = slots
+    let chunks: Vec<(usize, usize, usize)> = slots
         .iter()
         .enumerate()
         .flat_map(|(row, s)| {
@@ -99,22 +99,37 @@ pub fn mla_attention_compiled_for(
                 .map(move |c| (row, c * chunk, ((c + 1) * chunk).min(s.len())))
         })
         .collect();
+    // Too few chunks for the tasks wanted (decode: one row, a context shorter than the minimum
+    // chunk): the heads are cut into groups too. A head's sums do not depend on its group.
+    let heads_per_task = if chunks.len() >= want_tasks {
+        h
+    } else {
+        let groups = want_tasks.div_ceil(chunks.len().max(1));
+        h.div_ceil(groups).max(MIN_HEADS_PER_TASK).min(h)
+    };
+    let groups = h.div_ceil(heads_per_task.max(1));
+    let tasks: Vec<(usize, usize, usize, usize)> = chunks
+        .iter()
+        .flat_map(|&(row, start, end)| (0..groups).map(move |g| (row, g, start, end)))
+        .collect();
 
     // The loops are plain Rust over 16 accumulators; compiled for the CPU's ISA they run a
     // zmm (or two ymm) per step instead of four SSE registers, with the same bits.
     assert!(isa.is_supported(), "{isa:?} is not supported by this CPU");
-    let partials: Vec<(usize, Partial)> = tasks
+    let head_range = |g: usize| g * heads_per_task..((g + 1) * heads_per_task).min(h);
+    let partials: Vec<(usize, usize, Partial)> = tasks
         .par_iter()
-        .map(|&(row, start, end)| {
-            let q_abs = &problem.q_abs[row * h * l..(row + 1) * h * l];
-            let q_pe = &problem.q_pe[row * h * r..(row + 1) * h * r];
+        .map(|&(row, g, start, end)| {
+            let heads = head_range(g);
+            let q_abs = &problem.q_abs[(row * h + heads.start) * l..(row * h + heads.end) * l];
+            let q_pe = &problem.q_pe[(row * h + heads.start) * r..(row * h + heads.end) * r];
             let args = ChunkArgs {
                 cache,
                 layer: problem.layer,
                 slots: &slots[row][start..end],
                 q_abs,
                 q_pe,
-                heads: h,
+                heads: heads.len(),
                 scale: problem.softmax_scale,
             };
             let p = match isa {
@@ -126,21 +141,36 @@ pub fn mla_attention_compiled_for(
                 Isa::Avx2Fma => unsafe { attend_chunk_avx2(args) },
                 _ => attend_chunk(args),
             };
-            (row, p)
+            (row, g, p)
         })
         .collect();
 
-    // Merge each row's chunks (tasks are in row order, so a row's partials are contiguous).
-    let mut by_row: Vec<Vec<&Partial>> = (0..rows).map(|_| Vec::new()).collect();
-    for (row, p) in &partials {
-        by_row[*row].push(p);
+    // Merge each row's chunks per head group (tasks are in chunk order within a row).
+    let mut by_row: Vec<Vec<Vec<&Partial>>> = (0..rows).map(|_| vec![Vec::new(); groups]).collect();
+    for (row, g, p) in &partials {
+        by_row[*row][*g].push(p);
     }
     out.par_chunks_mut(h * l)
         .zip(lse.par_chunks_mut(h))
         .zip(by_row.par_iter())
-        .for_each(|((out_row, lse_row), parts)| merge(parts, h, l, out_row, lse_row));
+        .for_each(|((out_row, lse_row), groups)| {
+            for (g, parts) in groups.iter().enumerate() {
+                let heads = head_range(g);
+                merge(
+                    parts,
+                    heads.len(),
+                    l,
+                    &mut out_row[heads.start * l..heads.end * l],
+                    &mut lse_row[heads.clone()],
+                );
+            }
+        });
     Ok(())
 }
+
+/// Heads one task takes at least when the heads are cut into groups: each task dequantizes
+/// the cache tiles it reads, once for all its heads.
+const MIN_HEADS_PER_TASK: usize = 2;
 
 /// What [`attend_chunk`] works on: one query row's heads over a chunk of its cache slots.
 #[derive(Clone, Copy)]
@@ -350,6 +380,59 @@ fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A decode row whose context is shorter than one chunk is cut into head groups when more
+    /// tasks are wanted; every head's result is the bits of the ungrouped run.
+    #[test]
+    fn head_groups_give_the_ungrouped_bits() {
+        let shape = LatentCacheShape {
+            layers: 1,
+            latent_dim: 64,
+            rope_dim: 16,
+        };
+        for dtype in [KvCacheDtype::Bf16, KvCacheDtype::Fp8E4m3] {
+            for heads in [1, 3, 8, 16] {
+                let lens = [37usize, 200];
+                let (cache, queries) = filled_cache(shape, dtype, 0, &lens);
+                let rows = lens.len();
+                let (q_abs, q_pe) = hashed_queries(rows, heads, 64, 16);
+                let problem = MlaProblem {
+                    layer: 0,
+                    heads,
+                    queries: &queries,
+                    q_abs: &q_abs,
+                    q_pe: &q_pe,
+                    softmax_scale: 0.2,
+                };
+                let run = |tasks_per_thread: usize| {
+                    let tactic = CpuTactic {
+                        mla_tasks_per_thread: tasks_per_thread,
+                        threads: 2,
+                        ..CpuTactic::DEFAULT
+                    };
+                    let (mut o, mut lse) = (vec![0.0; rows * heads * 64], vec![0.0; rows * heads]);
+                    tactic
+                        .build_pool()
+                        .unwrap()
+                        .install(|| {
+                            mla_attention_tuned(&tactic, &cache, &problem, &mut o, &mut lse)
+                        })
+                        .unwrap();
+                    (o, lse)
+                };
+                // One task per thread and two rows: no groups. Sixteen: groups of two heads.
+                let (whole, grouped) = (run(1), run(16));
+                for (a, b) in whole
+                    .0
+                    .iter()
+                    .zip(&grouped.0)
+                    .chain(whole.1.iter().zip(&grouped.1))
+                {
+                    assert_eq!(a.to_bits(), b.to_bits(), "{dtype:?}, {heads} heads");
+                }
+            }
+        }
+    }
 
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
