@@ -91,12 +91,34 @@ pub fn mla_attention_compiled_for(
         .div_ceil(want_tasks)
         .max(tactic.mla_min_chunk)
         .next_multiple_of(TILE);
-    let chunks: Vec<(usize, usize, usize)> = slots
+    // Blocks of consecutive rows of one sequence (a prefill chunk's positions): their slot
+    // lists are prefixes of one another, so a block reads and dequantizes each cache tile
+    // once for all its rows. A row's chunks are cut at the same positions as alone, and its
+    // sums are the same bits.
+    let mut blocks: Vec<std::ops::Range<usize>> = Vec::new();
+    for row in 0..rows {
+        match blocks.last_mut() {
+            Some(b)
+                if b.len() < BLOCK_ROWS
+                    && problem.queries[b.start].seq == problem.queries[row].seq =>
+            {
+                b.end = row + 1
+            }
+            _ => blocks.push(row..row + 1),
+        }
+    }
+    // (block, its longest row, start, end) per chunk of the longest row.
+    let chunks: Vec<(usize, usize, usize, usize)> = blocks
         .iter()
         .enumerate()
-        .flat_map(|(row, s)| {
-            (0..s.len().div_ceil(chunk))
-                .map(move |c| (row, c * chunk, ((c + 1) * chunk).min(s.len())))
+        .flat_map(|(b, block)| {
+            let longest = block
+                .clone()
+                .max_by_key(|&row| slots[row].len())
+                .expect("a row");
+            let len = slots[longest].len();
+            (0..len.div_ceil(chunk))
+                .map(move |c| (b, longest, c * chunk, ((c + 1) * chunk).min(len)))
         })
         .collect();
     // Too few chunks for the tasks wanted (decode: one row, a context shorter than the minimum
@@ -108,47 +130,61 @@ pub fn mla_attention_compiled_for(
         h.div_ceil(groups).max(MIN_HEADS_PER_TASK).min(h)
     };
     let groups = h.div_ceil(heads_per_task.max(1));
-    let tasks: Vec<(usize, usize, usize, usize)> = chunks
+    let tasks: Vec<(usize, usize, usize, usize, usize)> = chunks
         .iter()
-        .flat_map(|&(row, start, end)| (0..groups).map(move |g| (row, g, start, end)))
+        .flat_map(|&(b, longest, start, end)| (0..groups).map(move |g| (b, longest, g, start, end)))
         .collect();
 
     // The loops are plain Rust over 16 accumulators; compiled for the CPU's ISA they run a
     // zmm (or two ymm) per step instead of four SSE registers, with the same bits.
     assert!(isa.is_supported(), "{isa:?} is not supported by this CPU");
     let head_range = |g: usize| g * heads_per_task..((g + 1) * heads_per_task).min(h);
-    let partials: Vec<(usize, usize, Partial)> = tasks
+    let partials: Vec<(usize, Vec<(usize, Partial)>)> = tasks
         .par_iter()
-        .map(|&(row, g, start, end)| {
+        .map(|&(b, longest, g, start, end)| {
             let heads = head_range(g);
-            let q_abs = &problem.q_abs[(row * h + heads.start) * l..(row * h + heads.end) * l];
-            let q_pe = &problem.q_pe[(row * h + heads.start) * r..(row * h + heads.end) * r];
-            let args = ChunkArgs {
+            // The block's rows that reach into this chunk, and how many of its keys each takes.
+            let queries: Vec<(usize, BlockRow<'_>)> = blocks[b]
+                .clone()
+                .filter(|&row| slots[row].len() > start)
+                .map(|row| {
+                    debug_assert_eq!(slots[row][start..], slots[longest][start..slots[row].len()]);
+                    let q = BlockRow {
+                        q_abs: &problem.q_abs
+                            [(row * h + heads.start) * l..(row * h + heads.end) * l],
+                        q_pe: &problem.q_pe[(row * h + heads.start) * r..(row * h + heads.end) * r],
+                        keys: slots[row].len().min(end) - start,
+                    };
+                    (row, q)
+                })
+                .collect();
+            let args = BlockArgs {
                 cache,
                 layer: problem.layer,
-                slots: &slots[row][start..end],
-                q_abs,
-                q_pe,
+                slots: &slots[longest][start..end],
+                rows: &queries,
                 heads: heads.len(),
                 scale: problem.softmax_scale,
             };
-            let p = match isa {
+            let parts = match isa {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: the CPU supports the ISA (asserted above).
-                Isa::Avx512 => unsafe { attend_chunk_avx512(args) },
+                Isa::Avx512 => unsafe { attend_block_avx512(args) },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: as above.
-                Isa::Avx2Fma => unsafe { attend_chunk_avx2(args) },
-                _ => attend_chunk(args),
+                Isa::Avx2Fma => unsafe { attend_block_avx2(args) },
+                _ => attend_block(args),
             };
-            (row, g, p)
+            (g, queries.iter().map(|(row, _)| *row).zip(parts).collect())
         })
         .collect();
 
-    // Merge each row's chunks per head group (tasks are in chunk order within a row).
+    // Merge each row's chunks per head group (a row's chunks come in order).
     let mut by_row: Vec<Vec<Vec<&Partial>>> = (0..rows).map(|_| vec![Vec::new(); groups]).collect();
-    for (row, g, p) in &partials {
-        by_row[*row][*g].push(p);
+    for (g, parts) in &partials {
+        for (row, p) in parts {
+            by_row[*row][*g].push(p);
+        }
     }
     out.par_chunks_mut(h * l)
         .zip(lse.par_chunks_mut(h))
@@ -168,57 +204,72 @@ pub fn mla_attention_compiled_for(
     Ok(())
 }
 
+/// Rows of one sequence a task attends together.
+const BLOCK_ROWS: usize = 8;
+
 /// Heads one task takes at least when the heads are cut into groups: each task dequantizes
 /// the cache tiles it reads, once for all its heads.
 const MIN_HEADS_PER_TASK: usize = 2;
 
-/// What [`attend_chunk`] works on: one query row's heads over a chunk of its cache slots.
-#[derive(Clone, Copy)]
-struct ChunkArgs<'a> {
-    cache: &'a PagedLatentCache,
-    layer: usize,
-    slots: &'a [usize],
+/// One query row of a block: its heads' queries and how many of the chunk's keys it attends
+/// (a prefix: the rows of a block are positions of one sequence).
+struct BlockRow<'a> {
     q_abs: &'a [f32],
     q_pe: &'a [f32],
+    keys: usize,
+}
+
+/// What [`attend_block`] works on: a block's rows over a chunk of their cache slots.
+#[derive(Clone, Copy)]
+struct BlockArgs<'a> {
+    cache: &'a PagedLatentCache,
+    layer: usize,
+    /// The chunk's slots, as the block's longest row sees them.
+    slots: &'a [usize],
+    rows: &'a [(usize, BlockRow<'a>)],
     heads: usize,
     scale: f32,
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
-fn attend_chunk_avx512(args: ChunkArgs<'_>) -> Partial {
-    attend_chunk(args)
+fn attend_block_avx512(args: BlockArgs<'_>) -> Vec<Partial> {
+    attend_block(args)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn attend_chunk_avx2(args: ChunkArgs<'_>) -> Partial {
-    attend_chunk(args)
+fn attend_block_avx2(args: BlockArgs<'_>) -> Vec<Partial> {
+    attend_block(args)
 }
 
-/// Online-softmax attention of all heads of one query row over `slots`.
+/// Online-softmax attention of every row of a block, all its heads, over `slots`: each tile
+/// of keys is read from the cache once and used by every row that reaches it.
 #[inline(always)]
-fn attend_chunk(args: ChunkArgs<'_>) -> Partial {
-    let ChunkArgs {
+fn attend_block(args: BlockArgs<'_>) -> Vec<Partial> {
+    let BlockArgs {
         cache,
         layer,
         slots,
-        q_abs,
-        q_pe,
+        rows,
         heads,
         scale,
     } = args;
-    let (l, r) = (q_abs.len() / heads, q_pe.len() / heads);
+    let shape = cache.shape();
+    let (l, r) = (shape.latent_dim, shape.rope_dim);
     let mut latent = vec![0.0f32; TILE * l];
     let mut rope = vec![0.0f32; TILE * r];
-    let mut part = Partial {
-        m: vec![f32::NEG_INFINITY; heads],
-        l: vec![0.0; heads],
-        acc: vec![0.0; heads * l],
-    };
+    let mut parts: Vec<Partial> = rows
+        .iter()
+        .map(|_| Partial {
+            m: vec![f32::NEG_INFINITY; heads],
+            l: vec![0.0; heads],
+            acc: vec![0.0; heads * l],
+        })
+        .collect();
     let mut scores = [0.0f32; TILE];
-    for tile in slots.chunks(TILE) {
-        let n = tile.len();
+    for (t, tile) in slots.chunks(TILE).enumerate() {
+        let t0 = t * TILE;
         for (i, &slot) in tile.iter().enumerate() {
             cache.read_slot(
                 layer,
@@ -227,44 +278,51 @@ fn attend_chunk(args: ChunkArgs<'_>) -> Partial {
                 &mut rope[i * r..(i + 1) * r],
             );
         }
-        for head in 0..heads {
-            let qa = &q_abs[head * l..(head + 1) * l];
-            let qp = &q_pe[head * r..(head + 1) * r];
-            let mut tile_max = f32::NEG_INFINITY;
-            // Four keys at a time: four independent dot products in flight instead of one
-            // chain of dependent adds (each key's sum in `dot`'s order).
-            let mut i = 0;
-            while i + DOT_KEYS <= n {
-                let latents = std::array::from_fn(|k| &latent[(i + k) * l..(i + k + 1) * l]);
-                let ropes = std::array::from_fn(|k| &rope[(i + k) * r..(i + k + 1) * r]);
-                let (d_latent, d_rope) = (dots(qa, latents), dots(qp, ropes));
-                for k in 0..DOT_KEYS {
-                    scores[i + k] = (d_latent[k] + d_rope[k]) * scale;
-                    tile_max = tile_max.max(scores[i + k]);
+        for ((_, row), part) in rows.iter().zip(parts.iter_mut()) {
+            if row.keys <= t0 {
+                continue;
+            }
+            let n = tile.len().min(row.keys - t0);
+            for head in 0..heads {
+                let qa = &row.q_abs[head * l..(head + 1) * l];
+                let qp = &row.q_pe[head * r..(head + 1) * r];
+                let mut tile_max = f32::NEG_INFINITY;
+                // Four keys at a time: four independent dot products in flight instead of one
+                // chain of dependent adds (each key's sum in `dot`'s order).
+                let mut i = 0;
+                while i + DOT_KEYS <= n {
+                    let latents = std::array::from_fn(|k| &latent[(i + k) * l..(i + k + 1) * l]);
+                    let ropes = std::array::from_fn(|k| &rope[(i + k) * r..(i + k + 1) * r]);
+                    let (d_latent, d_rope) = (dots(qa, latents), dots(qp, ropes));
+                    for k in 0..DOT_KEYS {
+                        scores[i + k] = (d_latent[k] + d_rope[k]) * scale;
+                        tile_max = tile_max.max(scores[i + k]);
+                    }
+                    i += DOT_KEYS;
                 }
-                i += DOT_KEYS;
+                for (i, s) in scores[..n].iter_mut().enumerate().skip(i) {
+                    *s = (dot(qa, &latent[i * l..(i + 1) * l])
+                        + dot(qp, &rope[i * r..(i + 1) * r]))
+                        * scale;
+                    tile_max = tile_max.max(*s);
+                }
+                let m_new = part.m[head].max(tile_max);
+                let acc = &mut part.acc[head * l..(head + 1) * l];
+                // exp(-inf) = 0 on the first tile: the empty accumulator is simply replaced.
+                let alpha = (part.m[head] - m_new).exp();
+                let mut sum = 0.0f32;
+                let mut probs = [0.0f32; TILE];
+                for (p, &s) in probs[..n].iter_mut().zip(&scores[..n]) {
+                    *p = (s - m_new).exp();
+                    sum += *p;
+                }
+                accumulate_tile(acc, alpha, &probs[..n], &latent[..n * l]);
+                part.l[head] = part.l[head] * alpha + sum;
+                part.m[head] = m_new;
             }
-            for (i, s) in scores[..n].iter_mut().enumerate().skip(i) {
-                *s = (dot(qa, &latent[i * l..(i + 1) * l]) + dot(qp, &rope[i * r..(i + 1) * r]))
-                    * scale;
-                tile_max = tile_max.max(*s);
-            }
-            let m_new = part.m[head].max(tile_max);
-            let acc = &mut part.acc[head * l..(head + 1) * l];
-            // exp(-inf) = 0 on the first tile: the empty accumulator is simply replaced.
-            let alpha = (part.m[head] - m_new).exp();
-            let mut sum = 0.0f32;
-            let mut probs = [0.0f32; TILE];
-            for (p, &s) in probs[..n].iter_mut().zip(&scores[..n]) {
-                *p = (s - m_new).exp();
-                sum += *p;
-            }
-            accumulate_tile(acc, alpha, &probs[..n], &latent[..n * l]);
-            part.l[head] = part.l[head] * alpha + sum;
-            part.m[head] = m_new;
         }
     }
-    part
+    parts
 }
 
 /// Exact merge of chunk results: with `M = max m_i` and `L = Σ l_i e^{m_i - M}`,
@@ -380,6 +438,70 @@ fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The rows of a prefill (every position of a sequence, attended in blocks that share
+    /// each cache tile) give the bits of each row attended alone.
+    #[test]
+    fn blocks_of_prefill_rows_give_each_rows_bits() {
+        let shape = LatentCacheShape {
+            layers: 1,
+            latent_dim: 64,
+            rope_dim: 16,
+        };
+        let (heads, l, r) = (3, 64, 16);
+        for dtype in [KvCacheDtype::Bf16, KvCacheDtype::Fp8E4m3] {
+            let (cache, seqs) = filled_cache(shape, dtype, 0, &[45, 23]);
+            // Every position of the first sequence, then the second one's last five.
+            let queries: Vec<AttentionQuery> = (1..=45)
+                .map(|context| AttentionQuery {
+                    seq: seqs[0].seq,
+                    context,
+                })
+                .chain((19..=23).map(|context| AttentionQuery {
+                    seq: seqs[1].seq,
+                    context,
+                }))
+                .collect();
+            let rows = queries.len();
+            let (q_abs, q_pe) = hashed_queries(rows, heads, l, r);
+            // Chunks longer than any context: cut the same way for one row or all of them.
+            let tactic = CpuTactic {
+                mla_min_chunk: 1024,
+                threads: 2,
+                ..CpuTactic::DEFAULT
+            };
+            let pool = tactic.build_pool().unwrap();
+            let attend = |queries: &[AttentionQuery], q_abs: &[f32], q_pe: &[f32]| {
+                let problem = MlaProblem {
+                    layer: 0,
+                    heads,
+                    queries,
+                    q_abs,
+                    q_pe,
+                    softmax_scale: 0.2,
+                };
+                let n = queries.len();
+                let (mut o, mut lse) = (vec![0.0; n * heads * l], vec![0.0; n * heads]);
+                pool.install(|| mla_attention_tuned(&tactic, &cache, &problem, &mut o, &mut lse))
+                    .unwrap();
+                (o, lse)
+            };
+            let (all_o, all_lse) = attend(&queries, &q_abs, &q_pe);
+            for (row, query) in queries.iter().enumerate() {
+                let (o, lse) = attend(
+                    std::slice::from_ref(query),
+                    &q_abs[row * heads * l..(row + 1) * heads * l],
+                    &q_pe[row * heads * r..(row + 1) * heads * r],
+                );
+                let together = all_o[row * heads * l..(row + 1) * heads * l]
+                    .iter()
+                    .chain(&all_lse[row * heads..(row + 1) * heads]);
+                for (a, b) in together.zip(o.iter().chain(&lse)) {
+                    assert_eq!(a.to_bits(), b.to_bits(), "{dtype:?} row {row}");
+                }
+            }
+        }
+    }
 
     /// A decode row whose context is shorter than one chunk is cut into head groups when more
     /// tasks are wanted; every head's result is the bits of the ungrouped run.
