@@ -205,6 +205,11 @@ fn register_tiles(
     first_row: usize,
     chunk: &mut [f32],
 ) {
+    if tokens == 1 {
+        let w = &data[first_row * cols..(first_row + chunk.len()) * cols];
+        bf16_tile::compute_rows_one_token(isa, x, w, cols, chunk);
+        return;
+    }
     let task_rows = chunk.len() / tokens;
     let mut t0 = 0;
     while t0 < tokens {
