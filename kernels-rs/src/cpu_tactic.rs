@@ -50,8 +50,8 @@ pub struct CpuTactic {
     /// Dense products: weight rows per parallel task.
     pub dense_rows_per_task: usize,
     /// Dense BF16 products over at least this many tokens widen each task's rows once into
-    /// an f32 panel ([`bf16_panel`](crate::dense::bf16_panel)); fewer tokens widen in
-    /// registers. Same bits either way.
+    /// an f32 panel ([`bf16_panel`](crate::dense::bf16_panel); AVX2, where it has a kernel);
+    /// fewer tokens widen in registers. Same bits either way.
     pub dense_panel_min_tokens: usize,
     /// MLA split-KV: the shortest chunk worth a task of its own (a multiple of [`MLA_TILE`]).
     pub mla_min_chunk: usize,

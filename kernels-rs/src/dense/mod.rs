@@ -105,7 +105,10 @@ fn products_by_row(
         // in L2 while each token tile's activations stay in L1.
         // Many tokens (prefill): each task widens its rows once into an f32 panel that every
         // token tile then reads (same bits as the register tiles below).
-        MatrixView::Bf16 { data, .. } if tokens >= tactic.dense_panel_min_tokens => {
+        MatrixView::Bf16 { data, .. }
+            if tokens >= tactic.dense_panel_min_tokens
+                && bf16_panel::has_panel_kernel(Isa::detect()) =>
+        {
             let isa = Isa::detect();
             let full = bf16_panel::panel_cols(cols);
             let xp = bf16_panel::reorder_activations(isa, x, tokens, cols);
