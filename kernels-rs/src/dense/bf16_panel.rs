@@ -68,7 +68,7 @@ pub fn lanes_per_pass(isa: Isa) -> usize {
 pub fn tile_tokens(isa: Isa) -> usize {
     match isa {
         Isa::Avx2Fma => 3,
-        Isa::Avx512 | Isa::Scalar => 4,
+        Isa::Avx512 | Isa::Scalar => MAX_TILE_TOKENS,
     }
 }
 
@@ -141,11 +141,17 @@ pub struct PanelTile<'a> {
     pub tokens: usize,
 }
 
-/// Computes one tile: the result of (row r, token t) goes to `out[r * out_row_stride + t]`.
+/// The results of one tile: `[row][token]`.
+pub type TileSums = [[f32; MAX_TILE_TOKENS]; TILE_ROWS];
+
+/// Most tokens of a tile under any ISA.
+pub const MAX_TILE_TOKENS: usize = 4;
+
+/// Computes one tile: the result of (row r, token t) is `sums[r][t]`.
 ///
 /// # Panics
 /// If the tile is larger than `isa` takes, the slices are too short, or `isa` is unsupported.
-pub fn compute_panel_tile(isa: Isa, t: PanelTile<'_>, out: &mut [f32], out_row_stride: usize) {
+pub fn compute_panel_tile(isa: Isa, t: PanelTile<'_>) -> TileSums {
     let full = panel_cols(t.cols);
     assert!(
         (1..=TILE_ROWS).contains(&t.rows) && (1..=tile_tokens(isa)).contains(&t.tokens),
@@ -156,16 +162,16 @@ pub fn compute_panel_tile(isa: Isa, t: PanelTile<'_>, out: &mut [f32], out_row_s
     );
     assert!(t.panel.len() >= t.rows * full && t.xp.len() >= t.tokens * full);
     assert!(t.w.len() >= t.rows * t.cols && t.x.len() >= t.tokens * t.cols);
-    assert!(out.len() > (t.rows - 1) * out_row_stride + t.tokens - 1);
     assert!(isa.is_supported(), "{isa:?} is not supported by this CPU");
+    let mut sums = [[0.0f32; MAX_TILE_TOKENS]; TILE_ROWS];
     macro_rules! dispatch {
         ($kernel:ident, $($t:literal)*) => {
             match (t.rows, t.tokens) {
                 $(
-                    (1, $t) => $kernel::<1, $t>(t, out, out_row_stride),
-                    (2, $t) => $kernel::<2, $t>(t, out, out_row_stride),
-                    (3, $t) => $kernel::<3, $t>(t, out, out_row_stride),
-                    (4, $t) => $kernel::<4, $t>(t, out, out_row_stride),
+                    (1, $t) => $kernel::<1, $t>(t, &mut sums),
+                    (2, $t) => $kernel::<2, $t>(t, &mut sums),
+                    (3, $t) => $kernel::<3, $t>(t, &mut sums),
+                    (4, $t) => $kernel::<4, $t>(t, &mut sums),
                 )*
                 _ => unreachable!("checked above"),
             }
@@ -178,6 +184,7 @@ pub fn compute_panel_tile(isa: Isa, t: PanelTile<'_>, out: &mut [f32], out_row_s
         Isa::Avx2Fma => unsafe { dispatch!(tile_avx2, 1 2 3) },
         _ => dispatch!(tile_portable, 1 2 3 4),
     }
+    sums
 }
 
 /// `s` plus the tail elements of (row `r`, token `k`) past the last whole step, in order.
@@ -204,11 +211,7 @@ fn reduce_lanes(a: &[f32; LANES]) -> f32 {
 }
 
 /// An `R × T` tile in portable Rust, `LANES` lanes per pass.
-fn tile_portable<const R: usize, const T: usize>(
-    t: PanelTile<'_>,
-    out: &mut [f32],
-    out_row_stride: usize,
-) {
+fn tile_portable<const R: usize, const T: usize>(t: PanelTile<'_>, sums: &mut TileSums) {
     let full = panel_cols(t.cols);
     let steps = full / STEP;
     let rows: [&[f32]; R] = std::array::from_fn(|r| &t.panel[r * full..(r + 1) * full]);
@@ -241,7 +244,7 @@ fn tile_portable<const R: usize, const T: usize>(
         for (k, a) in sets_r.iter().enumerate() {
             let lanes: [f32; LANES] =
                 std::array::from_fn(|l| (a[0][l] + a[1][l]) + (a[2][l] + a[3][l]));
-            out[r * out_row_stride + k] = add_tail(reduce_lanes(&lanes), &t, r, k);
+            sums[r][k] = add_tail(reduce_lanes(&lanes), &t, r, k);
         }
     }
 }
@@ -256,18 +259,16 @@ fn tile_portable<const R: usize, const T: usize>(
 #[allow(clippy::needless_range_loop)]
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn tile_avx2<const R: usize, const T: usize>(
-    t: PanelTile<'_>,
-    out: &mut [f32],
-    out_row_stride: usize,
-) {
+unsafe fn tile_avx2<const R: usize, const T: usize>(t: PanelTile<'_>, sums: &mut TileSums) {
     use std::arch::x86_64::*;
     const LP: usize = 8;
     let full = panel_cols(t.cols);
     let steps = full / STEP;
     let (w, x) = (t.panel.as_ptr(), t.xp.as_ptr());
-    // [pass][row][token]
-    let passes: [[[__m256; T]; R]; STEP / LP] = std::array::from_fn(|p| {
+    // [pass][row][token], written pass by pass (no zeroing, no move of the whole array).
+    let mut passes = std::mem::MaybeUninit::<[[[__m256; T]; R]; STEP / LP]>::uninit();
+    let pass_ptr = passes.as_mut_ptr().cast::<[[__m256; T]; R]>();
+    for p in 0..STEP / LP {
         let base = p * steps * LP;
         let mut acc = [[_mm256_setzero_ps(); T]; R];
         for j in 0..steps {
@@ -285,8 +286,11 @@ unsafe fn tile_avx2<const R: usize, const T: usize>(
                 }
             }
         }
-        acc
-    });
+        // SAFETY: pass p < STEP / LP of the array.
+        unsafe { pass_ptr.add(p).write(acc) };
+    }
+    // SAFETY: every pass was written above.
+    let passes = unsafe { passes.assume_init_ref() };
     for r in 0..R {
         for k in 0..T {
             let half_sum = |h: usize| {
@@ -299,7 +303,7 @@ unsafe fn tile_avx2<const R: usize, const T: usize>(
             let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
             let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
             let s = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2)));
-            out[r * out_row_stride + k] = add_tail(s, &t, r, k);
+            sums[r][k] = add_tail(s, &t, r, k);
         }
     }
 }
@@ -336,9 +340,7 @@ mod tests {
                 let mut panel = vec![0.0f32; rows * full];
                 widen_rows(isa, &w, cols, &mut panel);
                 for (tile_rows, tile_tokens) in [(rows, tokens), (1, 1), (rows - 1, tokens), (2, 1)] {
-                    let stride = tokens + 2;
-                    let mut got = vec![f32::NAN; rows * stride];
-                    compute_panel_tile(
+                    let got = compute_panel_tile(
                         isa,
                         PanelTile {
                             panel: &panel,
@@ -349,8 +351,6 @@ mod tests {
                             rows: tile_rows,
                             tokens: tile_tokens,
                         },
-                        &mut got,
-                        stride,
                     );
                     for r in 0..tile_rows {
                         for k in 0..tile_tokens {
@@ -362,7 +362,7 @@ mod tests {
                                 1,
                             );
                             proptest::prop_assert_eq!(
-                                got[r * stride + k].to_bits(), want[0].to_bits(),
+                                got[r][k].to_bits(), want[0].to_bits(),
                                 "{:?} {}x{} r{} t{}", isa, tile_rows, tile_tokens, r, k
                             );
                         }

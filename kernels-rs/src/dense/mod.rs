@@ -57,6 +57,13 @@ pub fn matmul_transposed_tuned(
     if tokens == 0 || rows == 0 {
         return;
     }
+    if let MatrixView::Bf16 { data, .. } = w
+        && tokens >= tactic.dense_panel_min_tokens
+        && bf16_panel::has_panel_kernel(Isa::detect())
+    {
+        panel_products(tactic, x, tokens, data, cols, out);
+        return;
+    }
     // Row-major in weight rows (`[rows, tokens]`) so that threads own disjoint chunks; at one
     // token that is `out` itself.
     if tokens == 1 {
@@ -86,6 +93,92 @@ pub fn matmul_transposed_tuned(
     }
 }
 
+/// `out = x · wᵀ` (`[tokens, rows]`) for many tokens (prefill): each task of
+/// [`dense_rows_per_task`](CpuTactic::dense_rows_per_task) weight rows widens them once into an
+/// f32 panel that every token tile then reads ([`bf16_panel`]; the bits of the register tiles),
+/// and writes its rows' columns of `out` directly.
+fn panel_products(
+    tactic: &CpuTactic,
+    x: &[f32],
+    tokens: usize,
+    data: &[half::bf16],
+    cols: usize,
+    out: &mut [f32],
+) {
+    let isa = Isa::detect();
+    let rows = out.len() / tokens;
+    let rows_per_task = tactic.dense_rows_per_task;
+    let full = bf16_panel::panel_cols(cols);
+    let xp = bf16_panel::reorder_activations(isa, x, tokens, cols);
+    let (panel_rows, tile_tokens) = (bf16_panel::panel_rows(cols), bf16_panel::tile_tokens(isa));
+    let out = SharedOut(out.as_mut_ptr());
+    let task = |task: usize| {
+        let first_row = task * rows_per_task;
+        let task_rows = rows_per_task.min(rows - first_row);
+        PANEL.with_borrow_mut(|panel| {
+            panel.resize(panel.len().max(panel_rows.min(task_rows) * full), 0.0);
+            for r0 in (0..task_rows).step_by(panel_rows) {
+                let n = panel_rows.min(task_rows - r0);
+                let row0 = first_row + r0;
+                let w = &data[row0 * cols..(row0 + n) * cols];
+                bf16_panel::widen_rows(isa, w, cols, &mut panel[..n * full]);
+                for t0 in (0..tokens).step_by(tile_tokens) {
+                    let tile_tokens = tile_tokens.min(tokens - t0);
+                    for r in (0..n).step_by(bf16_panel::TILE_ROWS) {
+                        let tile_rows = bf16_panel::TILE_ROWS.min(n - r);
+                        let sums = bf16_panel::compute_panel_tile(
+                            isa,
+                            bf16_panel::PanelTile {
+                                panel: &panel[r * full..(r + tile_rows) * full],
+                                xp: &xp[t0 * full..(t0 + tile_tokens) * full],
+                                w: &w[r * cols..(r + tile_rows) * cols],
+                                x: &x[t0 * cols..(t0 + tile_tokens) * cols],
+                                cols,
+                                rows: tile_rows,
+                                tokens: tile_tokens,
+                            },
+                        );
+                        for (i, sums_r) in sums.iter().enumerate().take(tile_rows) {
+                            for (k, &v) in sums_r.iter().enumerate().take(tile_tokens) {
+                                // SAFETY: (t0 + k, row0 + r + i) lies inside `out`
+                                // (`[tokens, rows]`), and this task alone writes its rows.
+                                unsafe { out.write((t0 + k) * rows + row0 + r + i, v) };
+                            }
+                        }
+                    }
+                }
+            }
+        });
+    };
+    let tasks = rows.div_ceil(rows_per_task);
+    // The work is the weights times the tokens that read them.
+    if rows * cols * 2 * tokens < tactic.dense_parallel_min_bytes {
+        (0..tasks).for_each(task);
+    } else {
+        (0..tasks).into_par_iter().for_each(task);
+    }
+}
+
+/// `out` of a product whose tasks write disjoint columns (their weight rows) of `[tokens,
+/// rows]`, which no split of the slice expresses.
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+
+// SAFETY: the tasks that share it write disjoint elements, and the product waits for all of
+// them before `out` is used again.
+unsafe impl Send for SharedOut {}
+// SAFETY: as above.
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    /// # Safety
+    /// `i` lies inside the slice, and no other thread reads or writes element `i` meanwhile.
+    unsafe fn write(self, i: usize, v: f32) {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.0.add(i).write(v) };
+    }
+}
+
 /// `transposed[j, t] = x[t] · w[j]` (`[rows, tokens]`), the weight rows split into tasks as
 /// [`matmul_transposed_tuned`] documents.
 fn products_by_row(
@@ -103,62 +196,6 @@ fn products_by_row(
         // a tile of rows × tokens at a time: each widened weight vector serves every token of
         // the tile. Inside a task the token tiles are the outer loop, so the task's rows stay
         // in L2 while each token tile's activations stay in L1.
-        // Many tokens (prefill): each task widens its rows once into an f32 panel that every
-        // token tile then reads (same bits as the register tiles below).
-        MatrixView::Bf16 { data, .. }
-            if tokens >= tactic.dense_panel_min_tokens
-                && bf16_panel::has_panel_kernel(Isa::detect()) =>
-        {
-            let isa = Isa::detect();
-            let full = bf16_panel::panel_cols(cols);
-            let xp = bf16_panel::reorder_activations(isa, x, tokens, cols);
-            let (panel_rows, tile_tokens) =
-                (bf16_panel::panel_rows(cols), bf16_panel::tile_tokens(isa));
-            let task = |(task, chunk): (usize, &mut [f32])| {
-                let first_row = task * rows_per_task;
-                let task_rows = chunk.len() / tokens;
-                PANEL.with_borrow_mut(|panel| {
-                    panel.resize(panel.len().max(panel_rows.min(task_rows) * full), 0.0);
-                    for r0 in (0..task_rows).step_by(panel_rows) {
-                        let n = panel_rows.min(task_rows - r0);
-                        let w = &data[(first_row + r0) * cols..(first_row + r0 + n) * cols];
-                        bf16_panel::widen_rows(isa, w, cols, &mut panel[..n * full]);
-                        for t0 in (0..tokens).step_by(tile_tokens) {
-                            let tile_tokens = tile_tokens.min(tokens - t0);
-                            for r in (0..n).step_by(bf16_panel::TILE_ROWS) {
-                                let tile_rows = bf16_panel::TILE_ROWS.min(n - r);
-                                bf16_panel::compute_panel_tile(
-                                    isa,
-                                    bf16_panel::PanelTile {
-                                        panel: &panel[r * full..(r + tile_rows) * full],
-                                        xp: &xp[t0 * full..(t0 + tile_tokens) * full],
-                                        w: &w[r * cols..(r + tile_rows) * cols],
-                                        x: &x[t0 * cols..(t0 + tile_tokens) * cols],
-                                        cols,
-                                        rows: tile_rows,
-                                        tokens: tile_tokens,
-                                    },
-                                    &mut chunk[(r0 + r) * tokens + t0..],
-                                    tokens,
-                                );
-                            }
-                        }
-                    }
-                });
-            };
-            // The work is the weights times the tokens that read them.
-            if w.bytes() * tokens < parallel_min_bytes {
-                transposed
-                    .chunks_mut(rows_per_task * tokens)
-                    .enumerate()
-                    .for_each(task);
-            } else {
-                transposed
-                    .par_chunks_mut(rows_per_task * tokens)
-                    .enumerate()
-                    .for_each(task);
-            }
-        }
         MatrixView::Bf16 { data, .. } => {
             let isa = Isa::detect();
             let task = |(task, chunk): (usize, &mut [f32])| {

@@ -165,6 +165,7 @@ pub fn mla_attention_compiled_for(
                 rows: &queries,
                 heads: heads.len(),
                 scale: problem.softmax_scale,
+                isa,
             };
             let parts = match isa {
                 #[cfg(target_arch = "x86_64")]
@@ -229,6 +230,9 @@ struct BlockArgs<'a> {
     rows: &'a [(usize, BlockRow<'a>)],
     heads: usize,
     scale: f32,
+    /// The ISA of the inner loops, which run as functions of their own: inlined into the
+    /// block's loop nest, the compiler left the latent accumulation scalar.
+    isa: Isa,
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -254,6 +258,7 @@ fn attend_block(args: BlockArgs<'_>) -> Vec<Partial> {
         rows,
         heads,
         scale,
+        isa,
     } = args;
     let shape = cache.shape();
     let (l, r) = (shape.latent_dim, shape.rope_dim);
@@ -293,7 +298,8 @@ fn attend_block(args: BlockArgs<'_>) -> Vec<Partial> {
                 while i + DOT_KEYS <= n {
                     let latents = std::array::from_fn(|k| &latent[(i + k) * l..(i + k + 1) * l]);
                     let ropes = std::array::from_fn(|k| &rope[(i + k) * r..(i + k + 1) * r]);
-                    let (d_latent, d_rope) = (dots(qa, latents), dots(qp, ropes));
+                    let (d_latent, d_rope) =
+                        (dots_with(isa, qa, latents), dots_with(isa, qp, ropes));
                     for k in 0..DOT_KEYS {
                         scores[i + k] = (d_latent[k] + d_rope[k]) * scale;
                         tile_max = tile_max.max(scores[i + k]);
@@ -316,7 +322,7 @@ fn attend_block(args: BlockArgs<'_>) -> Vec<Partial> {
                     *p = (s - m_new).exp();
                     sum += *p;
                 }
-                accumulate_tile(acc, alpha, &probs[..n], &latent[..n * l]);
+                accumulate_tile_with(isa, acc, alpha, &probs[..n], &latent[..n * l]);
                 part.l[head] = part.l[head] * alpha + sum;
                 part.m[head] = m_new;
             }
@@ -366,6 +372,56 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
+/// [`dots`] compiled for `isa`.
+fn dots_with(isa: Isa, a: &[f32], b: [&[f32]; DOT_KEYS]) -> [f32; DOT_KEYS] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f,avx512bw")]
+        #[inline(never)]
+        fn avx512(a: &[f32], b: [&[f32]; DOT_KEYS]) -> [f32; DOT_KEYS] {
+            dots(a, b)
+        }
+        #[target_feature(enable = "avx2,fma")]
+        #[inline(never)]
+        fn avx2(a: &[f32], b: [&[f32]; DOT_KEYS]) -> [f32; DOT_KEYS] {
+            dots(a, b)
+        }
+        match isa {
+            // SAFETY: the caller checked that the CPU supports `isa`.
+            Isa::Avx512 => return unsafe { avx512(a, b) },
+            // SAFETY: as above.
+            Isa::Avx2Fma => return unsafe { avx2(a, b) },
+            Isa::Scalar => {}
+        }
+    }
+    dots(a, b)
+}
+
+/// [`accumulate_tile`] compiled for `isa`.
+fn accumulate_tile_with(isa: Isa, acc: &mut [f32], alpha: f32, probs: &[f32], latent: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f,avx512bw")]
+        #[inline(never)]
+        fn avx512(acc: &mut [f32], alpha: f32, probs: &[f32], latent: &[f32]) {
+            accumulate_tile(acc, alpha, probs, latent)
+        }
+        #[target_feature(enable = "avx2,fma")]
+        #[inline(never)]
+        fn avx2(acc: &mut [f32], alpha: f32, probs: &[f32], latent: &[f32]) {
+            accumulate_tile(acc, alpha, probs, latent)
+        }
+        match isa {
+            // SAFETY: the caller checked that the CPU supports `isa`.
+            Isa::Avx512 => return unsafe { avx512(acc, alpha, probs, latent) },
+            // SAFETY: as above.
+            Isa::Avx2Fma => return unsafe { avx2(acc, alpha, probs, latent) },
+            Isa::Scalar => {}
+        }
+    }
+    accumulate_tile(acc, alpha, probs, latent)
+}
+
 /// Keys whose scores [`dots`] computes together.
 const DOT_KEYS: usize = 4;
 
@@ -374,16 +430,20 @@ const DOT_KEYS: usize = 4;
 #[inline(always)]
 fn dots(a: &[f32], b: [&[f32]; DOT_KEYS]) -> [f32; DOT_KEYS] {
     let full = a.len() / 16 * 16;
-    let mut acc = [[0.0f32; 16]; DOT_KEYS];
-    for e0 in (0..full).step_by(16) {
-        let x = &a[e0..e0 + 16];
-        for (acc_k, b_k) in acc.iter_mut().zip(&b) {
-            let y = &b_k[e0..e0 + 16];
-            for i in 0..16 {
-                acc_k[i] += x[i] * y[i];
-            }
+    let (xs, _) = a.as_chunks::<16>();
+    let [y0, y1, y2, y3] = b.map(|b| b[..full].as_chunks::<16>().0);
+    // Written out per key: as a loop over the keys the compiler kept the accumulators in
+    // memory and did not vectorize.
+    let (mut a0, mut a1, mut a2, mut a3) = ([0.0f32; 16], [0.0f32; 16], [0.0f32; 16], [0.0f32; 16]);
+    for ((((x, y0), y1), y2), y3) in xs.iter().zip(y0).zip(y1).zip(y2).zip(y3) {
+        for i in 0..16 {
+            a0[i] += x[i] * y0[i];
+            a1[i] += x[i] * y1[i];
+            a2[i] += x[i] * y2[i];
+            a3[i] += x[i] * y3[i];
         }
     }
+    let acc = [a0, a1, a2, a3];
     std::array::from_fn(|k| {
         let tail: f32 = a[full..]
             .iter()

@@ -350,6 +350,13 @@ pub fn nvfp4_rows_dots_int(
     assert!(stride >= rows.len() && out.len() >= (n - 1) * stride + rows.len());
     let kernel = IntKernel::for_isa(isa);
     let row_scale = x.input_scale * w.global_scale * 0.25;
+    #[cfg(target_arch = "x86_64")]
+    if kernel == IntKernel::Avx2 && n > INT_GROUP {
+        // SAFETY: the CPU supports AVX2 and FMA (IntKernel::for_isa checked it); the asserts
+        // above cover every load.
+        unsafe { x86::rows_avx2_decoded(w, rows, x, n, row_scale, out, stride) };
+        return;
+    }
     for t0 in (0..n).step_by(INT_GROUP) {
         let g = INT_GROUP.min(n - t0);
         let (xg, out) = (x.rows_from(t0), &mut out[t0 * stride..]);
@@ -665,6 +672,198 @@ mod x86 {
         }
     }
 
+    /// Registers of one decoded half-group: the four byte planes of `2·e2m1 + 12` weights and
+    /// the eight block scales.
+    const HALF: usize = 5;
+
+    /// Weight row `r` decoded for [`avx2_row_decoded`]: per group and half, the four byte
+    /// planes and the block scales ([`HALF`] registers), as [`avx2_row`] decodes them in
+    /// registers; a half tail is one half, any other tail the zero-padded copy's two.
+    ///
+    /// # Safety
+    /// AVX2 and FMA; `r < w.rows`; `dst` holds [`HALF`] registers per half of the row's groups.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn avx2_decode_row(w: &Nvfp4View<'_>, r: usize, dst: &mut [__m256]) -> usize {
+        let cols = w.cols;
+        let groups = padded_blocks(cols) / GROUP_BLOCKS;
+        let blocks = cols / NVFP4_BLOCK;
+        let full = blocks / GROUP_BLOCKS;
+        // SAFETY: WEIGHT_TABLE holds 16 bytes.
+        let table =
+            _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(WEIGHT_TABLE.as_ptr().cast()) });
+        let nibble = _mm256_set1_epi8(0x0F);
+        let half_tail = blocks % GROUP_BLOCKS == GROUP_BLOCKS / 2;
+        let tail = if full < groups && !half_tail {
+            tail_group(w, r, full)
+        } else {
+            ([0; GROUP_BYTES], [0; GROUP_BLOCKS])
+        };
+        // SAFETY: row r lies within w (the caller's contract).
+        let (row_packed, row_scales) = unsafe {
+            (
+                w.packed.as_ptr().add(r * cols / 2),
+                w.block_scales.as_ptr().add(r * blocks),
+            )
+        };
+        let mut n = 0;
+        for g in 0..groups {
+            // SAFETY: as in avx2_row.
+            unsafe {
+                let (packed, scales) = if g < full || half_tail {
+                    (
+                        row_packed.add(g * GROUP_BYTES),
+                        row_scales.add(g * GROUP_BLOCKS),
+                    )
+                } else {
+                    (tail.0.as_ptr(), tail.1.as_ptr())
+                };
+                let halves = if g < full || !half_tail { 2 } else { 1 };
+                for h in 0..halves {
+                    let p0 = _mm256_loadu_si256(packed.add(64 * h).cast());
+                    let p1 = _mm256_loadu_si256(packed.add(64 * h + 32).cast());
+                    let q = |even: bool| {
+                        let s = if even {
+                            _mm256_shuffle_ps::<0b10_00_10_00>(
+                                _mm256_castsi256_ps(p0),
+                                _mm256_castsi256_ps(p1),
+                            )
+                        } else {
+                            _mm256_shuffle_ps::<0b11_01_11_01>(
+                                _mm256_castsi256_ps(p0),
+                                _mm256_castsi256_ps(p1),
+                            )
+                        };
+                        _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_castps_si256(s))
+                    };
+                    let (q0, q1) = (q(true), q(false));
+                    let lo = |q| _mm256_shuffle_epi8(table, _mm256_and_si256(q, nibble));
+                    let hi = |q| {
+                        _mm256_shuffle_epi8(
+                            table,
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(q), nibble),
+                        )
+                    };
+                    let d = &mut dst[HALF * n..HALF * (n + 1)];
+                    d[0] = _mm256_castsi256_ps(lo(q0));
+                    d[1] = _mm256_castsi256_ps(hi(q0));
+                    d[2] = _mm256_castsi256_ps(lo(q1));
+                    d[3] = _mm256_castsi256_ps(hi(q1));
+                    d[4] = e4m3x8(_mm_loadl_epi64(scales.add(8 * h).cast()));
+                    n += 1;
+                }
+            }
+        }
+        n
+    }
+
+    /// The AVX2 loop for more than [`INT_GROUP`](super::INT_GROUP) tokens: each weight row is
+    /// decoded once ([`avx2_decode_row`]) and then serves every group of four tokens
+    /// ([`avx2_row_decoded`]), where [`rows_avx2`] decodes it again for every group. Same
+    /// bits: the same operations on the same decoded values.
+    ///
+    /// # Safety
+    /// As for [`rows_avx2`], with `n` tokens in `x`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn rows_avx2_decoded(
+        w: &Nvfp4View<'_>,
+        rows: Range<usize>,
+        x: &IntActs<'_>,
+        n: usize,
+        row_scale: f32,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let halves = 2 * padded_blocks(w.cols) / GROUP_BLOCKS;
+        let mut decoded = vec![_mm256_setzero_ps(); HALF * halves];
+        for (j, r) in rows.enumerate() {
+            // SAFETY: forwarded from this function's contract.
+            let used = unsafe { avx2_decode_row(w, r, &mut decoded) };
+            let decoded = &decoded[..HALF * used];
+            for t0 in (0..n).step_by(super::INT_GROUP) {
+                let g = super::INT_GROUP.min(n - t0);
+                let xg = x.rows_from(t0);
+                // SAFETY: forwarded from this function's contract.
+                let v = unsafe {
+                    match g {
+                        1 => avx2_row_decoded::<1>(decoded, w.cols, &xg),
+                        2 => avx2_row_decoded::<2>(decoded, w.cols, &xg),
+                        3 => avx2_row_decoded::<3>(decoded, w.cols, &xg),
+                        4 => avx2_row_decoded::<4>(decoded, w.cols, &xg),
+                        _ => unreachable!("group of {g}"),
+                    }
+                };
+                for (t, &v) in v.iter().enumerate().take(g) {
+                    out[(t0 + t) * stride + j] = v * row_scale;
+                }
+            }
+        }
+    }
+
+    /// [`avx2_row`]'s token loop over a decoded row.
+    ///
+    /// # Safety
+    /// AVX2 and FMA; `decoded` is a row of `cols` columns from [`avx2_decode_row`], `x` holds
+    /// `N` rows.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn avx2_row_decoded<const N: usize>(
+        decoded: &[__m256],
+        cols: usize,
+        x: &IntActs<'_>,
+    ) -> [f32; 4] {
+        let (pc, pb) = (padded_cols(cols), padded_blocks(cols));
+        let ones = _mm256_set1_epi16(1);
+        let (codes, corr, sa) = (x.codes.as_ptr(), x.corr.as_ptr(), x.scales.as_ptr());
+        let mut acc = [[_mm256_setzero_ps(); 2]; N];
+        for (i, half) in decoded.chunks_exact(HALF).enumerate() {
+            let (g, h) = (i / 2, i % 2);
+            let wv = [
+                _mm256_castps_si256(half[0]),
+                _mm256_castps_si256(half[1]),
+                _mm256_castps_si256(half[2]),
+                _mm256_castps_si256(half[3]),
+            ];
+            let sw = half[4];
+            for (t, acc) in acc.iter_mut().enumerate() {
+                // SAFETY: token t's codes, corrections and scales of half h of group g lie
+                // inside x's padded rows.
+                unsafe {
+                    let xt = codes.add(t * pc + g * GROUP_ELEMENTS + 32 * h);
+                    let mut s16 = _mm256_setzero_si256();
+                    for (k, &wk) in wv.iter().enumerate() {
+                        let a = _mm256_loadu_si256(xt.add(64 * k).cast());
+                        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wk, a));
+                    }
+                    let lane = t * pb + g * GROUP_BLOCKS + 8 * h;
+                    let d = _mm256_add_epi32(
+                        _mm256_madd_epi16(s16, ones),
+                        _mm256_loadu_si256(corr.add(lane).cast()),
+                    );
+                    let s = _mm256_mul_ps(sw, _mm256_loadu_ps(sa.add(lane)));
+                    acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), s, acc[h]);
+                }
+            }
+        }
+        reduce_halves(&acc)
+    }
+
+    /// Each token's two halves summed as [`avx2_row`] sums them.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn reduce_halves<const N: usize>(acc: &[[__m256; 2]; N]) -> [f32; 4] {
+        let mut sums = [0.0f32; 4];
+        for (o, a) in sums.iter_mut().zip(acc) {
+            let v = _mm256_add_ps(a[0], a[1]);
+            let h = _mm256_hadd_ps(v, v);
+            let h = _mm256_hadd_ps(h, h);
+            *o = _mm_cvtss_f32(_mm_add_ss(
+                _mm256_castps256_ps128(h),
+                _mm256_extractf128_ps(h, 1),
+            ));
+        }
+        sums
+    }
+
     /// One weight row against `N ≤ 4` tokens, a group as two halves of 8 blocks; lane `j` of
     /// half `h` is lane `8h + j` of the AVX-512 kernel, so the sums are the same.
     ///
@@ -763,17 +962,7 @@ mod x86 {
                 }
             }
         }
-        let mut sums = [0.0f32; 4];
-        for (o, a) in sums.iter_mut().zip(&acc) {
-            let v = _mm256_add_ps(a[0], a[1]);
-            let h = _mm256_hadd_ps(v, v);
-            let h = _mm256_hadd_ps(h, h);
-            *o = _mm_cvtss_f32(_mm_add_ss(
-                _mm256_castps256_ps128(h),
-                _mm256_extractf128_ps(h, 1),
-            ));
-        }
-        sums
+        reduce_halves(&acc)
     }
 }
 
