@@ -8,7 +8,9 @@
 //!   maps — the peers' regions are reachable, as CUDA IPC makes them on a GPU — with the
 //!   kernel's own generation flags.
 //! - [`IpcAllReduce`] (feature `cuda`): [`kernels::allreduce::cuda::CudaIpcCommunicator`]'s
-//!   kernels over CUDA IPC regions, launched on the executor's stream.
+//!   kernels over CUDA IPC regions, launched on the executor's stream; the sizes its policy
+//!   sends to NCCL (feature `nccl`) go to an in-place `ncclAllReduce` on the same stream,
+//!   inside a captured step as outside.
 //!
 //! [`DryAllReduce`] issues the GPU path's launch (its tactic, grid and parameter block) on a
 //! device where no kernel runs ([`Dry`]), with peers that are not there: the collective's
@@ -16,8 +18,17 @@
 //!
 //! The residual add is not fused into the collective: the executor adds the summed partial
 //! into the residual stream in the next `add_rms_norm`, as the CPU tensor-parallel forward
-//! adds it after `all_reduce_sum`.
+//! adds it after `all_reduce_sum`. Fusing the add alone (`allreduce.cu`'s residual operand)
+//! would give the same bits (the add commutes) but save no launch, only the norm's write of
+//! the residual: 28,672 B per collective of a Kimi-K2.5 decode step at batch 1, 3.5 MB of its
+//! 6.4 GB per step. Fusing the RMSNorm as well would remove the 122 `add_rms_norm` launches
+//! that follow collectives (predicted by the step-time model's 2 µs per launch: ~0.25 ms of a
+//! ~10 ms batch-1 step), but needs a one-shot partition by whole rows and an epilogue that
+//! sums squares in `add_rms_norm`'s order (256 strided partial sums, a warp tree, the warps
+//! in order) inside the all-reduce's block, with the multiply-adds kept unfused in both
+//! kernels so that a GPU's FMA contraction cannot make the two differ.
 
+use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -38,10 +49,18 @@ use kernels::device::{Device, DeviceError, DeviceExt, DeviceMemory, KernelParams
 pub trait TpAllReduce<D: Device> {
     /// Ranks taking part.
     fn world(&self) -> usize;
-    /// Sums the first `elements` FP32 values of `data` over every rank, in place, in stream
-    /// order (recorded, not run, while `dev` captures a graph). Every rank must make the same
-    /// calls in the same order.
-    fn sum_f32(&mut self, dev: &D, data: &D::Memory, elements: usize) -> Result<(), DeviceError>;
+    /// Sums the FP32 values `elements` of `data` (indices; the start a multiple of 4, so the
+    /// kernel's 16-byte vectors stay aligned) over every rank, in place, in stream order
+    /// (recorded, not run, while `dev` captures a graph). Every rank must make the same calls
+    /// in the same order. At most [`capacity_elements`](Self::capacity_elements) values.
+    fn sum_f32(
+        &mut self,
+        dev: &D,
+        data: &D::Memory,
+        elements: Range<usize>,
+    ) -> Result<(), DeviceError>;
+    /// The most values one [`sum_f32`](Self::sum_f32) takes (the segment's slot).
+    fn capacity_elements(&self) -> usize;
     /// After a step's result is read: the first error a collective of the step left (a peer
     /// that timed out or called another collective).
     fn check(&mut self, dev: &D) -> Result<(), DeviceError>;
@@ -81,6 +100,19 @@ fn gpu_tactic(algorithm: Algorithm, bytes: usize) -> AllReduceTactic {
 /// values into its outbox, every rank's outbox read, the sum written back.
 fn one_shot_pull_traffic(bytes: usize, world: usize) -> (usize, usize) {
     (bytes * (1 + world), bytes * 2)
+}
+
+/// The device address of `elements` of FP32 `data`, checked against the allocation and the
+/// kernel's alignment.
+fn f32_range<M: DeviceMemory>(data: &M, elements: &Range<usize>) -> Result<u64, DeviceError> {
+    if elements.is_empty() || elements.end * 4 > data.len() || !elements.start.is_multiple_of(4) {
+        return Err(DeviceError::Invalid(format!(
+            "all-reduce of FP32 values {elements:?} over an allocation of {} B (a non-empty \
+             range inside it, starting at a multiple of 4)",
+            data.len()
+        )));
+    }
+    Ok(data.device_ptr() + (elements.start * 4) as u64)
 }
 
 fn setup_error(what: impl std::fmt::Display) -> DeviceError {
@@ -218,13 +250,14 @@ impl<D: HostAddressed> TpAllReduce<D> for ShmAllReduce<D> {
         self.world
     }
 
-    fn sum_f32(&mut self, dev: &D, data: &D::Memory, elements: usize) -> Result<(), DeviceError> {
-        if elements * 4 > data.len() {
-            return Err(DeviceError::Invalid(format!(
-                "all-reduce of {elements} FP32 values over an allocation of {} B",
-                data.len()
-            )));
-        }
+    fn sum_f32(
+        &mut self,
+        dev: &D,
+        data: &D::Memory,
+        elements: Range<usize>,
+    ) -> Result<(), DeviceError> {
+        let address = f32_range(data, &elements)?;
+        let elements = elements.len();
         let shape = LaunchShape {
             algorithm: ALGORITHM,
             dtype: DType::F32,
@@ -237,7 +270,7 @@ impl<D: HostAddressed> TpAllReduce<D> for ShmAllReduce<D> {
         let params = pack_params(
             &shape,
             &self.peers,
-            data.device_ptr(),
+            address,
             None,
             self.control.device_ptr(),
         )
@@ -250,10 +283,14 @@ impl<D: HostAddressed> TpAllReduce<D> for ShmAllReduce<D> {
         let mut args = KernelParams::new();
         let (read, written) = one_shot_pull_traffic(elements * 4, self.world);
         args.arg(&params).traffic(read, written);
-        // SAFETY: the parameter is the kernel's one `ArParams`; its addresses are `data` (at
-        // least `elements` values, checked above), this rank's control block and the rank
-        // regions of the segment this value keeps mapped.
+        // SAFETY: the parameter is the kernel's one `ArParams`; its addresses are `data`'s
+        // range (inside the allocation, checked above), this rank's control block and the
+        // rank regions of the segment this value keeps mapped.
         unsafe { dev.launch(&self.kernel, cfg, &args) }
+    }
+
+    fn capacity_elements(&self) -> usize {
+        self.offsets.capacity / 4
     }
 
     fn check(&mut self, dev: &D) -> Result<(), DeviceError> {
@@ -304,30 +341,37 @@ impl TpAllReduce<kernels::cuda::GpuContext> for IpcAllReduce {
         &mut self,
         _dev: &kernels::cuda::GpuContext,
         data: &kernels::cuda::GpuMemory,
-        elements: usize,
+        elements: Range<usize>,
     ) -> Result<(), DeviceError> {
         use kernels::allreduce::cost::Choice;
+        let address = f32_range(data, &elements)?;
+        let elements = elements.len();
         let bytes = elements * 4;
-        if bytes > data.len() {
-            return Err(DeviceError::Invalid(format!(
-                "all-reduce of {elements} FP32 values over an allocation of {} B",
-                data.len()
-            )));
-        }
-        let Choice::Custom(algorithm) = self.communicator.choose(bytes) else {
-            return Err(setup_error(
-                "the policy sends this size to NCCL, which the captured step does not run yet",
-            ));
+        let algorithm = match self.communicator.choose(bytes) {
+            Choice::Custom(algorithm) => algorithm,
+            // In place on the executor's stream, captured into the decode graph like our
+            // kernels (NCCL's own summation order: not bit-identical to the custom kernels').
+            Choice::Nccl => {
+                // SAFETY: `address` starts `elements` FP32 values inside a live allocation of
+                // the executor's device; NCCL runs on the communicator's stream, the context's
+                // default stream the executor launches on, so stream order protects them.
+                let summed = unsafe { self.communicator.nccl_raw(DType::F32, elements, address) };
+                return summed.map_err(setup_error);
+            }
         };
         let tactic = gpu_tactic(algorithm, bytes);
-        // SAFETY: `data` is a live allocation of at least `elements` FP32 values on the
+        // SAFETY: `address` starts `elements` FP32 values inside a live allocation of the
         // executor's device; the communicator's stream is that context's default stream, the
         // executor's, so stream order keeps the step's other launches off it meanwhile.
         unsafe {
             self.communicator
-                .launch_raw(tactic, elements, data.device_ptr(), None)
+                .launch_raw(tactic, elements, address, None)
         }
         .map_err(setup_error)
+    }
+
+    fn capacity_elements(&self) -> usize {
+        self.communicator.capacity_bytes() / 4
     }
 
     fn check(&mut self, _dev: &kernels::cuda::GpuContext) -> Result<(), DeviceError> {
@@ -386,14 +430,15 @@ impl<D: Dry> TpAllReduce<D> for DryAllReduce<D> {
         self.world
     }
 
-    fn sum_f32(&mut self, dev: &D, data: &D::Memory, elements: usize) -> Result<(), DeviceError> {
+    fn sum_f32(
+        &mut self,
+        dev: &D,
+        data: &D::Memory,
+        elements: Range<usize>,
+    ) -> Result<(), DeviceError> {
+        let address = f32_range(data, &elements)?;
+        let elements = elements.len();
         let bytes = elements * 4;
-        if bytes > data.len() {
-            return Err(DeviceError::Invalid(format!(
-                "all-reduce of {elements} FP32 values over an allocation of {} B",
-                data.len()
-            )));
-        }
         let tactic = gpu_tactic(ALGORITHM, bytes);
         tactic.validate().map_err(setup_error)?;
         let shape = LaunchShape {
@@ -408,7 +453,7 @@ impl<D: Dry> TpAllReduce<D> for DryAllReduce<D> {
         let params = pack_params(
             &shape,
             &self.peers,
-            data.device_ptr(),
+            address,
             None,
             self.control.device_ptr(),
         )
@@ -423,6 +468,10 @@ impl<D: Dry> TpAllReduce<D> for DryAllReduce<D> {
         args.arg(&params).traffic(read, written);
         // SAFETY: a `Dry` device runs no kernel; the parameter is the kernel's one `ArParams`.
         unsafe { dev.launch(&self.kernel, cfg, &args) }
+    }
+
+    fn capacity_elements(&self) -> usize {
+        self.offsets.capacity / 4
     }
 
     fn check(&mut self, dev: &D) -> Result<(), DeviceError> {
