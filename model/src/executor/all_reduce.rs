@@ -122,20 +122,104 @@ fn setup_error(what: impl std::fmt::Display) -> DeviceError {
     }
 }
 
-/// The status word the all-reduce kernel left in a rank's control block, as an error
-/// unless it reports success.
-fn check_control_status<D: Device>(
-    dev: &D,
-    control: &D::Memory,
+/// One rank's view of a segment laid out as `SegmentLayout` (the peers' regions as this
+/// device addresses them) and the one-shot pull kernel over it: the launch the emulated and the
+/// dry all-reduce share.
+struct OneShotRank<D: Device> {
     rank: usize,
     world: usize,
-) -> Result<(), DeviceError> {
-    let words: Vec<u64> = dev.download_first(control, CONTROL_STATUS / 8 + 1)?;
-    match KernelStatus::decode(words[CONTROL_STATUS / 8]) {
-        KernelStatus::Ok => Ok(()),
-        status => Err(setup_error(format_args!(
-            "rank {rank} of {world}: {status:?}"
-        ))),
+    offsets: DeviceOffsets,
+    islands: Islands,
+    peers: Vec<u64>,
+    kernel: D::Kernel,
+    control: D::Memory,
+}
+
+impl<D: Device> OneShotRank<D> {
+    /// `peers_base`: where rank 0's region starts (the regions follow as `layout` places
+    /// them); the kernel is the image of `image`.
+    fn new(
+        dev: &D,
+        rank: usize,
+        world: usize,
+        layout: &SegmentLayout,
+        peers_base: u64,
+        image: AllReduceTactic,
+    ) -> Result<Self, DeviceError> {
+        Ok(Self {
+            rank,
+            world,
+            offsets: DeviceOffsets::new(layout),
+            islands: default_islands(world),
+            peers: (0..world)
+                .map(|r| peers_base + layout.region(r) as u64)
+                .collect(),
+            kernel: dev.load_kernel(FAMILY, &image.image_id(), KERNEL, 0)?,
+            control: dev.alloc_zeroed(CONTROL_BYTES)?,
+        })
+    }
+
+    /// Launches the one-shot pull over the FP32 values `elements` of `data` on `blocks` ×
+    /// `threads`.
+    ///
+    /// # Safety
+    /// The peers' addresses must be the regions of a live segment (or, on a device that runs
+    /// no kernel, any addresses).
+    unsafe fn launch(
+        &self,
+        dev: &D,
+        data: &D::Memory,
+        elements: Range<usize>,
+        (blocks, threads): (u32, u32),
+        timeout_ns: u64,
+    ) -> Result<(), DeviceError> {
+        let address = f32_range(data, &elements)?;
+        let shape = LaunchShape {
+            algorithm: ALGORITHM,
+            dtype: DType::F32,
+            len: elements.len(),
+            rank: self.rank,
+            offsets: self.offsets,
+            islands: &self.islands,
+            timeout_ns,
+        };
+        let params = pack_params(
+            &shape,
+            &self.peers,
+            address,
+            None,
+            self.control.device_ptr(),
+        )
+        .map_err(setup_error)?;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (read, written) = one_shot_pull_traffic(elements.len() * 4, self.world);
+        let mut args = KernelParams::new();
+        args.arg(&params).traffic(read, written);
+        // SAFETY: the parameter is the kernel's one `ArParams`; its addresses are `data`'s
+        // range (inside the allocation, checked above), this rank's control block and the
+        // peers' regions (the caller's contract).
+        unsafe { dev.launch(&self.kernel, cfg, &args) }
+    }
+
+    fn capacity_elements(&self) -> usize {
+        self.offsets.capacity / 4
+    }
+
+    /// The status word the kernel left in this rank's control block, as an error unless it
+    /// reports success.
+    fn check(&self, dev: &D) -> Result<(), DeviceError> {
+        let words: Vec<u64> = dev.download_first(&self.control, CONTROL_STATUS / 8 + 1)?;
+        match KernelStatus::decode(words[CONTROL_STATUS / 8]) {
+            KernelStatus::Ok => Ok(()),
+            status => Err(setup_error(format_args!(
+                "rank {} of {}: {status:?}",
+                self.rank, self.world
+            ))),
+        }
     }
 }
 
@@ -143,14 +227,8 @@ fn check_control_status<D: Device>(
 pub struct ShmAllReduce<D: Device> {
     /// Keeps every rank's region mapped; the name is unlinked once all ranks have attached.
     segment: SharedSegment,
-    peers: Vec<u64>,
-    offsets: DeviceOffsets,
-    islands: Islands,
-    rank: usize,
-    world: usize,
     timeout: Duration,
-    kernel: D::Kernel,
-    control: D::Memory,
+    ranks: OneShotRank<D>,
 }
 
 impl<D: HostAddressed> ShmAllReduce<D> {
@@ -166,7 +244,6 @@ impl<D: HostAddressed> ShmAllReduce<D> {
         timeout: Duration,
     ) -> Result<Self, DeviceError> {
         let layout = SegmentLayout::new(world, capacity_bytes, false);
-        let offsets = DeviceOffsets::new(&layout);
         let deadline = Instant::now() + timeout;
         let mut segment = create_or_join(
             name,
@@ -216,26 +293,17 @@ impl<D: HostAddressed> ShmAllReduce<D> {
         segment
             .unlink()
             .map_err(|e| setup_error(format_args!("unlinking {name:?}: {e}")))?;
-        let base = segment.base() as u64;
-        let peers = (0..world).map(|r| base + layout.region(r) as u64).collect();
         let image = AllReduceTactic {
             algorithm: ALGORITHM,
             dtype: DType::F32,
             threads: EMULATED_THREADS,
             blocks: EMULATED_BLOCKS,
         };
-        let kernel = dev.load_kernel(FAMILY, &image.image_id(), KERNEL, 0)?;
-        let control = dev.alloc_zeroed(CONTROL_BYTES)?;
+        let ranks = OneShotRank::new(dev, rank, world, &layout, segment.base() as u64, image)?;
         Ok(Self {
             segment,
-            peers,
-            offsets,
-            islands: default_islands(world),
-            rank,
-            world,
             timeout,
-            kernel,
-            control,
+            ranks,
         })
     }
 
@@ -247,7 +315,7 @@ impl<D: HostAddressed> ShmAllReduce<D> {
 
 impl<D: HostAddressed> TpAllReduce<D> for ShmAllReduce<D> {
     fn world(&self) -> usize {
-        self.world
+        self.ranks.world
     }
 
     fn sum_f32(
@@ -256,45 +324,18 @@ impl<D: HostAddressed> TpAllReduce<D> for ShmAllReduce<D> {
         data: &D::Memory,
         elements: Range<usize>,
     ) -> Result<(), DeviceError> {
-        let address = f32_range(data, &elements)?;
-        let elements = elements.len();
-        let shape = LaunchShape {
-            algorithm: ALGORITHM,
-            dtype: DType::F32,
-            len: elements,
-            rank: self.rank,
-            offsets: self.offsets,
-            islands: &self.islands,
-            timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
-        };
-        let params = pack_params(
-            &shape,
-            &self.peers,
-            address,
-            None,
-            self.control.device_ptr(),
-        )
-        .map_err(setup_error)?;
-        let cfg = LaunchConfig {
-            grid_dim: (EMULATED_BLOCKS, 1, 1),
-            block_dim: (EMULATED_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut args = KernelParams::new();
-        let (read, written) = one_shot_pull_traffic(elements * 4, self.world);
-        args.arg(&params).traffic(read, written);
-        // SAFETY: the parameter is the kernel's one `ArParams`; its addresses are `data`'s
-        // range (inside the allocation, checked above), this rank's control block and the
-        // rank regions of the segment this value keeps mapped.
-        unsafe { dev.launch(&self.kernel, cfg, &args) }
+        let timeout_ns = self.timeout.as_nanos().min(u64::MAX as u128) as u64;
+        let grid = (EMULATED_BLOCKS, EMULATED_THREADS);
+        // SAFETY: the peers' regions are those of the segment this value keeps mapped.
+        unsafe { self.ranks.launch(dev, data, elements, grid, timeout_ns) }
     }
 
     fn capacity_elements(&self) -> usize {
-        self.offsets.capacity / 4
+        self.ranks.capacity_elements()
     }
 
     fn check(&mut self, dev: &D) -> Result<(), DeviceError> {
-        check_control_status(dev, &self.control, self.rank, self.world)
+        self.ranks.check(dev)
     }
 }
 
@@ -383,13 +424,7 @@ impl TpAllReduce<kernels::cuda::GpuContext> for IpcAllReduce {
 /// documentation. The peers' regions are one allocation of this device laid out as the
 /// communicator's segment, so the parameter block is the one a GPU launch would get.
 pub struct DryAllReduce<D: Device> {
-    rank: usize,
-    world: usize,
-    offsets: DeviceOffsets,
-    islands: Islands,
-    peers: Vec<u64>,
-    kernel: D::Kernel,
-    control: D::Memory,
+    ranks: OneShotRank<D>,
     /// Keeps the peers' addresses allocated.
     _segment: D::Memory,
 }
@@ -407,19 +442,10 @@ impl<D: Dry> DryAllReduce<D> {
         }
         let layout = SegmentLayout::new(world, capacity_bytes, false);
         let segment = dev.alloc_zeroed(layout.total())?;
-        let peers = (0..world)
-            .map(|r| segment.device_ptr() + layout.region(r) as u64)
-            .collect();
         // Every message size launches the same image; blocks differ only in the grid.
         let image = gpu_tactic(ALGORITHM, capacity_bytes);
         Ok(Self {
-            rank,
-            world,
-            offsets: DeviceOffsets::new(&layout),
-            islands: default_islands(world),
-            peers,
-            kernel: dev.load_kernel(FAMILY, &image.image_id(), KERNEL, 0)?,
-            control: dev.alloc_zeroed(CONTROL_BYTES)?,
+            ranks: OneShotRank::new(dev, rank, world, &layout, segment.device_ptr(), image)?,
             _segment: segment,
         })
     }
@@ -427,7 +453,7 @@ impl<D: Dry> DryAllReduce<D> {
 
 impl<D: Dry> TpAllReduce<D> for DryAllReduce<D> {
     fn world(&self) -> usize {
-        self.world
+        self.ranks.world
     }
 
     fn sum_f32(
@@ -436,45 +462,20 @@ impl<D: Dry> TpAllReduce<D> for DryAllReduce<D> {
         data: &D::Memory,
         elements: Range<usize>,
     ) -> Result<(), DeviceError> {
-        let address = f32_range(data, &elements)?;
-        let elements = elements.len();
-        let bytes = elements * 4;
-        let tactic = gpu_tactic(ALGORITHM, bytes);
+        let tactic = gpu_tactic(ALGORITHM, elements.len() * 4);
         tactic.validate().map_err(setup_error)?;
-        let shape = LaunchShape {
-            algorithm: tactic.algorithm,
-            dtype: tactic.dtype,
-            len: elements,
-            rank: self.rank,
-            offsets: self.offsets,
-            islands: &self.islands,
-            timeout_ns: 0,
-        };
-        let params = pack_params(
-            &shape,
-            &self.peers,
-            address,
-            None,
-            self.control.device_ptr(),
-        )
-        .map_err(setup_error)?;
-        let cfg = LaunchConfig {
-            grid_dim: (tactic.blocks, 1, 1),
-            block_dim: (tactic.threads, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (read, written) = one_shot_pull_traffic(bytes, self.world);
-        let mut args = KernelParams::new();
-        args.arg(&params).traffic(read, written);
-        // SAFETY: a `Dry` device runs no kernel; the parameter is the kernel's one `ArParams`.
-        unsafe { dev.launch(&self.kernel, cfg, &args) }
+        // SAFETY: a `Dry` device runs no kernel.
+        unsafe {
+            self.ranks
+                .launch(dev, data, elements, (tactic.blocks, tactic.threads), 0)
+        }
     }
 
     fn capacity_elements(&self) -> usize {
-        self.offsets.capacity / 4
+        self.ranks.capacity_elements()
     }
 
     fn check(&mut self, dev: &D) -> Result<(), DeviceError> {
-        check_control_status(dev, &self.control, self.rank, self.world)
+        self.ranks.check(dev)
     }
 }

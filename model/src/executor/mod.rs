@@ -14,9 +14,15 @@
 //! [`Device::write_bytes`] each) and reads sampled ids or logits back: [`STEP_WRITES`] and one
 //! read per step, which `tests/device_executor.rs` counts.
 //!
+//! On a tensor-parallel rank ([`DeviceExecutor::set_all_reduce`]) the rank's all-reduce sums,
+//! in stream order and inside captured graphs, the embedding rows (each rank holds its
+//! vocabulary rows), the attention's and the MLP's partial products, and the
+//! vocabulary-parallel head's results (see `vocabulary_parallel_head`).
+//!
 //! The numerics are the CPU forward pass's with the device kernels' roundings: queries reach
 //! MLA in BF16, the MoE input in BF16 (as on a GPU), the norm weights as BF16 (what the
-//! checkpoint stores), and FP32 sums in another order.
+//! checkpoint stores), and FP32 sums in another order; with [`DenseTactic::CublasLt`] the dense
+//! products' inputs in BF16 as well.
 
 mod all_reduce;
 mod counting;
