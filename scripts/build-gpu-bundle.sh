@@ -8,6 +8,7 @@
 #                                    against the host layer (crate cuda-host, feature cuda)
 #   BUNDLE/ptx/moe_gemm/<sm>/*.cubin the compile gate's kernels (+ manifest; .ptx on request)
 #   BUNDLE/golden/data/moe/          MoE goldens, if the repository has them
+#   BUNDLE/gpu-dense                 the dense products, ours against cuBLASLt (test binary)
 #   BUNDLE/model                     the model binary (feature cuda) and
 #   BUNDLE/golden/data/models/kimi-kernel-dims/  the end-to-end stage's checkpoint
 #   BUNDLE/scripts/gpu-check.sh      the runner (see its header for how to run)
@@ -40,15 +41,21 @@ layers_test="$(cargo test --release --no-run --features cuda -p project-tests --
   --message-format=json 2>/dev/null | grep -o '"executable":"[^"]*gpu_layers[^"]*"' | tail -1 \
   | cut -d'"' -f4)"
 [[ -x "$layers_test" ]] || { echo "build-gpu-bundle: gpu_layers test binary not built" >&2; exit 1; }
+# The dense products' two tactics (ours, cuBLASLt): a test binary too.
+dense_test="$(cargo test --release --no-run --features cuda -p project-tests --test gpu_dense \
+  --message-format=json 2>/dev/null | grep -o '"executable":"[^"]*gpu_dense[^"]*"' | tail -1 \
+  | cut -d'"' -f4)"
+[[ -x "$dense_test" ]] || { echo "build-gpu-bundle: gpu_dense test binary not built" >&2; exit 1; }
 BIN="$ROOT/target/release/gpu-check"
 
 rm -rf "$BUNDLE"
 mkdir -p "$BUNDLE/scripts" "$BUNDLE/ptx"
 # Debug info (profile.release debug = 1) is most of the binary's size; the bundle must stay
 # well under the device tool's 64 MiB.
-for name in gpu-check mla-gpu-check allreduce-gpu-check ptx-probe-check gpu-layers model; do
+for name in gpu-check mla-gpu-check allreduce-gpu-check ptx-probe-check gpu-layers gpu-dense model; do
   src="$ROOT/target/release/$name"
   [[ $name == gpu-layers ]] && src="$layers_test"
+  [[ $name == gpu-dense ]] && src="$dense_test"
   if command -v strip >/dev/null; then
     strip -o "$BUNDLE/$name" "$src"
   else

@@ -32,7 +32,8 @@ done
 # The decode step's small kernels (kernels-rs/src/layers/layers.cu): one image per SM, every
 # entry present, no spills and no stack frame (they are memory-bound; a spill is a regression).
 layer_kernels=(embed_gather add_rms_norm rope_interleaved route_noaux_tc group_by_expert
-  dense_bf16 silu_mul argmax_rows dense_heads_bf16 to_bf16_strided gather_rows sample_rows)
+  dense_bf16 silu_mul argmax_rows dense_heads_bf16 to_bf16_strided gather_rows sample_rows
+  argmax_shard argmax_ranks)
 for sm in sm_90a sm_120a; do
   dir="ptx/layers/$sm"
   mkdir -p "$dir"

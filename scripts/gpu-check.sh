@@ -21,6 +21,9 @@
 #                             GPU (crate cuda-host, feature `cuda`), with ptx/ptx_probe/<sm>/
 #   gpu-layers                the decode step's small kernels against the CPU forward pass
 #                             (the test binary of tests/tests/gpu_layers.rs), ptx/layers/<sm>/
+#   gpu-dense                 the dense BF16 products: our dense_bf16 and cuBLASLt (needs
+#                             libcublasLt) on Kimi's TP8 decode shapes, checked and timed
+#                             (the test binary of tests/tests/gpu_dense.rs)
 #   model                     the model binary (feature `cuda`) with
 #                             golden/data/models/kimi-kernel-dims/: the end-to-end stage
 #
@@ -104,6 +107,13 @@ if [[ "${SKIP_LAYERS:-0}" != 1 ]]; then
     "${LAYERS_CHECK_TIMEOUT:-30}" --ignored --nocapture
 fi
 
+# The dense products' two tactics (seconds): ours and cuBLASLt against exact products and
+# each other on every dense product of a Kimi TP8 decode step, then both timed.
+if [[ "${SKIP_DENSE:-0}" != 1 ]]; then
+  run_check gpu-dense "$(find_bin gpu-dense "${DENSE_CHECK_BIN:-}")" \
+    "${DENSE_CHECK_TIMEOUT:-60}" --ignored --nocapture
+fi
+
 # MoE grouped GEMM: every tactic vs the CPU reference and the ModelOpt goldens, then weight
 # bandwidth and TFLOPS.
 run_check gpu-check "$BIN" "${GPU_CHECK_TIMEOUT:-240}" \
@@ -127,7 +137,8 @@ fi
 # BF16 and FP8 caches, and with --tp 2 as two processes on this one GPU; each must sit as close
 # to HF's W4A4 goldens as the CPU backend on this machine does (the criterion of
 # tests/tests/device_executor.rs), and --tp 2 within 1e-3 of --tp 1. Then a greedy decode on
-# the device beside the CPU's. Skipped with SKIP_E2E=1.
+# the device beside the CPU's, and one with the dense products on cuBLASLt. Skipped with
+# SKIP_E2E=1.
 e2e() {
   local model=$1 ckpt="$ROOT/golden/data/models/kimi-kernel-dims" dir="$OUT_DIR/e2e"
   local tokens=0,144,53,82,39,273,386,455,426,257,282,47,143,491,436,298,395,320,256,441
@@ -150,6 +161,10 @@ e2e() {
       --prompt "$tokens" --max-new-tokens 8 --ignore-eos 2>&1 | tee "$dir/run-$backend.txt" \
       || status=1
   done
+  # The dense products on cuBLASLt, inside the captured decode graph.
+  "$model" run --backend cuda --dense-tactic cublaslt --ptx-dir "$KIMI_PTX_DIR" \
+    --checkpoint "$ckpt" --prompt "$tokens" --max-new-tokens 8 --ignore-eos 2>&1 \
+    | tee "$dir/run-cuda-cublaslt.txt" || status=1
   return $status
 }
 if [[ "${SKIP_E2E:-0}" != 1 ]]; then

@@ -53,8 +53,8 @@ impl<D: Device> Device for Perturbed<'_, D> {
         self.inner.download_prefix(memory, bytes)
     }
 
-    fn fill(&self, memory: &mut Self::Memory, byte: u8) -> Result<()> {
-        self.inner.fill(memory, byte)
+    fn fill_prefix(&self, memory: &mut Self::Memory, bytes: usize, byte: u8) -> Result<()> {
+        self.inner.fill_prefix(memory, bytes, byte)
     }
 
     fn write_bytes(&self, memory: &mut Self::Memory, bytes: &[u8]) -> Result<()> {
@@ -87,6 +87,15 @@ impl<D: Device> Device for Perturbed<'_, D> {
         }
         // SAFETY: forwarded; a smaller grid touches a subset of what the full one does.
         unsafe { self.inner.launch(&kernel.inner, cfg, params) }
+    }
+
+    fn blas_ready(&self) -> Result<()> {
+        self.inner.blas_ready()
+    }
+
+    unsafe fn blas_gemm(&self, gemm: &kernels::blas::BlasGemm) -> Result<()> {
+        // SAFETY: forwarded; the vendor library is never perturbed.
+        unsafe { self.inner.blas_gemm(gemm) }
     }
 
     fn synchronize(&self) -> Result<()> {

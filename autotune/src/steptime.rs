@@ -176,6 +176,7 @@ fn step(c: &Ctx<'_>, batch: u32) -> Result<Step> {
         tactics: ExecutorTactics {
             moe: Some(moe_t.tactic),
             mla: mla_t.tactic.kernel,
+            dense: kernels::blas::DenseTactic::default(),
         },
         tactics_source: "step-time".into(),
     }

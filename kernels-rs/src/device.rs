@@ -18,6 +18,7 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::path::PathBuf;
 
+use crate::blas::BlasGemm;
 use crate::moe_gemm::Sm;
 use crate::tactic::ProblemShape;
 
@@ -219,7 +220,14 @@ pub trait Device {
         v.truncate(bytes);
         Ok(v)
     }
-    fn fill(&self, memory: &mut Self::Memory, byte: u8) -> Result<()>;
+    /// Sets every byte of an allocation to `byte` (stream order; captured into a graph).
+    fn fill(&self, memory: &mut Self::Memory, byte: u8) -> Result<()> {
+        let bytes = memory.len();
+        self.fill_prefix(memory, bytes, byte)
+    }
+    /// Sets the first `bytes` bytes of an allocation (all of it if shorter) to `byte`: a step
+    /// clears only the rows it uses.
+    fn fill_prefix(&self, memory: &mut Self::Memory, bytes: usize, byte: u8) -> Result<()>;
     /// Copies `bytes` into the start of an existing allocation (stream order): inputs of a
     /// step go into buffers whose addresses stay fixed, as a captured CUDA graph needs.
     fn write_bytes(&self, memory: &mut Self::Memory, bytes: &[u8]) -> Result<()>;
@@ -245,6 +253,19 @@ pub trait Device {
         cfg: LaunchConfig,
         params: &KernelParams<'_>,
     ) -> Result<()>;
+
+    /// Makes [`blas_gemm`](Device::blas_gemm) usable (a GPU opens cuBLASLt and allocates its
+    /// workspace), so that nothing is set up while a graph is captured; refuses where there is
+    /// no vendor library.
+    fn blas_ready(&self) -> Result<()>;
+
+    /// A dense product by the vendor library ([`crate::blas`]: cuBLASLt on a GPU, the
+    /// reference of its semantics on the host execution layer), in stream order and captured
+    /// into a graph like a launch.
+    ///
+    /// # Safety
+    /// Every address in `gemm` must be an allocation of this device holding what it describes.
+    unsafe fn blas_gemm(&self, gemm: &BlasGemm) -> Result<()>;
 
     /// Waits for every launch and copy issued so far.
     fn synchronize(&self) -> Result<()>;

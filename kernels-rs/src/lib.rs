@@ -9,6 +9,8 @@
 //! - [`allreduce`]: the PCIe-aware all-reduce of tensor parallelism;
 //! - [`layers`]: the small kernels of a decode step between those (embedding, norms, RoPE,
 //!   routing, expert grouping, decode-shaped BF16 products, greedy sampling);
+//! - [`blas`]: the vendor library's dense BF16 products (cuBLASLt) and the tactic choosing
+//!   between them and ours;
 //! - [`device`]: the seam kernel launchers are written against; `cuda` (cargo feature `cuda`)
 //!   implements it on a GPU through the CUDA driver, the `cuda-host` crate on the CPU.
 //!
@@ -20,6 +22,7 @@
 
 pub mod allreduce;
 pub mod arch;
+pub mod blas;
 pub mod cpu_tactic;
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -340,6 +340,7 @@ impl Checkpoint {
             layers,
             norm: self.vector("model.norm.weight", c.hidden_size)?,
             lm_head,
+            vocab_rows: 0..c.vocab_size,
         })
     }
 

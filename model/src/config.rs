@@ -676,6 +676,13 @@ impl ModelConfig {
             Ok(())
         };
         check("num_attention_heads", self.num_attention_heads, 1)?;
+        // Every rank holds some rows of the vocabulary (`TpShard::vocab_rows`).
+        if self.vocab_size < world {
+            return Err(format!(
+                "vocab_size = {} cannot be split over {world} ranks",
+                self.vocab_size
+            ));
+        }
         if (0..self.num_hidden_layers).any(|l| !self.is_moe_layer(l)) {
             check("intermediate_size", self.intermediate_size, 1)?;
         }

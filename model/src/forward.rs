@@ -273,11 +273,24 @@ impl Model {
             .collect();
         let n = rows.len();
 
+        // A tensor-parallel shard holds some of the vocabulary's rows: the others are zeros
+        // here, and the all-reduce adds the one rank's row to zeros (exact).
+        let vocab_rows = &self.weights.vocab_rows;
+        let vocab_split = *vocab_rows != (0..c.vocab_size);
         let mut x = vec![0.0f32; n * hidden];
         for (dst, &token) in x.chunks_exact_mut(hidden).zip(&tokens) {
-            for (d, w) in dst.iter_mut().zip(self.weights.embed.row(token as usize)) {
+            if !vocab_rows.contains(&(token as usize)) {
+                continue;
+            }
+            let row = self.weights.embed.row(token as usize - vocab_rows.start);
+            for (d, w) in dst.iter_mut().zip(row) {
                 *d = w.to_f32();
             }
+        }
+        if vocab_split {
+            backend
+                .all_reduce_sum(&mut x)
+                .map_err(ForwardError::AllReduce)?;
         }
 
         check_finite(&x, hidden, || "embed_tokens".into())?;
@@ -334,12 +347,31 @@ impl Model {
         }
         let normed = rms_norm_rows(&final_hidden, hidden, &self.weights.norm, c.rms_norm_eps);
         let mut values = vec![0.0f32; selected.len() * c.vocab_size];
-        backend.matmul(
-            &normed,
-            selected.len(),
-            self.weights.lm_head.view(),
-            &mut values,
-        );
+        if vocab_split {
+            // This rank's ids scored into their columns, zeros elsewhere; the all-reduce
+            // gathers every rank's columns (a sum with zeros: exact).
+            let held = vocab_rows.len();
+            let mut part = vec![0.0f32; selected.len() * held];
+            backend.matmul(
+                &normed,
+                selected.len(),
+                self.weights.lm_head.view(),
+                &mut part,
+            );
+            for (row, scored) in values.chunks_exact_mut(c.vocab_size).zip(part.chunks(held)) {
+                row[vocab_rows.clone()].copy_from_slice(scored);
+            }
+            backend
+                .all_reduce_sum(&mut values)
+                .map_err(ForwardError::AllReduce)?;
+        } else {
+            backend.matmul(
+                &normed,
+                selected.len(),
+                self.weights.lm_head.view(),
+                &mut values,
+            );
+        }
         check_finite(&values, c.vocab_size, || {
             "the final norm and lm_head".into()
         })?;

@@ -237,6 +237,7 @@ pub fn random_weights(c: &ModelConfig, seed: u64) -> ModelWeights {
         layers,
         norm: norm(&mut rng, c.hidden_size),
         lm_head: matrix(&mut rng, c.vocab_size, c.hidden_size),
+        vocab_rows: 0..c.vocab_size,
     }
 }
 

@@ -208,6 +208,7 @@ struct RunOnDevice<'a> {
     quiet: bool,
     /// Tensor-parallel ranks (the model is this rank's shard).
     world: usize,
+    dense: kernels::blas::DenseTactic,
 }
 
 impl DeviceJob for RunOnDevice<'_> {
@@ -228,10 +229,10 @@ impl DeviceJob for RunOnDevice<'_> {
             self.cache_tokens,
             capacity,
             self.quiet,
-            self.world,
+            (self.world, self.dense),
         )?;
         if let Some(all_reduce) = all_reduce {
-            ex.set_all_reduce(all_reduce);
+            ex.set_all_reduce(all_reduce)?;
         }
         ex.set_graphs(true);
         Ok(generate_with(&mut ex, self.requests, |_, _| {})?)
@@ -245,6 +246,7 @@ struct LogitsOnDevice<'a> {
     tokens: &'a [u32],
     quiet: bool,
     world: usize,
+    dense: kernels::blas::DenseTactic,
 }
 
 impl DeviceJob for LogitsOnDevice<'_> {
@@ -267,10 +269,10 @@ impl DeviceJob for LogitsOnDevice<'_> {
             n,
             capacity,
             self.quiet,
-            self.world,
+            (self.world, self.dense),
         )?;
         if let Some(all_reduce) = all_reduce {
-            ex.set_all_reduce(all_reduce);
+            ex.set_all_reduce(all_reduce)?;
         }
         let seq = ex.add_sequence();
         let step = ex.step(
@@ -321,6 +323,16 @@ struct DeviceArgs {
     /// The compiled kernel images (`scripts/compile-gates.sh` writes them) for `--backend cuda`.
     #[arg(long, default_value = "ptx")]
     ptx_dir: PathBuf,
+    /// Who runs the device executor's dense BF16 products: `dense_bf16` (our kernel) or
+    /// `cublaslt` (activations rounded to BF16; on `cuda-emulated`, a reference of cuBLASLt's
+    /// semantics stands in for the library).
+    #[arg(long, default_value = "dense_bf16", value_parser = parse_dense_tactic)]
+    dense_tactic: kernels::blas::DenseTactic,
+}
+
+fn parse_dense_tactic(s: &str) -> std::result::Result<kernels::blas::DenseTactic, String> {
+    s.parse()
+        .map_err(|e: kernels::tactic::TacticError| e.to_string())
 }
 
 /// Work that runs on whichever device `--backend` names, as one rank of a tensor-parallel
@@ -411,8 +423,17 @@ fn on_device<J: DeviceJob>(
 }
 
 /// Refuses `--backend cuda` at once, before any work, where it cannot run: a binary without
-/// the `cuda` feature, or no driver library on this machine.
+/// the `cuda` feature, or no driver library on this machine; and a device option given to the
+/// CPU backend.
 fn check_backend_available(args: &DeviceArgs) -> Result<()> {
+    if args.backend == BackendArg::Cpu && args.dense_tactic != kernels::blas::DenseTactic::Ours {
+        return Err(InvalidInput(format!(
+            "--dense-tactic {} chooses the device executor's dense products; the CPU backend \
+             has its own (use --backend cuda or cuda-emulated)",
+            args.dense_tactic
+        ))
+        .into());
+    }
     if args.backend != BackendArg::Cuda {
         return Ok(());
     }
@@ -483,7 +504,8 @@ fn open_gpu<J: DeviceJob>(
     .into())
 }
 
-/// The executor's tactics: the heuristic defaults for the device's SM, logged.
+/// The executor's tactics: the heuristic defaults for the device's SM and this rank's share of
+/// `world` ranks, with the dense products on `dense`; logged.
 fn executor_on<D: kernels::device::Device>(
     dev: D,
     model: &Model,
@@ -491,7 +513,7 @@ fn executor_on<D: kernels::device::Device>(
     cache_tokens: usize,
     capacity: model::executor::StepCapacity,
     quiet: bool,
-    world: usize,
+    (world, dense): (usize, kernels::blas::DenseTactic),
 ) -> Result<model::executor::DeviceExecutor<D>> {
     use model::executor::{DeviceExecutor, ExecutorError, ExecutorTactics};
     let refuse = |e: ExecutorError| -> anyhow::Error {
@@ -504,13 +526,16 @@ fn executor_on<D: kernels::device::Device>(
     };
     let describe = dev.describe();
     let sm = dev.sm()?;
-    let tactics =
-        ExecutorTactics::defaults_for_rank(sm, &model.config, kv_dtype, world).map_err(refuse)?;
+    let tactics = ExecutorTactics {
+        dense,
+        ..ExecutorTactics::defaults_for_rank(sm, &model.config, kv_dtype, world).map_err(refuse)?
+    };
     if !quiet {
         eprintln!(
-            "device: {describe}; tactics: mla_decode {}, moe_gemm {}",
+            "device: {describe}; tactics: mla_decode {}, moe_gemm {}, dense {}",
             tactics.mla.id(),
-            tactics.moe.map_or("-".into(), |t| t.id())
+            tactics.moe.map_or("-".into(), |t| t.id()),
+            tactics.dense
         );
     }
     let ex = DeviceExecutor::new(dev, model, kv_dtype, cache_tokens, capacity, tactics, quiet)
@@ -1184,6 +1209,7 @@ fn run(args: RunArgs) -> Result<()> {
             requests: &requests,
             quiet: args.tp.quiet(),
             world: args.tp.world(),
+            dense: args.device.dense_tactic,
         };
         let rank = args.tp.shard().rank;
         if rank == 0 {
@@ -1275,6 +1301,7 @@ fn logits(args: LogitsArgs) -> Result<()> {
                 tokens,
                 quiet: args.tp.quiet(),
                 world: args.tp.world(),
+                dense: args.device.dense_tactic,
             },
         )?;
         if args.tp.shard().rank != 0 {

@@ -2,7 +2,8 @@
 //!
 //! Sharding is the one this project uses (the same as the serving stacks it replaces):
 //! - split over GPUs: `q_b_proj`/`q_proj`, `kv_b_proj`, `o_proj` (by head), dense and shared
-//!   MLPs and every routed expert (by intermediate row), `embed_tokens` and `lm_head` (by vocab);
+//!   MLPs and every routed expert (by intermediate row), `embed_tokens` and `lm_head` (by vocab,
+//!   `TpShard::vocab_rows`);
 //! - replicated on every GPU: `q_a_proj`, `kv_a_proj_with_mqa`, norms, the router and its
 //!   bias, the per-tensor NVFP4 scales, and the latent KV cache (MLA's single latent head
 //!   cannot be split by head).
@@ -12,6 +13,7 @@ use kernels::mla::cache::{KvCacheDtype, LatentCacheShape};
 
 use crate::config::ModelConfig;
 use crate::executor::{WorkspaceShape, max_pages, workspace_bytes};
+use crate::weights::TpShard;
 
 /// The MLA tactics' split cap (`sp64`), which sizes the split workspace.
 pub const PLANNED_MLA_SPLITS: usize = 64;
@@ -67,7 +69,14 @@ pub fn plan(c: &ModelConfig, r: &PlanRequest) -> Plan {
         bf16
     };
 
-    let embed = c.vocab_size as f64 * h * bf16 / tp;
+    // Rank 0 holds the most vocabulary rows (`TpShard::vocab_rows`).
+    let vocab_rows = TpShard {
+        rank: 0,
+        world: r.gpus.max(1),
+    }
+    .vocab_rows(c.vocab_size)
+    .len();
+    let embed = vocab_rows as f64 * h * bf16;
     let lm_head = if c.tie_word_embeddings { 0.0 } else { embed };
     let q_split = match c.q_lora_rank {
         Some(rank) => heads * c.qk_head_dim() as f64 * rank as f64,
@@ -119,6 +128,8 @@ pub fn plan(c: &ModelConfig, r: &PlanRequest) -> Plan {
             max_pages: max_pages(c, r.max_model_len),
             max_splits: PLANNED_MLA_SPLITS,
             logit_rows: r.max_num_seqs,
+            ranks: r.gpus.max(1),
+            vendor_dense: false,
         },
     ) as f64;
     let usable = r.gpu_mem_gib * GIB * r.memory_utilization;
@@ -200,6 +211,69 @@ mod tests {
             max_batched_tokens: 8192,
             max_num_seqs: 256,
             nvfp4_experts: true,
+        }
+    }
+
+    /// On Kimi-K2.5's real shapes, rank 0 of TP8 (the rank holding the most vocabulary
+    /// rows) allocates what the plan says, within 1% for each part: its weights (zeroed, of
+    /// the rank's shapes, on a dry device), the latent cache and the step workspace.
+    #[test]
+    fn the_kimi_tp8_plan_is_what_a_rank_of_the_executor_allocates() {
+        use crate::executor::{DeviceExecutor, DeviceWeights, ExecutorTactics, StepCapacity};
+        use kernels::arch::Sm;
+        use kernels::device::dry::DryDevice;
+        let c = Preset::KimiK25.model_config();
+        for kv_dtype in [KvCacheDtype::Bf16, KvCacheDtype::Fp8E4m3] {
+            let r = PlanRequest {
+                max_model_len: 32_768,
+                ..request(kv_dtype, 32_768)
+            };
+            let planned = plan(&c, &r);
+            let shard = TpShard {
+                rank: 0,
+                world: r.gpus,
+            };
+            let tactics =
+                ExecutorTactics::defaults_for_rank(Sm::Sm120, &c, kv_dtype, r.gpus).unwrap();
+            let dev = DryDevice::new(Sm::Sm120);
+            let weights = DeviceWeights::zeroed(&dev, &c, shard, tactics.moe).unwrap();
+            let ex = DeviceExecutor::with_weights(
+                dev,
+                &c,
+                weights,
+                kv_dtype,
+                r.max_model_len,
+                StepCapacity {
+                    tokens: r.max_batched_tokens,
+                    logit_rows: r.max_num_seqs,
+                },
+                tactics,
+            )
+            .unwrap();
+            let got = ex.device_bytes();
+            let cache = planned.kv_bytes_per_token * r.max_model_len as f64;
+            let rel = |a: usize, b: f64| (a as f64 - b).abs() / b;
+            println!(
+                "Kimi-K2.5 TP8 rank 0, {} cache: weights {:.3} GiB allocated vs {:.3} GiB \
+                 planned ({:.3}%), cache {:.3} vs {:.3} GiB ({:.3}%), workspace {:.3} vs \
+                 {:.3} GiB ({:.3}%)",
+                kv_dtype.id(),
+                got.weights as f64 / GIB,
+                planned.weights / GIB,
+                100.0 * rel(got.weights, planned.weights),
+                got.cache as f64 / GIB,
+                cache / GIB,
+                100.0 * rel(got.cache, cache),
+                got.workspace as f64 / GIB,
+                planned.activation_reserve / GIB,
+                100.0 * rel(got.workspace, planned.activation_reserve),
+            );
+            assert!(rel(got.weights, planned.weights) <= 0.01, "weights");
+            assert!(rel(got.cache, cache) <= 0.01, "cache");
+            assert!(
+                rel(got.workspace, planned.activation_reserve) <= 0.01,
+                "workspace"
+            );
         }
     }
 

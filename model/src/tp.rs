@@ -112,10 +112,15 @@ impl Backend for TpCpuBackend {
             .communicator
             .lock()
             .map_err(|_| "all-reduce lock poisoned".to_string())?;
-        communicator
-            .all_reduce_f32(data, None)
-            .map(|_| ())
-            .map_err(|e| e.to_string())
+        // A message larger than the segment's slots (the gathered logits of a long prompt)
+        // goes in slot-sized pieces; every rank cuts the same pieces.
+        let piece = (communicator.capacity_bytes() / 4).max(1);
+        for chunk in data.chunks_mut(piece) {
+            communicator
+                .all_reduce_f32(chunk, None)
+                .map_err(|e| e.to_string())?;
+        }
+        Ok(())
     }
 }
 

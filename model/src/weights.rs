@@ -213,10 +213,15 @@ pub struct LayerWeights {
 
 #[derive(Clone, Debug)]
 pub struct ModelWeights {
+    /// The embedding's rows `vocab_rows` (all of them unless this is a tensor-parallel shard).
     pub embed: Bf16Weight,
     pub layers: Vec<LayerWeights>,
     pub norm: Vec<f32>,
+    /// `lm_head`'s rows `vocab_rows`.
     pub lm_head: Bf16Weight,
+    /// The vocabulary ids whose rows of `embed` and `lm_head` these weights hold:
+    /// `0..vocab_size`, or a rank's [`TpShard::vocab_rows`].
+    pub vocab_rows: Range<usize>,
 }
 
 impl Bf16Weight {
@@ -334,6 +339,24 @@ impl TpShard {
         let per = total / self.world;
         (self.rank * per, (self.rank + 1) * per)
     }
+
+    /// This rank's rows of a `vocab`-row table (the embedding and `lm_head`): nearly equal
+    /// parts in rank order, the first `vocab % world` ranks one row longer, so any vocabulary
+    /// splits and rank 0 holds the most. The one definition of the vocabulary split: the CPU
+    /// shard, the device executor and `model plan` all take it from here.
+    pub fn vocab_rows(&self, vocab: usize) -> Range<usize> {
+        let world = self.world.max(1);
+        let (base, extra) = (vocab / world, vocab % world);
+        let start = self.rank * base + self.rank.min(extra);
+        start..start + base + usize::from(self.rank < extra)
+    }
+
+    /// The rank of `world` whose [`vocab_rows`](Self::vocab_rows) are `rows`, if one is.
+    pub fn holding_vocab_rows(world: usize, vocab: usize, rows: &Range<usize>) -> Option<Self> {
+        (0..world.max(1))
+            .map(|rank| Self { rank, world })
+            .find(|s| s.vocab_rows(vocab) == *rows)
+    }
 }
 
 impl DenseMlpWeights {
@@ -349,8 +372,10 @@ impl DenseMlpWeights {
 
 impl ModelWeights {
     /// This rank's shard: attention heads and every MLP's intermediate dimension split across
-    /// ranks (outputs become partial sums for the all-reduce); embeddings, `lm_head`, norms,
-    /// the router and the latent projections (`q_a`, `kv_a`) replicated.
+    /// ranks (outputs become partial sums for the all-reduce), the embedding's and `lm_head`'s
+    /// rows split by vocabulary ([`TpShard::vocab_rows`]: an embedding row outside the shard
+    /// is zeros to the all-reduce, and each rank scores its own ids); norms, the router and
+    /// the latent projections (`q_a`, `kv_a`) replicated.
     pub fn shard(
         &self,
         config: &crate::config::ModelConfig,
@@ -427,11 +452,64 @@ impl ModelWeights {
                 }
             })
             .collect();
+        if self.vocab_rows != (0..config.vocab_size) {
+            return Err(format!(
+                "sharding weights that already hold only vocabulary rows {:?}",
+                self.vocab_rows
+            ));
+        }
+        let vocab_rows = shard.vocab_rows(config.vocab_size);
         Ok(Self {
-            embed: self.embed.clone(),
+            embed: self.embed.rows_slice(vocab_rows.start, vocab_rows.end),
             layers,
             norm: self.norm.clone(),
-            lm_head: self.lm_head.clone(),
+            lm_head: self.lm_head.rows_slice(vocab_rows.start, vocab_rows.end),
+            vocab_rows,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TpShard;
+
+    /// The vocabulary split covers every id once, in rank order, the parts at most one row
+    /// apart with rank 0 the largest; and each part names its rank back.
+    #[test]
+    fn vocabulary_rows_partition_the_vocabulary_in_rank_order() {
+        for (vocab, world) in [
+            (163_840, 8),
+            (512, 4),
+            (10, 3),
+            (8, 8),
+            (129_280, 3),
+            (7, 1),
+        ] {
+            let parts: Vec<_> = (0..world)
+                .map(|rank| TpShard { rank, world }.vocab_rows(vocab))
+                .collect();
+            assert_eq!(parts[0].start, 0, "{vocab} over {world}");
+            assert_eq!(parts[world - 1].end, vocab, "{vocab} over {world}");
+            for (rank, pair) in parts.windows(2).enumerate() {
+                assert_eq!(
+                    pair[0].end, pair[1].start,
+                    "{vocab} over {world}, rank {rank}"
+                );
+            }
+            let lens: Vec<usize> = parts.iter().map(|p| p.len()).collect();
+            let (max, min) = (lens.iter().max().unwrap(), lens.iter().min().unwrap());
+            assert!(
+                max - min <= 1 && lens[0] == *max,
+                "{vocab} over {world}: {lens:?}"
+            );
+            for (rank, rows) in parts.iter().enumerate() {
+                assert_eq!(
+                    TpShard::holding_vocab_rows(world, vocab, rows),
+                    Some(TpShard { rank, world })
+                );
+            }
+        }
+        assert_eq!(TpShard::holding_vocab_rows(4, 512, &(0..100)), None);
+        assert_eq!(TpShard { rank: 0, world: 8 }.vocab_rows(163_840), 0..20_480);
     }
 }

@@ -8,7 +8,7 @@
 
 use half::bf16;
 use kernels::device::{Device, DeviceExt};
-use kernels::layers::{HeadRows, LayerKernels, OutputType, RopeSlices, RouterShape};
+use kernels::layers::{DenseOutput, HeadRows, LayerKernels, OutputType, RopeSlices, RouterShape};
 use kernels::moe_gemm::check::Rng;
 use kernels::moe_gemm::launch::GroupedRouting;
 use kernels::moe_gemm::reference::{Routing, silu};
@@ -61,6 +61,10 @@ pub fn all<D: Device>() -> Vec<(&'static str, Check<D>)> {
         (
             "argmax_matches_greedy_sampling_with_ties",
             argmax_matches_greedy_sampling_with_ties::<D>,
+        ),
+        (
+            "vocabulary_parallel_argmax_equals_the_whole_rows",
+            vocabulary_parallel_argmax_equals_the_whole_rows::<D>,
         ),
         (
             "dense_heads_matches_per_head_products_in_both_output_types",
@@ -119,33 +123,69 @@ pub fn embed_gather_copies_rows_and_reports_a_bad_id<D: Device>(dev: &D, k: &Lay
     let table = bf16_bits(&random(&mut rng, vocab * hidden, 1.0));
     let table_d = dev.upload(&table).unwrap();
     let table_f = from_bits(&table);
-    for (ids, bad) in [(vec![0i32, 999, 17, 17, 500], -1), (vec![3, 1000, 5], 1000)] {
-        let ids_d = dev.upload(&ids).unwrap();
-        let out = poisoned(dev, ids.len() * hidden);
-        let bad_d = dev.upload(&[-1i32]).unwrap();
-        k.embed_gather(
+    // The whole table, then a tensor-parallel rank's rows of it (ids of the vocabulary
+    // outside them are zeros, which the ranks' all-reduce fills in).
+    let shard = 300..700;
+    let shard_d = dev
+        .upload(&table[shard.start * hidden..shard.end * hidden])
+        .unwrap();
+    for (held, table_d) in [(0..vocab, &table_d), (shard, &shard_d)] {
+        for (ids, bad) in [
+            (vec![0i32, 999, 17, 17, 500, 300, 699, 700], -1),
+            (vec![3, 1000, 5], 1000),
+            (vec![400, -2], -2),
+        ] {
+            let ids_d = dev.upload(&ids).unwrap();
+            let out = poisoned(dev, ids.len() * hidden);
+            let bad_d = dev.upload(&[-1i32]).unwrap();
+            k.embed_gather(
+                dev,
+                &ids_d,
+                ids.len(),
+                table_d,
+                held.clone(),
+                vocab,
+                hidden,
+                &out,
+                &bad_d,
+            )
+            .unwrap();
+            let got: Vec<f32> = dev.download(&out).unwrap();
+            for (t, &id) in ids.iter().enumerate() {
+                let row = &got[t * hidden..(t + 1) * hidden];
+                if id >= 0 && held.contains(&(id as usize)) {
+                    let want = &table_f[id as usize * hidden..(id as usize + 1) * hidden];
+                    assert_eq!(row, want, "rows {held:?}: token {t} (id {id})");
+                } else {
+                    assert!(
+                        row.iter().all(|&v| v == 0.0),
+                        "rows {held:?}: id {id}'s row not zeroed"
+                    );
+                }
+            }
+            assert_eq!(dev.download::<i32>(&bad_d).unwrap()[0], bad, "{held:?}");
+        }
+    }
+    let ids_d = dev.upload(&[1i32]).unwrap();
+    let out = poisoned(dev, hidden);
+    let err = k
+        .embed_gather(
             dev,
             &ids_d,
-            ids.len(),
-            &table_d,
+            1,
+            &shard_d,
+            600..1001,
             vocab,
             hidden,
             &out,
-            &bad_d,
+            &ids_d,
         )
-        .unwrap();
-        let got: Vec<f32> = dev.download(&out).unwrap();
-        for (t, &id) in ids.iter().enumerate() {
-            let row = &got[t * hidden..(t + 1) * hidden];
-            if (0..vocab as i32).contains(&id) {
-                let want = &table_f[id as usize * hidden..(id as usize + 1) * hidden];
-                assert_eq!(row, want, "token {t} (id {id})");
-            } else {
-                assert!(row.iter().all(|&v| v == 0.0), "bad id {id} row not zeroed");
-            }
-        }
-        assert_eq!(dev.download::<i32>(&bad_d).unwrap()[0], bad);
-    }
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("embed_gather") && err.contains("600..1001"),
+        "{err}"
+    );
 }
 
 pub fn add_rms_norm_matches_the_cpu_norm<D: Device>(dev: &D, k: &LayerKernels<D>) {
@@ -429,25 +469,77 @@ pub fn dense_bf16_matches_a_double_precision_product<D: Device>(dev: &D, k: &Lay
         k.dense_bf16(dev, &x_d, tokens, &w_d, kk, n, &y_d, accumulate)
             .unwrap();
         let got: Vec<f32> = dev.download(&y_d).unwrap();
+        check_dense_rows(&got, &x, &wf, &prior, (tokens, kk, n), accumulate);
+        // The same product into columns 40.. of rows of 300 (a vocabulary-parallel lm_head
+        // writing its columns of full rows): the columns around it keep their values.
+        let out = DenseOutput {
+            offset: 40,
+            row_stride: 300,
+        };
+        let mut wide = random(&mut rng, out.span(tokens, n) + 7, 1.0);
         for t in 0..tokens {
-            for r in 0..n {
-                let xs = &x[t * kk..(t + 1) * kk];
-                let ws = &wf[r * kk..(r + 1) * kk];
-                let dot: f64 = xs.iter().zip(ws).map(|(a, b)| *a as f64 * *b as f64).sum();
-                let mag: f64 = xs.iter().zip(ws).map(|(a, b)| (*a * *b).abs() as f64).sum();
-                let base = if accumulate {
-                    prior[t * n + r] as f64
-                } else {
-                    0.0
-                };
-                let diff = (got[t * n + r] as f64 - (base + dot)).abs();
-                assert!(
-                    diff <= 1e-6 * (mag + base.abs()),
-                    "token {t} row {r}: {} vs {}",
-                    got[t * n + r],
-                    base + dot
-                );
+            let row = &mut wide[40 + t * 300..40 + t * 300 + n];
+            row.copy_from_slice(&prior[t * n..(t + 1) * n]);
+        }
+        let wide_d = dev.upload(&wide).unwrap();
+        k.dense_bf16_into(dev, &x_d, tokens, &w_d, kk, n, &wide_d, out, accumulate)
+            .unwrap();
+        let got_wide: Vec<f32> = dev.download(&wide_d).unwrap();
+        let mut packed = Vec::new();
+        for (i, (&g, &before)) in got_wide.iter().zip(&wide).enumerate() {
+            let column = i.checked_sub(40).map(|j| (j / 300, j % 300));
+            match column {
+                Some((t, c)) if t < tokens && c < n => packed.push(g),
+                _ => assert_eq!(
+                    g.to_bits(),
+                    before.to_bits(),
+                    "element {i} outside the rows"
+                ),
             }
+        }
+        assert_eq!(
+            packed, got,
+            "the strided product differs from the packed one"
+        );
+        let overlapping = DenseOutput {
+            offset: 0,
+            row_stride: n - 1,
+        };
+        let err = k
+            .dense_bf16_into(dev, &x_d, tokens, &w_d, kk, n, &wide_d, overlapping, false)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("dense_bf16"), "{err}");
+    }
+}
+
+/// `got [tokens][n]` against `x · wᵀ` (+ `prior`) in f64, within FP32 rounding.
+fn check_dense_rows(
+    got: &[f32],
+    x: &[f32],
+    wf: &[f32],
+    prior: &[f32],
+    (tokens, kk, n): (usize, usize, usize),
+    accumulate: bool,
+) {
+    for t in 0..tokens {
+        for r in 0..n {
+            let xs = &x[t * kk..(t + 1) * kk];
+            let ws = &wf[r * kk..(r + 1) * kk];
+            let dot: f64 = xs.iter().zip(ws).map(|(a, b)| *a as f64 * *b as f64).sum();
+            let mag: f64 = xs.iter().zip(ws).map(|(a, b)| (*a * *b).abs() as f64).sum();
+            let base = if accumulate {
+                prior[t * n + r] as f64
+            } else {
+                0.0
+            };
+            let diff = (got[t * n + r] as f64 - (base + dot)).abs();
+            assert!(
+                diff <= 1e-6 * (mag + base.abs()),
+                "token {t} row {r}: {} vs {}",
+                got[t * n + r],
+                base + dot
+            );
         }
     }
 }
@@ -491,6 +583,86 @@ pub fn argmax_matches_greedy_sampling_with_ties<D: Device>(dev: &D, k: &LayerKer
         .collect();
     assert_eq!(want[1..], [5, 0, vocab as i32 - 1]);
     assert_eq!(dev.download::<i32>(&ids).unwrap(), want);
+}
+
+/// The vocabulary-parallel greedy pick: every rank's `argmax_shard` over its
+/// `TpShard::vocab_rows`, the pairs summed over the ranks in rank order (what the all-reduce
+/// does), then `argmax_ranks`, gives the whole row's `argmax_rows`, on Kimi's vocabulary over
+/// 3 ranks (uneven) and 8: ties inside a rank and across a rank boundary, a row all equal, the
+/// maximum last, a rank all NaN, rows of -inf.
+pub fn vocabulary_parallel_argmax_equals_the_whole_rows<D: Device>(dev: &D, k: &LayerKernels<D>) {
+    use model::weights::TpShard;
+    let mut rng = Rng(13);
+    let vocab = 163_840;
+    let rows = 7;
+    let mut logits = random(&mut rng, rows * vocab, 10.0);
+    logits[vocab + 5] = 50.0;
+    logits[vocab + 150_000] = 50.0;
+    logits[2 * vocab..3 * vocab].fill(-1.0);
+    logits[4 * vocab - 1] = 60.0;
+    // Row 4: the first ids (rank 0's) all NaN; the best is on a later rank.
+    logits[4 * vocab..4 * vocab + 60_000].fill(f32::NAN);
+    // Row 5: all -inf but one NaN (the first -inf wins, as on whole rows); row 6: all NaN.
+    logits[5 * vocab..6 * vocab].fill(f32::NEG_INFINITY);
+    logits[5 * vocab] = f32::NAN;
+    logits[6 * vocab..7 * vocab].fill(f32::NAN);
+    let logits_d = dev.upload(&logits).unwrap();
+    let whole = poisoned(dev, rows);
+    k.argmax_rows(dev, &logits_d, rows, vocab, &whole).unwrap();
+    let want: Vec<i32> = dev.download(&whole).unwrap();
+    assert_eq!(want[1..4], [5, 0, vocab as i32 - 1]);
+    assert_eq!(want[5..], [1, 0]);
+    for world in [3, 8] {
+        // Row 3: a tie across the first boundary, the later rank's first id loses.
+        let boundary = TpShard { rank: 1, world }.vocab_rows(vocab).start;
+        let mut tied = logits.clone();
+        tied[3 * vocab + boundary - 1] = 70.0;
+        tied[3 * vocab + boundary] = 70.0;
+        let tied_d = dev.upload(&tied).unwrap();
+        let mut summed = vec![0.0f32; rows * world * 2];
+        for rank in 0..world {
+            let ids = TpShard { rank, world }.vocab_rows(vocab);
+            // Each rank scores only its columns: give it a buffer of just them.
+            let mine: Vec<f32> = tied
+                .chunks_exact(vocab)
+                .flat_map(|r| r[ids.clone()].to_vec())
+                .collect();
+            let mine_d = dev.upload(&mine).unwrap();
+            let pairs = poisoned(dev, rows * world * 2);
+            k.argmax_shard(
+                dev,
+                &mine_d,
+                rows,
+                ids.len(),
+                ids.len(),
+                ids.start,
+                world,
+                rank,
+                &pairs,
+            )
+            .unwrap();
+            for (s, v) in summed.iter_mut().zip(dev.download::<f32>(&pairs).unwrap()) {
+                *s += v;
+            }
+        }
+        let summed_d = dev.upload(&summed).unwrap();
+        let ids = poisoned(dev, rows);
+        k.argmax_ranks(dev, &summed_d, rows, world, &ids).unwrap();
+        let whole = poisoned(dev, rows);
+        k.argmax_rows(dev, &tied_d, rows, vocab, &whole).unwrap();
+        let want: Vec<i32> = dev.download(&whole).unwrap();
+        assert_eq!(want[3], boundary as i32 - 1, "tp {world}");
+        assert_eq!(dev.download::<i32>(&ids).unwrap(), want, "tp {world}");
+    }
+    let pairs = poisoned(dev, 8);
+    let err = k
+        .argmax_shard(dev, &logits_d, 1, vocab, 10, 0, 4, 4, &pairs)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("argmax_shard") && err.contains("rank 4 of 4"),
+        "{err}"
+    );
 }
 
 /// `sample_rows` on Kimi's vocabulary draws, for every counter, the token the CPU sampler draws

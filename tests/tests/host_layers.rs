@@ -59,6 +59,11 @@ fn argmax_matches_greedy_sampling_with_ties() {
 }
 
 #[test]
+fn vocabulary_parallel_argmax_equals_the_whole_rows() {
+    run(layer_checks::vocabulary_parallel_argmax_equals_the_whole_rows);
+}
+
+#[test]
 fn launchers_name_the_kernel_and_buffer_that_is_too_small() {
     run(layer_checks::launchers_name_the_kernel_and_buffer_that_is_too_small);
 }

@@ -3,6 +3,7 @@
 
 use std::sync::Mutex;
 
+use kernels::blas::BlasGemm;
 use kernels::device::{Device, DeviceError, DeviceMemory, KernelParams, LaunchConfig, Result};
 use kernels::moe_gemm::Sm;
 
@@ -59,6 +60,8 @@ enum HostOp {
         len: usize,
         byte: u8,
     },
+    /// A vendor product, run by the reference of its semantics.
+    Blas(BlasGemm),
 }
 
 /// A captured sequence of launches and fills: the host layer's CUDA graph. Replaying it runs
@@ -195,16 +198,17 @@ impl Device for HostDevice {
         Ok(memory.bytes()[..bytes.min(memory.len())].to_vec())
     }
 
-    fn fill(&self, memory: &mut DeviceBuffer, byte: u8) -> Result<()> {
+    fn fill_prefix(&self, memory: &mut DeviceBuffer, bytes: usize, byte: u8) -> Result<()> {
+        let len = bytes.min(memory.len());
         if let Some(ops) = self.capture.lock().unwrap().as_mut() {
             ops.push(HostOp::Fill {
                 ptr: memory.ptr(),
-                len: memory.len(),
+                len,
                 byte,
             });
             return Ok(());
         }
-        memory.fill(byte);
+        memory.bytes_mut()[..len].fill(byte);
         Ok(())
     }
 
@@ -276,6 +280,23 @@ impl Device for HostDevice {
         unsafe { self.launch_now(kernel, cfg, params) }
     }
 
+    fn blas_ready(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// The host layer's stand-in for cuBLASLt: [`BlasGemm::run_on_host`], the reference of
+    /// the library's semantics (not a CUDA source: the vendor's code is not ours to run).
+    unsafe fn blas_gemm(&self, gemm: &BlasGemm) -> Result<()> {
+        gemm.validate()?;
+        if let Some(ops) = self.capture.lock().unwrap().as_mut() {
+            ops.push(HostOp::Blas(*gemm));
+            return Ok(());
+        }
+        // SAFETY: this device's addresses are host addresses; the caller guarantees the
+        // buffers (Device::blas_gemm's contract), and launches run one at a time.
+        unsafe { gemm.run_on_host() }
+    }
+
     fn synchronize(&self) -> Result<()> {
         Ok(())
     }
@@ -320,6 +341,11 @@ impl Device for HostDevice {
                     // SAFETY: `ptr..ptr + len` was a live buffer of this device when captured,
                     // and the graph's owner keeps it alive.
                     unsafe { std::ptr::write_bytes(ptr as *mut u8, byte, len) };
+                }
+                HostOp::Blas(gemm) => {
+                    // SAFETY: as for a launch: the captured product met blas_gemm's contract,
+                    // and the graph's owner keeps its buffers alive.
+                    unsafe { gemm.run_on_host() }?;
                 }
             }
         }

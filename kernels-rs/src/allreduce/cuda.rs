@@ -286,6 +286,72 @@ mod nccl {
             r.map(|_| ())
                 .map_err(|e| dev_err(format_args!("ncclAllReduce: {e:?}")))
         }
+
+        /// In-place sum of `len` elements at device address `data`, enqueued on the
+        /// communicator's stream (graph-capturable: NCCL ≥ 2.9 records its kernels into a
+        /// capture like any launch).
+        ///
+        /// # Safety
+        /// `data` holds `len` elements of `dtype` on this communicator's device, and nothing
+        /// else writes them until the call completes in stream order.
+        pub unsafe fn all_reduce_raw(
+            &self,
+            dtype: DType,
+            data: u64,
+            len: usize,
+        ) -> Result<(), AllReduceError> {
+            let r = match dtype {
+                DType::Bf16 => self.0.all_reduce_in_place(
+                    &mut Raw::<half::bf16>::new(data, len, self.0.stream()),
+                    &ReduceOp::Sum,
+                ),
+                DType::F32 => self.0.all_reduce_in_place(
+                    &mut Raw::<f32>::new(data, len, self.0.stream()),
+                    &ReduceOp::Sum,
+                ),
+            };
+            r.map(|_| ())
+                .map_err(|e| dev_err(format_args!("ncclAllReduce: {e:?}")))
+        }
+    }
+
+    /// A device range given by its address, for cudarc's NCCL calls (which take slices): the
+    /// executor's buffers are not cudarc slices of this communicator.
+    struct Raw<T> {
+        ptr: CUdeviceptr,
+        len: usize,
+        stream: Arc<CudaStream>,
+        _element: std::marker::PhantomData<T>,
+    }
+
+    impl<T> Raw<T> {
+        fn new(ptr: u64, len: usize, stream: Arc<CudaStream>) -> Self {
+            Self {
+                ptr,
+                len,
+                stream,
+                _element: std::marker::PhantomData,
+            }
+        }
+    }
+
+    impl<T> cudarc::driver::DeviceSlice<T> for Raw<T> {
+        fn len(&self) -> usize {
+            self.len
+        }
+        fn stream(&self) -> &Arc<CudaStream> {
+            &self.stream
+        }
+    }
+
+    impl<T> cudarc::driver::DevicePtrMut<T> for Raw<T> {
+        fn device_ptr_mut<'a>(
+            &'a mut self,
+            _stream: &'a CudaStream,
+        ) -> (CUdeviceptr, cudarc::driver::SyncOnDrop<'a>) {
+            // One stream (the executor's): stream order is all the ordering there is.
+            (self.ptr, cudarc::driver::SyncOnDrop::Sync(None))
+        }
     }
 }
 
@@ -1018,6 +1084,50 @@ impl CudaIpcCommunicator {
         // NCCL's reduction order is its own (ring/tree): results are a correct sum, but not
         // bit-identical to `reference_reduce` or across message sizes.
         nccl.all_reduce(dtype, &mut self.stage, len)
+    }
+
+    /// Sums `len` elements of `dtype` at device address `data` in place with NCCL, on the
+    /// communicator's stream, inside a captured graph as outside: the path for the sizes the
+    /// policy sends to NCCL. NCCL's reduction order is its own (ring or tree), so the result is
+    /// a correct sum, not bit-identical to `reference_reduce`.
+    ///
+    /// # Safety
+    /// `data` holds `len` elements of `dtype` on this communicator's device, not written by
+    /// anything else until the call completes in stream order; every rank makes the same call.
+    #[cfg(feature = "nccl")]
+    pub unsafe fn nccl_raw(
+        &mut self,
+        dtype: DType,
+        len: usize,
+        data: u64,
+    ) -> Result<(), AllReduceError> {
+        self.ensure_usable()?;
+        let Some(nccl) = &self.nccl else {
+            return Err(dev_err(
+                "the policy picked NCCL, but NCCL is not available (libnccl, or an NCCL id at \
+                 the rendezvous)",
+            ));
+        };
+        // SAFETY: forwarded from the caller.
+        unsafe { nccl.all_reduce_raw(dtype, data, len) }?;
+        self.calls += 1;
+        Ok(())
+    }
+
+    /// Without feature `nccl`: the error saying so.
+    ///
+    /// # Safety
+    /// None needed: nothing is launched.
+    #[cfg(not(feature = "nccl"))]
+    pub unsafe fn nccl_raw(
+        &mut self,
+        _dtype: DType,
+        _len: usize,
+        _data: u64,
+    ) -> Result<(), AllReduceError> {
+        Err(dev_err(
+            "the policy picked NCCL, but this build has no NCCL (feature `nccl`)",
+        ))
     }
 
     #[cfg(not(feature = "nccl"))]

@@ -24,8 +24,12 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
+use crate::blas::BlasGemm;
 use crate::device::{Device, DeviceMemory, KernelParams, LaunchConfig};
+
+mod blas;
 use crate::moe_gemm::Sm;
+pub use blas::library_present as cublaslt_present;
 
 /// Environment variable that overrides where kernel images are looked for.
 pub const PTX_DIR_ENV: &str = "KIMI_PTX_DIR";
@@ -146,6 +150,8 @@ pub struct GpuContext {
     ptx_dir: PathBuf,
     /// Loaded kernel images by path: the kernels of one tactic share their module.
     modules: Mutex<HashMap<PathBuf, Arc<CudaModule>>>,
+    /// cuBLASLt, opened by the first [`Device::blas_ready`].
+    blas: Mutex<Option<blas::Blas>>,
 }
 
 impl GpuContext {
@@ -201,6 +207,7 @@ impl GpuContext {
                 info,
                 ptx_dir,
                 modules: Mutex::new(HashMap::new()),
+                blas: Mutex::new(None),
             })
         })
     }
@@ -428,8 +435,11 @@ impl Device for GpuContext {
         Ok(v)
     }
 
-    fn fill(&self, memory: &mut GpuMemory, byte: u8) -> Result<()> {
-        let n = memory.slice.len();
+    fn fill_prefix(&self, memory: &mut GpuMemory, bytes: usize, byte: u8) -> Result<()> {
+        let n = bytes.min(memory.len);
+        if n == 0 {
+            return Ok(());
+        }
         let (ptr, _sync) = memory.slice.device_ptr_mut(&self.stream);
         // SAFETY: ptr is a live allocation of n bytes on this stream's context.
         unsafe { cudarc::driver::result::memset_d8_async(ptr, byte, n, self.stream.cu_stream()) }
@@ -558,6 +568,22 @@ impl Device for GpuContext {
             )
         }
         .during(|| format!("launch {} of {} ({cfg})", kernel.name, kernel.tactic))
+    }
+
+    fn blas_ready(&self) -> Result<()> {
+        let mut blas = self.blas.lock().unwrap();
+        if blas.is_none() {
+            *blas = Some(blas::Blas::open(&self.stream)?);
+        }
+        Ok(())
+    }
+
+    unsafe fn blas_gemm(&self, gemm: &BlasGemm) -> Result<()> {
+        self.blas_ready()?;
+        let mut blas = self.blas.lock().unwrap();
+        let blas = blas.as_mut().expect("opened by blas_ready");
+        // SAFETY: forwarded from the caller (live allocations of this context).
+        unsafe { blas.gemm(&self.stream, gemm) }
     }
 
     fn synchronize(&self) -> Result<()> {

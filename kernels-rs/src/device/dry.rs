@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::{Device, DeviceError, DeviceMemory, KernelParams, LaunchConfig, Result};
 use crate::arch::{MAX_BLOCK_DIM, MAX_GRID_DIM, MAX_THREADS_PER_BLOCK, Sm};
+use crate::blas::BlasGemm;
 
 /// Where the first allocation's fake address lies: far from null, so a zero address in a
 /// parameter block is never mistaken for one of these.
@@ -179,11 +180,20 @@ impl Device for DryDevice {
         Ok(vec![0; bytes.min(memory.len)])
     }
 
-    fn fill(&self, _memory: &mut DryMemory, _byte: u8) -> Result<()> {
+    fn fill_prefix(&self, _memory: &mut DryMemory, _bytes: usize, _byte: u8) -> Result<()> {
         if let Some(graph) = self.capture.lock().unwrap().as_mut() {
             graph.fills += 1;
         }
         Ok(())
+    }
+
+    fn blas_ready(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Checked like the library would check it, then dropped.
+    unsafe fn blas_gemm(&self, gemm: &BlasGemm) -> Result<()> {
+        gemm.validate()
     }
 
     fn write_bytes(&self, memory: &mut DryMemory, bytes: &[u8]) -> Result<()> {

@@ -2,7 +2,7 @@
 // forward pass (model/src/forward.rs) does on the host between products, as device work, so a
 // whole step can stay on the device and be captured as a CUDA graph.
 //
-//   embed_gather     token ids → FP32 rows of the BF16 embedding table
+//   embed_gather     token ids → FP32 rows of the BF16 embedding table (or of a rank's rows)
 //   add_rms_norm     residual += x (optional), out = RMSNorm(residual) · w   (one row per CTA)
 //   rope_interleaved rotate pairs (2i, 2i+1) of strided slices by position (YaRN frequencies)
 //   route_noaux_tc   DeepSeek-V3 / Kimi routing: sigmoid scores, correction bias for choosing
@@ -15,6 +15,8 @@
 //                    attention's W_UK and W_UV products, every head in one launch)
 //   silu_mul         h = SiLU(gate) · up over [rows, 2·I] = gate ‖ up
 //   argmax_rows      greedy sampling, the first index on ties
+//   argmax_shard     the same over a rank's vocabulary columns, as a (value, id) pair slot
+//   argmax_ranks     the best of the ranks' gathered pairs (vocabulary-parallel greedy)
 //   sample_rows      temperature / top-k / top-p sampling from a counter-based RNG (Philox)
 //   to_bf16_strided  strided FP32 slices → contiguous BF16 (the MoE input, q_pe)
 //   gather_rows      out[i] = in[rows[i]] (the rows that get logits)
@@ -86,16 +88,22 @@ __device__ __forceinline__ void block_argmax(float& v, int& i, float* best_v, in
 
 using namespace layers;
 
-// grid: tokens; block: kThreads. An id outside [0, vocab) records itself in *bad_id (the first
-// one wins) and writes zeros, so the host learns of it at its next synchronization.
+// grid: tokens; block: kThreads. `table` holds the rows of ids [first_id, first_id + rows)
+// (a tensor-parallel rank's share of the vocabulary; all of it on one device): an id of the
+// vocabulary outside them writes zeros, which the ranks' all-reduce adds to the one rank's
+// row. An id outside [0, vocab) records itself in *bad_id (the first one wins) and writes
+// zeros, so the host learns of it at its next synchronization.
 extern "C" __global__ void __launch_bounds__(kThreads) embed_gather(
-    const int* ids, const __nv_bfloat16* table, int vocab, int hidden, float* out, int* bad_id) {
+    const int* ids, const __nv_bfloat16* table, int vocab, int first_id, int rows, int hidden,
+    float* out, int* bad_id) {
   const int t = blockIdx.x;
   const int id = ids[t];
   const bool ok = id >= 0 && id < vocab;
   if (!ok && threadIdx.x == 0) atomicCAS(bad_id, -1, id);
+  const bool held = ok && id >= first_id && id - first_id < rows;
+  const __nv_bfloat16* row = table + size_t(held ? id - first_id : 0) * hidden;
   for (int i = threadIdx.x; i < hidden; i += kThreads)
-    out[size_t(t) * hidden + i] = ok ? __bfloat162float(table[size_t(id) * hidden + i]) : 0.f;
+    out[size_t(t) * hidden + i] = held ? __bfloat162float(row[i]) : 0.f;
 }
 
 // grid: rows; block: kThreads. `x` may be null (plain RMSNorm of `residual`).
@@ -257,10 +265,11 @@ extern "C" __global__ void __launch_bounds__(kThreads) group_by_expert(
 }
 
 // y [T, N] = x [T, K] · Wᵀ with W BF16 [N, K]; one warp per (token, output row), K strided
-// over the lanes in FP32, then a warp sum. grid: (ceil(N / kWarps), T); block: kThreads.
-// `accumulate` adds into y instead of overwriting it.
+// over the lanes in FP32, then a warp sum. Row t of y starts at y + t·ldy (ldy >= N: a
+// vocabulary-parallel lm_head writes its columns of full-vocabulary rows). grid:
+// (ceil(N / kWarps), T); block: kThreads. `accumulate` adds into y instead of overwriting it.
 extern "C" __global__ void __launch_bounds__(kThreads) dense_bf16(
-    const float* x, const __nv_bfloat16* w, int k, int n, float* y, int accumulate) {
+    const float* x, const __nv_bfloat16* w, int k, int n, float* y, int ldy, int accumulate) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int row = blockIdx.x * kWarps + warp, t = blockIdx.y;
   if (row >= n) return;
@@ -270,7 +279,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) dense_bf16(
   for (int i = lane; i < k; i += 32) acc += xr[i] * __bfloat162float(wr[i]);
   acc = warp_sum(acc);
   if (lane == 0) {
-    float* dst = y + size_t(t) * n + row;
+    float* dst = y + size_t(t) * ldy + row;
     *dst = accumulate ? *dst + acc : acc;
   }
 }
@@ -296,6 +305,47 @@ extern "C" __global__ void __launch_bounds__(kThreads) argmax_rows(const float* 
   for (int j = threadIdx.x; j < vocab; j += kThreads) better(v, i, row[j], j);
   block_argmax(v, i, best_v, best_i);
   if (threadIdx.x == 0) ids[blockIdx.x] = i == 0x7fffffff ? 0 : i;
+}
+
+// The vocabulary-parallel greedy pick, per rank: row r's best (value, id) among this rank's
+// `count` columns (ids first_id ..), the first id on ties as argmax_rows, written as two
+// floats into slot `rank` of pairs [rows][ranks][2]; every other slot of the row is zeroed,
+// so the ranks' all-reduce (a sum) gathers every slot exactly (a value plus zeros). A row
+// with no candidate (all NaN) writes (-inf, kNoCandidate). Ids stay below 2^24, exact as
+// floats (the launcher checks). grid: rows; block: kThreads.
+constexpr int kNoCandidate = 1 << 24;
+
+extern "C" __global__ void __launch_bounds__(kThreads) argmax_shard(const float* logits,
+                                                                    int row_stride, int count,
+                                                                    int first_id, int ranks,
+                                                                    int rank, float* pairs) {
+  __shared__ float best_v[kWarps];
+  __shared__ int best_i[kWarps];
+  const float* row = logits + size_t(blockIdx.x) * row_stride;
+  float* slots = pairs + size_t(blockIdx.x) * ranks * 2;
+  float v = -INFINITY;
+  int i = 0x7fffffff;
+  for (int j = threadIdx.x; j < count; j += kThreads) better(v, i, row[j], first_id + j);
+  block_argmax(v, i, best_v, best_i);
+  for (int s = threadIdx.x; s < 2 * ranks; s += kThreads)
+    if (s / 2 != rank) slots[s] = 0.f;
+  if (threadIdx.x == 0) {
+    slots[2 * rank] = v;
+    slots[2 * rank + 1] = float(i == 0x7fffffff ? kNoCandidate : i);
+  }
+}
+
+// ids[r] = the best of row r's gathered (value, id) pairs [ranks][2], the lower id on ties:
+// what argmax_rows gives on the whole row, since each rank's pair is its columns' best.
+// grid: rows; block: kThreads (thread 0 works: at most a few ranks).
+extern "C" __global__ void __launch_bounds__(kThreads) argmax_ranks(const float* pairs,
+                                                                    int ranks, int* ids) {
+  if (threadIdx.x != 0) return;
+  const float* slots = pairs + size_t(blockIdx.x) * ranks * 2;
+  float v = -INFINITY;
+  int i = 0x7fffffff;
+  for (int s = 0; s < ranks; ++s) better(v, i, slots[2 * s], int(slots[2 * s + 1]));
+  ids[blockIdx.x] = i >= kNoCandidate ? 0 : i;
 }
 
 // Per head h (grid.z) and token t (grid.y): y[t, h, :] = x[t, h, :] · W_hᵀ, W_h BF16 [n, k] at

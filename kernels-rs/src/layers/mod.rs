@@ -33,7 +33,7 @@ pub const MAX_EXPERTS: usize = 1024;
 /// Expert groups `route_noaux_tc` handles (a 64-bit mask of the kept ones).
 pub const MAX_GROUPS: usize = 64;
 
-const KERNELS: [&str; 12] = [
+const KERNELS: [&str; 14] = [
     "embed_gather",
     "add_rms_norm",
     "rope_interleaved",
@@ -46,7 +46,12 @@ const KERNELS: [&str; 12] = [
     "to_bf16_strided",
     "gather_rows",
     "sample_rows",
+    "argmax_shard",
+    "argmax_ranks",
 ];
+
+/// Ids `argmax_shard` carries exactly as FP32 values (below 2^24; its `kNoCandidate`).
+pub const MAX_SHARDED_VOCAB: usize = 1 << 24;
 
 /// The router's configuration (the checkpoint's `n_routed_experts`, `n_group`, `topk_group`,
 /// `num_experts_per_tok`, `norm_topk_prob`, `routed_scaling_factor`).
@@ -171,6 +176,42 @@ impl HeadRows {
     }
 }
 
+/// Where a dense product's rows go in its output allocation: row `t` at element
+/// `offset + t · row_stride` (`row_stride` at least the product's `n`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DenseOutput {
+    pub offset: usize,
+    pub row_stride: usize,
+}
+
+impl DenseOutput {
+    /// Rows of `n` values one after the other from the start.
+    pub fn packed(n: usize) -> Self {
+        Self {
+            offset: 0,
+            row_stride: n,
+        }
+    }
+
+    /// Elements the output spans for `rows` rows of `n` values.
+    pub fn span(&self, rows: usize, n: usize) -> usize {
+        if rows == 0 {
+            return 0;
+        }
+        self.offset + (rows - 1) * self.row_stride + n
+    }
+
+    fn check(&self, rows: usize, n: usize, kernel: &str) -> Result<()> {
+        if self.row_stride < n || rows == 0 || n == 0 {
+            return Err(DeviceError::Invalid(format!(
+                "{kernel}: {rows} rows of {n} values, {} apart",
+                self.row_stride
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// Which element type [`LayerKernels::dense_heads`] writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OutputType {
@@ -213,9 +254,12 @@ impl<D: Device> LayerKernels<D> {
         &self.kernels[KERNELS.iter().position(|&k| k == name).unwrap()]
     }
 
-    /// `out [tokens][hidden]` f32 = rows `ids [tokens]` of the BF16 `table [vocab][hidden]`.
-    /// An id outside the table writes a zero row and records itself in `bad_id` (one i32 the
-    /// caller sets to -1 and reads back at its next synchronization).
+    /// `out [tokens][hidden]` f32 = rows `ids [tokens]` of the BF16 embedding, whose rows
+    /// `table_rows` (of a vocabulary of `vocab`) `table [table_rows.len()][hidden]` holds: an
+    /// id of the vocabulary outside them writes a zero row (a tensor-parallel rank's share,
+    /// summed over the ranks after). An id outside the vocabulary writes a zero row and
+    /// records itself in `bad_id` (one i32 the caller sets to -1 and reads back at its next
+    /// synchronization).
     #[allow(clippy::too_many_arguments)]
     pub fn embed_gather(
         &self,
@@ -223,14 +267,20 @@ impl<D: Device> LayerKernels<D> {
         ids: &D::Memory,
         tokens: usize,
         table: &D::Memory,
+        table_rows: std::ops::Range<usize>,
         vocab: usize,
         hidden: usize,
         out: &D::Memory,
         bad_id: &D::Memory,
     ) -> Result<()> {
         const K: &str = "embed_gather";
+        if table_rows.is_empty() || table_rows.end > vocab {
+            return Err(DeviceError::Invalid(format!(
+                "{K}: table rows {table_rows:?} of a vocabulary of {vocab}"
+            )));
+        }
         need(ids, tokens * I32, K, "ids")?;
-        need(table, vocab * hidden * BF16, K, "table")?;
+        need(table, table_rows.len() * hidden * BF16, K, "table")?;
         need(out, tokens * hidden * F32, K, "out")?;
         need(bad_id, I32, K, "bad_id")?;
         let (ids_p, table_p, out_p, bad_p) = (
@@ -239,11 +289,18 @@ impl<D: Device> LayerKernels<D> {
             out.device_ptr(),
             bad_id.device_ptr(),
         );
-        let (vocab, hidden) = (as_i32(vocab, K, "vocab")?, as_i32(hidden, K, "hidden")?);
+        let (vocab, first, rows, hidden) = (
+            as_i32(vocab, K, "vocab")?,
+            as_i32(table_rows.start, K, "first id")?,
+            as_i32(table_rows.len(), K, "table rows")?,
+            as_i32(hidden, K, "hidden")?,
+        );
         let mut p = KernelParams::new();
         p.arg(&ids_p)
             .arg(&table_p)
             .arg(&vocab)
+            .arg(&first)
+            .arg(&rows)
             .arg(&hidden)
             .arg(&out_p)
             .arg(&bad_p)
@@ -251,9 +308,9 @@ impl<D: Device> LayerKernels<D> {
                 tokens * (I32 + hidden as usize * BF16),
                 tokens * hidden as usize * F32,
             );
-        // SAFETY: the signature is `embed_gather(const int*, const bf16*, int, int, float*,
-        // int*)`; every buffer was checked against the sizes above and ids are range-checked
-        // by the kernel.
+        // SAFETY: the signature is `embed_gather(const int*, const bf16*, int, int, int, int,
+        // float*, int*)`; every buffer was checked against the sizes above and the kernel
+        // reads only rows of ids inside [first, first + rows).
         unsafe { dev.launch(self.kernel(K), rows_config(tokens, K)?, &p) }
     }
 
@@ -487,18 +544,50 @@ impl<D: Device> LayerKernels<D> {
         y: &D::Memory,
         accumulate: bool,
     ) -> Result<()> {
+        let rows = DenseOutput::packed(n);
+        self.dense_bf16_into(dev, x, tokens, w, k, n, y, rows, accumulate)
+    }
+
+    /// As [`dense_bf16`](Self::dense_bf16), with row `t` of the product at element
+    /// `out.offset + t · out.row_stride` of `y` (a vocabulary-parallel `lm_head` writes its
+    /// columns of full-vocabulary rows).
+    #[allow(clippy::too_many_arguments)]
+    pub fn dense_bf16_into(
+        &self,
+        dev: &D,
+        x: &D::Memory,
+        tokens: usize,
+        w: &D::Memory,
+        k: usize,
+        n: usize,
+        y: &D::Memory,
+        out: DenseOutput,
+        accumulate: bool,
+    ) -> Result<()> {
         const K: &str = "dense_bf16";
+        out.check(tokens, n, K)?;
         need(x, tokens * k * F32, K, "x")?;
         need(w, n * k * BF16, K, "w")?;
-        need(y, tokens * n * F32, K, "y")?;
-        let (xp, wp, yp) = (x.device_ptr(), w.device_ptr(), y.device_ptr());
-        let (kk, nn, acc) = (
+        need(y, out.span(tokens, n) * F32, K, "y")?;
+        let (xp, wp, yp) = (
+            x.device_ptr(),
+            w.device_ptr(),
+            y.device_ptr() + (out.offset * F32) as u64,
+        );
+        let (kk, nn, ldy, acc) = (
             as_i32(k, K, "k")?,
             as_i32(n, K, "n")?,
+            as_i32(out.row_stride, K, "row stride")?,
             i32::from(accumulate),
         );
         let mut p = KernelParams::new();
-        p.arg(&xp).arg(&wp).arg(&kk).arg(&nn).arg(&yp).arg(&acc);
+        p.arg(&xp)
+            .arg(&wp)
+            .arg(&kk)
+            .arg(&nn)
+            .arg(&yp)
+            .arg(&ldy)
+            .arg(&acc);
         let out_bytes = tokens * n * F32;
         p.traffic(
             tokens * k * F32 + n * k * BF16 + if accumulate { out_bytes } else { 0 },
@@ -518,8 +607,9 @@ impl<D: Device> LayerKernels<D> {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: `dense_bf16(const float*, const bf16*, int, int, float*, int)`; the grid
-        // covers n rows × tokens and the kernel skips rows past n; sizes checked above.
+        // SAFETY: `dense_bf16(const float*, const bf16*, int, int, float*, int, int)`; the
+        // grid covers n rows × tokens and the kernel skips rows past n; the last output
+        // element was checked against `y` above.
         unsafe { dev.launch(self.kernel(K), cfg, &p) }
     }
 
@@ -563,6 +653,83 @@ impl<D: Device> LayerKernels<D> {
         p.arg(&l).arg(&vocab).arg(&i);
         p.traffic(rows * vocab as usize * F32, rows * I32);
         // SAFETY: `argmax_rows(const float*, int, int*)`; sizes checked above.
+        unsafe { dev.launch(self.kernel(K), rows_config(rows, K)?, &p) }
+    }
+
+    /// The vocabulary-parallel greedy pick of rank `rank` of `ranks`: per row of `logits`
+    /// (`count` values of ids `first_id ..`, rows `row_stride` apart), its best (value, id),
+    /// the first id on ties, into slot `rank` of `pairs [rows][ranks][2]` (FP32), the other
+    /// slots zeroed: an all-reduce sum over the ranks then gathers every slot exactly, and
+    /// [`argmax_ranks`](Self::argmax_ranks) picks what [`argmax_rows`](Self::argmax_rows)
+    /// picks from whole rows.
+    #[allow(clippy::too_many_arguments)]
+    pub fn argmax_shard(
+        &self,
+        dev: &D,
+        logits: &D::Memory,
+        rows: usize,
+        row_stride: usize,
+        count: usize,
+        first_id: usize,
+        ranks: usize,
+        rank: usize,
+        pairs: &D::Memory,
+    ) -> Result<()> {
+        const K: &str = "argmax_shard";
+        if count == 0 || row_stride < count || rank >= ranks || first_id + count > MAX_SHARDED_VOCAB
+        {
+            return Err(DeviceError::Invalid(format!(
+                "{K}: ids {first_id}..{} (ids up to {MAX_SHARDED_VOCAB}) in rows of {row_stride}, \
+                 rank {rank} of {ranks}",
+                first_id + count
+            )));
+        }
+        need(logits, ((rows - 1) * row_stride + count) * F32, K, "logits")?;
+        need(pairs, rows * ranks * 2 * F32, K, "pairs")?;
+        let (l, pp) = (logits.device_ptr(), pairs.device_ptr());
+        let (stride, n, first, world, me) = (
+            as_i32(row_stride, K, "row stride")?,
+            as_i32(count, K, "count")?,
+            as_i32(first_id, K, "first id")?,
+            as_i32(ranks, K, "ranks")?,
+            as_i32(rank, K, "rank")?,
+        );
+        let mut p = KernelParams::new();
+        p.arg(&l)
+            .arg(&stride)
+            .arg(&n)
+            .arg(&first)
+            .arg(&world)
+            .arg(&me)
+            .arg(&pp)
+            .traffic(rows * count * F32, rows * ranks * 2 * F32);
+        // SAFETY: `argmax_shard(const float*, int, int, int, int, int, float*)`; the last
+        // value read and the pairs written were checked above.
+        unsafe { dev.launch(self.kernel(K), rows_config(rows, K)?, &p) }
+    }
+
+    /// `ids [rows]` = the best of each row's gathered pairs `[ranks][2]` (as
+    /// [`argmax_shard`](Self::argmax_shard) writes them, summed over the ranks), the lower id
+    /// on ties.
+    pub fn argmax_ranks(
+        &self,
+        dev: &D,
+        pairs: &D::Memory,
+        rows: usize,
+        ranks: usize,
+        ids: &D::Memory,
+    ) -> Result<()> {
+        const K: &str = "argmax_ranks";
+        need(pairs, rows * ranks * 2 * F32, K, "pairs")?;
+        need(ids, rows * I32, K, "ids")?;
+        let (pp, i) = (pairs.device_ptr(), ids.device_ptr());
+        let world = as_i32(ranks, K, "ranks")?;
+        let mut p = KernelParams::new();
+        p.arg(&pp)
+            .arg(&world)
+            .arg(&i)
+            .traffic(rows * ranks * 2 * F32, rows * I32);
+        // SAFETY: `argmax_ranks(const float*, int, int*)`; sizes checked above.
         unsafe { dev.launch(self.kernel(K), rows_config(rows, K)?, &p) }
     }
 

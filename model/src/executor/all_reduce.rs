@@ -8,7 +8,9 @@
 //!   maps — the peers' regions are reachable, as CUDA IPC makes them on a GPU — with the
 //!   kernel's own generation flags.
 //! - [`IpcAllReduce`] (feature `cuda`): [`kernels::allreduce::cuda::CudaIpcCommunicator`]'s
-//!   kernels over CUDA IPC regions, launched on the executor's stream.
+//!   kernels over CUDA IPC regions, launched on the executor's stream; the sizes its policy
+//!   sends to NCCL (feature `nccl`) go to an in-place `ncclAllReduce` on the same stream,
+//!   inside a captured step as outside.
 //!
 //! [`DryAllReduce`] issues the GPU path's launch (its tactic, grid and parameter block) on a
 //! device where no kernel runs ([`Dry`]), with peers that are not there: the collective's
@@ -16,8 +18,17 @@
 //!
 //! The residual add is not fused into the collective: the executor adds the summed partial
 //! into the residual stream in the next `add_rms_norm`, as the CPU tensor-parallel forward
-//! adds it after `all_reduce_sum`.
+//! adds it after `all_reduce_sum`. Fusing the add alone (`allreduce.cu`'s residual operand)
+//! would give the same bits (the add commutes) but save no launch, only the norm's write of
+//! the residual: 28,672 B per collective of a Kimi-K2.5 decode step at batch 1, 3.5 MB of its
+//! 6.4 GB per step. Fusing the RMSNorm as well would remove the 122 `add_rms_norm` launches
+//! that follow collectives (predicted by the step-time model's 2 µs per launch: ~0.25 ms of a
+//! ~10 ms batch-1 step), but needs a one-shot partition by whole rows and an epilogue that
+//! sums squares in `add_rms_norm`'s order (256 strided partial sums, a warp tree, the warps
+//! in order) inside the all-reduce's block, with the multiply-adds kept unfused in both
+//! kernels so that a GPU's FMA contraction cannot make the two differ.
 
+use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -38,10 +49,18 @@ use kernels::device::{Device, DeviceError, DeviceExt, DeviceMemory, KernelParams
 pub trait TpAllReduce<D: Device> {
     /// Ranks taking part.
     fn world(&self) -> usize;
-    /// Sums the first `elements` FP32 values of `data` over every rank, in place, in stream
-    /// order (recorded, not run, while `dev` captures a graph). Every rank must make the same
-    /// calls in the same order.
-    fn sum_f32(&mut self, dev: &D, data: &D::Memory, elements: usize) -> Result<(), DeviceError>;
+    /// Sums the FP32 values `elements` of `data` (indices; the start a multiple of 4, so the
+    /// kernel's 16-byte vectors stay aligned) over every rank, in place, in stream order
+    /// (recorded, not run, while `dev` captures a graph). Every rank must make the same calls
+    /// in the same order. At most [`capacity_elements`](Self::capacity_elements) values.
+    fn sum_f32(
+        &mut self,
+        dev: &D,
+        data: &D::Memory,
+        elements: Range<usize>,
+    ) -> Result<(), DeviceError>;
+    /// The most values one [`sum_f32`](Self::sum_f32) takes (the segment's slot).
+    fn capacity_elements(&self) -> usize;
     /// After a step's result is read: the first error a collective of the step left (a peer
     /// that timed out or called another collective).
     fn check(&mut self, dev: &D) -> Result<(), DeviceError>;
@@ -83,6 +102,19 @@ fn one_shot_pull_traffic(bytes: usize, world: usize) -> (usize, usize) {
     (bytes * (1 + world), bytes * 2)
 }
 
+/// The device address of `elements` of FP32 `data`, checked against the allocation and the
+/// kernel's alignment.
+fn f32_range<M: DeviceMemory>(data: &M, elements: &Range<usize>) -> Result<u64, DeviceError> {
+    if elements.is_empty() || elements.end * 4 > data.len() || !elements.start.is_multiple_of(4) {
+        return Err(DeviceError::Invalid(format!(
+            "all-reduce of FP32 values {elements:?} over an allocation of {} B (a non-empty \
+             range inside it, starting at a multiple of 4)",
+            data.len()
+        )));
+    }
+    Ok(data.device_ptr() + (elements.start * 4) as u64)
+}
+
 fn setup_error(what: impl std::fmt::Display) -> DeviceError {
     DeviceError::Driver {
         what: "tensor-parallel all-reduce".into(),
@@ -90,20 +122,104 @@ fn setup_error(what: impl std::fmt::Display) -> DeviceError {
     }
 }
 
-/// The status word the all-reduce kernel left in a rank's control block, as an error
-/// unless it reports success.
-fn check_control_status<D: Device>(
-    dev: &D,
-    control: &D::Memory,
+/// One rank's view of a segment laid out as `SegmentLayout` (the peers' regions as this
+/// device addresses them) and the one-shot pull kernel over it: the launch the emulated and the
+/// dry all-reduce share.
+struct OneShotRank<D: Device> {
     rank: usize,
     world: usize,
-) -> Result<(), DeviceError> {
-    let words: Vec<u64> = dev.download_first(control, CONTROL_STATUS / 8 + 1)?;
-    match KernelStatus::decode(words[CONTROL_STATUS / 8]) {
-        KernelStatus::Ok => Ok(()),
-        status => Err(setup_error(format_args!(
-            "rank {rank} of {world}: {status:?}"
-        ))),
+    offsets: DeviceOffsets,
+    islands: Islands,
+    peers: Vec<u64>,
+    kernel: D::Kernel,
+    control: D::Memory,
+}
+
+impl<D: Device> OneShotRank<D> {
+    /// `peers_base`: where rank 0's region starts (the regions follow as `layout` places
+    /// them); the kernel is the image of `image`.
+    fn new(
+        dev: &D,
+        rank: usize,
+        world: usize,
+        layout: &SegmentLayout,
+        peers_base: u64,
+        image: AllReduceTactic,
+    ) -> Result<Self, DeviceError> {
+        Ok(Self {
+            rank,
+            world,
+            offsets: DeviceOffsets::new(layout),
+            islands: default_islands(world),
+            peers: (0..world)
+                .map(|r| peers_base + layout.region(r) as u64)
+                .collect(),
+            kernel: dev.load_kernel(FAMILY, &image.image_id(), KERNEL, 0)?,
+            control: dev.alloc_zeroed(CONTROL_BYTES)?,
+        })
+    }
+
+    /// Launches the one-shot pull over the FP32 values `elements` of `data` on `blocks` ×
+    /// `threads`.
+    ///
+    /// # Safety
+    /// The peers' addresses must be the regions of a live segment (or, on a device that runs
+    /// no kernel, any addresses).
+    unsafe fn launch(
+        &self,
+        dev: &D,
+        data: &D::Memory,
+        elements: Range<usize>,
+        (blocks, threads): (u32, u32),
+        timeout_ns: u64,
+    ) -> Result<(), DeviceError> {
+        let address = f32_range(data, &elements)?;
+        let shape = LaunchShape {
+            algorithm: ALGORITHM,
+            dtype: DType::F32,
+            len: elements.len(),
+            rank: self.rank,
+            offsets: self.offsets,
+            islands: &self.islands,
+            timeout_ns,
+        };
+        let params = pack_params(
+            &shape,
+            &self.peers,
+            address,
+            None,
+            self.control.device_ptr(),
+        )
+        .map_err(setup_error)?;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (read, written) = one_shot_pull_traffic(elements.len() * 4, self.world);
+        let mut args = KernelParams::new();
+        args.arg(&params).traffic(read, written);
+        // SAFETY: the parameter is the kernel's one `ArParams`; its addresses are `data`'s
+        // range (inside the allocation, checked above), this rank's control block and the
+        // peers' regions (the caller's contract).
+        unsafe { dev.launch(&self.kernel, cfg, &args) }
+    }
+
+    fn capacity_elements(&self) -> usize {
+        self.offsets.capacity / 4
+    }
+
+    /// The status word the kernel left in this rank's control block, as an error unless it
+    /// reports success.
+    fn check(&self, dev: &D) -> Result<(), DeviceError> {
+        let words: Vec<u64> = dev.download_first(&self.control, CONTROL_STATUS / 8 + 1)?;
+        match KernelStatus::decode(words[CONTROL_STATUS / 8]) {
+            KernelStatus::Ok => Ok(()),
+            status => Err(setup_error(format_args!(
+                "rank {} of {}: {status:?}",
+                self.rank, self.world
+            ))),
+        }
     }
 }
 
@@ -111,14 +227,8 @@ fn check_control_status<D: Device>(
 pub struct ShmAllReduce<D: Device> {
     /// Keeps every rank's region mapped; the name is unlinked once all ranks have attached.
     segment: SharedSegment,
-    peers: Vec<u64>,
-    offsets: DeviceOffsets,
-    islands: Islands,
-    rank: usize,
-    world: usize,
     timeout: Duration,
-    kernel: D::Kernel,
-    control: D::Memory,
+    ranks: OneShotRank<D>,
 }
 
 impl<D: HostAddressed> ShmAllReduce<D> {
@@ -134,7 +244,6 @@ impl<D: HostAddressed> ShmAllReduce<D> {
         timeout: Duration,
     ) -> Result<Self, DeviceError> {
         let layout = SegmentLayout::new(world, capacity_bytes, false);
-        let offsets = DeviceOffsets::new(&layout);
         let deadline = Instant::now() + timeout;
         let mut segment = create_or_join(
             name,
@@ -184,26 +293,17 @@ impl<D: HostAddressed> ShmAllReduce<D> {
         segment
             .unlink()
             .map_err(|e| setup_error(format_args!("unlinking {name:?}: {e}")))?;
-        let base = segment.base() as u64;
-        let peers = (0..world).map(|r| base + layout.region(r) as u64).collect();
         let image = AllReduceTactic {
             algorithm: ALGORITHM,
             dtype: DType::F32,
             threads: EMULATED_THREADS,
             blocks: EMULATED_BLOCKS,
         };
-        let kernel = dev.load_kernel(FAMILY, &image.image_id(), KERNEL, 0)?;
-        let control = dev.alloc_zeroed(CONTROL_BYTES)?;
+        let ranks = OneShotRank::new(dev, rank, world, &layout, segment.base() as u64, image)?;
         Ok(Self {
             segment,
-            peers,
-            offsets,
-            islands: default_islands(world),
-            rank,
-            world,
             timeout,
-            kernel,
-            control,
+            ranks,
         })
     }
 
@@ -215,49 +315,27 @@ impl<D: HostAddressed> ShmAllReduce<D> {
 
 impl<D: HostAddressed> TpAllReduce<D> for ShmAllReduce<D> {
     fn world(&self) -> usize {
-        self.world
+        self.ranks.world
     }
 
-    fn sum_f32(&mut self, dev: &D, data: &D::Memory, elements: usize) -> Result<(), DeviceError> {
-        if elements * 4 > data.len() {
-            return Err(DeviceError::Invalid(format!(
-                "all-reduce of {elements} FP32 values over an allocation of {} B",
-                data.len()
-            )));
-        }
-        let shape = LaunchShape {
-            algorithm: ALGORITHM,
-            dtype: DType::F32,
-            len: elements,
-            rank: self.rank,
-            offsets: self.offsets,
-            islands: &self.islands,
-            timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
-        };
-        let params = pack_params(
-            &shape,
-            &self.peers,
-            data.device_ptr(),
-            None,
-            self.control.device_ptr(),
-        )
-        .map_err(setup_error)?;
-        let cfg = LaunchConfig {
-            grid_dim: (EMULATED_BLOCKS, 1, 1),
-            block_dim: (EMULATED_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut args = KernelParams::new();
-        let (read, written) = one_shot_pull_traffic(elements * 4, self.world);
-        args.arg(&params).traffic(read, written);
-        // SAFETY: the parameter is the kernel's one `ArParams`; its addresses are `data` (at
-        // least `elements` values, checked above), this rank's control block and the rank
-        // regions of the segment this value keeps mapped.
-        unsafe { dev.launch(&self.kernel, cfg, &args) }
+    fn sum_f32(
+        &mut self,
+        dev: &D,
+        data: &D::Memory,
+        elements: Range<usize>,
+    ) -> Result<(), DeviceError> {
+        let timeout_ns = self.timeout.as_nanos().min(u64::MAX as u128) as u64;
+        let grid = (EMULATED_BLOCKS, EMULATED_THREADS);
+        // SAFETY: the peers' regions are those of the segment this value keeps mapped.
+        unsafe { self.ranks.launch(dev, data, elements, grid, timeout_ns) }
+    }
+
+    fn capacity_elements(&self) -> usize {
+        self.ranks.capacity_elements()
     }
 
     fn check(&mut self, dev: &D) -> Result<(), DeviceError> {
-        check_control_status(dev, &self.control, self.rank, self.world)
+        self.ranks.check(dev)
     }
 }
 
@@ -304,30 +382,37 @@ impl TpAllReduce<kernels::cuda::GpuContext> for IpcAllReduce {
         &mut self,
         _dev: &kernels::cuda::GpuContext,
         data: &kernels::cuda::GpuMemory,
-        elements: usize,
+        elements: Range<usize>,
     ) -> Result<(), DeviceError> {
         use kernels::allreduce::cost::Choice;
+        let address = f32_range(data, &elements)?;
+        let elements = elements.len();
         let bytes = elements * 4;
-        if bytes > data.len() {
-            return Err(DeviceError::Invalid(format!(
-                "all-reduce of {elements} FP32 values over an allocation of {} B",
-                data.len()
-            )));
-        }
-        let Choice::Custom(algorithm) = self.communicator.choose(bytes) else {
-            return Err(setup_error(
-                "the policy sends this size to NCCL, which the captured step does not run yet",
-            ));
+        let algorithm = match self.communicator.choose(bytes) {
+            Choice::Custom(algorithm) => algorithm,
+            // In place on the executor's stream, captured into the decode graph like our
+            // kernels (NCCL's own summation order: not bit-identical to the custom kernels').
+            Choice::Nccl => {
+                // SAFETY: `address` starts `elements` FP32 values inside a live allocation of
+                // the executor's device; NCCL runs on the communicator's stream, the context's
+                // default stream the executor launches on, so stream order protects them.
+                let summed = unsafe { self.communicator.nccl_raw(DType::F32, elements, address) };
+                return summed.map_err(setup_error);
+            }
         };
         let tactic = gpu_tactic(algorithm, bytes);
-        // SAFETY: `data` is a live allocation of at least `elements` FP32 values on the
+        // SAFETY: `address` starts `elements` FP32 values inside a live allocation of the
         // executor's device; the communicator's stream is that context's default stream, the
         // executor's, so stream order keeps the step's other launches off it meanwhile.
         unsafe {
             self.communicator
-                .launch_raw(tactic, elements, data.device_ptr(), None)
+                .launch_raw(tactic, elements, address, None)
         }
         .map_err(setup_error)
+    }
+
+    fn capacity_elements(&self) -> usize {
+        self.communicator.capacity_bytes() / 4
     }
 
     fn check(&mut self, _dev: &kernels::cuda::GpuContext) -> Result<(), DeviceError> {
@@ -339,13 +424,7 @@ impl TpAllReduce<kernels::cuda::GpuContext> for IpcAllReduce {
 /// documentation. The peers' regions are one allocation of this device laid out as the
 /// communicator's segment, so the parameter block is the one a GPU launch would get.
 pub struct DryAllReduce<D: Device> {
-    rank: usize,
-    world: usize,
-    offsets: DeviceOffsets,
-    islands: Islands,
-    peers: Vec<u64>,
-    kernel: D::Kernel,
-    control: D::Memory,
+    ranks: OneShotRank<D>,
     /// Keeps the peers' addresses allocated.
     _segment: D::Memory,
 }
@@ -363,19 +442,10 @@ impl<D: Dry> DryAllReduce<D> {
         }
         let layout = SegmentLayout::new(world, capacity_bytes, false);
         let segment = dev.alloc_zeroed(layout.total())?;
-        let peers = (0..world)
-            .map(|r| segment.device_ptr() + layout.region(r) as u64)
-            .collect();
         // Every message size launches the same image; blocks differ only in the grid.
         let image = gpu_tactic(ALGORITHM, capacity_bytes);
         Ok(Self {
-            rank,
-            world,
-            offsets: DeviceOffsets::new(&layout),
-            islands: default_islands(world),
-            peers,
-            kernel: dev.load_kernel(FAMILY, &image.image_id(), KERNEL, 0)?,
-            control: dev.alloc_zeroed(CONTROL_BYTES)?,
+            ranks: OneShotRank::new(dev, rank, world, &layout, segment.device_ptr(), image)?,
             _segment: segment,
         })
     }
@@ -383,49 +453,29 @@ impl<D: Dry> DryAllReduce<D> {
 
 impl<D: Dry> TpAllReduce<D> for DryAllReduce<D> {
     fn world(&self) -> usize {
-        self.world
+        self.ranks.world
     }
 
-    fn sum_f32(&mut self, dev: &D, data: &D::Memory, elements: usize) -> Result<(), DeviceError> {
-        let bytes = elements * 4;
-        if bytes > data.len() {
-            return Err(DeviceError::Invalid(format!(
-                "all-reduce of {elements} FP32 values over an allocation of {} B",
-                data.len()
-            )));
-        }
-        let tactic = gpu_tactic(ALGORITHM, bytes);
+    fn sum_f32(
+        &mut self,
+        dev: &D,
+        data: &D::Memory,
+        elements: Range<usize>,
+    ) -> Result<(), DeviceError> {
+        let tactic = gpu_tactic(ALGORITHM, elements.len() * 4);
         tactic.validate().map_err(setup_error)?;
-        let shape = LaunchShape {
-            algorithm: tactic.algorithm,
-            dtype: tactic.dtype,
-            len: elements,
-            rank: self.rank,
-            offsets: self.offsets,
-            islands: &self.islands,
-            timeout_ns: 0,
-        };
-        let params = pack_params(
-            &shape,
-            &self.peers,
-            data.device_ptr(),
-            None,
-            self.control.device_ptr(),
-        )
-        .map_err(setup_error)?;
-        let cfg = LaunchConfig {
-            grid_dim: (tactic.blocks, 1, 1),
-            block_dim: (tactic.threads, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (read, written) = one_shot_pull_traffic(bytes, self.world);
-        let mut args = KernelParams::new();
-        args.arg(&params).traffic(read, written);
-        // SAFETY: a `Dry` device runs no kernel; the parameter is the kernel's one `ArParams`.
-        unsafe { dev.launch(&self.kernel, cfg, &args) }
+        // SAFETY: a `Dry` device runs no kernel.
+        unsafe {
+            self.ranks
+                .launch(dev, data, elements, (tactic.blocks, tactic.threads), 0)
+        }
+    }
+
+    fn capacity_elements(&self) -> usize {
+        self.ranks.capacity_elements()
     }
 
     fn check(&mut self, dev: &D) -> Result<(), DeviceError> {
-        check_control_status(dev, &self.control, self.rank, self.world)
+        self.ranks.check(dev)
     }
 }

@@ -5,6 +5,7 @@
 use std::sync::Mutex;
 
 use kernels::arch::Sm;
+use kernels::blas::{self, BlasGemm};
 use kernels::device::{Device, KernelParams, LaunchConfig, LaunchTraffic, Result};
 use kernels::tactic::ProblemShape;
 
@@ -126,9 +127,9 @@ impl<D: Device> Device for CountingDevice<D> {
         Ok(v)
     }
 
-    fn fill(&self, memory: &mut Self::Memory, byte: u8) -> Result<()> {
+    fn fill_prefix(&self, memory: &mut Self::Memory, bytes: usize, byte: u8) -> Result<()> {
         self.record(|t| t.fills += 1);
-        self.inner.fill(memory, byte)
+        self.inner.fill_prefix(memory, bytes, byte)
     }
 
     fn write_bytes(&self, memory: &mut Self::Memory, bytes: &[u8]) -> Result<()> {
@@ -174,6 +175,25 @@ impl<D: Device> Device for CountingDevice<D> {
         });
         // SAFETY: forwarded unchanged; the caller's contract is the inner device's.
         unsafe { self.inner.launch(&kernel.inner, cfg, params) }
+    }
+
+    fn blas_ready(&self) -> Result<()> {
+        self.inner.blas_ready()
+    }
+
+    unsafe fn blas_gemm(&self, gemm: &BlasGemm) -> Result<()> {
+        self.record(|t| {
+            t.launches.push(LaunchEntry {
+                family: blas::FAMILY.into(),
+                tactic: blas::TYPES.into(),
+                kernel: blas::KERNEL.into(),
+                config: blas::LIBRARY_CHOOSES,
+                traffic: gemm.traffic(),
+                problem: Some(gemm.problem()),
+            })
+        });
+        // SAFETY: forwarded unchanged.
+        unsafe { self.inner.blas_gemm(gemm) }
     }
 
     fn synchronize(&self) -> Result<()> {

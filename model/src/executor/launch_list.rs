@@ -120,6 +120,7 @@ pub fn decode_tactics(
                 (default, _) => default,
             },
             mla: mla.map_or(defaults.mla, |chosen| chosen.tactic.kernel),
+            dense: defaults.dense,
         },
         source,
     ))
@@ -155,7 +156,7 @@ impl DryStep {
             let largest_message = capacity.tokens * c.hidden_size * 4;
             let all_reduce =
                 DryAllReduce::new(ex.device(), self.shard.rank, world, largest_message)?;
-            ex.set_all_reduce(Box::new(all_reduce));
+            ex.set_all_reduce(Box::new(all_reduce))?;
         }
         ex.set_graphs(true);
         let seqs: Vec<_> = (0..self.batch).map(|_| ex.add_sequence()).collect();
@@ -298,10 +299,20 @@ impl RecordedStep {
         let _ = writeln!(
             out,
             "# Tactics ({}): mla {}, moe_gemm {}. Weights are zeroed placeholders of the rank's \
-             shapes; the all-reduce is the GPU path's launch (one-shot pull).",
+             shapes{}.",
             r.tactics_source,
             r.tactics.mla.id(),
-            r.tactics.moe.map_or("-".into(), |m| m.id())
+            r.tactics.moe.map_or("-".into(), |m| m.id()),
+            if r.shard.world > 1 {
+                format!(
+                    "; the all-reduce is the GPU path's launch (one-shot pull); the rank holds \
+                     vocabulary rows {:?} of the embedding and lm_head, and the greedy id is \
+                     the best of the ranks' gathered (value, id) picks",
+                    r.shard.vocab_rows(c.vocab_size)
+                )
+            } else {
+                String::new()
+            }
         );
         let _ = writeln!(
             out,
@@ -409,13 +420,15 @@ mod tests {
             let launches = step.launches();
             assert_eq!(step.graphs, 1, "the decode step is captured once");
             assert_eq!(step.traffic.replays, 1);
+            // The rank's embedding rows, summed over the ranks.
             assert_eq!(launches[0].kernel, "embed_gather");
+            assert_eq!(launches[1].kernel, "allreduce");
             // A layer ends with the all-reduce of its MLP's partial sums.
             let mut layers = Vec::new();
-            let mut start = 1;
+            let mut start = 2;
             let mut reduces = 0;
-            for (i, l) in launches.iter().enumerate() {
-                if l.kernel == "allreduce" {
+            for (i, l) in launches.iter().enumerate().skip(start) {
+                if l.kernel == "allreduce" && layers.len() < c.num_hidden_layers {
                     reduces += 1;
                     if reduces % 2 == 0 {
                         layers.push(&launches[start..=i]);
@@ -454,18 +467,37 @@ mod tests {
                 .iter()
                 .map(|l| l.kernel.as_str())
                 .collect();
-            assert_eq!(head, ["add_rms_norm", "dense_bf16", "argmax_rows"]);
+            // The vocabulary-parallel head: this rank's eighth of lm_head, its greedy pick,
+            // the ranks' picks gathered, the best of them.
+            assert_eq!(
+                head,
+                [
+                    "add_rms_norm",
+                    "dense_bf16",
+                    "argmax_shard",
+                    "allreduce",
+                    "argmax_ranks"
+                ]
+            );
             let lm_head = &launches[start + 1];
-            let lm_head_bytes = (c.vocab_size * c.hidden_size * 2) as u64;
+            let rank_vocab = c.vocab_size / 8;
+            let lm_head_bytes = (rank_vocab * c.hidden_size * 2) as u64;
             assert!(lm_head.traffic.read >= lm_head_bytes, "{lm_head:?}");
-            // The executor's lm_head is replicated: every rank computes the whole vocabulary.
+            assert!(lm_head.traffic.read < 2 * lm_head_bytes, "{lm_head:?}");
             assert_eq!(
                 lm_head.problem,
                 Some(kernels::tactic::ProblemShape::Dense {
                     m: batch as u32,
-                    n: c.vocab_size as u32,
+                    n: rank_vocab as u32,
                     k: c.hidden_size as u32
                 })
+            );
+            // The picks, not the logits, cross the ranks: 2 values per rank per row.
+            let gather = &launches[start + 3];
+            assert_eq!(
+                gather.traffic.written,
+                (2 * batch * 8 * 2 * 4) as u64,
+                "{gather:?}"
             );
             assert!(
                 launches
@@ -493,8 +525,8 @@ mod tests {
                 "batch {batch}: {} B read < {must_read} B of weights a step touches",
                 step.read()
             );
-            // The rank's share: one eighth of the heads and intermediate columns, and a
-            // replicated embedding, lm_head and latent projections.
+            // The rank's share: one eighth of the heads, the intermediate columns and the
+            // vocabulary, and replicated latent projections.
             let per_expert = 3 * c.hidden_size * (c.moe_intermediate_size / 8) * 9 / 16;
             let moe_layers = c.num_hidden_layers - c.first_k_dense_replace;
             let experts_held = moe_layers * c.n_routed_experts * per_expert;

@@ -14,9 +14,15 @@
 //! [`Device::write_bytes`] each) and reads sampled ids or logits back: [`STEP_WRITES`] and one
 //! read per step, which `tests/device_executor.rs` counts.
 //!
+//! On a tensor-parallel rank ([`DeviceExecutor::set_all_reduce`]) the rank's all-reduce sums,
+//! in stream order and inside captured graphs, the embedding rows (each rank holds its
+//! vocabulary rows), the attention's and the MLP's partial products, and the
+//! vocabulary-parallel head's results (see `vocabulary_parallel_head`).
+//!
 //! The numerics are the CPU forward pass's with the device kernels' roundings: queries reach
 //! MLA in BF16, the MoE input in BF16 (as on a GPU), the norm weights as BF16 (what the
-//! checkpoint stores), and FP32 sums in another order.
+//! checkpoint stores), and FP32 sums in another order; with [`DenseTactic::CublasLt`] the dense
+//! products' inputs in BF16 as well.
 
 mod all_reduce;
 mod counting;
@@ -32,9 +38,10 @@ pub use launch_list::{
 };
 pub use weights::{DeviceLayer, DeviceMlp, DeviceWeights, WeightsError};
 
-use kernels::device::{Device, DeviceError, DeviceExt};
+use kernels::blas::{BlasGemm, DenseTactic};
+use kernels::device::{Device, DeviceError, DeviceExt, DeviceMemory};
 use kernels::layers::sampling::{SAMPLE_ROW_BYTES, SampleRow};
-use kernels::layers::{HeadRows, LayerKernels, OutputType, RopeSlices, RouterShape};
+use kernels::layers::{DenseOutput, HeadRows, LayerKernels, OutputType, RopeSlices, RouterShape};
 use kernels::mla::cache::{KvCacheDtype, PAGE_TOKENS, PageTables, SeqId};
 use kernels::mla::launch::{DecodeIo, DeviceCache, MlaKernels};
 use kernels::mla::tactic::{LATENT, MlaTactic, ROPE};
@@ -54,6 +61,8 @@ pub const STEP_WRITES: usize = 6;
 pub struct ExecutorTactics {
     pub moe: Option<MoeGemmTactic>,
     pub mla: MlaTactic,
+    /// Who computes the dense BF16 products: our `dense_bf16` or cuBLASLt.
+    pub dense: DenseTactic,
 }
 
 impl ExecutorTactics {
@@ -101,7 +110,11 @@ impl ExecutorTactics {
         } else {
             None
         };
-        Ok(Self { moe, mla })
+        Ok(Self {
+            moe,
+            mla,
+            dense: DenseTactic::default(),
+        })
     }
 }
 
@@ -165,8 +178,10 @@ struct Workspace<D: Device> {
     h_sf: D::Memory,
     selected: D::Memory,
     logits: D::Memory,
+    argmax_pairs: D::Memory,
     sampled: D::Memory,
     sample_params: D::Memory,
+    blas_input: D::Memory,
 }
 
 /// Steps with more rows than this run MLA unsplit: prefill has parallelism enough in its
@@ -187,6 +202,12 @@ pub struct WorkspaceShape {
     /// Rows of logits a step may return (its sequences when decoding; every token when
     /// scoring a prompt).
     pub logit_rows: usize,
+    /// Tensor-parallel ranks (1: one device): each rank's greedy pick of its vocabulary
+    /// columns takes a slot per rank.
+    pub ranks: usize,
+    /// The dense products run on the vendor library ([`DenseTactic::CublasLt`]), which takes
+    /// their inputs as BF16: a buffer for the widest of them.
+    pub vendor_dense: bool,
 }
 
 /// Tokens per step and rows of logits per step an executor is sized for (it grows when a
@@ -249,9 +270,26 @@ pub fn workspace_buffer_bytes(c: &ModelConfig, s: &WorkspaceShape) -> Vec<(&'sta
         ("h_q", (assignments * moe_inter / 2).max(1)),
         ("h_sf", (assignments * moe_inter / 16).max(1)),
         ("selected", n(logit_rows * hidden, 4)),
+        // Whole rows on every rank: a vocabulary-parallel rank gathers them for sampling and
+        // for logits asked of the step.
         ("logits", n(logit_rows * c.vocab_size, 4)),
+        ("argmax_pairs", n(logit_rows * s.ranks.max(1) * 2, 4)),
         ("sampled", n(logit_rows, 4)),
         ("sample_params", n(logit_rows, SAMPLE_ROW_BYTES)),
+        (
+            "blas_input",
+            n(
+                if s.vendor_dense {
+                    rows * [hidden, q_rank, heads * c.v_head_dim, inter]
+                        .into_iter()
+                        .max()
+                        .unwrap_or(1)
+                } else {
+                    0
+                },
+                2,
+            ),
+        ),
     ]
 }
 
@@ -319,8 +357,10 @@ impl<D: Device> Workspace<D> {
             h_sf: next(),
             selected: next(),
             logits: next(),
+            argmax_pairs: next(),
             sampled: next(),
             sample_params: next(),
+            blas_input: next(),
             bytes: sizes.iter().map(|(_, b)| b).sum(),
         })
     }
@@ -463,6 +503,8 @@ impl<D: Device> DeviceExecutor<D> {
                 max_pages: max_pages(&c, pages.total_slots()),
                 max_splits: mla.tactic.max_splits as usize,
                 logit_rows: capacity.logit_rows,
+                ranks: weights.shard.world.max(1),
+                vendor_dense: tactics.dense == DenseTactic::CublasLt,
             },
         )?;
         let rope = crate::rope::Rope::new(&c);
@@ -504,12 +546,26 @@ impl<D: Device> DeviceExecutor<D> {
     }
 
     /// Makes this executor one rank of a tensor-parallel group: `model` (given to
-    /// [`new`](Self::new)) must be this rank's shard, and every step sums the partial products
-    /// of attention and of the MLP or MoE over the group with `all_reduce`, where the CPU
-    /// forward calls `all_reduce_sum`. Drops captured graphs (they lack the collectives).
-    pub fn set_all_reduce(&mut self, all_reduce: Box<dyn TpAllReduce<D>>) {
+    /// [`new`](Self::new)) must be this rank's shard, and every step sums over the group with
+    /// `all_reduce`, where the CPU forward calls `all_reduce_sum`: the embedding rows (each
+    /// rank holds its vocabulary rows), the partial products of attention and of the MLP or
+    /// MoE, and the vocabulary-parallel head's results (the ranks' greedy picks, or their
+    /// columns of the logits). Drops captured graphs (they lack the collectives).
+    pub fn set_all_reduce(
+        &mut self,
+        all_reduce: Box<dyn TpAllReduce<D>>,
+    ) -> Result<(), ExecutorError> {
+        if all_reduce.world() != self.weights.shard.world {
+            return Err(ExecutorError::Unsupported(format!(
+                "an all-reduce over {} ranks for the weights of rank {} of {}",
+                all_reduce.world(),
+                self.weights.shard.rank,
+                self.weights.shard.world
+            )));
+        }
         self.graphs.clear();
         self.all_reduce = Some(all_reduce);
+        Ok(())
     }
 
     /// Decode steps (one new token per sequence) capture their launches once per batch size
@@ -643,6 +699,13 @@ impl<D: Device> DeviceExecutor<D> {
         if n == 0 {
             return Err(ForwardError::InvalidRequest("a step without tokens".into()).into());
         }
+        if self.weights.shard.world > 1 && self.all_reduce.is_none() {
+            return Err(ExecutorError::Unsupported(format!(
+                "rank {} of {} holds a shard of the model: a step needs the group's all-reduce \
+                 (set_all_reduce)",
+                self.weights.shard.rank, self.weights.shard.world
+            )));
+        }
         for input in inputs {
             self.pages
                 .reserve(input.seq, input.tokens.len())
@@ -673,6 +736,8 @@ impl<D: Device> DeviceExecutor<D> {
                     max_pages: self.workspace.max_pages,
                     max_splits: self.workspace.max_splits,
                     logit_rows: selected.len().max(self.workspace.logit_capacity),
+                    ranks: self.weights.shard.world.max(1),
+                    vendor_dense: self.tactics.dense == DenseTactic::CublasLt,
                 },
             )?;
         }
@@ -782,12 +847,6 @@ impl<D: Device> DeviceExecutor<D> {
             &self.weights,
         );
         let mut all_reduce = self.all_reduce.as_deref_mut();
-        // A rank's attention and MLP outputs are partial sums over its heads and intermediate
-        // columns: summed over the group before they join the residual.
-        let mut sum_partials = |ws: &Workspace<D>| match all_reduce.as_mut() {
-            Some(ar) => ar.sum_f32(dev, &ws.delta, n * c.hidden_size),
-            None => Ok(()),
-        };
         let hidden = c.hidden_size;
         dev.fill(&mut ws.bad_id, 0xFF)?;
         k.embed_gather(
@@ -795,11 +854,22 @@ impl<D: Device> DeviceExecutor<D> {
             &ws.ids,
             n,
             &w.embed,
+            w.vocab_rows.clone(),
             c.vocab_size,
             hidden,
             &ws.x,
             &ws.bad_id,
         )?;
+        // Each rank holds its vocabulary's rows, zeros for the others: the sum is the row.
+        if let Some(ar) = all_reduce.as_mut() {
+            ar.sum_f32(dev, &ws.x, 0..n * hidden)?;
+        }
+        // A rank's attention and MLP outputs are partial sums over its heads and intermediate
+        // columns: summed over the group before they join the residual.
+        let mut sum_partials = |ws: &Workspace<D>| match all_reduce.as_mut() {
+            Some(ar) => ar.sum_f32(dev, &ws.delta, 0..n * hidden),
+            None => Ok(()),
+        };
         for (layer, lw) in w.layers.iter().enumerate() {
             // The previous layer's MLP output joins the residual in this layer's first norm.
             let pending = (layer > 0).then_some(&ws.delta);
@@ -826,6 +896,7 @@ impl<D: Device> DeviceExecutor<D> {
                     softmax_scale: self.softmax_scale,
                     splits,
                     cached_tokens: self.step_cached_tokens,
+                    dense: self.tactics.dense,
                 },
                 lw,
                 &mut self.caches[layer],
@@ -845,12 +916,12 @@ impl<D: Device> DeviceExecutor<D> {
             )?;
             match &lw.mlp {
                 DeviceMlp::Dense(d) => {
-                    dense_mlp(dev, k, d, &ws.h, n, hidden, ws, false)?;
+                    dense_mlp(dev, k, self.tactics.dense, d, n, hidden, ws, false)?;
                 }
                 DeviceMlp::Moe(m) => {
                     let router = self.router.as_ref().expect("MoE layers have a router");
                     let moe = self.moe.as_ref().expect("MoE layers have MoE kernels");
-                    k.dense_bf16(
+                    Products::new(k, self.tactics.dense, ws).product(
                         dev,
                         &ws.h,
                         n,
@@ -904,7 +975,7 @@ impl<D: Device> DeviceExecutor<D> {
                         },
                     )?;
                     if let Some(shared) = &m.shared {
-                        dense_mlp(dev, k, shared, &ws.h, n, hidden, ws, true)?;
+                        dense_mlp(dev, k, self.tactics.dense, shared, n, hidden, ws, true)?;
                     }
                 }
             }
@@ -944,7 +1015,24 @@ impl<D: Device> DeviceExecutor<D> {
             k.gather_rows(dev, &ws.h, n, &ws.logit_rows, r, hidden, &ws.selected)?;
             &ws.selected
         };
-        k.dense_bf16(
+        if let Some(ar) = self.all_reduce.as_deref_mut() {
+            return vocabulary_parallel_head(
+                VocabHead {
+                    dev,
+                    k,
+                    dense: self.tactics.dense,
+                    w,
+                    rows: r,
+                    hidden,
+                    vocab: c.vocab_size,
+                    every_row,
+                },
+                ar,
+                ws,
+                output,
+            );
+        }
+        Products::new(k, self.tactics.dense, ws).product(
             dev,
             final_rows,
             r,
@@ -1006,6 +1094,194 @@ impl<D: Device> DeviceExecutor<D> {
     }
 }
 
+/// A step's dense BF16 products under its [`DenseTactic`]: our `dense_bf16`, or the vendor
+/// library (cuBLASLt), whose input is the activations rounded to BF16 into `input` first.
+struct Products<'a, D: Device> {
+    k: &'a LayerKernels<D>,
+    tactic: DenseTactic,
+    input: &'a D::Memory,
+}
+
+impl<'a, D: Device> Products<'a, D> {
+    fn new(k: &'a LayerKernels<D>, tactic: DenseTactic, ws: &'a Workspace<D>) -> Self {
+        Self {
+            k,
+            tactic,
+            input: &ws.blas_input,
+        }
+    }
+
+    /// `y [tokens][n] (+)= x [tokens][k] · Wᵀ`, as [`LayerKernels::dense_bf16`].
+    #[allow(clippy::too_many_arguments)]
+    fn product(
+        &self,
+        dev: &D,
+        x: &D::Memory,
+        tokens: usize,
+        w: &D::Memory,
+        k: usize,
+        n: usize,
+        y: &D::Memory,
+        accumulate: bool,
+    ) -> Result<(), DeviceError> {
+        let out = DenseOutput::packed(n);
+        self.product_into(dev, x, tokens, w, k, n, y, out, accumulate)
+    }
+
+    /// As [`product`](Self::product), rows placed as `out` says.
+    #[allow(clippy::too_many_arguments)]
+    fn product_into(
+        &self,
+        dev: &D,
+        x: &D::Memory,
+        tokens: usize,
+        w: &D::Memory,
+        k: usize,
+        n: usize,
+        y: &D::Memory,
+        out: DenseOutput,
+        accumulate: bool,
+    ) -> Result<(), DeviceError> {
+        match self.tactic {
+            DenseTactic::Ours => self
+                .k
+                .dense_bf16_into(dev, x, tokens, w, k, n, y, out, accumulate),
+            DenseTactic::CublasLt => {
+                let too_small = |what: &str, have: usize, need: usize| {
+                    DeviceError::Invalid(format!(
+                        "{}: {what} holds {have} B, the product needs {need} B",
+                        kernels::blas::FAMILY
+                    ))
+                };
+                let gemm = BlasGemm {
+                    m: tokens,
+                    n,
+                    k,
+                    a: w.device_ptr(),
+                    b: self.input.device_ptr(),
+                    d: y.device_ptr() + (out.offset * 4) as u64,
+                    ldd: out.row_stride,
+                    accumulate,
+                };
+                gemm.validate()?;
+                for (what, memory, need) in [
+                    ("w", w, n * k * 2),
+                    ("the BF16 input", self.input, tokens * k * 2),
+                    ("y", y, (out.offset + gemm.d_span()) * 4),
+                ] {
+                    if memory.len() < need {
+                        return Err(too_small(what, memory.len(), need));
+                    }
+                }
+                self.k
+                    .to_bf16_strided(dev, x, tokens, k, 0, 0, 1, k, self.input)?;
+                // SAFETY: every address is an allocation of `dev` checked above to hold what
+                // the product reads and writes.
+                unsafe { dev.blas_gemm(&gemm) }
+            }
+        }
+    }
+}
+
+/// What the vocabulary-parallel head of a step works on.
+struct VocabHead<'a, D: Device> {
+    dev: &'a D,
+    k: &'a LayerKernels<D>,
+    dense: DenseTactic,
+    w: &'a DeviceWeights<D>,
+    /// Rows that get logits.
+    rows: usize,
+    hidden: usize,
+    vocab: usize,
+    /// The normed rows are `h` itself (every row gets logits), else `selected`.
+    every_row: bool,
+}
+
+/// `lm_head` on a tensor-parallel rank, which holds the rows of its vocabulary ids
+/// ([`DeviceWeights::vocab_rows`]), and the step's result from every rank's columns:
+/// - greedy: each rank's best (value, id) into its slot of `argmax_pairs`, the slots summed
+///   over the ranks (a gather: a value plus zeros is exact), the best slot the lower id on ties:
+///   the id `argmax_rows` picks from whole rows, for 2 × ranks values moved per row;
+/// - logits and sampling: each rank's columns into zeroed full-vocabulary rows, summed over
+///   the ranks (a gather again, exact), so every rank holds the whole rows the single-device
+///   step computes and `sample_rows` draws what it draws there. Sampling from a row split
+///   over ranks and drawing the same token would need the key searches' counts and the
+///   ordered sums across ranks at every step of the search, a collective per key bit.
+fn vocabulary_parallel_head<D: Device>(
+    v: VocabHead<'_, D>,
+    ar: &mut dyn TpAllReduce<D>,
+    ws: &mut Workspace<D>,
+    output: StepOutput,
+) -> Result<(), ExecutorError> {
+    let VocabHead {
+        dev,
+        k,
+        dense,
+        w,
+        rows,
+        hidden,
+        vocab,
+        every_row,
+    } = v;
+    let (shard, ids) = (w.shard, w.vocab_rows.clone());
+    if output == StepOutput::Greedy {
+        let normed = if every_row { &ws.h } else { &ws.selected };
+        let lm_head = Products::new(k, dense, ws);
+        lm_head.product(
+            dev,
+            normed,
+            rows,
+            &w.lm_head,
+            hidden,
+            ids.len(),
+            &ws.logits,
+            false,
+        )?;
+        k.argmax_shard(
+            dev,
+            &ws.logits,
+            rows,
+            ids.len(),
+            ids.len(),
+            ids.start,
+            shard.world,
+            shard.rank,
+            &ws.argmax_pairs,
+        )?;
+        ar.sum_f32(dev, &ws.argmax_pairs, 0..rows * shard.world * 2)?;
+        k.argmax_ranks(dev, &ws.argmax_pairs, rows, shard.world, &ws.sampled)?;
+        return Ok(());
+    }
+    dev.fill_prefix(&mut ws.logits, rows * vocab * 4, 0)?;
+    let normed = if every_row { &ws.h } else { &ws.selected };
+    let columns = DenseOutput {
+        offset: ids.start,
+        row_stride: vocab,
+    };
+    Products::new(k, dense, ws).product_into(
+        dev,
+        normed,
+        rows,
+        &w.lm_head,
+        hidden,
+        ids.len(),
+        &ws.logits,
+        columns,
+        false,
+    )?;
+    // In slot-sized pieces (a prompt's logits outgrow the segment's slot), each a multiple of
+    // the kernel's 4-value vectors.
+    let piece = (ar.capacity_elements() / 4 * 4).max(4);
+    let total = rows * vocab;
+    for start in (0..total).step_by(piece) {
+        ar.sum_f32(dev, &ws.logits, start..(start + piece).min(total))?;
+    }
+    if output == StepOutput::Sampled {
+        k.sample_rows(dev, &ws.logits, rows, vocab, &ws.sample_params, &ws.sampled)?;
+    }
+    Ok(())
+}
+
 /// The kernels a step launches, loaded (and so checked against the device) for a tactic set.
 struct StepKernels<D: Device> {
     mla: MlaKernels<D>,
@@ -1031,6 +1307,9 @@ impl<D: Device> StepKernels<D> {
                 },
                 kv_dtype.id()
             )));
+        }
+        if tactics.dense == DenseTactic::CublasLt {
+            dev.blas_ready()?;
         }
         Ok(Self {
             mla,
@@ -1079,6 +1358,7 @@ struct AttentionCtx<'a, D: Device> {
     softmax_scale: f32,
     splits: u32,
     cached_tokens: usize,
+    dense: DenseTactic,
 }
 
 /// One layer's attention, `ws.h` → `ws.delta`: the query and compressed-KV products, RoPE,
@@ -1087,18 +1367,19 @@ fn attention<D: Device>(
     a: AttentionCtx<'_, D>,
     lw: &DeviceLayer<D>,
     cache: &mut DeviceCache<D>,
-    ws: &mut Workspace<D>,
+    ws: &Workspace<D>,
     n: usize,
 ) -> Result<(), ExecutorError> {
     let (dev, k, c, heads) = (a.dev, a.k, a.c, a.heads);
+    let dense = Products::new(k, a.dense, ws);
     let (hidden, nope, v_dim) = (c.hidden_size, c.qk_nope_head_dim, c.v_head_dim);
     let qk = nope + ROPE;
     let at = &lw.attention;
     match &at.q_a {
         Some((q_a, q_a_norm, rank)) => {
-            k.dense_bf16(dev, &ws.h, n, q_a, hidden, *rank, &ws.qa, false)?;
+            dense.product(dev, &ws.h, n, q_a, hidden, *rank, &ws.qa, false)?;
             k.add_rms_norm(dev, &ws.qa, None, q_a_norm, a.eps, n, *rank, &ws.qa_normed)?;
-            k.dense_bf16(
+            dense.product(
                 dev,
                 &ws.qa_normed,
                 n,
@@ -1109,9 +1390,9 @@ fn attention<D: Device>(
                 false,
             )?;
         }
-        None => k.dense_bf16(dev, &ws.h, n, &at.q_b, hidden, heads * qk, &ws.q, false)?,
+        None => dense.product(dev, &ws.h, n, &at.q_b, hidden, heads * qk, &ws.q, false)?,
     }
-    k.dense_bf16(
+    dense.product(
         dev,
         &ws.h,
         n,
@@ -1121,7 +1402,7 @@ fn attention<D: Device>(
         &ws.latent,
         false,
     )?;
-    k.dense_bf16(
+    dense.product(
         dev,
         &ws.h,
         n,
@@ -1242,7 +1523,7 @@ fn attention<D: Device>(
         },
         OutputType::F32,
     )?;
-    k.dense_bf16(
+    dense.product(
         dev,
         &ws.o,
         n,
@@ -1255,22 +1536,23 @@ fn attention<D: Device>(
     Ok(())
 }
 
-/// A BF16 SwiGLU MLP, `h` → `ws.delta` (added to it when `accumulate`: the shared experts
+/// A BF16 SwiGLU MLP, `ws.h` → `ws.delta` (added to it when `accumulate`: the shared experts
 /// after the routed ones).
 #[allow(clippy::too_many_arguments)]
 fn dense_mlp<D: Device>(
     dev: &D,
     k: &LayerKernels<D>,
+    tactic: DenseTactic,
     w: &weights::DeviceDenseMlp<D>,
-    h: &D::Memory,
     n: usize,
     hidden: usize,
     ws: &Workspace<D>,
     accumulate: bool,
 ) -> Result<(), ExecutorError> {
-    k.dense_bf16(
+    let dense = Products::new(k, tactic, ws);
+    dense.product(
         dev,
-        h,
+        &ws.h,
         n,
         &w.gate_up,
         hidden,
@@ -1279,7 +1561,7 @@ fn dense_mlp<D: Device>(
         false,
     )?;
     k.silu_mul(dev, &ws.gate_up, n, w.inter, &ws.act)?;
-    k.dense_bf16(
+    dense.product(
         dev, &ws.act, n, &w.down, w.inter, hidden, &ws.delta, accumulate,
     )?;
     Ok(())

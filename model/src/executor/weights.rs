@@ -82,8 +82,12 @@ pub struct DeviceLayer<D: Device> {
 }
 
 pub struct DeviceWeights<D: Device> {
+    /// This rank's place in its tensor-parallel group ([`TpShard::SINGLE`]: the whole model).
+    pub shard: TpShard,
     /// Attention heads of this rank.
     pub heads: usize,
+    /// The vocabulary ids whose rows `embed` and `lm_head` hold ([`TpShard::vocab_rows`]).
+    pub vocab_rows: std::ops::Range<usize>,
     pub embed: D::Memory,
     pub layers: Vec<DeviceLayer<D>>,
     pub norm: D::Memory,
@@ -320,7 +324,17 @@ impl<D: Device> DeviceWeights<D> {
             ));
         }
         let world = c.num_attention_heads / heads;
-        Self::build(dev, c, world, Some(model), moe_tactic, quiet)
+        let vocab_rows = &model.weights.vocab_rows;
+        let shard = TpShard::holding_vocab_rows(world, c.vocab_size, vocab_rows).ok_or_else(|| {
+            mismatch(
+                "model.embed_tokens".into(),
+                format!(
+                    "holds vocabulary rows {vocab_rows:?}, no rank's share of {} over {world} ranks",
+                    c.vocab_size
+                ),
+            )
+        })?;
+        Self::build(dev, c, shard, Some(model), moe_tactic, quiet)
     }
 
     /// Zeroed allocations of every weight rank `shard.rank` of `shard.world` holds, of the
@@ -341,15 +355,21 @@ impl<D: Device> DeviceWeights<D> {
                     why,
                 })?;
         }
-        Self::build(dev, config, shard.world.max(1), None, moe_tactic, true)
+        if shard.rank >= shard.world.max(1) {
+            return Err(WeightsError::Unsupported {
+                tensor: "the model".into(),
+                why: format!("rank {} of {}", shard.rank, shard.world),
+            });
+        }
+        Self::build(dev, config, shard, None, moe_tactic, true)
     }
 
-    /// The one walk over the tensors (see [`Builder`]): shapes from `c` split over `world`
-    /// ranks as `ModelWeights::shard` splits them.
+    /// The one walk over the tensors (see [`Builder`]): shapes from `c` split as
+    /// `ModelWeights::shard` splits them for `shard`.
     fn build(
         dev: &D,
         c: &ModelConfig,
-        world: usize,
+        shard: TpShard,
         host: Option<&Model>,
         moe_tactic: Option<MoeGemmTactic>,
         quiet: bool,
@@ -364,8 +384,10 @@ impl<D: Device> DeviceWeights<D> {
                 ),
             });
         }
+        let world = shard.world.max(1);
         let hidden = c.hidden_size;
         let heads = c.num_attention_heads / world;
+        let vocab_rows = shard.vocab_rows(c.vocab_size);
         let (nope, v_dim, qk) = (c.qk_nope_head_dim, c.v_head_dim, c.qk_head_dim());
         let w = host.map(|m| &m.weights);
         if let Some(w) = w
@@ -388,7 +410,7 @@ impl<D: Device> DeviceWeights<D> {
         };
         let embed = up.bf16(
             "model.embed_tokens".into(),
-            [c.vocab_size, hidden],
+            [vocab_rows.len(), hidden],
             w.map(|w| &w.embed),
         )?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
@@ -587,13 +609,15 @@ impl<D: Device> DeviceWeights<D> {
         let norm = up.norm("model.norm".into(), hidden, w.map(|w| w.norm.as_slice()))?;
         let lm_head = up.bf16(
             "lm_head".into(),
-            [c.vocab_size, hidden],
+            [vocab_rows.len(), hidden],
             w.map(|w| &w.lm_head),
         )?;
         bar.inc(1);
         bar.finish_and_clear();
         Ok(Self {
+            shard,
             heads,
+            vocab_rows,
             embed,
             layers,
             norm,
