@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 pub mod allreduce_host;
+pub mod device_models;
 pub mod layer_checks;
 pub mod moe_goldens;
 
