@@ -6,10 +6,14 @@ use kernels::device::Device;
 use kernels::mla::cache::KvCacheDtype;
 use model::backend::CpuBackend;
 use model::checkpoint::Checkpoint;
-use model::executor::{DeviceExecutor, ExecutorTactics, StepCapacity, StepOutput, StepResult};
+use model::executor::{
+    DeviceExecutor, ExecutorTactics, HostAddressed, ShmAllReduce, StepCapacity, StepOutput,
+    StepResult,
+};
 use model::forward::{LogitRows, Model, SeqInput};
 use model::sampler::argmax;
 use model::tensor_file::TensorFile;
+use model::weights::TpShard;
 
 use crate::golden_path;
 
@@ -175,6 +179,40 @@ pub fn greedy_on_cpu(
         next = vec![*out.last().unwrap()];
     }
     out
+}
+
+/// Every rank's shard of `model` over `world` tensor-parallel ranks, as `--tp world` splits it.
+pub fn shards(model: &Model, world: usize) -> Vec<Model> {
+    (0..world)
+        .map(|rank| {
+            let weights = model
+                .weights
+                .shard(&model.config, TpShard { rank, world })
+                .unwrap();
+            Model::new(model.config.clone(), weights)
+        })
+        .collect()
+}
+
+/// Makes `ex` rank `rank` of `world` ranks that sum their partial products with the
+/// all-reduce kernel over the shared-memory `segment`, for steps of up to `tokens` rows.
+pub fn join_tp_group<D: HostAddressed + 'static>(
+    ex: &mut DeviceExecutor<D>,
+    segment: &str,
+    rank: usize,
+    world: usize,
+    tokens: usize,
+) {
+    let all_reduce = ShmAllReduce::join(
+        ex.device(),
+        segment,
+        rank,
+        world,
+        tokens * ex.config().hidden_size * 4,
+        std::time::Duration::from_secs(120),
+    )
+    .unwrap();
+    ex.set_all_reduce(Box::new(all_reduce));
 }
 
 /// The model cut to its first `layers` layers (the dense first layer, where no expert choice

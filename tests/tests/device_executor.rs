@@ -12,7 +12,9 @@ use model::executor::{
 };
 use model::forward::{LogitRows, Model, SeqInput};
 use model::sampler::{Sampler, SamplingParams};
-use project_tests::device_models::{GOLDEN_MODELS, executor, ids, load, load_model};
+use project_tests::device_models::{
+    GOLDEN_MODELS, executor, ids, join_tp_group, load, load_model, shards,
+};
 
 const KERNEL_MODEL: &str = "kimi-kernel-dims";
 
@@ -394,20 +396,10 @@ fn the_plan_and_the_executors_allocation_agree_within_one_percent() {
 #[test]
 fn tensor_parallel_ranks_replay_their_graphs_bit_for_bit_and_transfer_only_inputs_and_ids() {
     use kernels::allreduce::shm::{live_segments, unique_segment_name};
-    use model::executor::ShmAllReduce;
-    use model::weights::TpShard;
     let (model, golden) = load(KERNEL_MODEL);
     let tokens = ids(&golden, "tokens");
     let world = 2;
-    let shards: Vec<Model> = (0..world)
-        .map(|rank| {
-            let weights = model
-                .weights
-                .shard(&model.config, TpShard { rank, world })
-                .unwrap();
-            Model::new(model.config.clone(), weights)
-        })
-        .collect();
+    let shards = shards(&model, world);
     let dtype = KvCacheDtype::Bf16;
     let steps = 3;
     let run = |graphs: bool| {
@@ -436,16 +428,7 @@ fn tensor_parallel_ranks_replay_their_graphs_bit_for_bit_and_transfer_only_input
                         let mut ex =
                             DeviceExecutor::new(dev, shard, dtype, cache, capacity, tactics, true)
                                 .unwrap();
-                        let all_reduce = ShmAllReduce::join(
-                            ex.device(),
-                            &segment,
-                            rank,
-                            world,
-                            tokens.len() * shard.config.hidden_size * 4,
-                            std::time::Duration::from_secs(120),
-                        )
-                        .unwrap();
-                        ex.set_all_reduce(Box::new(all_reduce));
+                        join_tp_group(&mut ex, &segment, rank, world, tokens.len());
                         ex.set_graphs(graphs);
                         let seq = ex.add_sequence();
                         ex.step(

@@ -10,14 +10,26 @@ use cuda_host::HostDevice;
 use kernels::arch::Sm;
 use kernels::mla::cache::KvCacheDtype;
 use model::compare::{LogitsAgreement, compare};
+use model::executor::ExecutorTactics;
 use model::forward::Model;
 use project_tests::device_models::{
     CHAT_MODEL, GOLDEN_MODELS, cpu_prefill, device_prefill, executor, executor_for_rank,
-    first_layers, greedy_on_cpu, greedy_on_device, ids, load, load_model,
+    first_layers, greedy_on_cpu, greedy_on_device, ids, join_tp_group, load, load_model, shards,
 };
 use project_tests::golden_path;
 
 const DTYPES: [KvCacheDtype; 2] = [KvCacheDtype::Bf16, KvCacheDtype::Fp8E4m3];
+
+/// Prefill logits of `model` on the CPU as it is, on the CPU rounding where the device kernels
+/// do, and on `cuda-emulated`.
+fn three_prefills(model: &mut Model, tokens: &[u32], dtype: KvCacheDtype) -> [Vec<f32>; 3] {
+    model.device_roundings = false;
+    let cpu = cpu_prefill(model, tokens, dtype);
+    model.device_roundings = true;
+    let cpu_rounded = cpu_prefill(model, tokens, dtype);
+    let mut ex = executor(HostDevice::new(Sm::Sm120), model, dtype, tokens.len());
+    [cpu, cpu_rounded, device_prefill(&mut ex, tokens)]
+}
 
 fn agreement(ours: &[f32], reference: &[f32], vocab: usize) -> LogitsAgreement {
     compare(ours, reference, vocab).unwrap()
@@ -51,12 +63,10 @@ fn every_golden_model_on_cuda_emulated_matches_hf_as_closely_as_the_cpu() {
         let hf = golden.f32_values("logits_w4a4").unwrap();
         let vocab = model.config.vocab_size;
         for dtype in DTYPES {
-            model.device_roundings = false;
-            let cpu = cpu_prefill(&model, &tokens, dtype);
-            model.device_roundings = true;
-            let cpu_rounded = cpu_prefill(&model, &tokens, dtype);
-            let mut ex = executor(HostDevice::new(Sm::Sm120), &model, dtype, tokens.len());
-            let dev = device_prefill(&mut ex, &tokens);
+            let [cpu, cpu_rounded, dev] = three_prefills(&mut model, &tokens, dtype);
+            let mla = ExecutorTactics::defaults(Sm::Sm120, &model.config, dtype)
+                .unwrap()
+                .mla;
             let (a_cpu, a_dev, a_same) = (
                 agreement(&cpu, &hf, vocab),
                 agreement(&dev, &hf, vocab),
@@ -73,7 +83,7 @@ fn every_golden_model_on_cuda_emulated_matches_hf_as_closely_as_the_cpu() {
                 a_same.median(),
                 a_same.row_rel_l2[0],
                 model.config.mla_dims(),
-                ex.tactics().mla,
+                mla,
             );
             if !a_dev.as_close_as(&a_cpu) {
                 failures.push(format!(
@@ -115,12 +125,7 @@ fn every_golden_models_dense_layer_matches_hf_with_the_same_cache() {
             let hf = golden
                 .f32_values(&format!("dense_only.logits_{}_cache", dtype.id()))
                 .unwrap();
-            model.device_roundings = false;
-            let cpu = cpu_prefill(&model, &tokens, dtype);
-            model.device_roundings = true;
-            let cpu_rounded = cpu_prefill(&model, &tokens, dtype);
-            let mut ex = executor(HostDevice::new(Sm::Sm120), &model, dtype, tokens.len());
-            let dev = device_prefill(&mut ex, &tokens);
+            let [cpu, cpu_rounded, dev] = three_prefills(&mut model, &tokens, dtype);
             let (a_cpu, a_rounded, a_dev, a_same) = (
                 agreement(&cpu, &hf, vocab),
                 agreement(&cpu_rounded, &hf, vocab),
@@ -271,8 +276,6 @@ fn the_trained_chat_model_decodes_the_cpus_greedy_tokens_on_cuda_emulated() {
 #[test]
 fn tensor_parallel_ranks_give_one_ranks_logits_on_every_golden_model() {
     use kernels::allreduce::shm::unique_segment_name;
-    use model::executor::ShmAllReduce;
-    use model::weights::TpShard;
     let world = 2;
     let mut failures = Vec::new();
     let mut ran = 0;
@@ -291,15 +294,7 @@ fn tensor_parallel_ranks_give_one_ranks_logits_on_every_golden_model() {
             let mut ex = executor(HostDevice::new(Sm::Sm120), &model, dtype, tokens.len());
             device_prefill(&mut ex, &tokens)
         };
-        let shards: Vec<Model> = (0..world)
-            .map(|rank| {
-                let weights = model
-                    .weights
-                    .shard(&model.config, TpShard { rank, world })
-                    .unwrap();
-                Model::new(model.config.clone(), weights)
-            })
-            .collect();
+        let shards = shards(&model, world);
         let segment = unique_segment_name("device-tp-golden");
         let per_rank: Vec<Vec<f32>> = std::thread::scope(|s| {
             let handles: Vec<_> = shards
@@ -315,16 +310,7 @@ fn tensor_parallel_ranks_give_one_ranks_logits_on_every_golden_model() {
                             tokens.len(),
                             world,
                         );
-                        let all_reduce = ShmAllReduce::join(
-                            ex.device(),
-                            &segment,
-                            rank,
-                            world,
-                            tokens.len() * shard.config.hidden_size * 4,
-                            std::time::Duration::from_secs(120),
-                        )
-                        .unwrap();
-                        ex.set_all_reduce(Box::new(all_reduce));
+                        join_tp_group(&mut ex, &segment, rank, world, tokens.len());
                         device_prefill(&mut ex, tokens)
                     })
                 })

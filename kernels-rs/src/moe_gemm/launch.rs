@@ -1294,18 +1294,38 @@ mod tests {
         }
     }
 
-    #[test]
-    fn host_layout_read_as_the_kernels_do_matches_the_reference() {
-        use crate::moe_gemm::check::{Rng, compare, random_case};
-        // 2I = 192 rows and H = 160 rows: the swizzle's 128-row padding is exercised, and
-        // H/16 = 10 scale columns pads to 12.
-        let case = random_case("layout", &mut Rng(3), 6, 3, 6, 160, 96);
+    /// A random case (`check::random_case`: tokens, top-k, experts, hidden, inter), its
+    /// grouping and its BF16 input widened.
+    fn random_grouped(
+        seed: u64,
+        shape: [usize; 5],
+    ) -> (crate::moe_gemm::check::Case, GroupedRouting, Vec<f32>) {
+        use crate::moe_gemm::check::{Rng, random_case};
+        let [tokens, top_k, experts, hidden, inter] = shape;
+        let case = random_case(
+            "random",
+            &mut Rng(seed),
+            tokens,
+            top_k,
+            experts,
+            hidden,
+            inter,
+        );
         let g = GroupedRouting::new(&case.routing, case.experts()).unwrap();
-        let x: Vec<f32> = case
+        let x = case
             .x_bf16
             .iter()
             .map(|&b| half::bf16::from_bits(b).to_f32())
             .collect();
+        (case, g, x)
+    }
+
+    #[test]
+    fn host_layout_read_as_the_kernels_do_matches_the_reference() {
+        use crate::moe_gemm::check::compare;
+        // 2I = 192 rows and H = 160 rows: the swizzle's 128-row padding is exercised, and
+        // H/16 = 10 scale columns pads to 12.
+        let (case, g, x) = random_grouped(3, [6, 3, 6, 160, 96]);
         for layout in [ScaleLoad::Swizzled128x4, ScaleLoad::RowMajor] {
             let out = crate::moe_gemm::check::kernel_model(&case.weights, layout, &g, &x);
             let c = compare(&out, &case.reference, &[]);
@@ -1320,18 +1340,12 @@ mod tests {
     /// missing.
     #[test]
     fn padded_experts_compute_the_unpadded_ones_output() {
-        use crate::moe_gemm::check::{Rng, compare, random_case};
+        use crate::moe_gemm::check::compare;
         assert_eq!(
             [16, 32, 64, 128, 256, 2048].map(kernel_inter),
             [64, 64, 64, 128, 256, 2048]
         );
-        let case = random_case("pad", &mut Rng(5), 7, 2, 5, 128, 32);
-        let g = GroupedRouting::new(&case.routing, case.experts()).unwrap();
-        let x: Vec<f32> = case
-            .x_bf16
-            .iter()
-            .map(|&b| half::bf16::from_bits(b).to_f32())
-            .collect();
+        let (case, g, x) = random_grouped(5, [7, 2, 5, 128, 32]);
         let padded = case.weights.clone().padded_inter(kernel_inter(32));
         padded.check().unwrap();
         assert_eq!(padded.inter, 64);
