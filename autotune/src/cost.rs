@@ -27,7 +27,7 @@ use kernels::arch::{GpuSpec, Sm};
 use kernels::mla::{MlaKind, MlaSplitTactic, MlaTactic};
 use kernels::moe_gemm::launch::MoeGroupingBounds;
 use kernels::moe_gemm::{KernelVariant, MoeGemmTactic};
-use kernels::tactic::ProblemShape;
+use kernels::tactic::{ProblemShape, Tactic};
 
 use crate::manifest::Image;
 
