@@ -9,15 +9,19 @@ Rust tests evaluate too, so a 64K-token context costs only its queries and outpu
 
     idx(seed, t, j) = seed << 40 | t << 10 | j                (uint64; t < 2^30, j < 1024)
     u(seed, t, j)   = ((splitmix64(idx) >> 11) % 2001) - 1000  (integer in [-1000, 1000])
-    latent[t][j]    = u(seed, t, j) / 256 * (1 + t % 5) / 4    (j < 512; exact in f32)
-    rope[t][j]      = u(seed, t, 512 + j) / 512                (j < 64)
+    latent[t][j]    = u(seed, t, j) / 256 * (1 + t % 5) / 4    (j < L; exact in f32)
+    rope[t][j]      = u(seed, t, L + j) / 512                  (j < R)
+
+with L = 512 latent and R = 64 RoPE values per token (Kimi-K2.5), or L = 64, R = 16 for the
+cases named l64r16_* (the small golden checkpoints' widths, with 2–8 heads: fewer than one
+kernel block's 16).
 
 FP8 E4M3 storage (cache.rs): per token scale = amax(latent[t]) / 448 (f32; 1 if amax is 0),
 codes = e4m3(latent / scale) rounded to nearest even, saturating; RoPE part BF16. With a
 per-tensor checkpoint k_scale ("fp8_static") every token uses that scale instead.
 
 Per case, golden/data/mla/<case>.safetensors holds:
-    q_abs [B, H, 512], q_pe [B, H, 64]   BF16-representable f32 (what a GPU kernel reads)
+    q_abs [B, H, L], q_pe [B, H, R]      BF16-representable f32 (what a GPU kernel reads)
     lens [B] (int64), seeds [B] (int64), softmax_scale [1]
     out, lse           attention over the cache as stored (dequantized), float64 → f32
     out_exact, lse_exact   attention over the unquantized f32 values
@@ -47,7 +51,7 @@ MASK64 = (1 << 64) - 1
 KIMI_SOFTMAX_SCALE = 192 ** -0.5 * (0.1 * math.log(64.0) + 1.0) ** 2
 
 CASES = [
-    # name, storage, heads, lens, seed
+    # name, storage, heads, lens, seed[, (L, R)]
     ("bf16_single", "bf16", 8, [1], 1),
     ("bf16_pages", "bf16", 16, [63, 64, 65, 128], 2),
     ("fp8_pages", "fp8", 16, [63, 64, 65, 128], 3),
@@ -56,6 +60,13 @@ CASES = [
     ("fp8_static_scale", "fp8_static", 8, [100, 700], 6),
     ("bf16_long", "bf16", 8, [65536], 7),
     ("fp8_long", "fp8", 8, [65536], 8),
+    # The small golden checkpoints' widths (kimi-tiny, kimi-chat-tiny, the DeepSeek-V3 ones):
+    # 2, 4 and 8 heads, page boundaries, ragged batches, a per-tensor k_scale.
+    ("l64r16_bf16_pages", "bf16", 4, [1, 63, 64, 65, 130], 9, (64, 16)),
+    ("l64r16_fp8_pages", "fp8", 4, [1, 63, 64, 65, 130], 10, (64, 16)),
+    ("l64r16_bf16_ragged", "bf16", 2, [7, 300, 1000, 2049], 11, (64, 16)),
+    ("l64r16_fp8_ragged", "fp8", 8, [7, 300, 1000, 2049], 12, (64, 16)),
+    ("l64r16_fp8_static_scale", "fp8_static", 4, [100, 700], 13, (64, 16)),
 ]
 # Per-tensor k_scale of the fp8_static case: covers the hash's largest latent (3.90625 · 1.25).
 STATIC_SCALE = np.float32(5.0) / np.float32(448.0)
@@ -75,10 +86,11 @@ def hash_u(seed: int, tokens: int, j0: int, width: int) -> np.ndarray:
     return (splitmix64(idx) >> np.uint64(11)) % np.uint64(2001)
 
 
-def cache_values(seed: int, tokens: int):
-    """The f32 latent [T, 512] and rope [T, 64] a request's cache is written with."""
-    u_lat = hash_u(seed, tokens, 0, L).astype(np.int64) - 1000
-    u_pe = hash_u(seed, tokens, L, R).astype(np.int64) - 1000
+def cache_values(seed: int, tokens: int, widths=(L, R)):
+    """The f32 latent [T, L] and rope [T, R] a request's cache is written with."""
+    lat_w, pe_w = widths
+    u_lat = hash_u(seed, tokens, 0, lat_w).astype(np.int64) - 1000
+    u_pe = hash_u(seed, tokens, lat_w, pe_w).astype(np.int64) - 1000
     tok = (1 + np.arange(tokens, dtype=np.int64) % 5)[:, None]
     latent = (u_lat.astype(np.float32) / np.float32(256)) * (tok.astype(np.float32) / np.float32(4))
     rope = u_pe.astype(np.float32) / np.float32(512)
@@ -133,16 +145,17 @@ def provenance(**extra) -> dict:
     return {"provenance": json.dumps(info, sort_keys=True)}
 
 
-def gen_case(out_dir: Path, name, storage, heads, lens, seed):
+def gen_case(out_dir: Path, name, storage, heads, lens, seed, widths=(L, R)):
     g = torch.Generator().manual_seed(1000 + seed)
     b = len(lens)
-    q_abs = bf16_round(0.5 * torch.randn(b, heads, L, generator=g))
-    q_pe = bf16_round(0.5 * torch.randn(b, heads, R, generator=g))
+    lat_w, pe_w = widths
+    q_abs = bf16_round(0.5 * torch.randn(b, heads, lat_w, generator=g))
+    q_pe = bf16_round(0.5 * torch.randn(b, heads, pe_w, generator=g))
     scale = float(np.float32(KIMI_SOFTMAX_SCALE))
     seeds = [seed * 16 + i for i in range(b)]
     out, lse, out_x, lse_x = [], [], [], []
     for i, n in enumerate(lens):
-        latent, rope = cache_values(seeds[i], n)
+        latent, rope = cache_values(seeds[i], n, widths)
         o, s = attend(q_abs[i], q_pe[i], *stored(latent, rope, storage), scale)
         ox, sx = attend(q_abs[i], q_pe[i], latent, rope, scale)
         out.append(o), lse.append(s), out_x.append(ox), lse_x.append(sx)
@@ -159,16 +172,19 @@ def gen_case(out_dir: Path, name, storage, heads, lens, seed):
         "out_exact": out_x.contiguous(),
         "lse_exact": lse_x.contiguous(),
     }
+    # Kimi-K2.5's widths are implied (their files predate the others).
+    extra = {} if widths == (L, R) else {"latent": lat_w, "rope": pe_w}
     meta = provenance(
         case=name,
         storage=storage,
         heads=heads,
+        **extra,
         static_scale_bits=int(STATIC_SCALE.view(np.uint32)) if storage == "fp8_static" else None,
         # How far the storage format alone moves the output (informational).
         storage_rel_err=f"{rel_err(out, out_x):.3e}",
     )
     save_file(tensors, str(out_dir / f"{name}.safetensors"), metadata=meta)
-    print(f"  {name}: B={b} H={heads} lens={lens} storage={storage} "
+    print(f"  {name}: B={b} H={heads} L={lat_w} R={pe_w} lens={lens} storage={storage} "
           f"storage rel err {rel_err(out, out_x):.2e}")
 
 

@@ -10,7 +10,8 @@
 #   BUNDLE/golden/data/moe/          MoE goldens, if the repository has them
 #   BUNDLE/gpu-dense                 the dense products, ours against cuBLASLt (test binary)
 #   BUNDLE/model                     the model binary (feature cuda) and
-#   BUNDLE/golden/data/models/kimi-kernel-dims/  the end-to-end stage's checkpoint
+#   BUNDLE/golden/data/models/{kimi-kernel-dims,kimi-tiny,dsv3-noqlora-grouped,
+#     dsv3-mini-unsharded,kimi-chat-tiny}/       the end-to-end stage's checkpoints
 #   BUNDLE/scripts/gpu-check.sh      the runner (see its header for how to run)
 #
 # Usage: scripts/build-gpu-bundle.sh [BUNDLE_DIR]   (default .gpu-bundle, git-ignored)
@@ -74,7 +75,9 @@ else
   (cd ptx && find moe_gemm -name '*.cubin' -exec cp --parents {} "$BUNDLE/ptx/" \;)
 fi
 mkdir -p "$BUNDLE/golden/data/models"
-cp -r golden/data/models/kimi-kernel-dims "$BUNDLE/golden/data/models/"
+for model in kimi-kernel-dims kimi-tiny dsv3-noqlora-grouped dsv3-mini-unsharded kimi-chat-tiny; do
+  cp -r "golden/data/models/$model" "$BUNDLE/golden/data/models/"
+done
 for family in moe mla; do
   if [[ -d golden/data/$family ]]; then
     mkdir -p "$BUNDLE/golden/data"

@@ -24,8 +24,10 @@
 #   gpu-dense                 the dense BF16 products: our dense_bf16 and cuBLASLt (needs
 #                             libcublasLt) on Kimi's TP8 decode shapes, checked and timed
 #                             (the test binary of tests/tests/gpu_dense.rs)
-#   model                     the model binary (feature `cuda`) with
-#                             golden/data/models/kimi-kernel-dims/: the end-to-end stage
+#   model                     the model binary (feature `cuda`) with the golden checkpoints
+#                             golden/data/models/{kimi-kernel-dims,kimi-tiny,
+#                             dsv3-noqlora-grouped,dsv3-mini-unsharded,kimi-chat-tiny}/: the
+#                             end-to-end stage
 #
 # Run there, from the bundle root (or a checkout with target/release/gpu-check):
 #   scripts/gpu-check.sh [gpu-check flags...]     e.g. --tactics portable --iters 50
@@ -132,38 +134,58 @@ if [[ "${SKIP_ALLREDUCE:-0}" != 1 ]]; then
   run_check allreduce-gpu-check "$(find_bin allreduce-gpu-check "${ALLREDUCE_GPU_CHECK_BIN:-}")" \
     "${ALLREDUCE_CHECK_TIMEOUT:-100}" --ptx-dir "$KIMI_PTX_DIR" --out "$OUT_DIR"
 fi
-# End to end: the golden checkpoint whose latent sizes the MLA kernels are built for, through
-# `model logits --backend cuda` (the device-resident executor, every kernel of a step) with the
-# BF16 and FP8 caches, and with --tp 2 as two processes on this one GPU; each must sit as close
-# to HF's W4A4 goldens as the CPU backend on this machine does (the criterion of
-# tests/tests/device_executor.rs), and --tp 2 within 1e-3 of --tp 1. Then a greedy decode on
-# the device beside the CPU's, and one with the dense products on cuBLASLt. Skipped with
-# SKIP_E2E=1.
+# End to end: the golden checkpoints (E2E_MODELS: Kimi-K2.5's MLA widths and the small
+# models': every MLA image family and the padded experts) through `model logits --backend
+# cuda` (the device-resident executor, every kernel of a step) with the BF16 and FP8 caches,
+# and with --tp 2 as two processes on this one GPU; each must sit as close to HF's W4A4
+# goldens as the CPU backend on this machine does (the criterion of
+# tests/tests/device_golden_models.rs), and --tp 2 within 1e-3 of --tp 1. Then greedy decodes
+# of the trained kimi-chat-tiny on the device and on the CPU must print the same tokens,
+# and a greedy decode with the dense products on cuBLASLt must run. Skipped with SKIP_E2E=1.
 e2e() {
-  local model=$1 ckpt="$ROOT/golden/data/models/kimi-kernel-dims" dir="$OUT_DIR/e2e"
-  local tokens=0,144,53,82,39,273,386,455,426,257,282,47,143,491,436,298,395,320,256,441
-  local golden="$ckpt/golden.safetensors:logits_w4a4" status=0
+  local model=$1 dir="$OUT_DIR/e2e" status=0
   mkdir -p "$dir"
-  for kv in bf16 fp8; do
-    for backend in cpu cuda; do
-      "$model" logits --backend "$backend" --ptx-dir "$KIMI_PTX_DIR" --checkpoint "$ckpt" \
-        --tokens "$tokens" --kv-dtype "$kv" --out "$dir/$backend-$kv.safetensors" || return $?
+  for name in ${E2E_MODELS:-kimi-kernel-dims kimi-tiny dsv3-noqlora-grouped dsv3-mini-unsharded}; do
+    local ckpt="$ROOT/golden/data/models/$name" tokens
+    # The prompt of each model's golden.safetensors (its `tokens` tensor).
+    case "$name" in
+      kimi-kernel-dims) tokens=0,144,53,82,39,273,386,455,426,257,282,47,143,491,436,298,395,320,256,441 ;;
+      kimi-tiny) tokens=110,343,391,314,424,471,568,79,457,18,99,357,28,322,413,561,436,187,482,102 ;;
+      dsv3-noqlora-grouped) tokens=390,112,114,114,68,497,107,273,135,240,27,352,431,322,272,19,74,178,65,507 ;;
+      dsv3-mini-unsharded) tokens=176,440,519,157,449,304,153,59,257,203,423,128,486,110,52,166,486,266,185,471 ;;
+      *) echo "e2e: no golden prompt for $name" >&2; status=1; continue ;;
+    esac
+    local golden="$ckpt/golden.safetensors:logits_w4a4"
+    for kv in bf16 fp8; do
+      for backend in cpu cuda; do
+        "$model" logits --backend "$backend" --ptx-dir "$KIMI_PTX_DIR" --checkpoint "$ckpt" \
+          --tokens "$tokens" --kv-dtype "$kv" --out "$dir/$name-$backend-$kv.safetensors" || return $?
+      done
+      echo "== $name $kv: cuda vs HF W4A4, as close as cpu"
+      "$model" compare-logits "$dir/$name-cuda-$kv.safetensors" "$golden" \
+        --as-close-as "$dir/$name-cpu-$kv.safetensors" || status=1
+      "$model" logits --backend cuda --tp 2 --ptx-dir "$KIMI_PTX_DIR" --checkpoint "$ckpt" \
+        --tokens "$tokens" --kv-dtype "$kv" --out "$dir/$name-cuda-tp2-$kv.safetensors" || status=1
+      [[ -f "$dir/$name-cuda-tp2-$kv.safetensors" ]] && { "$model" compare-logits \
+        "$dir/$name-cuda-tp2-$kv.safetensors" "$dir/$name-cuda-$kv.safetensors" \
+        --max-rel-l2 1e-3 || status=1; }
     done
-    "$model" compare-logits "$dir/cuda-$kv.safetensors" "$golden" \
-      --as-close-as "$dir/cpu-$kv.safetensors" || status=1
-    "$model" logits --backend cuda --tp 2 --ptx-dir "$KIMI_PTX_DIR" --checkpoint "$ckpt" \
-      --tokens "$tokens" --kv-dtype "$kv" --out "$dir/cuda-tp2-$kv.safetensors" || status=1
-    [[ -f "$dir/cuda-tp2-$kv.safetensors" ]] && { "$model" compare-logits \
-      "$dir/cuda-tp2-$kv.safetensors" "$dir/cuda-$kv.safetensors" --max-rel-l2 1e-3 || status=1; }
   done
+  # The first golden chat prompt (golden/data/serving/chat_model_golden.json), greedy.
+  local chat="$ROOT/golden/data/models/kimi-chat-tiny"
+  local prompt=1010,289,1017,298,297,314,44,305,284,300,318,319,320,284,46,1002,1003,280,1017,302,269,281,273,271,869,63,382,338,381,380,46,1002,1004,285,1017,1022
   for backend in cpu cuda; do
-    "$model" run --backend "$backend" --ptx-dir "$KIMI_PTX_DIR" --checkpoint "$ckpt" \
-      --prompt "$tokens" --max-new-tokens 8 --ignore-eos 2>&1 | tee "$dir/run-$backend.txt" \
-      || status=1
+    "$model" run --backend "$backend" --ptx-dir "$KIMI_PTX_DIR" --checkpoint "$chat" \
+      --prompt "$prompt" --max-new-tokens 22 2>&1 | tee "$dir/run-$backend.txt" || status=1
   done
+  if ! diff <(grep '^sequence' "$dir/run-cpu.txt") <(grep '^sequence' "$dir/run-cuda.txt"); then
+    echo "e2e: greedy tokens on cuda differ from cpu" >&2
+    status=1
+  fi
   # The dense products on cuBLASLt, inside the captured decode graph.
+  local kd="$ROOT/golden/data/models/kimi-kernel-dims"
   "$model" run --backend cuda --dense-tactic cublaslt --ptx-dir "$KIMI_PTX_DIR" \
-    --checkpoint "$ckpt" --prompt "$tokens" --max-new-tokens 8 --ignore-eos 2>&1 \
+    --checkpoint "$kd" --prompt 0,144,53,82,39,273,386,455 --max-new-tokens 8 --ignore-eos 2>&1 \
     | tee "$dir/run-cuda-cublaslt.txt" || status=1
   return $status
 }
@@ -173,11 +195,11 @@ if [[ "${SKIP_E2E:-0}" != 1 ]]; then
     echo "gpu-check.sh: e2e: model binary absent, skipped" >&2
     [[ $rc == 0 ]] && rc=2
   else
-    echo "== e2e ($model_bin, limit ${E2E_TIMEOUT:-90} s)"
+    echo "== e2e ($model_bin, limit ${E2E_TIMEOUT:-150} s)"
     export -f e2e
     export ROOT OUT_DIR KIMI_PTX_DIR
     set +e
-    timeout --kill-after=20 "${E2E_TIMEOUT:-90}" bash -c "e2e $model_bin" 2>&1 \
+    timeout --kill-after=20 "${E2E_TIMEOUT:-150}" bash -c "e2e $model_bin" 2>&1 \
       | tee "$OUT_DIR/e2e.log"
     r=${PIPESTATUS[0]}
     set -e

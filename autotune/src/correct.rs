@@ -28,7 +28,8 @@ use project_tests::{allreduce_host, golden_path, layer_checks, moe_goldens};
 pub struct Goldens {
     /// One MoE case: `kernel_tiles` (several token tiles per expert, every tactic takes it).
     pub moe: Vec<check::Case>,
-    /// One MLA case per cache dtype (`*_pages`: several requests across page boundaries).
+    /// One MLA case per cache dtype and built cache width (`*_pages`: several requests across
+    /// page boundaries).
     pub mla: Vec<Golden>,
 }
 
@@ -36,10 +37,15 @@ impl Goldens {
     pub fn load() -> Result<Goldens, String> {
         let mut moe = moe_goldens::kernel_golden_cases();
         moe.truncate(1);
-        let mla = ["bf16_pages", "fp8_pages"]
-            .iter()
-            .map(|n| load_golden(&golden_path(&format!("mla/{n}.safetensors"))))
-            .collect::<Result<Vec<_>, _>>()?;
+        let mla = [
+            "bf16_pages",
+            "fp8_pages",
+            "l64r16_bf16_pages",
+            "l64r16_fp8_pages",
+        ]
+        .iter()
+        .map(|n| load_golden(&golden_path(&format!("mla/{n}.safetensors"))))
+        .collect::<Result<Vec<_>, _>>()?;
         Ok(Goldens { moe, mla })
     }
 }
@@ -81,8 +87,9 @@ pub fn moe<D: Device>(dev: &D, t: MoeGemmTactic, g: &Goldens) -> Result<String, 
     })
 }
 
-/// The MLA tactic on the golden of its cache dtype, with its split count (more than one adds
-/// `mla_combine`; splits past a short request's tiles are empty, which the kernel handles).
+/// The MLA tactic on the golden of its cache dtype and widths, with its split count (more than
+/// one adds `mla_combine`; splits past a short request's tiles are empty, which the kernel
+/// handles).
 pub fn mla<D: Device>(dev: &D, st: MlaSplitTactic, g: &Goldens) -> Result<String, String> {
     let t = st.kernel;
     guarded(&st.id(), || {
@@ -91,9 +98,10 @@ pub fn mla<D: Device>(dev: &D, st: MlaSplitTactic, g: &Goldens) -> Result<String
         for golden in g
             .mla
             .iter()
-            .filter(|x| (x.dtype != KvCacheDtype::Bf16) == t.kind.is_fp8())
+            .filter(|x| (x.dtype != KvCacheDtype::Bf16) == t.kind.is_fp8() && x.dims == t.dims)
         {
             let (cache, queries) = build_cache(
+                golden.dims,
                 golden.dtype,
                 golden.static_scale,
                 &golden.lens,
@@ -122,7 +130,7 @@ pub fn mla<D: Device>(dev: &D, st: MlaSplitTactic, g: &Goldens) -> Result<String
             }
         }
         if detail.is_empty() {
-            return Err("no golden of its cache dtype".into());
+            return Err("no golden of its cache dtype and widths".into());
         }
         Ok(detail.join("; "))
     })

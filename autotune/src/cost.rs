@@ -27,7 +27,7 @@ use kernels::arch::{GpuSpec, Sm};
 use kernels::mla::{MlaKind, MlaSplitTactic, MlaTactic};
 use kernels::moe_gemm::launch::MoeGroupingBounds;
 use kernels::moe_gemm::{KernelVariant, MoeGemmTactic};
-use kernels::tactic::ProblemShape;
+use kernels::tactic::{ProblemShape, Tactic};
 
 use crate::manifest::Image;
 
@@ -259,34 +259,39 @@ impl<'a> Model<'a> {
             heads,
             context,
             fp8_cache,
+            ..
         } = *shape
         else {
             return None;
         };
-        if t.kind.is_fp8() != fp8_cache {
+        if !t.serves(shape) {
             return None;
         }
+        let (latent, rope) = (t.dims.latent as f64, t.dims.rope as f64);
         let splits = st.splits;
         let groups = f64::from(heads.div_ceil(t.heads_per_block));
         let b = f64::from(batch);
         let c = f64::from(context);
         // Bytes per cached token: BF16 latent + RoPE, or E4M3 latent + BF16 RoPE + a scale.
         let per_token = if fp8_cache {
-            512.0 + 128.0 + 4.0
+            latent + 2.0 * rope + 4.0
         } else {
-            1152.0
+            2.0 * (latent + rope)
         };
         let ctas = b * groups * f64::from(splits);
         let padded_heads = groups * f64::from(t.heads_per_block);
         let partial = if splits > 1 {
-            b * f64::from(heads) * f64::from(splits) * 513.0 * 4.0
+            b * f64::from(heads) * f64::from(splits) * (latent + 1.0) * 4.0
         } else {
             0.0
         };
+        // FLOPs per head and token: q·k over latent + RoPE, then P·C over the latent.
+        let (qk_flops, pc_flops) = (latent + rope, latent);
         let peak = match t.kind {
-            // q·c (576 of the 1088 FLOPs per head and token) on the E4M3 tensor cores.
+            // q·c on the E4M3 tensor cores.
             MlaKind::Fp8QkMma => {
-                1088.0 / (576.0 / self.gpu.fp8_dense_tflops + 512.0 / self.gpu.bf16_dense_tflops)
+                (qk_flops + pc_flops)
+                    / (qk_flops / self.gpu.fp8_dense_tflops + pc_flops / self.gpu.bf16_dense_tflops)
             }
             _ => self.gpu.bf16_dense_tflops,
         };
@@ -294,8 +299,8 @@ impl<'a> Model<'a> {
             work_ctas: ctas,
             empty_ctas: 0.0,
             occupancy: self.occupancy(image, "mla_decode", t.threads(), t.smem().total),
-            bytes: b * c * per_token + b * f64::from(heads) * 576.0 * 2.0 + partial,
-            flops: 2.0 * b * padded_heads * c * 1088.0,
+            bytes: b * c * per_token + b * f64::from(heads) * (latent + rope) * 2.0 + partial,
+            flops: 2.0 * b * padded_heads * c * (qk_flops + pc_flops),
             inflight: f64::from(t.stages.saturating_sub(1).max(1))
                 * f64::from(t.tile_tokens)
                 * per_token,
@@ -307,7 +312,7 @@ impl<'a> Model<'a> {
                 work_ctas: b * f64::from(heads),
                 empty_ctas: 0.0,
                 occupancy: 8,
-                bytes: partial + b * f64::from(heads) * 512.0 * 4.0,
+                bytes: partial + b * f64::from(heads) * latent * 4.0,
                 flops: 0.0,
                 // One CTA per (request, head), its 128 threads each with a few 16-byte loads in
                 // flight over the splits' partial rows.
@@ -412,12 +417,7 @@ mod tests {
             assert!(p.us > p.bytes / bw * 1e6, "{t}: {p:?}");
         }
         for t in MlaSplitTactic::space(Sm::Sm120) {
-            let s = ProblemShape::Mla {
-                batch: 8,
-                heads: 8,
-                context: 8192,
-                fp8_cache: t.kernel.kind.is_fp8(),
-            };
+            let s = ProblemShape::mla(8, 8, 8192, t.kernel.kind.is_fp8(), t.kernel.dims);
             let p = m.mla(&t, None, &s).unwrap();
             assert!(p.us > p.bytes / bw * 1e6, "{t}: {p:?}");
         }

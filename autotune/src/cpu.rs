@@ -25,6 +25,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use kernels::cpu_tactic::{
     CPU_SOURCES_KEY, DECODE_BUCKET_PREFIX, cpu_kernel_source_hash, decode_entry_shape,
 };
+use kernels::mla::MlaDims;
 use kernels::moe_gemm::cpu_simd::Isa;
 use kernels::tactic::cache::{
     CPU_TARGET, CacheEntry, FORMAT, FigureSource, NO_GPU, Provenance, TacticCache, TacticFigure,
@@ -176,13 +177,15 @@ pub fn problem_shape(shape: &Shape) -> ProblemShape {
             batch,
             context,
             heads,
-            ..
-        } => ProblemShape::Mla {
-            batch: batch as u32,
-            heads: heads as u32,
-            context: context as u32,
-            fp8_cache: false,
-        },
+            latent,
+            rope,
+        } => ProblemShape::mla(
+            batch as u32,
+            heads as u32,
+            context as u32,
+            false,
+            MlaDims { latent, rope },
+        ),
     }
 }
 

@@ -132,12 +132,13 @@ fn step(c: &Ctx<'_>, batch: u32) -> Result<Step> {
         * (0.5 + 1.0 / 16.0)
         * f64::from(moe_layers);
     // MLA.
-    let mla_shape = ProblemShape::Mla {
+    let mla_shape = ProblemShape::mla(
         batch,
-        heads: cfg.num_attention_heads as u32 / tp,
-        context: CONTEXT,
-        fp8_cache: true,
-    };
+        cfg.num_attention_heads as u32 / tp,
+        CONTEXT,
+        true,
+        cfg.mla_dims(),
+    );
     let mla_t = c
         .lookup
         .choose::<MlaSplitTactic>(c.sm, &mla_shape)

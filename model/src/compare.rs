@@ -31,6 +31,19 @@ impl LogitsAgreement {
         v.get(v.len() / 2).copied().unwrap_or(0.0)
     }
 
+    /// Positions whose argmax agrees, as a fraction.
+    pub fn top1(&self) -> f64 {
+        self.top1_agree as f64 / self.positions.max(1) as f64
+    }
+
+    /// Whether these logits sit as close to the reference as `peer`'s (another backend's
+    /// against the same reference): a median position error at most 1.5× the peer's and a
+    /// top-1 agreement at most 0.1 below it. The device backends' criterion against HF's
+    /// goldens beside the CPU backend (`compare-logits --as-close-as`, the executor tests).
+    pub fn as_close_as(&self, peer: &LogitsAgreement) -> bool {
+        self.median() <= 1.5 * peer.median() && self.top1() >= peer.top1() - 0.1
+    }
+
     pub fn summary(&self) -> String {
         format!(
             "{} positions × {} vocab: rel L2 per position median {:.3e}, max {:.3e}; top-1 {}/{}",

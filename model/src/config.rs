@@ -653,6 +653,14 @@ impl ModelConfig {
         self.qk_nope_head_dim + self.qk_rope_head_dim
     }
 
+    /// The widths of a cached token's row, as the MLA kernels' tactics name them.
+    pub fn mla_dims(&self) -> kernels::mla::MlaDims {
+        kernels::mla::MlaDims {
+            latent: self.kv_lora_rank,
+            rope: self.qk_rope_head_dim,
+        }
+    }
+
     /// Values cached per token per layer: the normalized latent plus the RoPE'd key part.
     pub fn latent_cache_dim(&self) -> usize {
         self.kv_lora_rank + self.qk_rope_head_dim

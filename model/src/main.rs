@@ -1351,9 +1351,7 @@ fn compare_logits(
         None => Ok(()),
         Some(peer) => {
             let theirs = against(peer)?;
-            let top1 =
-                |a: &model::compare::LogitsAgreement| a.top1_agree as f64 / a.positions as f64;
-            if ours.median() > 1.5 * theirs.median() || top1(&ours) < top1(&theirs) - 0.1 {
+            if !ours.as_close_as(&theirs) {
                 anyhow::bail!("{candidate} is further from {reference} than {peer} allows");
             }
             Ok(())

@@ -160,12 +160,13 @@ pub fn shapes(cfg: &ModelConfig, tp: u32, family: KernelFamily) -> Vec<ProblemSh
             for fp8_cache in [true, false] {
                 for b in BATCHES {
                     for c in CONTEXTS {
-                        out.push(ProblemShape::Mla {
-                            batch: b,
-                            heads: cfg.num_attention_heads as u32 / tp,
-                            context: c,
+                        out.push(ProblemShape::mla(
+                            b,
+                            cfg.num_attention_heads as u32 / tp,
+                            c,
                             fp8_cache,
-                        });
+                            cfg.mla_dims(),
+                        ));
                     }
                 }
             }
@@ -231,12 +232,13 @@ pub fn tactic_lines(path: Option<&Path>, cfg: &ModelConfig, run: &RunShapes) -> 
         hidden: cfg.hidden_size as u32,
         inter: (cfg.moe_intermediate_size as u32 / tp).max(1),
     };
-    let mla = ProblemShape::Mla {
-        batch: run.tokens.max(1),
-        heads: (cfg.num_attention_heads as u32 / tp).max(1),
-        context: run.context.max(1),
-        fp8_cache: run.fp8_cache,
-    };
+    let mla = ProblemShape::mla(
+        run.tokens.max(1),
+        (cfg.num_attention_heads as u32 / tp).max(1),
+        run.context.max(1),
+        run.fp8_cache,
+        cfg.mla_dims(),
+    );
     let ar = ProblemShape::AllReduce {
         elements: u64::from(run.tokens.max(1)) * cfg.hidden_size as u64,
         dtype: "bf16".into(),

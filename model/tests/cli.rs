@@ -283,14 +283,18 @@ fn logits_on_cuda_emulated_agree_with_the_cpu() {
     assert!(emulated.iter().all(|v| v.is_finite()));
 }
 
-/// The device kernels are built for Kimi-K2.5's latent sizes; another model is refused with
-/// the reason and exit code 2, and so is an FP32 cache.
+/// What the device kernels cannot run is refused with the reason and exit code 2: routed
+/// experts in BF16 (the MoE kernels read NVFP4), and an FP32 cache.
 #[test]
 fn cuda_emulated_refuses_what_the_kernels_cannot_run() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("l.safetensors");
     let cases: [(&str, &[&str], &str); 2] = [
-        ("kimi-tiny", &["--kv-dtype", "bf16"], "kv_lora_rank"),
+        (
+            "dsv3-mini-unsharded-bf16",
+            &["--kv-dtype", "bf16"],
+            "is BF16",
+        ),
         (
             "kimi-kernel-dims",
             &["--kv-dtype", "f32"],
@@ -309,6 +313,51 @@ fn cuda_emulated_refuses_what_the_kernels_cannot_run() {
         );
         assert_eq!(code, 2, "{model} {extra:?}: {text}");
         assert!(text.contains(want), "{model} {extra:?}: {text}");
+    }
+}
+
+/// Greedy `model run` of the trained `kimi-chat-tiny` (the model `model` answers with by
+/// default) on `--backend cuda-emulated` prints the tokens `--backend cpu` prints, with either
+/// cache, for the golden chat prompt (`golden/data/serving/chat_model_golden.json`).
+#[test]
+fn greedy_run_on_cuda_emulated_decodes_the_cpus_tokens() {
+    let golden: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../golden/data/serving/chat_model_golden.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let case = &golden["cases"][0];
+    let prompt: Vec<String> = case["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_string())
+        .collect();
+    let new_tokens = case["greedy_ids"].as_array().unwrap().len().to_string();
+    let checkpoint = golden_model("kimi-chat-tiny");
+    for kv in ["bf16", "fp8"] {
+        let run = |backend: &str| {
+            let text = run_ok(
+                model_cmd()
+                    .args(["run", "--backend", backend, "--kv-dtype", kv])
+                    .args(["--prompt", &prompt.join(",")])
+                    .args(["--max-new-tokens", &new_tokens])
+                    .arg("--checkpoint")
+                    .arg(&checkpoint),
+            );
+            text.lines()
+                .filter(|l| l.starts_with("sequence"))
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        };
+        let cpu = run("cpu");
+        let emulated = run("cuda-emulated");
+        println!("{kv} cache: cpu {cpu:?}\ncuda-emulated {emulated:?}");
+        assert_eq!(cpu.len(), 1, "{cpu:?}");
+        assert_eq!(emulated, cpu, "{kv} cache");
     }
 }
 

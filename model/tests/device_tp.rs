@@ -1,8 +1,8 @@
 //! Tensor parallelism on `--backend cuda-emulated`, end to end: `model logits` and `model run`
 //! with `--tp 2` and `--tp 4` launch one rank process each, every rank runs its shard on the
 //! device executor and the ranks sum their partial products with the real all-reduce kernel
-//! over a shared-memory segment. On `kimi-kernel-dims`, the one golden model the device
-//! kernels run.
+//! over a shared-memory segment. On `kimi-kernel-dims` (Kimi-K2.5's MLA widths); every golden
+//! checkpoint's `--tp 2` is checked in-process by `tests/tests/device_golden_models.rs`.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

@@ -38,23 +38,21 @@ fn run_with(args: &[&str], cache: &Path) -> String {
     stderr
 }
 
-/// A cache for SM120 whose MLA entry (BF16 cache, the tiny model's heads) names a tactic
-/// other than the heuristic default.
+/// A cache for SM120 whose MLA entry (BF16 cache, the tiny model's heads and cache widths)
+/// names a tactic other than the heuristic default.
 fn fresh_cache() -> (TacticCache, String) {
-    let heads = CheckpointConfig::from_dir(&tiny())
-        .unwrap()
-        .model
-        .num_attention_heads as u32;
-    let shape = ProblemShape::Mla {
-        batch: 1,
-        heads,
-        context: 64,
-        fp8_cache: false,
-    };
+    let config = CheckpointConfig::from_dir(&tiny()).unwrap().model;
+    let shape = ProblemShape::mla(
+        1,
+        config.num_attention_heads as u32,
+        64,
+        false,
+        config.mla_dims(),
+    );
     let default = MlaSplitTactic::heuristic_default(Sm::Sm120, &shape).unwrap();
     let tuned = MlaSplitTactic::space(Sm::Sm120)
         .into_iter()
-        .find(|t| t.serves(&shape) && t.kernel != default.kernel)
+        .find(|t| t.serves(&shape) && *t != default)
         .unwrap();
     let fig = TacticFigure {
         tactic: tuned.id(),

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 pub mod allreduce_host;
 pub mod dense_checks;
+pub mod device_models;
 pub mod layer_checks;
 pub mod moe_goldens;
 

@@ -30,9 +30,6 @@ const IMPLEMENTATIONS: [(&str, Attention); 2] = [
     ("fast", mla_attention),
 ];
 
-const L: usize = 512;
-const R: usize = 64;
-
 /// Per-row relative error: max over rows of ‖a − b‖∞ / ‖b‖∞.
 fn rel_err(a: &[f32], b: &[f32], row: usize) -> f32 {
     a.chunks(row)
@@ -63,9 +60,13 @@ struct Case {
 }
 
 /// Builds the case's cache with the requests' pages interleaved (so block tables are not
-/// contiguous), runs both CPU implementations and checks them against the golden.
+/// contiguous), runs both CPU implementations and checks them against the golden. The cache
+/// widths are the golden's (its `q_abs` and `q_pe` shapes).
+#[allow(non_snake_case)]
 fn check_case(case: &Case) {
     let file = TensorFile::open(golden_path(&format!("mla/{}.safetensors", case.name))).unwrap();
+    let width = |name: &str| *file.info(name).unwrap().shape.last().unwrap();
+    let (L, R) = (width("q_abs"), width("q_pe"));
     let lens: Vec<usize> = file
         .i64_values("lens")
         .unwrap()
@@ -234,6 +235,21 @@ fn fp8_with_a_per_tensor_k_scale() {
 #[test]
 fn fp8_64k_context() {
     check_case(&fp8("fp8_long"));
+}
+
+/// The small golden checkpoints' widths (latent 64, RoPE 16) with 2–8 heads.
+#[test]
+fn small_widths_every_storage() {
+    for name in ["l64r16_bf16_pages", "l64r16_bf16_ragged"] {
+        check_case(&bf16(name));
+    }
+    for name in ["l64r16_fp8_pages", "l64r16_fp8_ragged"] {
+        check_case(&fp8(name));
+    }
+    check_case(&Case {
+        static_scale: true,
+        ..fp8("l64r16_fp8_static_scale")
+    });
 }
 
 /// The absorbed attention over the latent cache reproduces HF's expanded-K/V attention:

@@ -3,20 +3,13 @@
 
 use kernels::mla::cache::KvCacheDtype;
 use model::backend::CpuBackend;
-use model::checkpoint::Checkpoint;
 use model::forward::{LogitRows, Model, SeqInput};
 use model::sampler::argmax;
-use model::tensor_file::TensorFile;
-use project_tests::golden_path;
+use project_tests::device_models::{GOLDEN_MODELS, cpu_prefill, greedy_on_cpu};
 
-/// `kimi-kernel-dims` has Kimi-K2.5's MLA latent 512, RoPE 64 and 16 heads: the dimensions the GPU kernels
-/// are specialised for.
-const MODELS: [&str; 4] = [
-    "kimi-tiny",
-    "dsv3-noqlora-grouped",
-    "dsv3-mini-unsharded",
-    "kimi-kernel-dims",
-];
+/// `kimi-kernel-dims` has Kimi-K2.5's MLA latent 512, RoPE 64 and 16 heads; the others the
+/// small widths 64 and 16 (see [`GOLDEN_MODELS`]).
+const MODELS: [&str; 4] = GOLDEN_MODELS;
 
 struct Golden {
     model: Model,
@@ -29,13 +22,7 @@ struct Golden {
 }
 
 fn load(name: &str) -> Golden {
-    let dir = golden_path("models").join(name);
-    let checkpoint = Checkpoint::open(&dir).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let model = Model::new(
-        checkpoint.model_config().clone(),
-        checkpoint.load_weights().unwrap(),
-    );
-    let golden = TensorFile::open(dir.join("golden.safetensors")).unwrap();
+    let (model, golden) = project_tests::device_models::load(name);
     let ids = |n: &str| {
         golden
             .i64_values(n)
@@ -56,21 +43,6 @@ fn load(name: &str) -> Golden {
         }),
         greedy: ids("greedy_tokens"),
     }
-}
-
-fn prefill_logits(model: &Model, tokens: &[u32], dtype: KvCacheDtype) -> Vec<f32> {
-    let mut cache = model.new_cache(dtype, tokens.len());
-    let seq = cache.add_sequence();
-    model
-        .forward(
-            &CpuBackend,
-            &mut cache,
-            &[SeqInput { seq, tokens }],
-            LogitRows::All,
-            None,
-        )
-        .unwrap()
-        .values
 }
 
 fn relative_l2(ours: &[f32], reference: &[f32]) -> f64 {
@@ -98,7 +70,7 @@ fn top1_agreement(ours: &[f32], reference: &[f32], vocab: usize) -> f64 {
 fn prefill_logits_match_hf_w4a4() {
     for name in MODELS {
         let g = load(name);
-        let ours = prefill_logits(&g.model, &g.tokens, KvCacheDtype::F32);
+        let ours = cpu_prefill(&g.model, &g.tokens, KvCacheDtype::F32);
         let vocab = g.model.config.vocab_size;
         let (err, top1) = (
             relative_l2(&ours, &g.logits_w4a4),
@@ -145,27 +117,7 @@ fn prefill_logits_match_hf_w4a4() {
 fn greedy_continuation_matches_hf() {
     for name in MODELS {
         let g = load(name);
-        let mut cache = g
-            .model
-            .new_cache(KvCacheDtype::F32, g.tokens.len() + g.greedy.len());
-        let seq = cache.add_sequence();
-        let mut next = g.tokens.clone();
-        let mut produced = Vec::new();
-        for _ in 0..g.greedy.len() {
-            let logits = g
-                .model
-                .forward(
-                    &CpuBackend,
-                    &mut cache,
-                    &[SeqInput { seq, tokens: &next }],
-                    LogitRows::Last,
-                    None,
-                )
-                .unwrap();
-            let token = argmax(logits.row(0));
-            produced.push(token);
-            next = vec![token];
-        }
+        let produced = greedy_on_cpu(&g.model, &g.tokens, g.greedy.len(), KvCacheDtype::F32);
         assert_eq!(produced, g.greedy, "{name}");
     }
 }
@@ -187,7 +139,7 @@ fn each_cache_dtype_matches_hf_with_the_same_cache() {
         let vocab = g.model.config.vocab_size;
         let dtypes = [KvCacheDtype::F32, KvCacheDtype::Bf16, KvCacheDtype::Fp8E4m3];
         for (dtype, golden) in dtypes.iter().zip(&g.dense_only_logits) {
-            let ours = prefill_logits(&g.model, &g.tokens, *dtype);
+            let ours = cpu_prefill(&g.model, &g.tokens, *dtype);
             let (err, top1) = (
                 relative_l2(&ours, golden),
                 top1_agreement(&ours, golden, vocab),
@@ -208,7 +160,7 @@ fn each_cache_dtype_matches_hf_with_the_same_cache() {
 /// Prefill `prefix_len` tokens, then decode the rest one at a time; the logits of every
 /// position must equal one prefill of the whole sequence.
 fn incremental_vs_prefill(g: &Golden, dtype: KvCacheDtype) -> f64 {
-    let full = prefill_logits(&g.model, &g.tokens, dtype);
+    let full = cpu_prefill(&g.model, &g.tokens, dtype);
     let mut cache = g.model.new_cache(dtype, g.tokens.len());
     let seq = cache.add_sequence();
     let (prefix, rest) = g.tokens.split_at(g.prefix_len);
@@ -270,13 +222,13 @@ fn cache_dtype_precision_with_routing_out_of_play() {
         let mut g = load(name);
         g.model.config.num_hidden_layers = 1;
         g.model.weights.layers.truncate(1);
-        let reference = prefill_logits(&g.model, &g.tokens, KvCacheDtype::F32);
+        let reference = cpu_prefill(&g.model, &g.tokens, KvCacheDtype::F32);
         let bf16 = relative_l2(
-            &prefill_logits(&g.model, &g.tokens, KvCacheDtype::Bf16),
+            &cpu_prefill(&g.model, &g.tokens, KvCacheDtype::Bf16),
             &reference,
         );
         let fp8 = relative_l2(
-            &prefill_logits(&g.model, &g.tokens, KvCacheDtype::Fp8E4m3),
+            &cpu_prefill(&g.model, &g.tokens, KvCacheDtype::Fp8E4m3),
             &reference,
         );
         println!(
@@ -310,7 +262,7 @@ fn batched_decode_of_several_sequences_equals_separate_runs() {
     for (i, prompt) in prompts.iter().enumerate() {
         let mut whole = prompt.to_vec();
         whole.push(step[i][0]);
-        let alone = prefill_logits(&g.model, &whole, KvCacheDtype::Bf16);
+        let alone = cpu_prefill(&g.model, &whole, KvCacheDtype::Bf16);
         let v = g.model.config.vocab_size;
         let n = whole.len();
         assert!(relative_l2(batched.row(i), &alone[(n - 2) * v..(n - 1) * v]) < 1e-5);

@@ -1,8 +1,8 @@
 //! GPU check of the MLA decode kernels (`kernels-rs/src/mla/gpu_check.md`): for every MLA
-//! tactic built for the present GPU, the goldens of `golden/gen_mla.py` with one split and with
-//! the planned split count (+ combine), the cache-append kernel against `PagedLatentCache`'s
-//! encoder, then bandwidth (cache bytes read per second) against the device's copy bandwidth
-//! measured in the same run.
+//! tactic built for the present GPU, the goldens of `golden/gen_mla.py` of its cache widths
+//! with one split and with the planned split count (+ combine), the cache-append kernel against
+//! `PagedLatentCache`'s encoder (per widths), then bandwidth (cache bytes read per second, Kimi's
+//! widths) against the device's copy bandwidth measured in the same run.
 //!
 //! Build: `cargo build --release --features cuda -p kernels --bin mla-gpu-check`; carry the
 //! binary with `ptx/mla/` (the gate's cubins) and `golden/data/mla/`.
@@ -15,13 +15,13 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use kernels::cuda::{GpuContext, default_ptx_dir, median};
-use kernels::mla::MlaTactic;
 use kernels::mla::cache::KvCacheDtype;
 use kernels::mla::check::{build_cache, check_append, check_decode, load_golden};
 use kernels::mla::launch::{DecodeBatch, DeviceCache, MlaKernels};
+use kernels::mla::{MlaDims, MlaTactic};
 
-const L: usize = 512;
-const R: usize = 64;
+const L: usize = MlaDims::KIMI.latent;
+const R: usize = MlaDims::KIMI.rope;
 
 fn run() -> Result<bool, String> {
     let mut args = std::env::args().skip(1);
@@ -61,7 +61,7 @@ fn run() -> Result<bool, String> {
     paths.sort();
     for p in paths {
         let g = load_golden(&p)?;
-        let (cache, queries) = build_cache(g.dtype, g.static_scale, &g.lens, &g.seeds);
+        let (cache, queries) = build_cache(g.dims, g.dtype, g.static_scale, &g.lens, &g.seeds);
         let dev = DeviceCache::upload(&gpu, &cache, 0).map_err(|e| e.to_string())?;
         goldens.push((g, cache, queries, dev));
     }
@@ -78,7 +78,7 @@ fn run() -> Result<bool, String> {
             }
         };
         for (g, cache, queries, dev) in &goldens {
-            if g.dtype.id() != if t.kind.is_fp8() { "fp8" } else { "bf16" } {
+            if g.dtype.id() != if t.kind.is_fp8() { "fp8" } else { "bf16" } || g.dims != t.dims {
                 continue;
             }
             let want = g.expected(t.kind, cache, queries)?;
@@ -123,27 +123,30 @@ fn run() -> Result<bool, String> {
         loaded.push(k);
     }
 
-    // mla_append against PagedLatentCache::write(rms_norm(x)), per dtype and scale mode.
-    for (dtype, static_scale) in [
-        (KvCacheDtype::Bf16, None),
-        (KvCacheDtype::Fp8E4m3, None),
-        (KvCacheDtype::Fp8E4m3, Some(5.0f32 / 448.0)),
-    ] {
-        let Some(k) = loaded
-            .iter()
-            .find(|k| k.tactic.kind.is_fp8() == (dtype != KvCacheDtype::Bf16))
-        else {
-            continue;
-        };
-        let c = check_append(&gpu, k, dtype, static_scale)?;
-        println!(
-            "{} append {} static scale {static_scale:?}: {} values one step off, {} further",
-            if c.passed() { "ok  " } else { "FAIL" },
-            dtype.id(),
-            c.one_step_off,
-            c.further
-        );
-        failures += usize::from(!c.passed());
+    // mla_append against PagedLatentCache::write(rms_norm(x)), per widths, dtype and scale
+    // mode.
+    for dims in MlaDims::BUILT {
+        for (dtype, static_scale) in [
+            (KvCacheDtype::Bf16, None),
+            (KvCacheDtype::Fp8E4m3, None),
+            (KvCacheDtype::Fp8E4m3, Some(5.0f32 / 448.0)),
+        ] {
+            let Some(k) = loaded.iter().find(|k| {
+                k.tactic.kind.is_fp8() == (dtype != KvCacheDtype::Bf16) && k.tactic.dims == dims
+            }) else {
+                continue;
+            };
+            let c = check_append(&gpu, k, dtype, static_scale)?;
+            println!(
+                "{} append {} {dims} static scale {static_scale:?}: {} values one step off, {} \
+                 further",
+                if c.passed() { "ok  " } else { "FAIL" },
+                dtype.id(),
+                c.one_step_off,
+                c.further
+            );
+            failures += usize::from(!c.passed());
+        }
     }
 
     if timing {
@@ -155,7 +158,7 @@ fn run() -> Result<bool, String> {
             for dtype in [KvCacheDtype::Bf16, KvCacheDtype::Fp8E4m3] {
                 let lens = vec![len; b];
                 let seeds: Vec<u64> = (0..b as u64).map(|i| 9000 + i).collect();
-                let (cache, queries) = build_cache(dtype, None, &lens, &seeds);
+                let (cache, queries) = build_cache(MlaDims::KIMI, dtype, None, &lens, &seeds);
                 let dev = DeviceCache::upload(&gpu, &cache, 0).map_err(|e| e.to_string())?;
                 let q_abs: Vec<f32> = (0..b * heads * L)
                     .map(|i| ((i % 97) as f32 - 48.0) / 200.0)
@@ -164,7 +167,10 @@ fn run() -> Result<bool, String> {
                     .map(|i| ((i % 89) as f32 - 44.0) / 200.0)
                     .collect();
                 let bytes = (b * len * dev.bytes_per_token) as f64;
-                for k in loaded.iter().filter(|k| k.tactic.kind.is_fp8() == dev.fp8) {
+                for k in loaded
+                    .iter()
+                    .filter(|k| k.tactic.kind.is_fp8() == dev.fp8 && k.tactic.dims == dev.dims)
+                {
                     let t = k.tactic;
                     let splits = t.plan_splits(b, heads, len, sms);
                     let mut batch = DecodeBatch::upload(

@@ -14,12 +14,9 @@ use super::cache::{KvCacheDtype, LatentCacheShape, PagedLatentCache, RawLayer};
 use super::golden_hash::token_values;
 use super::launch::{DecodeBatch, DeviceCache, MlaKernels};
 use super::reference::{AttentionQuery, MlaProblem};
-use super::{MlaKind, PAGE_TOKENS, cpu};
+use super::{MlaDims, MlaKind, PAGE_TOKENS, cpu};
 use crate::device::Device;
 use crate::formats::e4m3::{Overflow, e4m3_to_f32, f32_to_e4m3};
-
-const L: usize = 512;
-const R: usize = 64;
 /// Largest accepted row-relative error against the reference.
 pub const ROW_TOL: f32 = 1e-2;
 /// Largest accepted |Δlse|.
@@ -31,6 +28,8 @@ pub const SCALE_REL_TOL: f32 = 1.0 / 1_048_576.0;
 /// One golden file of `golden/data/mla/`.
 pub struct Golden {
     pub name: String,
+    /// The cache row's widths (from the query tensors' shapes).
+    pub dims: MlaDims,
     pub dtype: KvCacheDtype,
     pub static_scale: Option<f32>,
     pub lens: Vec<usize>,
@@ -49,6 +48,15 @@ fn f32s(st: &safetensors::SafeTensors<'_>, name: &str) -> Result<Vec<f32>, Strin
         .chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect())
+}
+
+/// The last dimension of tensor `name`.
+fn width(st: &safetensors::SafeTensors<'_>, name: &str) -> Result<usize, String> {
+    let t = st.tensor(name).map_err(|e| format!("{name}: {e}"))?;
+    t.shape()
+        .last()
+        .copied()
+        .ok_or_else(|| format!("{name}: a scalar"))
 }
 
 fn i64s(st: &safetensors::SafeTensors<'_>, name: &str) -> Result<Vec<i64>, String> {
@@ -73,8 +81,13 @@ pub fn load_golden(path: &Path) -> Result<Golden, String> {
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| e.to_string())?;
     let lens: Vec<usize> = i64s(&st, "lens")?.iter().map(|&n| n as usize).collect();
     let q_abs = f32s(&st, "q_abs")?;
+    let dims = MlaDims {
+        latent: width(&st, "q_abs")?,
+        rope: width(&st, "q_pe")?,
+    };
     Ok(Golden {
         name: prov["case"].as_str().unwrap_or("?").to_string(),
+        dims,
         dtype: if storage == "bf16" {
             KvCacheDtype::Bf16
         } else {
@@ -83,7 +96,7 @@ pub fn load_golden(path: &Path) -> Result<Golden, String> {
         static_scale: prov["static_scale_bits"]
             .as_u64()
             .map(|b| f32::from_bits(b as u32)),
-        heads: q_abs.len() / (lens.len() * L),
+        heads: q_abs.len() / (lens.len() * dims.latent),
         seeds: i64s(&st, "seeds")?.iter().map(|&s| s as u64).collect(),
         lens,
         scale: f32s(&st, "softmax_scale")?[0],
@@ -94,8 +107,10 @@ pub fn load_golden(path: &Path) -> Result<Golden, String> {
     })
 }
 
-/// A cache holding `lens` requests of hashed tokens, pages interleaved round-robin.
+/// A cache of rows of `dims` holding `lens` requests of hashed tokens, pages interleaved
+/// round-robin.
 pub fn build_cache(
+    dims: MlaDims,
     dtype: KvCacheDtype,
     static_scale: Option<f32>,
     lens: &[usize],
@@ -103,8 +118,8 @@ pub fn build_cache(
 ) -> (PagedLatentCache, Vec<AttentionQuery>) {
     let shape = LatentCacheShape {
         layers: 1,
-        latent_dim: L,
-        rope_dim: R,
+        latent_dim: dims.latent,
+        rope_dim: dims.rope,
     };
     let pages: usize = lens.iter().map(|n| n.div_ceil(PAGE_TOKENS)).sum();
     let mut cache = PagedLatentCache::new(shape, dtype, pages + 1);
@@ -120,7 +135,7 @@ pub fn build_cache(
             }
         }
     }
-    let (mut latent, mut rope) = (vec![0f32; L], vec![0f32; R]);
+    let (mut latent, mut rope) = (vec![0f32; dims.latent], vec![0f32; dims.rope]);
     for (i, &n) in lens.iter().enumerate() {
         for t in 0..n {
             token_values(seeds[i], t, &mut latent, &mut rope);
@@ -136,12 +151,18 @@ pub fn build_cache(
     (cache, queries)
 }
 
-/// `(max row-relative error, max |Δlse|, any non-finite)`.
-pub fn compare(out: &[f32], lse: &[f32], want: &[f32], want_lse: &[f32]) -> (f32, f32, bool) {
+/// `(max row-relative error, max |Δlse|, any non-finite)` over rows of `latent` values.
+pub fn compare(
+    out: &[f32],
+    lse: &[f32],
+    want: &[f32],
+    want_lse: &[f32],
+    latent: usize,
+) -> (f32, f32, bool) {
     let bad = out.iter().chain(lse).any(|v| !v.is_finite());
     let row = out
-        .chunks(L)
-        .zip(want.chunks(L))
+        .chunks(latent)
+        .zip(want.chunks(latent))
         .map(|(o, w)| {
             let d = o.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
             d / w.iter().fold(1e-30f32, |m, v| m.max(v.abs()))
@@ -154,9 +175,10 @@ pub fn compare(out: &[f32], lse: &[f32], want: &[f32], want_lse: &[f32]) -> (f32
     (row, l, bad)
 }
 
-/// q_abs with each (row, head) quantized to E4M3 at amax/448, as `fp8qk` does in the kernel.
-pub fn quantize_q(q: &[f32]) -> Vec<f32> {
-    q.chunks(L)
+/// q_abs (rows of `latent` values) with each (row, head) quantized to E4M3 at amax/448, as
+/// `fp8qk` does in the kernel.
+pub fn quantize_q(q: &[f32], latent: usize) -> Vec<f32> {
+    q.chunks(latent)
         .flat_map(|h| {
             let amax = h.iter().fold(0f32, |m, x| m.max(x.abs()));
             let s = if amax > 0.0 { amax / 448.0 } else { 1.0 };
@@ -178,7 +200,7 @@ impl Golden {
         if kind != MlaKind::Fp8QkMma {
             return Ok((self.out.clone(), self.lse.clone()));
         }
-        let q8 = quantize_q(&self.q_abs);
+        let q8 = quantize_q(&self.q_abs, self.dims.latent);
         let problem = MlaProblem {
             layer: 0,
             heads: self.heads,
@@ -234,7 +256,7 @@ pub fn check_decode<D: Device>(
         runs.push(batch.read(dev).map_err(|e| e.to_string())?);
     }
     let (out, lse) = &runs[0];
-    let (row_err, lse_err, non_finite) = compare(out, lse, &want.0, &want.1);
+    let (row_err, lse_err, non_finite) = compare(out, lse, &want.0, &want.1, golden.dims.latent);
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
     let reproducible = bits(&runs[0].0) == bits(&runs[1].0) && bits(&runs[0].1) == bits(&runs[1].1);
     Ok(DecodeCheck {
@@ -261,7 +283,9 @@ impl AppendCheck {
     }
 }
 
-/// `mla_append` of 1000 tokens against `PagedLatentCache::write(rms_norm(x))`.
+/// `mla_append` of 1000 tokens (rows of the tactic's widths) against
+/// `PagedLatentCache::write(rms_norm(x))`.
+#[allow(non_snake_case)]
 pub fn check_append<D: Device>(
     gpu: &D,
     k: &MlaKernels<D>,
@@ -269,6 +293,7 @@ pub fn check_append<D: Device>(
     static_scale: Option<f32>,
 ) -> Result<AppendCheck, String> {
     let n = 1000usize;
+    let (L, R) = (k.tactic.dims.latent, k.tactic.dims.rope);
     let shape = LatentCacheShape {
         layers: 1,
         latent_dim: L,
@@ -338,7 +363,7 @@ pub fn check_append<D: Device>(
                 off += usize::from(diff != 0);
                 far += usize::from(diff > 1);
             }
-            // The scale is amax(y)/448 with y normalized by the root of a 512-term sum of
+            // The scale is amax(y)/448 with y normalized by the root of an L-term sum of
             // squares, which the kernel adds in warp order: measured up to 8 ulps apart on
             // the host, so allow 2^-20 relative; an encoder bug is far larger.
             for (a, b) in hs.iter().zip(&scales) {

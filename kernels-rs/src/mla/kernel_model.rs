@@ -10,18 +10,18 @@
 
 use half::bf16;
 
-use super::tactic::{LATENT as L, MlaKind, MlaTactic, ROPE as R};
+use super::tactic::{MlaKind, MlaTactic};
 use crate::formats::e4m3::{Overflow, e4m3_to_f32, f32_to_e4m3};
 
-const D: usize = L + R;
 const PAGE: usize = 64;
 const PAD: usize = 16;
 
-/// The cache in the kernel's global layout (that of `PagedLatentCache`'s storage).
+/// The cache in the kernel's global layout (that of `PagedLatentCache`'s storage), for the
+/// tactic's widths L (latent) and R (RoPE).
 pub enum GpuCache<'a> {
-    /// `kv[slot][576]` BF16 bits.
+    /// `kv[slot][L + R]` BF16 bits.
     Bf16 { kv: &'a [u16] },
-    /// `codes[slot][512]`, `scale[slot]`, `rope[slot][64]` BF16 bits.
+    /// `codes[slot][L]`, `scale[slot]`, `rope[slot][R]` BF16 bits.
     Fp8 {
         codes: &'a [u8],
         scale: &'a [f32],
@@ -172,8 +172,11 @@ pub fn e4m3x2_to_bf16x2(x: u32) -> u32 {
     u32::from(lo.to_bits()) | u32::from(hi.to_bits()) << 16
 }
 
-/// Runs the modeled kernel (and the combine when `splits > 1`): `out [B][H][512]`, `lse [B][H]`.
+/// Runs the modeled kernel (and the combine when `splits > 1`): `out [B][H][L]`, `lse [B][H]`.
+#[allow(non_snake_case)]
 pub fn run(t: &MlaTactic, launch: &Launch<'_>) -> (Vec<f32>, Vec<f32>) {
+    // The kernel's constants of the same names: the tactic's latent, RoPE and row widths.
+    let L = t.dims.latent;
     let (b_count, h) = (launch.seq_lens.len(), launch.heads);
     let splits = launch.splits;
     let mut part = vec![0f32; b_count * h * splits * L];
@@ -207,6 +210,7 @@ pub fn run(t: &MlaTactic, launch: &Launch<'_>) -> (Vec<f32>, Vec<f32>) {
     (out, lse)
 }
 
+#[allow(non_snake_case)]
 fn cta(
     t: &MlaTactic,
     a: &Launch<'_>,
@@ -216,6 +220,9 @@ fn cta(
     part: &mut [f32],
     part_lse: &mut [f32],
 ) {
+    // The kernel's constants of the same names: the tactic's latent, RoPE and row widths.
+    let (L, R) = (t.dims.latent, t.dims.rope);
+    let D = L + R;
     let kind = t.kind;
     let fp8 = kind.is_fp8();
     let (hpb, tile, warps) = (
@@ -331,7 +338,7 @@ fn cta(
             let mut st_tile = w;
             while st_tile < mt_count * (tile / 8) {
                 let (mt, nt) = (st_tile / (tile / 8), st_tile % (tile / 8));
-                let acc = score_tile(&s, kind, hpb, tile, mt, nt, st, kscale_at);
+                let acc = score_tile(&s, t, mt, nt, st, kscale_at);
                 for (lane, regs) in acc.iter().enumerate() {
                     let (g, c) = (lane / 4, lane % 4);
                     for (i, v) in regs.iter().enumerate() {
@@ -472,17 +479,19 @@ fn out_col(fp8: bool, cpw: usize, warp: usize, n: usize, j: usize) -> usize {
     base + grp * 32 + if e >= 2 { 16 } else { 0 } + 2 * j + (e & 1)
 }
 
-#[allow(clippy::too_many_arguments)]
+#[allow(non_snake_case)]
 fn score_tile(
     s: &Smem,
-    kind: MlaKind,
-    hpb: usize,
-    tile: usize,
+    t: &MlaTactic,
     mt: usize,
     nt: usize,
     st: usize,
     kscale_at: usize,
 ) -> [[f32; 4]; 32] {
+    // The kernel's constants of the same names: the tactic's latent, RoPE and row widths.
+    let (L, R) = (t.dims.latent, t.dims.rope);
+    let D = L + R;
+    let (kind, hpb, tile) = (t.kind, t.heads_per_block as usize, t.tile_tokens as usize);
     let (q_row, qc_row, qpe_row) = (2 * D + PAD, L + PAD, 2 * R + PAD);
     let (kv_row, c_row, pe_row) = (2 * D + PAD, L + PAD, 2 * R + PAD);
     let a_row = |l: usize| mt * 16 + (l & 7) + 8 * ((l >> 3) & 1);
@@ -494,7 +503,7 @@ fn score_tile(
     let bf = |b: &Frag4, i: usize, j: usize| -> [[u32; 2]; 32] { pick(b, i, j, |x| x) };
     // The RoPE part (kinds 1 and 2): q_pe at `q_at(row) + 2·col`, k_pe from the stage.
     let rope_part = |pe: &mut [[f32; 4]; 32], q_base: usize, q_stride: usize, q_off: usize| {
-        for ks in (0..R / 16).step_by(2) {
+        for ks in (0..R / 16 - (R / 16) % 2).step_by(2) {
             let a0 = ldsm_x4(
                 s,
                 |l| q_base + a_row(l) * q_stride + 2 * (q_off + ks * 16 + a_col(l)),
@@ -513,10 +522,24 @@ fn score_tile(
             mma_bf16(pe, &a0, &bf(&b, 0, 1));
             mma_bf16(pe, &a1, &bf(&b, 2, 3));
         }
+        if (R / 16) % 2 != 0 {
+            let ks = R / 16 - 1;
+            let a = ldsm_x4(
+                s,
+                |l| q_base + a_row(l) * q_stride + 2 * (q_off + ks * 16 + a_col(l)),
+                false,
+            );
+            let b = ldsm_x4(
+                s,
+                |l| st + tile * c_row + b_row(l) * pe_row + 2 * (ks * 16 + (b_col(l) & 8)),
+                false,
+            );
+            mma_bf16(pe, &a, &bf(&b, 0, 1));
+        }
     };
     match kind {
         MlaKind::Bf16 => {
-            for ks in (0..D / 16).step_by(2) {
+            for ks in (0..D / 16 - (D / 16) % 2).step_by(2) {
                 let a0 = ldsm_x4(s, |l| a_row(l) * q_row + 2 * (ks * 16 + a_col(l)), false);
                 let a1 = ldsm_x4(
                     s,
@@ -530,6 +553,17 @@ fn score_tile(
                 );
                 mma_bf16(&mut lat, &a0, &bf(&b, 0, 1));
                 mma_bf16(&mut lat, &a1, &bf(&b, 2, 3));
+            }
+            if (D / 16) % 2 != 0 {
+                // The odd last k16 step alone (`score_k16_tail`): an x2 load of the cache rows.
+                let ks = D / 16 - 1;
+                let a = ldsm_x4(s, |l| a_row(l) * q_row + 2 * (ks * 16 + a_col(l)), false);
+                let b = ldsm_x4(
+                    s,
+                    |l| st + b_row(l) * kv_row + 2 * (ks * 16 + (b_col(l) & 8)),
+                    false,
+                );
+                mma_bf16(&mut lat, &a, &bf(&b, 0, 1));
             }
         }
         MlaKind::Fp8 => {
@@ -610,6 +644,7 @@ mod tests {
     use super::*;
     use crate::mla::cache::{KvCacheDtype, LatentCacheShape, PagedLatentCache, fp8_token_scale};
     use crate::mla::reference::{AttentionQuery, MlaProblem, mla_attention_reference};
+    use crate::mla::tactic::MlaDims;
     use crate::moe_gemm::Sm;
 
     #[test]
@@ -637,17 +672,31 @@ mod tests {
     /// Every gated tactic, modeled lane by lane, against the reference over the same cache.
     #[test]
     fn modeled_kernel_matches_the_reference_for_every_tactic() {
+        let mut tactics: Vec<MlaTactic> =
+            Sm::ALL.into_iter().flat_map(MlaTactic::enumerate).collect();
+        tactics.sort();
+        tactics.dedup();
+        for dims in MlaDims::BUILT {
+            let of_dims: Vec<MlaTactic> =
+                tactics.iter().copied().filter(|t| t.dims == dims).collect();
+            assert!(!of_dims.is_empty(), "no tactic for {dims}");
+            // Not a multiple of 16: padded head rows are exercised; fewer heads than one block
+            // for the small widths (their models have 2–8 per rank).
+            let heads = if dims == MlaDims::KIMI { 20 } else { 6 };
+            model_against_reference(dims, heads, &of_dims);
+        }
+    }
+
+    #[allow(non_snake_case)]
+    fn model_against_reference(dims: MlaDims, heads: usize, tactics: &[MlaTactic]) {
+        let (L, R) = (dims.latent, dims.rope);
+        let D = L + R;
         let lens = [1usize, 40, 130];
-        let heads = 20; // not a multiple of 16: padded head rows are exercised
         let shape = LatentCacheShape {
             layers: 1,
             latent_dim: L,
             rope_dim: R,
         };
-        let mut tactics: Vec<MlaTactic> =
-            Sm::ALL.into_iter().flat_map(MlaTactic::enumerate).collect();
-        tactics.sort();
-        tactics.dedup();
         for dtype in [KvCacheDtype::Bf16, KvCacheDtype::Fp8E4m3] {
             let pages: usize = lens.iter().map(|n| n.div_ceil(PAGE)).sum();
             let slots = (pages + 1) * PAGE;

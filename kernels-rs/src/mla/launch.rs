@@ -3,15 +3,16 @@
 //! execution layer (`cuda_host::HostDevice`). The GPU check is `bin/mla-gpu-check.rs`; the
 //! host tests are `tests/tests/host_mla.rs`.
 //!
-//! Device layouts (the kernel's, see the .cu header): the cache exactly as
-//! [`PagedLatentCache::raw_layer`] stores it; queries `[B][H][512]` / `[B][H][64]` BF16;
-//! block tables `[B][max_pages]` i32; outputs `[B][H][512]` and `[B][H]` f32.
+//! Device layouts (the kernel's, see the .cu header), for the tactic's widths L (latent) and R
+//! (RoPE): the cache exactly as [`PagedLatentCache::raw_layer`] stores it; queries
+//! `[B][H][L]` / `[B][H][R]` BF16; block tables `[B][max_pages]` i32; outputs `[B][H][L]` and
+//! `[B][H]` f32.
 
 use half::bf16;
 
 use super::cache::{KvCacheDtype, LatentCacheShape, PAGE_TOKENS, PagedLatentCache, RawLayer};
 use super::reference::AttentionQuery;
-use super::tactic::{LATENT, MlaTactic, ROPE};
+use super::tactic::{MlaDims, MlaTactic};
 use crate::device::{
     Device, DeviceError, DeviceExt, DeviceMemory, KernelParams, LaunchConfig, Result,
 };
@@ -55,7 +56,9 @@ const AUX_THREADS: u32 = 128;
 /// One layer of the cache on a device.
 pub struct DeviceCache<D: Device> {
     pub fp8: bool,
-    /// BF16 `kv [slots][576]` (as bytes) or FP8 codes `[slots][512]`.
+    /// Latent and RoPE values per token.
+    pub dims: MlaDims,
+    /// BF16 `kv [slots][L + R]` (as bytes) or FP8 codes `[slots][L]`.
     kv: D::Memory,
     scale: D::Memory,
     rope: D::Memory,
@@ -67,18 +70,19 @@ impl<D: Device> DeviceCache<D> {
     /// Uploads `layer` of `cache` (BF16 or FP8; the F32 reference dtype has no kernel).
     pub fn upload(dev: &D, cache: &PagedLatentCache, layer: usize) -> Result<Self> {
         let shape = cache.shape();
-        if (shape.latent_dim, shape.rope_dim) != (LATENT, ROPE) {
-            return Err(DeviceError::Invalid(format!(
-                "mla kernels need 512 + 64 cache values, not {} + {}",
-                shape.latent_dim, shape.rope_dim
-            )));
-        }
+        let dims = MlaDims {
+            latent: shape.latent_dim,
+            rope: shape.rope_dim,
+        };
+        dims.validate()
+            .map_err(|why| DeviceError::Invalid(format!("mla kernels: cache {why}")))?;
         let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
         let bytes_per_token = cache.dtype().bytes_per_token(&shape);
         match cache.raw_layer(layer) {
             RawLayer::Bf16 { values } => Ok(Self {
                 fp8: false,
-                slots: values.len() / (LATENT + ROPE),
+                dims,
+                slots: values.len() / dims.row(),
                 kv: dev.upload(&bits(values))?,
                 // Unused by BF16 kernels; one element keeps the pointers valid.
                 scale: dev.alloc_elements::<f32>(1)?,
@@ -91,6 +95,7 @@ impl<D: Device> DeviceCache<D> {
                 rope,
             } => Ok(Self {
                 fp8: true,
+                dims,
                 slots: scales.len(),
                 kv: dev.upload(latent)?,
                 scale: dev.upload(scales)?,
@@ -104,18 +109,22 @@ impl<D: Device> DeviceCache<D> {
     }
 
     /// An empty (zeroed) cache layer of `slots` token slots on the device: BF16
-    /// `[slots][512 + 64]`, or FP8 codes `[slots][512]` with per-slot scales and BF16 rope.
-    pub fn alloc(dev: &D, dtype: KvCacheDtype, slots: usize) -> Result<Self> {
+    /// `[slots][L + R]`, or FP8 codes `[slots][L]` with per-slot scales and BF16 rope
+    /// `[slots][R]`.
+    pub fn alloc(dev: &D, dtype: KvCacheDtype, dims: MlaDims, slots: usize) -> Result<Self> {
+        dims.validate()
+            .map_err(|why| DeviceError::Invalid(format!("mla kernels: cache {why}")))?;
         let shape = LatentCacheShape {
             layers: 1,
-            latent_dim: LATENT,
-            rope_dim: ROPE,
+            latent_dim: dims.latent,
+            rope_dim: dims.rope,
         };
         let bytes_per_token = dtype.bytes_per_token(&shape);
         match dtype {
             KvCacheDtype::Bf16 => Ok(Self {
                 fp8: false,
-                kv: dev.alloc_elements::<u16>(slots * (LATENT + ROPE))?,
+                dims,
+                kv: dev.alloc_elements::<u16>(slots * dims.row())?,
                 scale: dev.alloc_elements::<f32>(1)?,
                 rope: dev.alloc_elements::<u16>(1)?,
                 slots,
@@ -123,9 +132,10 @@ impl<D: Device> DeviceCache<D> {
             }),
             KvCacheDtype::Fp8E4m3 => Ok(Self {
                 fp8: true,
-                kv: dev.alloc_elements::<u8>(slots * LATENT)?,
+                dims,
+                kv: dev.alloc_elements::<u8>(slots * dims.latent)?,
                 scale: dev.alloc_elements::<f32>(slots)?,
-                rope: dev.alloc_elements::<u16>(slots * ROPE)?,
+                rope: dev.alloc_elements::<u16>(slots * dims.rope)?,
                 slots,
                 bytes_per_token,
             }),
@@ -154,6 +164,7 @@ impl<D: Device> DeviceCache<D> {
 pub struct DecodeBatch<D: Device> {
     pub batch: usize,
     pub heads: usize,
+    pub dims: MlaDims,
     pub max_pages: usize,
     pub max_len: usize,
     q_abs: D::Memory,
@@ -168,8 +179,8 @@ pub struct DecodeBatch<D: Device> {
 }
 
 impl<D: Device> DecodeBatch<D> {
-    /// `q_abs [rows][heads][512]`, `q_pe [rows][heads][64]` (rounded to BF16 here); one row per
-    /// query, attending to its sequence's first `context` tokens.
+    /// `q_abs [rows][heads][L]`, `q_pe [rows][heads][R]` (rounded to BF16 here) for the cache's
+    /// widths; one row per query, attending to its sequence's first `context` tokens.
     pub fn upload(
         dev: &D,
         cache: &PagedLatentCache,
@@ -180,10 +191,15 @@ impl<D: Device> DecodeBatch<D> {
         max_splits: usize,
     ) -> Result<Self> {
         let b = queries.len();
+        let shape = cache.shape();
+        let dims = MlaDims {
+            latent: shape.latent_dim,
+            rope: shape.rope_dim,
+        };
         if b == 0
             || heads == 0
-            || q_abs.len() != b * heads * LATENT
-            || q_pe.len() != b * heads * ROPE
+            || q_abs.len() != b * heads * dims.latent
+            || q_pe.len() != b * heads * dims.rope
         {
             return Err(DeviceError::Invalid(format!(
                 "decode batch: {b} rows × {heads} heads vs q_abs {} / q_pe {} values",
@@ -213,15 +229,16 @@ impl<D: Device> DecodeBatch<D> {
         let mut batch = Self {
             batch: b,
             heads,
+            dims,
             max_pages,
             max_len: queries.iter().map(|q| q.context).max().unwrap_or(0),
             q_abs: dev.upload(&bf(q_abs))?,
             q_pe: dev.upload(&bf(q_pe))?,
             block_table: dev.upload(&table)?,
             seq_lens: dev.upload(&lens)?,
-            out: dev.alloc_elements::<f32>(b * heads * LATENT)?,
+            out: dev.alloc_elements::<f32>(b * heads * dims.latent)?,
             lse: dev.alloc_elements::<f32>(b * heads)?,
-            part_out: dev.alloc_elements::<f32>(b * heads * max_splits * LATENT)?,
+            part_out: dev.alloc_elements::<f32>(b * heads * max_splits * dims.latent)?,
             part_lse: dev.alloc_elements::<f32>(b * heads * max_splits)?,
             max_splits,
         };
@@ -243,7 +260,7 @@ impl<D: Device> DecodeBatch<D> {
         Ok(())
     }
 
-    /// `(out [B][H][512], lse [B][H])`, after every launch has finished.
+    /// `(out [B][H][L], lse [B][H])`, after every launch has finished.
     pub fn read(&self, dev: &D) -> Result<(Vec<f32>, Vec<f32>)> {
         Ok((dev.download(&self.out)?, dev.download(&self.lse)?))
     }
@@ -340,13 +357,19 @@ impl<D: Device> MlaKernels<D> {
                 why: format!("cache is {}", if cache.fp8 { "FP8" } else { "BF16" }),
             });
         }
+        if cache.dims != t.dims {
+            return Err(DeviceError::Shape {
+                tactic: t.id(),
+                why: format!("cache rows are {}, the kernel's {}", cache.dims, t.dims),
+            });
+        }
         if splits == 0 || splits as usize > io.max_splits {
             return Err(DeviceError::Shape {
                 tactic: t.id(),
                 why: format!("{splits} splits, workspace holds {}", io.max_splits),
             });
         }
-        io.check(splits)?;
+        io.check(t.dims, splits)?;
         let args = DecodeArgs {
             q_abs: io.q_abs.device_ptr(),
             q_pe: io.q_pe.device_ptr(),
@@ -364,12 +387,12 @@ impl<D: Device> MlaKernels<D> {
             softmax_scale,
         };
         let cfg = self.decode_config(io.rows, io.heads, splits);
-        let (rows, heads) = (io.rows, io.heads);
-        let query_bytes = rows * heads * (LATENT + ROPE) * 2;
+        let (rows, heads, latent) = (io.rows, io.heads, t.dims.latent);
+        let query_bytes = rows * heads * t.dims.row() * 2;
         let result_bytes = if splits > 1 {
-            rows * heads * splits as usize * (LATENT + 1) * 4
+            rows * heads * splits as usize * (latent + 1) * 4
         } else {
-            rows * heads * (LATENT + 1) * 4
+            rows * heads * (latent + 1) * 4
         };
         let mut params = KernelParams::new();
         params.arg(&args).traffic(
@@ -398,7 +421,7 @@ impl<D: Device> MlaKernels<D> {
                 .arg(&out)
                 .arg(&lse)
                 .arg(&split_count)
-                .traffic(result_bytes, rows * heads * (LATENT + 1) * 4);
+                .traffic(result_bytes, rows * heads * (latent + 1) * 4);
             let cfg = LaunchConfig {
                 grid_dim: ((io.rows * io.heads) as u32, 1, 1),
                 block_dim: (AUX_THREADS, 1, 1),
@@ -410,7 +433,7 @@ impl<D: Device> MlaKernels<D> {
         Ok(())
     }
 
-    /// Runs `mla_append`: `latent [n][512]` (pre-RMSNorm) and `rope [n][64]` (RoPE'd) into
+    /// Runs `mla_append`: `latent [n][L]` (pre-RMSNorm) and `rope [n][R]` (RoPE'd) into
     /// `slots` of `cache`; `static_scale` 0 selects per-token FP8 scales.
     #[allow(clippy::too_many_arguments)]
     pub fn append(
@@ -425,10 +448,11 @@ impl<D: Device> MlaKernels<D> {
         static_scale: f32,
     ) -> Result<()> {
         let n = slots.len();
+        let MlaDims { latent: l, rope: r } = self.tactic.dims;
         if n == 0
-            || latent.len() != n * LATENT
-            || rope.len() != n * ROPE
-            || norm_weight.len() != LATENT
+            || latent.len() != n * l
+            || rope.len() != n * r
+            || norm_weight.len() != l
             || slots.iter().any(|&s| s >= cache.slots as i32)
         {
             return Err(DeviceError::Invalid(
@@ -457,8 +481,8 @@ impl<D: Device> MlaKernels<D> {
         dev.synchronize()
     }
 
-    /// [`append`](Self::append) from device buffers: `latent [n][512]` and `rope [n][64]`
-    /// FP32, the BF16 `norm_weight [512]`, `slots [n]` i32 (a negative slot skips its row).
+    /// [`append`](Self::append) from device buffers: `latent [n][L]` and `rope [n][R]`
+    /// FP32, the BF16 `norm_weight [L]`, `slots [n]` i32 (a negative slot skips its row).
     /// Slots must lie inside `cache` (the caller's page tables guarantee it).
     #[allow(clippy::too_many_arguments)]
     pub fn append_io(
@@ -473,18 +497,29 @@ impl<D: Device> MlaKernels<D> {
         n: usize,
         static_scale: f32,
     ) -> Result<()> {
+        let MlaDims { latent: l, rope: r } = self.tactic.dims;
+        if cache.dims != self.tactic.dims || cache.fp8 != self.tactic.kind.is_fp8() {
+            return Err(DeviceError::Shape {
+                tactic: self.tactic.id(),
+                why: format!(
+                    "mla_append into a {} cache of {}",
+                    if cache.fp8 { "FP8" } else { "BF16" },
+                    cache.dims
+                ),
+            });
+        }
         if n == 0
-            || latent.len() < n * LATENT * 4
-            || rope.len() < n * ROPE * 4
-            || norm_weight.len() < LATENT * 2
+            || latent.len() < n * l * 4
+            || rope.len() < n * r * 4
+            || norm_weight.len() < l * 2
             || slots.len() < n * 4
         {
             return Err(DeviceError::Invalid(format!(
                 "mla_append: {n} rows need latent {} B, rope {} B, weight {} B, slots {} B; \
                  got {}, {}, {}, {}",
-                n * LATENT * 4,
-                n * ROPE * 4,
-                LATENT * 2,
+                n * l * 4,
+                n * r * 4,
+                l * 2,
                 n * 4,
                 latent.len(),
                 rope.len(),
@@ -512,10 +547,7 @@ impl<D: Device> MlaKernels<D> {
             .arg(&ptrs[5])
             .arg(&ptrs[6])
             .arg(&static_scale)
-            .traffic(
-                n * ((LATENT + ROPE) * 4 + 4) + LATENT * 2,
-                n * cache.bytes_per_token,
-            );
+            .traffic(n * ((l + r) * 4 + 4) + l * 2, n * cache.bytes_per_token);
         let cfg = LaunchConfig {
             grid_dim: (n as u32, 1, 1),
             block_dim: (AUX_THREADS, 1, 1),
@@ -527,9 +559,9 @@ impl<D: Device> MlaKernels<D> {
     }
 }
 
-/// Device buffers of one `mla_decode` launch, owned by the caller: `q_abs [rows][heads][512]`
-/// and `q_pe [rows][heads][64]` BF16, `block_table [rows][max_pages]` and `seq_lens [rows]`
-/// i32, `out [rows][heads][512]` and `lse [rows][heads]` FP32, and the split workspace for up
+/// Device buffers of one `mla_decode` launch, owned by the caller: `q_abs [rows][heads][L]`
+/// and `q_pe [rows][heads][R]` BF16, `block_table [rows][max_pages]` and `seq_lens [rows]`
+/// i32, `out [rows][heads][L]` and `lse [rows][heads]` FP32, and the split workspace for up
 /// to `max_splits` splits.
 pub struct DecodeIo<'a, D: Device> {
     pub rows: usize,
@@ -550,23 +582,23 @@ pub struct DecodeIo<'a, D: Device> {
 }
 
 impl<D: Device> DecodeIo<'_, D> {
-    /// Buffer sizes for a launch with `splits` splits (the split workspace only matters when
-    /// there are several).
-    fn check(&self, splits: u32) -> Result<()> {
-        let (r, h) = (self.rows, self.heads);
+    /// Buffer sizes for a launch with `splits` splits over a cache of `dims` (the split
+    /// workspace only matters when there are several).
+    fn check(&self, dims: MlaDims, splits: u32) -> Result<()> {
+        let (r, h, latent) = (self.rows, self.heads, dims.latent);
         let s = if splits > 1 { self.max_splits } else { 0 };
         let sizes = [
-            ("q_abs", self.q_abs.len(), r * h * LATENT * 2),
-            ("q_pe", self.q_pe.len(), r * h * ROPE * 2),
+            ("q_abs", self.q_abs.len(), r * h * latent * 2),
+            ("q_pe", self.q_pe.len(), r * h * dims.rope * 2),
             (
                 "block_table",
                 self.block_table.len(),
                 r * self.max_pages * 4,
             ),
             ("seq_lens", self.seq_lens.len(), r * 4),
-            ("out", self.out.len(), r * h * LATENT * 4),
+            ("out", self.out.len(), r * h * latent * 4),
             ("lse", self.lse.len(), r * h * 4),
-            ("part_out", self.part_out.len(), r * h * s * LATENT * 4),
+            ("part_out", self.part_out.len(), r * h * s * latent * 4),
             ("part_lse", self.part_lse.len(), r * h * s * 4),
         ];
         if r == 0 || h == 0 || self.max_pages == 0 {

@@ -1,9 +1,13 @@
-// MLA decode attention (absorbed form) over the paged latent cache, Kimi-K2.5 / DeepSeek-V3
-// shapes: 512 latent + 64 RoPE values per cached token, shared by all heads.
+// MLA decode attention (absorbed form) over the paged latent cache: L latent + R RoPE values
+// per cached token, shared by all heads (Kimi-K2.5 / DeepSeek-V3: 512 + 64; the small golden
+// checkpoints: 64 + 16).
 //
 // One translation unit per tactic: the gate (kernels-rs/src/bin/ptx-gate.rs) passes the
-// parameters of `MlaTactic` (kernels-rs/src/mla/tactic.rs) as -D macros, with the shared-memory
-// size Rust computed, which is static_asserted against the layout below.
+// parameters of `MlaTactic` (kernels-rs/src/mla/tactic.rs) as -D macros — the cache row's
+// widths among them, as FlashInfer makes its head dims template parameters — with the
+// shared-memory size Rust computed, which is static_asserted against the layout below. Every
+// place that depends on the widths folds to compile-time constants, so an instance for other
+// widths compiles the same code as Kimi-K2.5's, not a generic loop over run-time sizes.
 //
 // Kernels:
 //   mla_decode   grid (head groups, splits, batch). Each CTA attends HEADS query heads of one
@@ -17,9 +21,9 @@
 //                per-token scale and E4M3 codes, with the scheme of cache.rs.
 //
 // Cache layout per layer (identical to PagedLatentCache's storage, so it uploads as is):
-//   BF16: kv[slot][576] (latent then RoPE), slot = page·64 + token-in-page.
-//   FP8:  codes[slot][512] E4M3, scale[slot] f32 (dequantized value = code · scale),
-//         rope[slot][64] BF16.
+//   BF16: kv[slot][L + R] (latent then RoPE), slot = page·64 + token-in-page.
+//   FP8:  codes[slot][L] E4M3, scale[slot] f32 (dequantized value = code · scale),
+//         rope[slot][R] BF16.
 //
 // Kinds (MLA_KIND): 0 BF16 cache; 1 FP8 cache, codes widened exactly to BF16 on the way from
 // shared memory to the MMA, token scale applied to the score and folded into P; 2 as 1 but q·c
@@ -38,6 +42,8 @@
 #ifndef MLA_KIND
 // Defaults only so editors and a bare `nvcc -c` can parse the file; the gate always sets all.
 #define MLA_KIND 0
+#define MLA_LATENT 512
+#define MLA_ROPE 64
 #define MLA_HEADS 16
 #define MLA_TILE 32
 #define MLA_WARPS 4
@@ -55,8 +61,8 @@ constexpr int THREADS = WARPS * 32;
 constexpr bool FP8 = KIND != 0;
 constexpr bool QK8 = KIND == 2;
 
-constexpr int L = 512;  // kv_lora_rank
-constexpr int R = 64;   // qk_rope_head_dim
+constexpr int L = MLA_LATENT;  // kv_lora_rank
+constexpr int R = MLA_ROPE;    // qk_rope_head_dim
 constexpr int D = L + R;
 constexpr int PAGE = 64;
 constexpr int PAD = 16;  // bytes per smem row: breaks the 128 B row-stride bank conflicts
@@ -66,8 +72,14 @@ constexpr int NT = COLS_PER_WARP / 8;     // their n8 tiles
 constexpr int ROW_LANES = THREADS / HEADS;  // softmax lanes per head
 
 static_assert(HEADS % 16 == 0 && MT <= 4, "heads per block: 16..64");
+static_assert(L % 64 == 0 && L <= 1024, "latent: whole 64-byte FP8 code blocks, at most 1024");
+static_assert(R % 16 == 0 && R >= 16 && R <= 128, "RoPE: whole k16 steps; mla_append's 128 threads");
+static_assert(!QK8 || (L % 128 == 0 && R <= 64),
+              "fp8qk quantizes q with one warp per head: L/32 values per lane in packs of 4, "
+              "q_pe two values per lane");
 static_assert(TILE % 16 == 0, "token tiles are whole k16 steps of P·C");
-static_assert(NT % 4 == 0, "the FP8 P·C loader produces n-tiles in groups of four");
+static_assert(L % WARPS == 0 && NT % 4 == 0,
+              "each warp owns whole 32-column groups of O (the FP8 P·C loader's four n-tiles)");
 static_assert(MT * NT * 4 <= 64, "P·C accumulators per thread");
 static_assert(ROW_LANES >= 1 && ROW_LANES <= 32 && (ROW_LANES & (ROW_LANES - 1)) == 0,
               "softmax lane groups");
@@ -77,7 +89,7 @@ __host__ __device__ constexpr int align16(int n) { return (n + 15) / 16 * 16; }
 
 // Shared memory, in bytes: mirrors MlaTactic::smem() in tactic.rs.
 struct SmemLayout {
-  // Q: BF16 [HEADS][576] (+pad), or for QK8 E4M3 [HEADS][512] + BF16 [HEADS][64] + scales.
+  // Q: BF16 [HEADS][L + R] (+pad), or for QK8 E4M3 [HEADS][L] + BF16 [HEADS][R] + scales.
   static constexpr int q_row = 2 * D + PAD;
   static constexpr int qc_row = L + PAD;
   static constexpr int qpe_row = 2 * R + PAD;
@@ -105,16 +117,16 @@ static_assert(SmemLayout::total == MLA_EXPECT_SMEM, "Rust and CUDA smem disagree
 #endif
 
 struct DecodeArgs {
-  const __nv_bfloat16* q_abs;  // [B][H][512]
-  const __nv_bfloat16* q_pe;   // [B][H][64]
-  const void* kv;              // BF16 kv[slot][576], or FP8 codes[slot][512]
+  const __nv_bfloat16* q_abs;  // [B][H][L]
+  const __nv_bfloat16* q_pe;   // [B][H][R]
+  const void* kv;              // BF16 kv[slot][L + R], or FP8 codes[slot][L]
   const float* kv_scale;       // FP8: [slot]
-  const __nv_bfloat16* kv_rope;  // FP8: [slot][64]
+  const __nv_bfloat16* kv_rope;  // FP8: [slot][R]
   const int* block_table;      // [B][max_pages]
   const int* seq_lens;         // [B]: tokens each request attends to
-  float* out;                  // [B][H][512]
+  float* out;                  // [B][H][L]
   float* lse;                  // [B][H]
-  float* part_out;             // [B][H][splits][512], used when splits > 1
+  float* part_out;             // [B][H][splits][L], used when splits > 1
   float* part_lse;             // [B][H][splits]
   int heads;
   int max_pages;
@@ -178,6 +190,19 @@ __device__ __forceinline__ void load_tile(uint8_t* stage, const DecodeArgs& a, c
   }
 }
 
+// One k16 step `KS` of a score tile on its own (the odd last step of a row whose width is an
+// odd number of k16 steps): A from the query rows at column `q_col0 + 16·KS`, B (x2: this
+// step's two 8×8 matrices) from the cache rows at column 16·KS.
+template <int KS>
+__device__ __forceinline__ void score_k16_tail(float (&acc)[4], const uint8_t* q, int q_row,
+                                               int q_col0, const uint8_t* kv, int kv_row,
+                                               int a_row, int a_col, int b_row, int b_col) {
+  uint32_t a[4], b[2];
+  ldsm_x4(a, q + a_row * q_row + 2 * (q_col0 + KS * 16 + a_col));
+  ldsm_x2(b, kv + b_row * kv_row + 2 * (KS * 16 + (b_col & 8)));
+  mma_bf16(acc, a, b[0], b[1]);
+}
+
 // Scores of one (M tile, 8-token) tile: q·c over the latent part (per kind) plus q_pe·k_pe.
 __device__ __forceinline__ void score_tile(float (&acc)[4], const uint8_t* qs, const uint8_t* st,
                                            int mt, int nt) {
@@ -189,9 +214,11 @@ __device__ __forceinline__ void score_tile(float (&acc)[4], const uint8_t* qs, c
   float lat[4] = {0.f, 0.f, 0.f, 0.f};
   float pe[4] = {0.f, 0.f, 0.f, 0.f};
   if constexpr (!FP8) {
-    // Latent and RoPE parts are one contiguous 576-wide row: 36 k16 steps, two per load.
+    // Latent and RoPE parts are one contiguous (L + R)-wide row: D/16 k16 steps, two per
+    // load (Kimi-K2.5: 36), and an odd last one alone.
+    constexpr int KS = D / 16;
 #pragma unroll 2
-    for (int ks = 0; ks < D / 16; ks += 2) {
+    for (int ks = 0; ks < KS - KS % 2; ks += 2) {
       uint32_t a0[4], a1[4], b[4];
       ldsm_x4(a0, qs + a_row * SmemLayout::q_row + 2 * (ks * 16 + a_col));
       ldsm_x4(a1, qs + a_row * SmemLayout::q_row + 2 * ((ks + 1) * 16 + a_col));
@@ -199,6 +226,8 @@ __device__ __forceinline__ void score_tile(float (&acc)[4], const uint8_t* qs, c
       mma_bf16(lat, a0, b[0], b[1]);
       mma_bf16(lat, a1, b[2], b[3]);
     }
+    if constexpr (KS % 2 != 0) score_k16_tail<KS - 1>(lat, qs, SmemLayout::q_row, 0, st,
+                                                       SmemLayout::kv_row, a_row, a_col, b_row, b_col);
   } else {
     const uint8_t* codes = st;
     const uint8_t* rope = st + TILE * SmemLayout::c_row;
@@ -223,7 +252,7 @@ __device__ __forceinline__ void score_tile(float (&acc)[4], const uint8_t* qs, c
         }
       }
 #pragma unroll
-      for (int ks = 0; ks < R / 16; ks += 2) {
+      for (int ks = 0; ks < R / 16 - (R / 16) % 2; ks += 2) {
         uint32_t a0[4], a1[4], b[4];
         ldsm_x4(a0, qs + a_row * SmemLayout::q_row + 2 * (L + ks * 16 + a_col));
         ldsm_x4(a1, qs + a_row * SmemLayout::q_row + 2 * (L + (ks + 1) * 16 + a_col));
@@ -231,6 +260,9 @@ __device__ __forceinline__ void score_tile(float (&acc)[4], const uint8_t* qs, c
         mma_bf16(pe, a0, b[0], b[1]);
         mma_bf16(pe, a1, b[2], b[3]);
       }
+      if constexpr ((R / 16) % 2 != 0)
+        score_k16_tail<R / 16 - 1>(pe, qs, SmemLayout::q_row, L, rope, SmemLayout::pe_row, a_row,
+                                   a_col, b_row, b_col);
     } else {
       // E4M3 m16n8k32: the same ldmatrix gives B fragments directly (bytes 4c..4c+3 of token
       // g), and A fragments are 4-byte loads of the quantized q codes.
@@ -259,7 +291,7 @@ __device__ __forceinline__ void score_tile(float (&acc)[4], const uint8_t* qs, c
       lat[2] *= s1;
       lat[3] *= s1;
 #pragma unroll
-      for (int ks = 0; ks < R / 16; ks += 2) {
+      for (int ks = 0; ks < R / 16 - (R / 16) % 2; ks += 2) {
         uint32_t a0[4], a1[4], b[4];
         ldsm_x4(a0, qpe + a_row * SmemLayout::qpe_row + 2 * (ks * 16 + a_col));
         ldsm_x4(a1, qpe + a_row * SmemLayout::qpe_row + 2 * ((ks + 1) * 16 + a_col));
@@ -267,6 +299,9 @@ __device__ __forceinline__ void score_tile(float (&acc)[4], const uint8_t* qs, c
         mma_bf16(pe, a0, b[0], b[1]);
         mma_bf16(pe, a1, b[2], b[3]);
       }
+      if constexpr ((R / 16) % 2 != 0)
+        score_k16_tail<R / 16 - 1>(pe, qpe, SmemLayout::qpe_row, 0, rope, SmemLayout::pe_row,
+                                   a_row, a_col, b_row, b_col);
     }
     // The token scale multiplies the latent part of its score column.
     const float k0 = kscale[nt * 8 + 2 * c], k1 = kscale[nt * 8 + 2 * c + 1];
@@ -343,19 +378,22 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode(const Decode
       cp_async16(qs + r * SmemLayout::q_row + ch * 16, src, valid);
     }
   } else {
-    // Per-head E4M3 quantization of q_abs: scale = amax / 448, one warp per head.
+    // Per-head E4M3 quantization of q_abs: scale = amax / 448, one warp per head, L/32
+    // values per lane (this branch is compiled, not run, for the other kinds: any
+    // whole-pack width keeps it well-formed there).
+    constexpr int QV = QK8 ? L / 32 : 16;
     uint8_t* qc = qs;
     uint8_t* qpe = qs + HEADS * SmemLayout::qc_row;
     float* qscale = reinterpret_cast<float*>(qpe + HEADS * SmemLayout::qpe_row);
     for (int r = warp; r < HEADS; r += WARPS) {
       const int h = h0 + r;
-      float v[16];
+      float v[QV];
       float amax = 0.f;
       const size_t bh = size_t(b) * H + (h < H ? h : 0);
 #pragma unroll
-      for (int i = 0; i < 16; i += 2) {
+      for (int i = 0; i < QV; i += 2) {
         const __nv_bfloat162 x =
-            h < H ? *reinterpret_cast<const __nv_bfloat162*>(args.q_abs + bh * L + lane * 16 + i)
+            h < H ? *reinterpret_cast<const __nv_bfloat162*>(args.q_abs + bh * L + lane * QV + i)
                   : __floats2bfloat162_rn(0.f, 0.f);
         v[i] = __low2float(x);
         v[i + 1] = __high2float(x);
@@ -364,20 +402,31 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode(const Decode
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
       const float scale = amax > 0.f ? amax / 448.f : 1.f;
-      uint32_t packed[4];
+      uint32_t packed[QV / 4];
 #pragma unroll
-      for (int i = 0; i < 16; i += 4) {
+      for (int i = 0; i < QV; i += 4) {
         const __nv_fp8x2_storage_t lo =
             __nv_cvt_float2_to_fp8x2(make_float2(v[i] / scale, v[i + 1] / scale), __NV_SATFINITE, __NV_E4M3);
         const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
             make_float2(v[i + 2] / scale, v[i + 3] / scale), __NV_SATFINITE, __NV_E4M3);
         packed[i / 4] = uint32_t(lo) | (uint32_t(hi) << 16);
       }
-      *reinterpret_cast<uint4*>(qc + r * SmemLayout::qc_row + lane * 16) =
-          make_uint4(packed[0], packed[1], packed[2], packed[3]);
-      const uint32_t pe =
-          h < H ? *reinterpret_cast<const uint32_t*>(args.q_pe + bh * R + 2 * lane) : 0u;
-      *reinterpret_cast<uint32_t*>(qpe + r * SmemLayout::qpe_row + 4 * lane) = pe;
+      uint8_t* codes = qc + r * SmemLayout::qc_row + lane * QV;
+      if constexpr (QV % 16 == 0) {
+#pragma unroll
+        for (int w = 0; w < QV / 4; w += 4)
+          *reinterpret_cast<uint4*>(codes + 4 * w) =
+              make_uint4(packed[w], packed[w + 1], packed[w + 2], packed[w + 3]);
+      } else {
+#pragma unroll
+        for (int w = 0; w < QV / 4; ++w) *reinterpret_cast<uint32_t*>(codes + 4 * w) = packed[w];
+      }
+      // Two q_pe values per lane: every lane for R = 64, the first R/2 for narrower RoPE.
+      if (R == 64 || 2 * lane < R) {
+        const uint32_t pe =
+            h < H ? *reinterpret_cast<const uint32_t*>(args.q_pe + bh * R + 2 * lane) : 0u;
+        *reinterpret_cast<uint32_t*>(qpe + r * SmemLayout::qpe_row + 4 * lane) = pe;
+      }
       if (lane == 0) qscale[r] = scale;
     }
   }
@@ -573,7 +622,8 @@ extern "C" __global__ void __launch_bounds__(128) mla_combine(const float* part_
 
 // ------------------------------------------------------------------ cache append
 
-// One CTA (128 threads) per new token: y = RMSNorm(latent) (FP32, weight BF16), then
+// One CTA (128 threads) per new token, each thread ceil(L/128) latent values (a narrower
+// latent leaves the last threads idle): y = RMSNorm(latent) (FP32, weight BF16), then
 //   BF16: kv[slot] = bf16(y ‖ rope)
 //   FP8:  scale = static_scale > 0 ? static_scale : (amax(y) > 0 ? amax(y)/448 : 1),
 //         codes = e4m3_satfinite(y / scale), rope in BF16 — exactly cache.rs's encoder.
@@ -583,15 +633,18 @@ extern "C" __global__ void __launch_bounds__(128) mla_append(
     const float* latent, const float* rope, const __nv_bfloat16* norm_weight, float eps,
     const int* slot_mapping, void* kv, float* kv_scale, __nv_bfloat16* kv_rope,
     float static_scale) {
+  constexpr int PER_THREAD = (L + 127) / 128;
+  // Whether thread `tid`'s value `i` is a latent value (always, when L is a multiple of 128).
+  const auto in_row = [](int tid, int i) { return L % 128 == 0 || tid * PER_THREAD + i < L; };
   __shared__ float red[4];
   const int t = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int slot = slot_mapping[t];
   if (slot < 0) return;  // padding token
-  float v[4];
+  float v[PER_THREAD];
   float ss = 0.f;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    v[i] = latent[size_t(t) * L + tid * 4 + i];
+  for (int i = 0; i < PER_THREAD; ++i) {
+    v[i] = in_row(tid, i) ? latent[size_t(t) * L + tid * PER_THREAD + i] : 0.f;
     ss += v[i] * v[i];
   }
 #pragma unroll
@@ -602,15 +655,17 @@ extern "C" __global__ void __launch_bounds__(128) mla_append(
   __syncthreads();
   float amax = 0.f;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    v[i] = __bfloat162float(norm_weight[tid * 4 + i]) * (v[i] * inv);
+  for (int i = 0; i < PER_THREAD; ++i) {
+    v[i] = in_row(tid, i) ? __bfloat162float(norm_weight[tid * PER_THREAD + i]) * (v[i] * inv)
+                          : 0.f;
     amax = fmaxf(amax, fabsf(v[i]));
   }
   const float* rp = rope + size_t(t) * R;
   if constexpr (!FP8) {
     __nv_bfloat16* row = static_cast<__nv_bfloat16*>(kv) + size_t(slot) * D;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) row[tid * 4 + i] = __float2bfloat16_rn(v[i]);
+    for (int i = 0; i < PER_THREAD; ++i)
+      if (in_row(tid, i)) row[tid * PER_THREAD + i] = __float2bfloat16_rn(v[i]);
     if (tid < R) row[L + tid] = __float2bfloat16_rn(rp[tid]);
   } else {
 #pragma unroll
@@ -622,8 +677,9 @@ extern "C" __global__ void __launch_bounds__(128) mla_append(
         static_scale > 0.f ? static_scale : (amax > 0.f && isfinite(amax) ? amax / 448.f : 1.f);
     uint8_t* row = static_cast<uint8_t*>(kv) + size_t(slot) * L;
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-      row[tid * 4 + i] = __nv_cvt_float_to_fp8(v[i] / scale, __NV_SATFINITE, __NV_E4M3);
+    for (int i = 0; i < PER_THREAD; ++i)
+      if (in_row(tid, i))
+        row[tid * PER_THREAD + i] = __nv_cvt_float_to_fp8(v[i] / scale, __NV_SATFINITE, __NV_E4M3);
     if (tid == 0) kv_scale[slot] = scale;
     if (tid < R) kv_rope[size_t(slot) * R + tid] = __float2bfloat16_rn(rp[tid]);
   }

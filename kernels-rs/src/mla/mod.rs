@@ -1,8 +1,8 @@
 //! MLA decode attention over a paged latent KV cache.
 //!
 //! DeepSeek-V3's multi-head latent attention caches, per token and layer, one normalized latent
-//! `c` (`kv_lora_rank` = 512 values) and one RoPE'd key part `k_pe` (64 values), shared by all
-//! heads. With the absorbed formulation a query head `h` arrives as `q_abs[h]` (its no-PE query
+//! `c` (`kv_lora_rank` values: 512 in Kimi-K2.5) and one RoPE'd key part `k_pe`
+//! (`qk_rope_head_dim`: 64), shared by all heads. With the absorbed formulation a query head `h` arrives as `q_abs[h]` (its no-PE query
 //! already multiplied into latent space) and `q_pe[h]`, and attention is
 //! `softmax_t((q_abs·c_t + q_pe·kpe_t) · scale) · c_t`, leaving the output in latent space.
 //!
@@ -28,4 +28,4 @@ pub mod reference;
 pub mod tactic;
 
 pub use cache::{CacheError, KvCacheDtype, LatentCacheShape, PAGE_TOKENS, PagedLatentCache, SeqId};
-pub use tactic::{MlaKind, MlaSmem, MlaSplitTactic, MlaTactic};
+pub use tactic::{MlaDims, MlaKind, MlaSmem, MlaSplitTactic, MlaTactic};

@@ -1,6 +1,7 @@
 //! The tactic space of the MLA decode kernel (`mla_decode.cu`).
 //!
-//! An [`MlaTactic`] fixes everything the kernel is templated on; its [`id`](MlaTactic::id) is
+//! An [`MlaTactic`] fixes everything the kernel is templated on, the cache row's widths
+//! ([`MlaDims`]: latent and RoPE values per token) among them; its [`id`](MlaTactic::id) is
 //! stable and [`parse`](MlaTactic::parse)s back. The shared-memory footprint is computed here,
 //! passed to nvcc and `static_assert`ed against the kernel's own layout, as for the MoE GEMM.
 //!
@@ -13,10 +14,69 @@ use std::fmt;
 use crate::arch::{MAX_THREADS_PER_BLOCK, Sm, WARP_SIZE};
 use crate::tactic::TacticError;
 
-/// Latent values per cached token (`kv_lora_rank`); the kernel is specialized to it.
-pub const LATENT: usize = 512;
-/// RoPE values per cached token (`qk_rope_head_dim`).
-pub const ROPE: usize = 64;
+/// The widths of a cached token's row: `latent` values (`kv_lora_rank`) and `rope` values
+/// (`qk_rope_head_dim`). Each kernel image is compiled for one (the tactic's); a model runs on
+/// the images of its own widths.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MlaDims {
+    pub latent: usize,
+    pub rope: usize,
+}
+
+impl MlaDims {
+    /// Kimi-K2.5 / DeepSeek-V3: 512 latent + 64 RoPE values. Its tactics' ids carry no widths.
+    pub const KIMI: MlaDims = MlaDims {
+        latent: 512,
+        rope: 64,
+    };
+    /// The small golden checkpoints of `golden/gen_model.py` (`kimi-tiny`, `kimi-chat-tiny`,
+    /// the DeepSeek-V3 ones): 64 latent + 16 RoPE values.
+    pub const GOLDEN_SMALL: MlaDims = MlaDims {
+        latent: 64,
+        rope: 16,
+    };
+    /// Every width the compile gate builds images for.
+    pub const BUILT: [MlaDims; 2] = [MlaDims::KIMI, MlaDims::GOLDEN_SMALL];
+
+    /// Values per cached token.
+    pub fn row(&self) -> usize {
+        self.latent + self.rope
+    }
+
+    /// The kernel template's constraints on the widths (`mla_decode.cu` static_asserts them):
+    /// whole 64-byte FP8 code blocks of latent, whole k16 steps of RoPE, and `mla_append`'s
+    /// 128 threads covering the RoPE part.
+    pub fn validate(&self) -> Result<(), String> {
+        let (l, r) = (self.latent, self.rope);
+        if l == 0 || !l.is_multiple_of(64) || l > 1024 {
+            return Err(format!("latent {l} (a multiple of 64, at most 1024)"));
+        }
+        if r == 0 || !r.is_multiple_of(16) || r > 128 {
+            return Err(format!("RoPE {r} (a multiple of 16, at most 128)"));
+        }
+        Ok(())
+    }
+
+    /// The id token of these widths: empty for Kimi-K2.5's (ids predate the others).
+    fn token(&self) -> Option<String> {
+        (*self != MlaDims::KIMI).then(|| format!("l{}r{}", self.latent, self.rope))
+    }
+
+    fn parse_token(token: &str) -> Option<MlaDims> {
+        let (l, r) = token.strip_prefix('l')?.split_once('r')?;
+        Some(MlaDims {
+            latent: l.parse().ok()?,
+            rope: r.parse().ok()?,
+        })
+    }
+}
+
+impl fmt::Display for MlaDims {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "latent {} + RoPE {}", self.latent, self.rope)
+    }
+}
+
 /// Every shared-memory row is padded by 16 bytes: row strides that are multiples of 128 B would
 /// put the 8 rows one `ldmatrix` reads into the same banks (8-way conflicts).
 const ROW_PAD: usize = 16;
@@ -84,6 +144,8 @@ impl MlaKind {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct MlaTactic {
     pub kind: MlaKind,
+    /// The cache row's widths the image is compiled for.
+    pub dims: MlaDims,
     /// Query heads per CTA: the MMA's M dimension (multiples of 16). With 8 heads per GPU
     /// (TP8) half of the 16 rows are padding; the kernel is bandwidth-bound, so idle MMA rows
     /// cost nothing, while more heads per CTA mean fewer re-reads of the same cache tile.
@@ -117,9 +179,16 @@ impl MlaTactic {
         self.warps * WARP_SIZE
     }
 
+    /// `<kind>[_l<latent>r<rope>]_h<heads>_t<tile>_w<warps>_s<stages>_sp<max splits>`; the
+    /// widths are named only when they are not Kimi-K2.5's.
     pub fn id(&self) -> String {
+        let dims = self
+            .dims
+            .token()
+            .map(|t| format!("_{t}"))
+            .unwrap_or_default();
         format!(
-            "{}_h{}_t{}_w{}_s{}_sp{}",
+            "{}{dims}_h{}_t{}_w{}_s{}_sp{}",
             self.kind.token(),
             self.heads_per_block,
             self.tile_tokens,
@@ -131,7 +200,14 @@ impl MlaTactic {
 
     pub fn parse(id: &str) -> Result<Self, TacticError> {
         let err = || TacticError::Parse(id.to_string());
-        let parts: Vec<&str> = id.split('_').collect();
+        let mut parts: Vec<&str> = id.split('_').collect();
+        let dims = if parts.len() == 7 {
+            MlaDims::parse_token(parts.remove(1))
+                .filter(|d| *d != MlaDims::KIMI)
+                .ok_or_else(err)?
+        } else {
+            MlaDims::KIMI
+        };
         let [kind, h, t, w, s, sp] = parts.as_slice() else {
             return Err(err());
         };
@@ -147,6 +223,7 @@ impl MlaTactic {
         };
         let tactic = MlaTactic {
             kind,
+            dims,
             heads_per_block: num(h, "h")?,
             tile_tokens: num(t, "t")?,
             warps: num(w, "w")?,
@@ -159,6 +236,18 @@ impl MlaTactic {
 
     pub fn validate(&self) -> Result<(), TacticError> {
         let bad = |why: String| Err(TacticError::Invalid(format!("{}: {why}", self.id())));
+        if let Err(why) = self.dims.validate() {
+            return bad(why);
+        }
+        let latent = self.dims.latent as u32;
+        if self.kind == MlaKind::Fp8QkMma && (!latent.is_multiple_of(128) || self.dims.rope > 64) {
+            // One warp quantizes a head: latent/32 codes per lane in packs of four, and two
+            // q_pe values per lane.
+            return bad(format!(
+                "fp8qk needs a latent multiple of 128 and RoPE ≤ 64, not {}",
+                self.dims
+            ));
+        }
         let m_tiles = self.heads_per_block / 16;
         if self.heads_per_block == 0 || !self.heads_per_block.is_multiple_of(16) || m_tiles > 4 {
             return bad(format!(
@@ -172,14 +261,21 @@ impl MlaTactic {
         if !(1..=16).contains(&self.warps) || self.threads() > MAX_THREADS_PER_BLOCK {
             return bad(format!("{} warps", self.warps));
         }
-        // P·C: each warp owns 512/warps latent columns of every M tile; 64 f32 accumulators
-        // per thread is the most that leaves room for the fragments without spilling.
-        if !(LATENT as u32).is_multiple_of(16 * self.warps) || m_tiles * 256 / self.warps > 64 {
+        // P·C: each warp owns latent/warps columns of every M tile, in whole groups of 32 (the
+        // FP8 loader's four n-tiles); 64 f32 accumulators per thread is the most that leaves
+        // room for the fragments without spilling.
+        if !latent.is_multiple_of(32 * self.warps) {
+            return bad(format!(
+                "{} warps split a latent of {latent} into slices narrower than 32 columns",
+                self.warps
+            ));
+        }
+        if m_tiles * latent / 2 / self.warps > 64 {
             return bad(format!(
                 "{} warps for {} heads: P·C needs ≥ {} warps",
                 self.warps,
                 self.heads_per_block,
-                4 * m_tiles
+                (m_tiles * latent / 128).max(1)
             ));
         }
         // Softmax: each head's row is handled by a power-of-two group of lanes in one warp.
@@ -204,15 +300,16 @@ impl MlaTactic {
     pub fn smem(&self) -> MlaSmem {
         let h = self.heads_per_block as usize;
         let t = self.tile_tokens as usize;
+        let MlaDims { latent: l, rope: r } = self.dims;
         let q = match self.kind {
-            MlaKind::Bf16 | MlaKind::Fp8 => h * (2 * (LATENT + ROPE) + ROW_PAD),
+            MlaKind::Bf16 | MlaKind::Fp8 => h * (2 * (l + r) + ROW_PAD),
             // E4M3 latent codes, BF16 RoPE part, one FP32 scale per head.
-            MlaKind::Fp8QkMma => h * (LATENT + ROW_PAD) + h * (2 * ROPE + ROW_PAD) + align16(4 * h),
+            MlaKind::Fp8QkMma => h * (l + ROW_PAD) + h * (2 * r + ROW_PAD) + align16(4 * h),
         };
         let stage = if self.kind.is_fp8() {
-            t * (LATENT + ROW_PAD) + t * (2 * ROPE + ROW_PAD) + align16(4 * t)
+            t * (l + ROW_PAD) + t * (2 * r + ROW_PAD) + align16(4 * t)
         } else {
-            t * (2 * (LATENT + ROPE) + ROW_PAD)
+            t * (2 * (l + r) + ROW_PAD)
         };
         let scores = h * (4 * t + ROW_PAD);
         let probs = h * (2 * t + ROW_PAD);
@@ -236,6 +333,8 @@ impl MlaTactic {
     pub fn nvcc_defines(&self) -> Vec<String> {
         vec![
             format!("-DMLA_KIND={}", self.kind.macro_value()),
+            format!("-DMLA_LATENT={}", self.dims.latent),
+            format!("-DMLA_ROPE={}", self.dims.rope),
             format!("-DMLA_HEADS={}", self.heads_per_block),
             format!("-DMLA_TILE={}", self.tile_tokens),
             format!("-DMLA_WARPS={}", self.warps),
@@ -257,13 +356,15 @@ impl MlaTactic {
     /// Bytes of the split-KV workspace (`part_out` + `part_lse`, f32) a launch of up to
     /// `batch` requests and `heads` heads needs: sized by `max_splits`, allocated once.
     pub fn workspace_bytes(&self, batch: usize, heads: usize) -> usize {
-        4 * batch * heads * self.max_splits as usize * (LATENT + 1)
+        4 * batch * heads * self.max_splits as usize * (self.dims.latent + 1)
     }
 
-    /// The tactics the compile gate builds for `sm`.
+    /// The tactics the compile gate builds for `sm`: Kimi-K2.5's widths, then the small
+    /// golden checkpoints' ([`MlaDims::GOLDEN_SMALL`]).
     pub fn enumerate(sm: Sm) -> Vec<MlaTactic> {
         let t = |kind, heads_per_block, tile_tokens, warps, stages| MlaTactic {
             kind,
+            dims: MlaDims::KIMI,
             heads_per_block,
             tile_tokens,
             warps,
@@ -289,7 +390,24 @@ impl MlaTactic {
                 t(MlaKind::Fp8QkMma, 16, 32, 4, 2),
             ],
         };
-        list.into_iter().filter(|t| t.fits(sm)).collect()
+        // A 64-value latent: two warps own its 64 output columns in 32-column slices (the
+        // whole P·C width of four warps at Kimi's 512 would leave each warp half a slice).
+        // One 16-head block serves these models' 2–8 heads per rank; the cache rows are small
+        // enough that two stages of 32 tokens cost 18 KB. BF16 and the exact FP8 widening
+        // only: `fp8qk` needs a latent that is a multiple of 128.
+        let small = [MlaKind::Bf16, MlaKind::Fp8].map(|kind| MlaTactic {
+            dims: MlaDims::GOLDEN_SMALL,
+            ..t(kind, 16, 32, 2, 2)
+        });
+        list.into_iter()
+            .chain(small)
+            .filter(|t| t.fits(sm))
+            .collect()
+    }
+
+    /// Whether the image serves a cache of these widths.
+    pub fn serves_dims(&self, dims: MlaDims) -> bool {
+        self.dims == dims
     }
 }
 
@@ -395,6 +513,47 @@ mod tests {
         let sm120 = MlaTactic::enumerate(Sm::Sm120);
         for kind in MlaKind::ALL {
             assert!(sm120.iter().any(|t| t.kind == kind), "{kind:?}");
+        }
+    }
+
+    /// Kimi-K2.5's ids name no widths (they predate the others); other widths are part of the
+    /// id, parse back, and have their own shared memory and constraints.
+    #[test]
+    fn widths_are_named_in_ids_except_kimis() {
+        let kimi = MlaTactic::parse("fp8_h16_t32_w4_s2_sp64").unwrap();
+        assert_eq!(kimi.dims, MlaDims::KIMI);
+        let small = MlaTactic::parse("fp8_l64r16_h16_t32_w2_s2_sp64").unwrap();
+        assert_eq!(small.dims, MlaDims::GOLDEN_SMALL);
+        assert_eq!(small.id(), "fp8_l64r16_h16_t32_w2_s2_sp64");
+        // Kimi's widths spelled out are not a second name of the same tactic.
+        assert!(MlaTactic::parse("fp8_l512r64_h16_t32_w4_s2_sp64").is_err());
+        assert!(MlaTactic::parse("fp8_l64_h16_t32_w2_s2_sp64").is_err());
+        // Q 16 × (2·80 + 16), two stages of 32 × (64 + 16) codes + 32 × (32 + 16) RoPE + 128 B
+        // of scales, scores 16 × (128 + 16), P 16 × (64 + 16), stats 192.
+        assert_eq!(
+            small.smem().total,
+            16 * 176 + 2 * (32 * 80 + 32 * 48 + 128) + 16 * 144 + 16 * 80 + 192
+        );
+        assert!(
+            small
+                .nvcc_defines()
+                .contains(&"-DMLA_LATENT=64".to_string())
+        );
+        assert!(kimi.nvcc_defines().contains(&"-DMLA_ROPE=64".to_string()));
+        assert_eq!(small.workspace_bytes(1, 4), 4 * 4 * 64 * 65);
+        // Four warps would split a 64-value latent into 16-column slices.
+        assert!(MlaTactic::parse("bf16_l64r16_h16_t32_w4_s2_sp64").is_err());
+        // fp8qk quantizes q per warp in packs of 4 values per lane: 128-value multiples only.
+        assert!(MlaTactic::parse("fp8qk_l64r16_h16_t32_w2_s2_sp64").is_err());
+        assert!(MlaTactic::parse("bf16_l96r16_h16_t32_w2_s2_sp64").is_err());
+        assert!(MlaTactic::parse("bf16_l64r8_h16_t32_w2_s2_sp64").is_err());
+        for sm in Sm::ALL {
+            let built: Vec<MlaTactic> = MlaTactic::enumerate(sm)
+                .into_iter()
+                .filter(|t| t.dims == MlaDims::GOLDEN_SMALL)
+                .collect();
+            let kinds: Vec<MlaKind> = built.iter().map(|t| t.kind).collect();
+            assert_eq!(kinds, [MlaKind::Bf16, MlaKind::Fp8], "{sm}");
         }
     }
 

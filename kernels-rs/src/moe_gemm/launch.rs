@@ -136,6 +136,18 @@ impl MoeWeightsShape {
     }
 }
 
+/// Intermediate columns the kernels hold per expert for a checkpoint's `inter`: `inter`
+/// rounded up to a multiple of 64 — the K of the block-scaled FP4 MMA (`moe_down` reduces over
+/// the intermediate in whole 64-column steps) and whole 16-byte `cp.async` chunks of the NVFP4
+/// intermediate. Kimi-K2.5's 2048 columns (256 per TP8 rank) need nothing; a small model's 32,
+/// or a TP rank's 16 or 32, are padded by [`MoeWeightsHost::padded_inter`].
+pub fn kernel_inter(inter: usize) -> usize {
+    inter.next_multiple_of(INTER_GRANULE)
+}
+
+/// See [`kernel_inter`].
+pub const INTER_GRANULE: usize = 64;
+
 /// All experts' weights in the kernels' layout, on the host, with row-major scales (the
 /// swizzled ones are derived per upload).
 #[derive(Clone, Debug, Default)]
@@ -203,6 +215,50 @@ impl MoeWeightsHost {
         }
         w.check()?;
         Ok(w)
+    }
+
+    /// The same experts with `inter` intermediate columns (≥ the current, whole NVFP4 blocks):
+    /// gate and up get zero rows, down zero columns, all with zero block scales. A zero row
+    /// makes SiLU(0)·0 = 0 in the intermediate, which quantizes to zero codes in blocks of its
+    /// own (the real blocks' scales do not change), and meets zero weights in `moe_down`: the
+    /// padded experts compute exactly the unpadded ones' output.
+    pub fn padded_inter(self, inter: usize) -> Self {
+        assert!(
+            inter >= self.inter && inter.is_multiple_of(16),
+            "padding {} intermediate columns to {inter}",
+            self.inter
+        );
+        if inter == self.inter {
+            return self;
+        }
+        let (i, h) = (self.inter, self.hidden);
+        // Parts of `rows` rows of `cols` bytes, each followed by zero rows up to `padded_rows`.
+        let pad_rows = |all: &[u8], rows: usize, padded_rows: usize, cols: usize| {
+            let mut out = Vec::with_capacity(all.len() / rows * padded_rows);
+            for part in all.chunks_exact(rows * cols) {
+                out.extend_from_slice(part);
+                out.resize(out.len() + (padded_rows - rows) * cols, 0);
+            }
+            out
+        };
+        // Every row of `cols` bytes widened to `padded_cols` with zeros.
+        let pad_cols = |all: &[u8], cols: usize, padded_cols: usize| {
+            let mut out = Vec::with_capacity(all.len() / cols * padded_cols);
+            for row in all.chunks_exact(cols) {
+                out.extend_from_slice(row);
+                out.resize(out.len() + padded_cols - cols, 0);
+            }
+            out
+        };
+        MoeWeightsHost {
+            inter,
+            // Gate rows then up rows of each expert: two parts of `i` rows per expert.
+            w13: pad_rows(&self.w13, i, inter, h / 2),
+            w13_sf: pad_rows(&self.w13_sf, i, inter, h / 16),
+            w2: pad_cols(&self.w2, i / 2, inter / 2),
+            w2_sf: pad_cols(&self.w2_sf, i / 16, inter / 16),
+            ..self
+        }
     }
 
     /// Experts, hidden and intermediate sizes.
@@ -1238,23 +1294,91 @@ mod tests {
         }
     }
 
-    #[test]
-    fn host_layout_read_as_the_kernels_do_matches_the_reference() {
-        use crate::moe_gemm::check::{Rng, compare, random_case};
-        // 2I = 192 rows and H = 160 rows: the swizzle's 128-row padding is exercised, and
-        // H/16 = 10 scale columns pads to 12.
-        let case = random_case("layout", &mut Rng(3), 6, 3, 6, 160, 96);
+    /// A random case (`check::random_case`: tokens, top-k, experts, hidden, inter), its
+    /// grouping and its BF16 input widened.
+    fn random_grouped(
+        seed: u64,
+        shape: [usize; 5],
+    ) -> (crate::moe_gemm::check::Case, GroupedRouting, Vec<f32>) {
+        use crate::moe_gemm::check::{Rng, random_case};
+        let [tokens, top_k, experts, hidden, inter] = shape;
+        let case = random_case(
+            "random",
+            &mut Rng(seed),
+            tokens,
+            top_k,
+            experts,
+            hidden,
+            inter,
+        );
         let g = GroupedRouting::new(&case.routing, case.experts()).unwrap();
-        let x: Vec<f32> = case
+        let x = case
             .x_bf16
             .iter()
             .map(|&b| half::bf16::from_bits(b).to_f32())
             .collect();
+        (case, g, x)
+    }
+
+    #[test]
+    fn host_layout_read_as_the_kernels_do_matches_the_reference() {
+        use crate::moe_gemm::check::compare;
+        // 2I = 192 rows and H = 160 rows: the swizzle's 128-row padding is exercised, and
+        // H/16 = 10 scale columns pads to 12.
+        let (case, g, x) = random_grouped(3, [6, 3, 6, 160, 96]);
         for layout in [ScaleLoad::Swizzled128x4, ScaleLoad::RowMajor] {
             let out = crate::moe_gemm::check::kernel_model(&case.weights, layout, &g, &x);
             let c = compare(&out, &case.reference, &[]);
             assert!(c.passed(), "{layout:?}: {c:?}");
             assert!(c.rel_l2 < 1e-5, "{layout:?}: {c:?}");
+        }
+    }
+
+    /// Experts padded to the kernels' intermediate granularity (32 → 64 columns: a small
+    /// model's experts, or a TP rank's share) compute what the unpadded ones do, read as the
+    /// kernels read them, in both scale layouts; and padding is the identity where nothing is
+    /// missing.
+    #[test]
+    fn padded_experts_compute_the_unpadded_ones_output() {
+        use crate::moe_gemm::check::compare;
+        assert_eq!(
+            [16, 32, 64, 128, 256, 2048].map(kernel_inter),
+            [64, 64, 64, 128, 256, 2048]
+        );
+        let (case, g, x) = random_grouped(5, [7, 2, 5, 128, 32]);
+        let padded = case.weights.clone().padded_inter(kernel_inter(32));
+        padded.check().unwrap();
+        assert_eq!(padded.inter, 64);
+        assert_eq!(
+            padded.clone().padded_inter(64).w13,
+            padded.w13,
+            "no-op padding"
+        );
+        for layout in [ScaleLoad::Swizzled128x4, ScaleLoad::RowMajor] {
+            let plain = crate::moe_gemm::check::kernel_model(&case.weights, layout, &g, &x);
+            let wide = crate::moe_gemm::check::kernel_model(&padded, layout, &g, &x);
+            assert_eq!(plain, wide, "{layout:?}");
+            let c = compare(&wide, &case.reference, &[]);
+            assert!(c.passed() && c.rel_l2 < 1e-5, "{layout:?}: {c:?}");
+        }
+        // The padded tensors hold the checkpoint's bytes where they were and zeros elsewhere.
+        let (h, i, ip) = (case.hidden, 32, 64);
+        for e in 0..case.experts() {
+            for half in 0..2 {
+                let src = &case.weights.w13[(2 * e + half) * i * h / 2..][..i * h / 2];
+                let dst = &padded.w13[(2 * e + half) * ip * h / 2..][..ip * h / 2];
+                assert_eq!(&dst[..i * h / 2], src);
+                assert!(dst[i * h / 2..].iter().all(|&b| b == 0));
+            }
+        }
+        for (row, padded_row) in case
+            .weights
+            .w2_sf
+            .chunks(i / 16)
+            .zip(padded.w2_sf.chunks(ip / 16))
+        {
+            assert_eq!(&padded_row[..i / 16], row);
+            assert!(padded_row[i / 16..].iter().all(|&b| b == 0));
         }
     }
 

@@ -246,14 +246,18 @@ fn shape_distance(a: &ProblemShape, b: &ProblemShape) -> Option<f64> {
                 heads: h1,
                 context: c1,
                 fp8_cache: f1,
+                latent: l1,
+                rope: r1,
             },
             ProblemShape::Mla {
                 batch: b2,
                 heads: h2,
                 context: c2,
                 fp8_cache: f2,
+                latent: l2,
+                rope: r2,
             },
-        ) if h1 == h2 && f1 == f2 => {
+        ) if h1 == h2 && f1 == f2 && (l1, r1) == (l2, r2) => {
             Some(ratio(*b1 as f64, *b2 as f64) + ratio(*c1 as f64, *c2 as f64))
         }
         (
@@ -473,12 +477,7 @@ mod tests {
         let near = lookup.choose::<MoeGemmTactic>(sm, &shape(2)).unwrap();
         assert_eq!(near.tactic, t);
         // Another family has no entry: its default.
-        let mla = ProblemShape::Mla {
-            batch: 1,
-            heads: 8,
-            context: 128,
-            fp8_cache: false,
-        };
+        let mla = ProblemShape::mla(1, 8, 128, false, crate::mla::MlaDims::KIMI);
         let d = lookup.choose::<MlaTactic>(sm, &mla).unwrap();
         assert!(d.figure.is_none() && d.describe().contains("heuristic default"));
         std::fs::remove_dir_all(dir).unwrap();

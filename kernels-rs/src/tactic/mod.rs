@@ -20,7 +20,7 @@ use crate::allreduce::element::DType;
 use crate::allreduce::tactic::{AllReduceTactic, default_blocks};
 use crate::arch::Sm;
 use crate::layers::LayersTactic;
-use crate::mla::{MlaKind, MlaSplitTactic, MlaTactic};
+use crate::mla::{MlaDims, MlaKind, MlaSplitTactic, MlaTactic};
 use crate::moe_gemm::MoeGemmTactic;
 
 pub mod cache;
@@ -115,12 +115,18 @@ pub enum ProblemShape {
         hidden: u32,
         inter: u32,
     },
-    /// MLA decode of `batch` requests of `context` cached tokens with `heads` heads per rank.
+    /// MLA decode of `batch` requests of `context` cached tokens with `heads` heads per rank,
+    /// over cache rows of `latent` + `rope` values (Kimi-K2.5's 512 + 64 when a cache file
+    /// written before the widths were recorded omits them).
     Mla {
         batch: u32,
         heads: u32,
         context: u32,
         fp8_cache: bool,
+        #[serde(default = "kimi_latent")]
+        latent: u32,
+        #[serde(default = "kimi_rope")]
+        rope: u32,
     },
     /// One all-reduce of `elements` values over `ranks` GPUs.
     AllReduce {
@@ -132,7 +138,38 @@ pub enum ProblemShape {
     Dense { m: u32, n: u32, k: u32 },
 }
 
+fn kimi_latent() -> u32 {
+    MlaDims::KIMI.latent as u32
+}
+
+fn kimi_rope() -> u32 {
+    MlaDims::KIMI.rope as u32
+}
+
 impl ProblemShape {
+    /// An MLA decode shape over cache rows of `dims`.
+    pub fn mla(batch: u32, heads: u32, context: u32, fp8_cache: bool, dims: MlaDims) -> Self {
+        ProblemShape::Mla {
+            batch,
+            heads,
+            context,
+            fp8_cache,
+            latent: dims.latent as u32,
+            rope: dims.rope as u32,
+        }
+    }
+
+    /// The cache row's widths of an MLA shape.
+    pub fn mla_dims(&self) -> Option<MlaDims> {
+        match *self {
+            ProblemShape::Mla { latent, rope, .. } => Some(MlaDims {
+                latent: latent as usize,
+                rope: rope as usize,
+            }),
+            _ => None,
+        }
+    }
+
     /// The cache key of the shape: stable, readable, one per bucket.
     pub fn bucket(&self) -> String {
         match self {
@@ -147,10 +184,22 @@ impl ProblemShape {
                 heads,
                 context,
                 fp8_cache,
-            } => format!(
-                "mla_b{batch}_h{heads}_c{context}_{}",
-                if *fp8_cache { "fp8" } else { "bf16" }
-            ),
+                latent,
+                rope,
+            } => {
+                // Kimi-K2.5's widths are implied (the buckets of caches written before others
+                // were built); other widths are named.
+                let dims = self.mla_dims().expect("an MLA shape");
+                let widths = if dims == MlaDims::KIMI {
+                    String::new()
+                } else {
+                    format!("_l{latent}r{rope}")
+                };
+                format!(
+                    "mla{widths}_b{batch}_h{heads}_c{context}_{}",
+                    if *fp8_cache { "fp8" } else { "bf16" }
+                )
+            }
             ProblemShape::AllReduce {
                 elements,
                 dtype,
@@ -311,12 +360,15 @@ impl Tactic for MlaTactic {
 
     fn serves(&self, shape: &ProblemShape) -> bool {
         match shape {
-            ProblemShape::Mla { fp8_cache, .. } => self.kind.is_fp8() == *fp8_cache,
+            ProblemShape::Mla { fp8_cache, .. } => {
+                self.kind.is_fp8() == *fp8_cache && shape.mla_dims() == Some(self.dims)
+            }
             _ => false,
         }
     }
 
-    /// The first gated tactic of the cache's kind (FP8 caches: the exact widening kind).
+    /// The first gated tactic of the cache's kind (FP8 caches: the exact widening kind) and
+    /// widths.
     fn heuristic_default(sm: Sm, shape: &ProblemShape) -> Option<Self> {
         let ProblemShape::Mla { fp8_cache, .. } = shape else {
             return None;
@@ -326,7 +378,9 @@ impl Tactic for MlaTactic {
         } else {
             MlaKind::Bf16
         };
-        Self::space(sm).into_iter().find(|t| t.kind == kind)
+        Self::space(sm)
+            .into_iter()
+            .find(|t| t.kind == kind && t.serves(shape))
     }
 }
 
@@ -537,14 +591,19 @@ mod tests {
                 let t = MoeGemmTactic::heuristic_default(sm, &moe(tpe)).unwrap();
                 assert!(t.serves(&moe(tpe)) && t.fits_on(sm), "{t} for {tpe}");
             }
-            let mla = ProblemShape::Mla {
-                batch: 1,
-                heads: 8,
-                context: 4096,
-                fp8_cache: true,
-            };
+            let mla = ProblemShape::mla(1, 8, 4096, true, MlaDims::KIMI);
             let t = MlaTactic::heuristic_default(sm, &mla).unwrap();
             assert!(t.serves(&mla) && t.kind.is_fp8());
+            assert_eq!(t.dims, MlaDims::KIMI);
+            // The small golden checkpoints' widths get their own images, which serve no
+            // Kimi-K2.5 shape.
+            let small = ProblemShape::mla(1, 4, 4096, false, MlaDims::GOLDEN_SMALL);
+            let s = MlaTactic::heuristic_default(sm, &small).unwrap();
+            assert!(s.serves(&small) && s.kind == MlaKind::Bf16);
+            assert_eq!(s.dims, MlaDims::GOLDEN_SMALL);
+            assert!(!s.serves(&mla) && !t.serves(&small));
+            assert_eq!(small.bucket(), "mla_l64r16_b1_h4_c4096_bf16");
+            assert_eq!(mla.bucket(), "mla_b1_h8_c4096_fp8");
             let ar = ProblemShape::AllReduce {
                 elements: 7168,
                 dtype: "bf16".into(),

@@ -91,14 +91,15 @@ pub fn decode_tactics(
         tokens_per_expert,
         active_experts: active,
         hidden: config.hidden_size as u32,
-        inter: config.moe_intermediate_size as u32 / world,
+        inter: super::device_expert_inter(config, world as usize) as u32,
     };
-    let mla_shape = ProblemShape::Mla {
-        batch: batch as u32,
-        heads: config.num_attention_heads as u32 / world,
-        context: context as u32,
-        fp8_cache: kv_dtype == KvCacheDtype::Fp8E4m3,
-    };
+    let mla_shape = ProblemShape::mla(
+        batch as u32,
+        config.num_attention_heads as u32 / world,
+        context as u32,
+        kv_dtype == KvCacheDtype::Fp8E4m3,
+        config.mla_dims(),
+    );
     let moe = lookup.choose::<MoeGemmTactic>(sm, &moe_shape);
     let mla = lookup.choose::<MlaSplitTactic>(sm, &mla_shape);
     let from = |found: bool| if found { "tactic cache" } else { "default" };

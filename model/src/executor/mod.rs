@@ -42,9 +42,10 @@ use kernels::blas::{BlasGemm, DenseTactic};
 use kernels::device::{Device, DeviceError, DeviceExt, DeviceMemory};
 use kernels::layers::sampling::{SAMPLE_ROW_BYTES, SampleRow};
 use kernels::layers::{DenseOutput, HeadRows, LayerKernels, OutputType, RopeSlices, RouterShape};
+use kernels::mla::MlaDims;
 use kernels::mla::cache::{KvCacheDtype, PAGE_TOKENS, PageTables, SeqId};
 use kernels::mla::launch::{DecodeIo, DeviceCache, MlaKernels};
-use kernels::mla::tactic::{LATENT, MlaTactic, ROPE};
+use kernels::mla::tactic::MlaTactic;
 use kernels::moe_gemm::MoeGemmTactic;
 use kernels::moe_gemm::launch::{MoeDeviceGrouping, MoeDeviceIo, MoeGroupingBounds, MoeKernels};
 use kernels::tactic::{ProblemShape, Tactic};
@@ -85,26 +86,32 @@ impl ExecutorTactics {
         world: usize,
     ) -> Result<Self, ExecutorError> {
         check_supported(config)?;
-        let mla_shape = ProblemShape::Mla {
-            batch: 1,
-            heads: config.num_attention_heads as u32,
-            context: 4096,
-            fp8_cache: kv_dtype == KvCacheDtype::Fp8E4m3,
-        };
-        let mla = MlaTactic::heuristic_default(sm, &mla_shape)
-            .ok_or_else(|| ExecutorError::Unsupported(format!("no MLA decode tactic for {sm}")))?;
+        let mla_shape = ProblemShape::mla(
+            1,
+            (config.num_attention_heads / world.max(1)) as u32,
+            4096,
+            kv_dtype == KvCacheDtype::Fp8E4m3,
+            config.mla_dims(),
+        );
+        let mla = MlaTactic::heuristic_default(sm, &mla_shape).ok_or_else(|| {
+            ExecutorError::Unsupported(format!(
+                "no MLA decode tactic for {sm} reads a {} cache of {}",
+                kv_dtype.id(),
+                config.mla_dims()
+            ))
+        })?;
         let moe = if config.n_routed_experts > 0 {
+            let inter = device_expert_inter(config, world);
             let shape = ProblemShape::Moe {
                 tokens_per_expert: 1,
                 active_experts: config.num_experts_per_tok as u32,
                 hidden: config.hidden_size as u32,
-                inter: (config.moe_intermediate_size / world.max(1)) as u32,
+                inter: inter as u32,
             };
             Some(MoeGemmTactic::heuristic_default(sm, &shape).ok_or_else(|| {
                 ExecutorError::Unsupported(format!(
-                    "no MoE GEMM tactic for {sm} serves hidden {} / intermediate {}",
+                    "no MoE GEMM tactic for {sm} serves hidden {} / intermediate {inter}",
                     config.hidden_size,
-                    config.moe_intermediate_size / world.max(1)
                 ))
             })?)
         } else {
@@ -225,13 +232,14 @@ pub fn workspace_buffer_bytes(c: &ModelConfig, s: &WorkspaceShape) -> Vec<(&'sta
     let n = |count: usize, size: usize| count.max(1) * size;
     let (rows, heads) = (s.rows.max(1), s.heads);
     let (hidden, qk) = (c.hidden_size, c.qk_head_dim());
+    let (latent, rope) = (c.kv_lora_rank, c.qk_rope_head_dim);
     let q_rank = c.q_lora_rank.unwrap_or(1);
     let inter = c
         .intermediate_size
         .max(c.moe_intermediate_size * c.n_shared_experts.max(1));
     let experts = c.n_routed_experts.max(1);
     let assignments = rows * c.num_experts_per_tok.max(1);
-    let moe_inter = c.moe_intermediate_size.max(16);
+    let moe_inter = device_expert_inter(c, 1);
     let split_rows = rows.min(SPLIT_ROWS);
     let logit_rows = s.logit_rows.clamp(1, rows);
     vec![
@@ -248,13 +256,13 @@ pub fn workspace_buffer_bytes(c: &ModelConfig, s: &WorkspaceShape) -> Vec<(&'sta
         ("qa", n(rows * q_rank, 4)),
         ("qa_normed", n(rows * q_rank, 4)),
         ("q", n(rows * heads * qk, 4)),
-        ("latent", n(rows * LATENT, 4)),
-        ("k_rope", n(rows * ROPE, 4)),
-        ("q_abs", n(rows * heads * LATENT, 2)),
-        ("q_pe", n(rows * heads * ROPE, 2)),
-        ("o_latent", n(rows * heads * LATENT, 4)),
+        ("latent", n(rows * latent, 4)),
+        ("k_rope", n(rows * rope, 4)),
+        ("q_abs", n(rows * heads * latent, 2)),
+        ("q_pe", n(rows * heads * rope, 2)),
+        ("o_latent", n(rows * heads * latent, 4)),
         ("lse", n(rows * heads, 4)),
-        ("part_out", n(split_rows * heads * s.max_splits * LATENT, 4)),
+        ("part_out", n(split_rows * heads * s.max_splits * latent, 4)),
         ("part_lse", n(split_rows * heads * s.max_splits, 4)),
         ("o", n(rows * heads * c.v_head_dim, 4)),
         ("gate_up", n(rows * 2 * inter, 4)),
@@ -433,7 +441,7 @@ impl<D: Device> DeviceExecutor<D> {
     ) -> Result<Self, ExecutorError> {
         check_supported(&model.config)?;
         // The tactics are refused before the weights are uploaded, not after.
-        let kernels = StepKernels::load(&dev, &tactics, kv_dtype)?;
+        let kernels = StepKernels::load(&dev, &model.config, &tactics, kv_dtype)?;
         let weights = DeviceWeights::upload(&dev, model, tactics.moe, quiet)?;
         Self::assemble(
             dev,
@@ -459,7 +467,7 @@ impl<D: Device> DeviceExecutor<D> {
         tactics: ExecutorTactics,
     ) -> Result<Self, ExecutorError> {
         check_supported(config)?;
-        let kernels = StepKernels::load(&dev, &tactics, kv_dtype)?;
+        let kernels = StepKernels::load(&dev, config, &tactics, kv_dtype)?;
         Self::assemble(
             dev,
             config,
@@ -492,7 +500,7 @@ impl<D: Device> DeviceExecutor<D> {
         let heads = weights.heads;
         let pages = PageTables::new(cache_tokens.div_ceil(PAGE_TOKENS).max(1));
         let caches = (0..c.num_hidden_layers)
-            .map(|_| DeviceCache::alloc(&dev, kv_dtype, pages.total_slots()))
+            .map(|_| DeviceCache::alloc(&dev, kv_dtype, c.mla_dims(), pages.total_slots()))
             .collect::<Result<Vec<_>, _>>()?;
         let workspace = Workspace::new(
             &dev,
@@ -1292,10 +1300,19 @@ struct StepKernels<D: Device> {
 impl<D: Device> StepKernels<D> {
     fn load(
         dev: &D,
+        config: &ModelConfig,
         tactics: &ExecutorTactics,
         kv_dtype: KvCacheDtype,
     ) -> Result<Self, ExecutorError> {
         let mla = MlaKernels::load(dev, tactics.mla)?;
+        if mla.tactic.dims != config.mla_dims() {
+            return Err(ExecutorError::Unsupported(format!(
+                "MLA tactic {} reads cache rows of {}, the model's are {}",
+                mla.tactic.id(),
+                mla.tactic.dims,
+                config.mla_dims()
+            )));
+        }
         if mla.tactic.kind.is_fp8() != (kv_dtype == KvCacheDtype::Fp8E4m3) {
             return Err(ExecutorError::Unsupported(format!(
                 "MLA tactic {} reads a {} cache, the executor's is {}",
@@ -1333,17 +1350,31 @@ impl DeviceBytes {
     }
 }
 
-/// What the MLA and MoE kernels fix: Kimi-K2.5's latent sizes (the MLA kernels are compiled
-/// for a 512-value latent and 64 RoPE values).
+/// What the MLA kernels fix: the cache row's widths. Images are built for Kimi-K2.5's and for
+/// the small golden checkpoints' ([`MlaDims::BUILT`]); any other model is refused by name.
 fn check_supported(c: &ModelConfig) -> Result<(), ExecutorError> {
-    if (c.kv_lora_rank, c.qk_rope_head_dim) != (LATENT, ROPE) {
+    let dims = c.mla_dims();
+    if !MlaDims::BUILT.contains(&dims) {
+        let built: Vec<String> = MlaDims::BUILT
+            .iter()
+            .map(|d| format!("{}/{}", d.latent, d.rope))
+            .collect();
         return Err(ExecutorError::Unsupported(format!(
-            "the MLA kernels are built for kv_lora_rank {LATENT} and qk_rope_head_dim {ROPE} \
-             (Kimi-K2.5's); this model has {} and {} (use --backend cpu)",
-            c.kv_lora_rank, c.qk_rope_head_dim
+            "the MLA kernels are built for kv_lora_rank/qk_rope_head_dim {}; this model has \
+             kv_lora_rank {} and qk_rope_head_dim {} (use --backend cpu)",
+            built.join(", "),
+            c.kv_lora_rank,
+            c.qk_rope_head_dim
         )));
     }
     Ok(())
+}
+
+/// Intermediate columns each routed expert holds on the device for one of `world` ranks: the
+/// rank's share, padded to the MoE kernels' K granularity
+/// ([`MoeWeightsHost::padded_inter`](kernels::moe_gemm::launch::MoeWeightsHost::padded_inter)).
+pub fn device_expert_inter(c: &ModelConfig, world: usize) -> usize {
+    kernels::moe_gemm::launch::kernel_inter(c.moe_intermediate_size / world.max(1))
 }
 
 struct AttentionCtx<'a, D: Device> {
@@ -1373,7 +1404,8 @@ fn attention<D: Device>(
     let (dev, k, c, heads) = (a.dev, a.k, a.c, a.heads);
     let dense = Products::new(k, a.dense, ws);
     let (hidden, nope, v_dim) = (c.hidden_size, c.qk_nope_head_dim, c.v_head_dim);
-    let qk = nope + ROPE;
+    let (latent, rope) = (c.kv_lora_rank, c.qk_rope_head_dim);
+    let qk = nope + rope;
     let at = &lw.attention;
     match &at.q_a {
         Some((q_a, q_a_norm, rank)) => {
@@ -1398,7 +1430,7 @@ fn attention<D: Device>(
         n,
         &at.kv_a_latent,
         hidden,
-        LATENT,
+        latent,
         &ws.latent,
         false,
     )?;
@@ -1408,7 +1440,7 @@ fn attention<D: Device>(
         n,
         &at.kv_a_rope,
         hidden,
-        ROPE,
+        rope,
         &ws.k_rope,
         false,
     )?;
@@ -1416,12 +1448,12 @@ fn attention<D: Device>(
         dev,
         &ws.k_rope,
         n,
-        ROPE,
+        rope,
         RopeSlices {
             offset: 0,
-            stride: ROPE,
+            stride: rope,
             count: 1,
-            pairs: ROPE / 2,
+            pairs: rope / 2,
         },
         &ws.positions,
         a.rope_inv_freq,
@@ -1447,7 +1479,7 @@ fn attention<D: Device>(
             offset: nope,
             stride: qk,
             count: heads,
-            pairs: ROPE / 2,
+            pairs: rope / 2,
         },
         &ws.positions,
         a.rope_inv_freq,
@@ -1466,18 +1498,18 @@ fn attention<D: Device>(
         heads,
         &at.w_uk_t,
         0,
-        LATENT * nope,
+        latent * nope,
         nope,
-        LATENT,
+        latent,
         &ws.q_abs,
         HeadRows {
             offset: 0,
-            row_stride: heads * LATENT,
-            head_stride: LATENT,
+            row_stride: heads * latent,
+            head_stride: latent,
         },
         OutputType::Bf16,
     )?;
-    k.to_bf16_strided(dev, &ws.q, n, heads * qk, nope, qk, heads, ROPE, &ws.q_pe)?;
+    k.to_bf16_strided(dev, &ws.q, n, heads * qk, nope, qk, heads, rope, &ws.q_pe)?;
     a.mla.decode_io(
         dev,
         cache,
@@ -1505,15 +1537,15 @@ fn attention<D: Device>(
         &ws.o_latent,
         HeadRows {
             offset: 0,
-            row_stride: heads * LATENT,
-            head_stride: LATENT,
+            row_stride: heads * latent,
+            head_stride: latent,
         },
         n,
         heads,
         &at.kv_b,
-        nope * LATENT,
-        (nope + v_dim) * LATENT,
-        LATENT,
+        nope * latent,
+        (nope + v_dim) * latent,
+        latent,
         v_dim,
         &ws.o,
         HeadRows {

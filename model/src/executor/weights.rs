@@ -14,7 +14,6 @@ use indicatif::ProgressBar;
 use kernels::device::{Device, DeviceError, DeviceExt, DeviceMemory};
 use kernels::formats::nvfp4::Nvfp4View;
 use kernels::matrix::MatrixView;
-use kernels::mla::tactic::{LATENT, ROPE};
 use kernels::moe_gemm::MoeGemmTactic;
 use kernels::moe_gemm::launch::{
     ExpertWeights as KernelExpert, MoeDeviceWeights, MoeWeightsHost, MoeWeightsShape,
@@ -231,7 +230,7 @@ impl<D: Device> Builder<'_, D> {
         let tensor = format!("{prefix}.experts");
         let device = match host {
             Some(w) => {
-                let packed = pack_experts(prefix, w)?;
+                let packed = pack_experts(prefix, w)?.padded_inter(shape.inter);
                 if packed.shape() != shape {
                     return Err(mismatch(
                         tensor,
@@ -374,18 +373,9 @@ impl<D: Device> DeviceWeights<D> {
         moe_tactic: Option<MoeGemmTactic>,
         quiet: bool,
     ) -> Result<Self, WeightsError> {
-        if (c.kv_lora_rank, c.qk_rope_head_dim) != (LATENT, ROPE) {
-            return Err(WeightsError::Unsupported {
-                tensor: "the model".into(),
-                why: format!(
-                    "has kv_lora_rank {} and qk_rope_head_dim {}; the kernels need {LATENT} and \
-                     {ROPE}",
-                    c.kv_lora_rank, c.qk_rope_head_dim
-                ),
-            });
-        }
         let world = shard.world.max(1);
         let hidden = c.hidden_size;
+        let (latent, rope) = (c.kv_lora_rank, c.qk_rope_head_dim);
         let heads = c.num_attention_heads / world;
         let vocab_rows = shard.vocab_rows(c.vocab_size);
         let (nope, v_dim, qk) = (c.qk_nope_head_dim, c.v_head_dim, c.qk_head_dim());
@@ -467,30 +457,30 @@ impl<D: Device> DeviceWeights<D> {
                 }
             };
             if let Some(a) = at
-                && a.kv_a.rows != LATENT + ROPE
+                && a.kv_a.rows != latent + rope
             {
-                return Err(WeightsError::Unsupported {
-                    tensor: format!("{p}.self_attn.kv_a_proj_with_mqa"),
-                    why: format!(
-                        "has {} rows, the kernels need {}",
+                return Err(mismatch(
+                    format!("{p}.self_attn.kv_a_proj_with_mqa"),
+                    format!(
+                        "has {} rows, not kv_lora_rank + qk_rope_head_dim = {}",
                         a.kv_a.rows,
-                        LATENT + ROPE
+                        latent + rope
                     ),
-                });
+                ));
             }
-            let kv_a_latent = at.map(|a| a.kv_a.rows_slice(0, LATENT));
-            let kv_a_rope = at.map(|a| a.kv_a.rows_slice(LATENT, LATENT + ROPE));
+            let kv_a_latent = at.map(|a| a.kv_a.rows_slice(0, latent));
+            let kv_a_rope = at.map(|a| a.kv_a.rows_slice(latent, latent + rope));
             let attention = DeviceAttention {
                 q_a,
                 q_b,
                 kv_a_latent: up.bf16(
-                    format!("{p}.self_attn.kv_a_proj_with_mqa[:{LATENT}]"),
-                    [LATENT, hidden],
+                    format!("{p}.self_attn.kv_a_proj_with_mqa[:{latent}]"),
+                    [latent, hidden],
                     kv_a_latent.as_ref(),
                 )?,
                 kv_a_rope: up.bf16(
-                    format!("{p}.self_attn.kv_a_proj_with_mqa[{LATENT}:]"),
-                    [ROPE, hidden],
+                    format!("{p}.self_attn.kv_a_proj_with_mqa[{latent}:]"),
+                    [rope, hidden],
                     kv_a_rope.as_ref(),
                 )?,
                 kv_a_norm: up.norm(
@@ -500,12 +490,12 @@ impl<D: Device> DeviceWeights<D> {
                 )?,
                 w_uk_t: up.bf16(
                     format!("{p}.self_attn.kv_b_proj (W_UK)"),
-                    [heads * LATENT, nope],
+                    [heads * latent, nope],
                     host.map(|m| m.w_uk_t(i)),
                 )?,
                 kv_b: up.bf16(
                     format!("{p}.self_attn.kv_b_proj"),
-                    [heads * (nope + v_dim), LATENT],
+                    [heads * (nope + v_dim), latent],
                     at.map(|a| &a.kv_b),
                 )?,
                 o: up.bf16(
@@ -531,7 +521,7 @@ impl<D: Device> DeviceWeights<D> {
                 let experts = MoeWeightsShape {
                     experts: c.n_routed_experts,
                     hidden,
-                    inter: c.moe_intermediate_size / world,
+                    inter: super::device_expert_inter(c, world),
                 };
                 let shared_inter = c.moe_intermediate_size * c.n_shared_experts / world;
                 if let Some(m) = m
