@@ -12,6 +12,11 @@
 #   BUNDLE/model                     the model binary (feature cuda) and
 #   BUNDLE/golden/data/models/{kimi-kernel-dims,kimi-tiny,dsv3-noqlora-grouped,
 #     dsv3-mini-unsharded,kimi-chat-tiny}/       the end-to-end stage's checkpoints
+#   BUNDLE/autotune                  the tuning lab (feature cuda): its timed stage on the GPU,
+#                                    the cost-model refit and the predicted-vs-measured gaps
+#   BUNDLE/gpu-sweeps                the criterion sweeps of the CUDA tactics (the gpu_tactics
+#                                    bench of crate bench, feature cuda)
+#   BUNDLE/COMMIT                    the commit the bundle was built from (cache provenance)
 #   BUNDLE/scripts/gpu-check.sh      the runner (see its header for how to run)
 #
 # Usage: scripts/build-gpu-bundle.sh [BUNDLE_DIR]   (default .gpu-bundle, git-ignored)
@@ -37,6 +42,12 @@ n=$(find ptx/moe_gemm -name '*.cubin' 2>/dev/null | wc -l)
 cargo build --release --features cuda -p kernels --bin gpu-check --bin mla-gpu-check --bin allreduce-gpu-check
 cargo build --release --features cuda -p cuda-host --bin ptx-probe-check
 cargo build --release --features cuda -p model --bin model
+cargo build --release --features cuda -p autotune --bin autotune
+# The criterion sweeps are a bench target: find the executable from cargo's messages.
+sweeps_bin="$(cargo bench --no-run --features cuda -p bench --bench gpu_tactics \
+  --message-format=json 2>/dev/null | grep -o '"executable":"[^"]*gpu_tactics[^"]*"' | tail -1 \
+  | cut -d'"' -f4)"
+[[ -x "$sweeps_bin" ]] || { echo "build-gpu-bundle: gpu_tactics bench not built" >&2; exit 1; }
 # The layers kernels' GPU test is a cargo test binary: find its path from cargo's messages.
 layers_test="$(cargo test --release --no-run --features cuda -p project-tests --test gpu_layers \
   --message-format=json 2>/dev/null | grep -o '"executable":"[^"]*gpu_layers[^"]*"' | tail -1 \
@@ -53,10 +64,12 @@ rm -rf "$BUNDLE"
 mkdir -p "$BUNDLE/scripts" "$BUNDLE/ptx"
 # Debug info (profile.release debug = 1) is most of the binary's size; the bundle must stay
 # well under the device tool's 64 MiB.
-for name in gpu-check mla-gpu-check allreduce-gpu-check ptx-probe-check gpu-layers gpu-dense model; do
+for name in gpu-check mla-gpu-check allreduce-gpu-check ptx-probe-check gpu-layers gpu-dense model \
+  autotune gpu-sweeps; do
   src="$ROOT/target/release/$name"
   [[ $name == gpu-layers ]] && src="$layers_test"
   [[ $name == gpu-dense ]] && src="$dense_test"
+  [[ $name == gpu-sweeps ]] && src="$sweeps_bin"
   if command -v strip >/dev/null; then
     strip -o "$BUNDLE/$name" "$src"
   else
@@ -68,6 +81,10 @@ done
 (cd ptx && find ptx_probe -name '*.cubin' -exec cp --parents {} "$BUNDLE/ptx/" \;) 2>/dev/null || true
 (cd ptx && find layers -name '*.cubin' -exec cp --parents {} "$BUNDLE/ptx/" \;) 2>/dev/null || true
 cp scripts/gpu-check.sh "$BUNDLE/scripts/"
+# Outside a checkout the lab's cache provenance reads the commit from here (KIMI_COMMIT).
+commit="$(git rev-parse HEAD 2>/dev/null || echo unknown)"
+[[ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]] && commit="$commit-dirty"
+echo "$commit" > "$BUNDLE/COMMIT"
 cp ptx/manifest.json "$BUNDLE/ptx/"
 if [[ "${WITH_PTX:-0}" == 1 ]]; then
   cp -r ptx/moe_gemm "$BUNDLE/ptx/"

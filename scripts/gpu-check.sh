@@ -28,6 +28,10 @@
 #                             golden/data/models/{kimi-kernel-dims,kimi-tiny,
 #                             dsv3-noqlora-grouped,dsv3-mini-unsharded,kimi-chat-tiny}/: the
 #                             end-to-end stage
+#   autotune                  the tuning lab (feature `cuda`): the timed stage on this GPU, the
+#                             cost-model refit and the predicted-vs-measured gap table
+#   gpu-sweeps                the criterion sweeps of the CUDA tactics (charts and a table)
+#   COMMIT                    the commit the bundle was built from
 #
 # Run there, from the bundle root (or a checkout with target/release/gpu-check):
 #   scripts/gpu-check.sh [gpu-check flags...]     e.g. --tactics portable --iters 50
@@ -37,6 +41,28 @@
 #
 # On the device tool of this workplace (the bundle folder is git-ignored, so carry it):
 #   run(command="cd .gpu-bundle && scripts/gpu-check.sh", carry=[".gpu-bundle"], timeout_s=540)
+#
+# Device time. The whole script fits in 8 minutes: every stage runs under `timeout` with the
+# limit below (s) and 3 s of grace after SIGINT, and a stage never gets more than what is left
+# of GPU_CHECK_TOTAL_S (default 450; a stage with under 5 s left is skipped and reported), so
+# the worst case is 450 + 9 × 3 = 477 s. The estimates are what each stage should take on one
+# H200 (none of it has run on a GPU yet; the limits leave each about twice its estimate):
+#   stage                limit  estimate  what dominates
+#   ptx-probe-check        25      5      module loads, a few launches
+#   gpu-layers             25      5      the layer kernels on small shapes
+#   gpu-dense              30     10      ours and cuBLASLt on Kimi's TP8 decode products
+#   gpu-check (MoE)        80     40      CPU references of the random cases and goldens,
+#                                         35 tactics × ~4 cases, 1.2 GB of timing weights
+#   mla-gpu-check          50     20      goldens × 35 images × 2 split counts, 6 timings each
+#   allreduce-gpu-check    50     30      ~10k small checked calls, latency and bus bandwidth
+#   e2e                    90     45      ~28 short `model` processes on four golden checkpoints
+#   autotune              100     60      goldens on the GPU (~80 tactics), the all-reduce's
+#                                         host check (96 tactics), ~1000 timed (tactic, shape)
+#                                         points (12 runs each, 1.2 GB MoE weights, a 4.8 GB
+#                                         latent cache), the least-squares refit
+#   gpu-sweeps             60     45      ~300 criterion points × (50 ms warm-up + 60 ms
+#                                         measurement), KIMI_SWEEP_MEASURE_MS sets the latter
+#   total                 450    290
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -82,16 +108,30 @@ find_bin() {  # find_bin NAME [OVERRIDE]: the bundle's binary, or a checkout's r
     if [[ -x "$c" ]]; then echo "$c"; return; fi
   done
 }
+START_S=$SECONDS
+TOTAL_S="${GPU_CHECK_TOTAL_S:-450}"
+# The stage limit, or what is left of the total if less; empty when under 5 s are left.
+stage_limit() {
+  local want=$1 left=$(( TOTAL_S - (SECONDS - START_S) ))
+  (( left < 5 )) && return
+  (( want < left )) && echo "$want" || echo "$left"
+}
 run_check() {  # run_check LABEL BINARY LIMIT_S ARGS...
-  local label=$1 bin=$2 limit=$3; shift 3
+  local label=$1 bin=$2 limit; shift 2
+  limit="$(stage_limit "$1")"; shift
   if [[ -z "$bin" ]]; then
     echo "gpu-check.sh: $label: binary absent, skipped" >&2
     [[ $rc == 0 ]] && rc=2
     return
   fi
-  echo "== $label ($bin, limit ${limit} s)"
+  if [[ -z "$limit" ]]; then
+    echo "gpu-check.sh: $label: skipped, the ${TOTAL_S} s of the whole check are spent" >&2
+    rc=1
+    return
+  fi
+  echo "== $label ($bin, limit ${limit} s, $(( SECONDS - START_S )) s elapsed)"
   set +e
-  timeout --signal=INT --kill-after=20 "$limit" "$bin" "$@" 2>&1 | tee "$OUT_DIR/$label.log"
+  timeout --signal=INT --kill-after=3 "$limit" "$bin" "$@" 2>&1 | tee "$OUT_DIR/$label.log"
   local r=${PIPESTATUS[0]}
   set -e
   [[ $r == 124 ]] && { echo "gpu-check.sh: $label timed out after $limit s" >&2; r=1; }
@@ -100,39 +140,40 @@ run_check() {  # run_check LABEL BINARY LIMIT_S ARGS...
 
 if [[ "${SKIP_PROBES:-0}" != 1 ]]; then
   run_check ptx-probe-check "$(find_bin ptx-probe-check "${PROBE_CHECK_BIN:-}")" \
-    "${PROBE_CHECK_TIMEOUT:-60}" --ptx-dir "$KIMI_PTX_DIR" --out "$OUT_DIR"
+    "${PROBE_CHECK_TIMEOUT:-25}" --ptx-dir "$KIMI_PTX_DIR" --out "$OUT_DIR"
 fi
 
 # The decode step's small kernels (seconds): the checks host_layers.rs runs in CI, on this GPU.
 if [[ "${SKIP_LAYERS:-0}" != 1 ]]; then
   run_check gpu-layers "$(find_bin gpu-layers "${LAYERS_CHECK_BIN:-}")" \
-    "${LAYERS_CHECK_TIMEOUT:-30}" --ignored --nocapture
+    "${LAYERS_CHECK_TIMEOUT:-25}" --ignored --nocapture
 fi
 
 # The dense products' two tactics (seconds): ours and cuBLASLt against exact products and
 # each other on every dense product of a Kimi TP8 decode step, then both timed.
 if [[ "${SKIP_DENSE:-0}" != 1 ]]; then
   run_check gpu-dense "$(find_bin gpu-dense "${DENSE_CHECK_BIN:-}")" \
-    "${DENSE_CHECK_TIMEOUT:-60}" --ignored --nocapture
+    "${DENSE_CHECK_TIMEOUT:-30}" --ignored --nocapture
 fi
 
 # MoE grouped GEMM: every tactic vs the CPU reference and the ModelOpt goldens, then weight
 # bandwidth and TFLOPS.
-run_check gpu-check "$BIN" "${GPU_CHECK_TIMEOUT:-240}" \
-  --ptx-dir "$KIMI_PTX_DIR" --golden-dir "${GOLDEN_DIR:-$ROOT/golden/data/moe}" --out "$OUT_DIR" "$@"
+run_check gpu-check "$BIN" "${GPU_CHECK_TIMEOUT:-80}" \
+  --ptx-dir "$KIMI_PTX_DIR" --golden-dir "${GOLDEN_DIR:-$ROOT/golden/data/moe}" --out "$OUT_DIR" \
+  --iters 10 --time-budget 50 "$@"
 
 # MLA decode: every tactic vs the PyTorch goldens (1 and planned splits), the cache-append
 # kernel, then cache bytes read per second. Skipped with SKIP_MLA=1.
 if [[ "${SKIP_MLA:-0}" != 1 ]]; then
-  run_check mla-gpu-check "$(find_bin mla-gpu-check "${MLA_GPU_CHECK_BIN:-}")" "${MLA_CHECK_TIMEOUT:-120}" \
-    --ptx-dir "$KIMI_PTX_DIR" --golden-dir "$ROOT/golden/data/mla"
+  run_check mla-gpu-check "$(find_bin mla-gpu-check "${MLA_GPU_CHECK_BIN:-}")" "${MLA_CHECK_TIMEOUT:-50}" \
+    --ptx-dir "$KIMI_PTX_DIR" --golden-dir "$ROOT/golden/data/mla" --iters 10
 fi
 
 # CUDA all-reduce: bit-exact check of every algorithm on 2/4/8 ranks as concurrent streams,
 # timing, then 2- and 4-process CUDA IPC checks. Skipped with SKIP_ALLREDUCE=1.
 if [[ "${SKIP_ALLREDUCE:-0}" != 1 ]]; then
   run_check allreduce-gpu-check "$(find_bin allreduce-gpu-check "${ALLREDUCE_GPU_CHECK_BIN:-}")" \
-    "${ALLREDUCE_CHECK_TIMEOUT:-100}" --ptx-dir "$KIMI_PTX_DIR" --out "$OUT_DIR"
+    "${ALLREDUCE_CHECK_TIMEOUT:-50}" --ptx-dir "$KIMI_PTX_DIR" --out "$OUT_DIR" --iters 100
 fi
 # End to end: the golden checkpoints (E2E_MODELS: Kimi-K2.5's MLA widths and the small
 # models': every MLA image family and the padded experts) through `model logits --backend
@@ -195,17 +236,43 @@ if [[ "${SKIP_E2E:-0}" != 1 ]]; then
     echo "gpu-check.sh: e2e: model binary absent, skipped" >&2
     [[ $rc == 0 ]] && rc=2
   else
-    echo "== e2e ($model_bin, limit ${E2E_TIMEOUT:-150} s)"
-    export -f e2e
-    export ROOT OUT_DIR KIMI_PTX_DIR
-    set +e
-    timeout --kill-after=20 "${E2E_TIMEOUT:-150}" bash -c "e2e $model_bin" 2>&1 \
-      | tee "$OUT_DIR/e2e.log"
-    r=${PIPESTATUS[0]}
-    set -e
-    [[ $r == 124 ]] && { echo "gpu-check.sh: e2e timed out" >&2; r=1; }
-    if [[ $r == 1 || ( $r == 2 && $rc == 0 ) ]]; then rc=$r; fi
+    limit="$(stage_limit "${E2E_TIMEOUT:-90}")"
+    if [[ -z "$limit" ]]; then
+      echo "gpu-check.sh: e2e: skipped, the ${TOTAL_S} s of the whole check are spent" >&2
+      rc=1
+    else
+      echo "== e2e ($model_bin, limit $limit s, $(( SECONDS - START_S )) s elapsed)"
+      export -f e2e
+      export ROOT OUT_DIR KIMI_PTX_DIR
+      set +e
+      timeout --kill-after=3 "$limit" bash -c "e2e $model_bin" 2>&1 | tee "$OUT_DIR/e2e.log"
+      r=${PIPESTATUS[0]}
+      set -e
+      [[ $r == 124 ]] && { echo "gpu-check.sh: e2e timed out" >&2; r=1; }
+      if [[ $r == 1 || ( $r == 2 && $rc == 0 ) ]]; then rc=$r; fi
+    fi
   fi
 fi
-echo "gpu-check.sh: done, status $rc; results in $OUT_DIR"
+
+# The tuning lab on this GPU: every tactic that passes the manifest (static) and the goldens on
+# the device (correct) is timed per shape bucket with CUDA events (median, spread, n: measured);
+# then the cost model is refitted to the measurements by least squares (and the all-reduce's
+# link model calibrated from its one-GPU ranks), written beside the cache
+# (*.cost-model.json), with the predicted-vs-measured gap table (*.gap.txt, its widest row per
+# family printed). Skipped with SKIP_AUTOTUNE=1.
+export KIMI_GOLDEN_DIR="${KIMI_GOLDEN_DIR:-$ROOT/golden/data}"
+[[ -f "$ROOT/COMMIT" ]] && export KIMI_COMMIT="${KIMI_COMMIT:-$(cat "$ROOT/COMMIT")}"
+if [[ "${SKIP_AUTOTUNE:-0}" != 1 ]]; then
+  run_check autotune "$(find_bin autotune "${AUTOTUNE_BIN:-}")" "${AUTOTUNE_TIMEOUT:-100}" \
+    --sm auto --timing measure --ptx-dir "$KIMI_PTX_DIR" --manifest "$KIMI_PTX_DIR/manifest.json" \
+    --out "$OUT_DIR/tactics-measured.json" --time-budget "${AUTOTUNE_TIME_BUDGET:-55}" --quiet
+fi
+
+# Criterion sweeps of the CUDA tactics (charts gpu-tactics-<family>-<sm>.svg and a table).
+# Skipped with SKIP_SWEEPS=1.
+if [[ "${SKIP_SWEEPS:-0}" != 1 ]]; then
+  export KIMI_SWEEP_OUT="$OUT_DIR" KIMI_SWEEP_MEASURE_MS="${KIMI_SWEEP_MEASURE_MS:-60}"
+  run_check gpu-sweeps "$(find_bin gpu-sweeps "${SWEEPS_BIN:-}")" "${SWEEPS_TIMEOUT:-60}" --bench
+fi
+echo "gpu-check.sh: done in $(( SECONDS - START_S )) s, status $rc; results in $OUT_DIR"
 exit "$rc"

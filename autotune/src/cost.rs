@@ -18,7 +18,9 @@
 //! The all-reduce uses the existing link-level cost model (`kernels::allreduce::cost`), with
 //! the tactic's blocks × threads bounding the bandwidth it can drive.
 //!
-//! The parameters below are assumptions, not fits: a device run should refit them.
+//! The parameters below are assumptions until a device run refits them (`crate::fit`: least
+//! squares over the timed stage's measurements, written beside the cache as a sidecar the
+//! step-time model reads).
 
 use kernels::allreduce::cost::{Host, LinkParams};
 use kernels::allreduce::tactic::AllReduceTactic;
@@ -56,8 +58,9 @@ pub fn moe_grid_bounds(
     ))
 }
 
-/// Assumed parameters of the model (see the module documentation).
-#[derive(Clone, Debug, PartialEq)]
+/// Parameters of the model (see the module documentation): assumed, or fitted to a device's
+/// measurements.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct CostParams {
     /// Fraction of the data-sheet bandwidth a streaming kernel reaches (1.0 where the GPU's
     /// figure is already a measured copy rate).
@@ -70,6 +73,8 @@ pub struct CostParams {
     pub empty_wave_us: f64,
     /// The shuffle-based FP4 MMA emulation (SM90 check variant) against BF16 MMA throughput.
     pub emulation_slowdown: f64,
+    /// Fraction of the datapath's dense peak a compute-bound kernel reaches.
+    pub compute_efficiency: f64,
 }
 
 impl CostParams {
@@ -81,6 +86,7 @@ impl CostParams {
             launch_us: 2.0,
             empty_wave_us: 0.5,
             emulation_slowdown: 16.0,
+            compute_efficiency: 1.0,
         }
     }
 }
@@ -134,6 +140,10 @@ impl<'a> Model<'a> {
         }
     }
 
+    pub fn with_params(gpu: &'a GpuSpec, params: CostParams) -> Self {
+        Model { gpu, params }
+    }
+
     fn kernel(&self, l: &Launch) -> Predicted {
         let sms = f64::from(self.gpu.sms);
         let slots = sms * f64::from(l.occupancy.max(1));
@@ -147,7 +157,8 @@ impl<'a> Model<'a> {
             t_mem *= waves * slots / l.work_ctas;
         }
         let busy = (l.work_ctas / sms).min(1.0).max(1.0 / sms);
-        let t_compute = l.flops / (l.peak_tflops * 1e12 * busy) * 1e6;
+        let t_compute =
+            l.flops / (l.peak_tflops * 1e12 * self.params.compute_efficiency * busy) * 1e6;
         let t_empty = (l.empty_ctas / slots) * self.params.empty_wave_us;
         let body = t_mem.max(t_compute);
         let us = body + t_empty + self.params.launch_us;
@@ -365,10 +376,16 @@ pub fn allreduce_host(ranks: u32) -> Host {
 /// 16-byte peer loads (or stores) each all-reduce thread keeps in flight (an assumption).
 const LOADS_IN_FLIGHT: f64 = 4.0;
 
-/// One all-reduce of `shape` by tactic `t`: the link model's time for its algorithm, with the
-/// bandwidth its blocks × threads can drive (each thread [`LOADS_IN_FLIGHT`] 16-byte accesses per
-/// link round trip, a few in flight) as the achieved fraction of the links.
-pub fn allreduce(host: &Host, t: &AllReduceTactic, shape: &ProblemShape) -> Option<Predicted> {
+/// One all-reduce of `shape` by tactic `t` on `host` with link parameters `base`: the link
+/// model's time for its algorithm, with the bandwidth its blocks × threads can drive (each
+/// thread [`LOADS_IN_FLIGHT`] 16-byte accesses per link round trip, a few in flight) as the
+/// achieved fraction of the links (times `base`'s own `bandwidth_scale`).
+pub fn allreduce(
+    host: &Host,
+    base: &LinkParams,
+    t: &AllReduceTactic,
+    shape: &ProblemShape,
+) -> Option<Predicted> {
     let ProblemShape::AllReduce {
         elements, dtype, ..
     } = shape
@@ -379,10 +396,13 @@ pub fn allreduce(host: &Host, t: &AllReduceTactic, shape: &ProblemShape) -> Opti
         return None;
     }
     let bytes = *elements as usize * t.dtype.size();
-    let mut p = LinkParams::default();
-    let per_block_gbps =
-        f64::from(t.threads) * 16.0 * LOADS_IN_FLIGHT / (2.0 * p.hop_latency_us * 1e-6) / 1e9;
-    p.bandwidth_scale = (f64::from(t.blocks) * per_block_gbps / p.one_hop_gbps).min(1.0);
+    let mut p = base.clone();
+    // A flag round trip of at least 0.1 µs bounds what one block's loads in flight can move
+    // (a host whose GPUs share one memory has no hop latency of its own).
+    let round_trip_s = (2.0 * p.hop_latency_us).max(0.1) * 1e-6;
+    let per_block_gbps = f64::from(t.threads) * 16.0 * LOADS_IN_FLIGHT / round_trip_s / 1e9;
+    p.bandwidth_scale =
+        base.bandwidth_scale * (f64::from(t.blocks) * per_block_gbps / p.one_hop_gbps).min(1.0);
     let us = host.predict_us(t.algorithm, bytes, &p);
     Some(Predicted {
         us,
@@ -463,8 +483,8 @@ mod tests {
             let mut more = *t;
             more.blocks = 8;
             let (a, b) = (
-                allreduce(&host, t, &s).map(|p| p.us),
-                allreduce(&host, &more, &s).map(|p| p.us),
+                allreduce(&host, &LinkParams::default(), t, &s).map(|p| p.us),
+                allreduce(&host, &LinkParams::default(), &more, &s).map(|p| p.us),
             );
             if let (Some(a), Some(b)) = (a, b) {
                 assert!(b <= a + 1e-9, "{t}: {a} < {b}");

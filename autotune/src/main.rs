@@ -5,10 +5,13 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use autotune::tune::{self, GPU_FAMILIES, Options};
+use autotune::refit;
+use autotune::tune::{self, GPU_FAMILIES, Options, Predictor, Timing};
+use bench::gpu_timing::TimingOptions;
 use clap::{Parser, Subcommand};
 use kernels::arch::Sm;
 use kernels::tactic::KernelFamily;
+use kernels::tactic::timing::{TimedDevice, WithTimedDevice, with_timed_device};
 use model::config::CheckpointConfig;
 use model::generator::Preset;
 
@@ -16,12 +19,15 @@ use model::generator::Preset;
 #[command(
     name = "autotune",
     about = "The tuning lab: every tactic gated (static), checked against the goldens (correct) \
-             and timed or, without a device, predicted, per problem shape; writes the tactic cache"
+             and timed on the device or, without one, predicted, per problem shape; writes the \
+             tactic cache (and, after a device run, the refitted cost model and the \
+             predicted-vs-measured gap table beside it)"
 )]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
-    /// The SM to tune for: 120 (RTX PRO 6000) or 90 (H200).
+    /// The SM to tune for: 120 (RTX PRO 6000) or 90 (H200), or `auto`: the GPU's (`--device`;
+    /// refused without one).
     #[arg(long, default_value = "120")]
     sm: String,
     /// The model whose shapes are tuned (a preset).
@@ -54,6 +60,30 @@ struct Cli {
     /// The compile gate's manifest.
     #[arg(long, default_value = "ptx/manifest.json")]
     manifest: PathBuf,
+    /// The timed stage: `auto` measures on the device when one of the SM is present (a binary
+    /// built with --features cuda) and predicts otherwise; `measure` refuses (exit 2, with
+    /// the reason) where it cannot measure; `predict` never measures.
+    #[arg(long, default_value = "auto")]
+    timing: String,
+    /// The GPU to measure on.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// Kernel images (the compile gate's cubins) for the device.
+    #[arg(long, env = "KIMI_PTX_DIR", default_value = "ptx")]
+    ptx_dir: PathBuf,
+    /// Timed stage: shape buckets not started within this many seconds are predicted.
+    #[arg(long, default_value_t = 120.0)]
+    time_budget: f64,
+    /// Timed stage: untimed runs before the timed ones, per (tactic, shape).
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// Timed stage: timed runs per (tactic, shape) (their median, spread and count go into
+    /// the cache).
+    #[arg(long, default_value_t = 10)]
+    reps: usize,
+    /// Timed stage: do not flush the L2 before each run.
+    #[arg(long)]
+    no_l2_flush: bool,
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
@@ -86,10 +116,21 @@ enum Command {
         /// A tactic cache whose winners are compared with the heuristic defaults.
         #[arg(long)]
         tactics: Option<PathBuf>,
+        /// The cost model fitted by a device run (`<cache>.cost-model.json`); used when fitted
+        /// on the SM the step-time model prices.
+        #[arg(long)]
+        cost_model: Option<PathBuf>,
     },
 }
 
 fn main() -> ExitCode {
+    // The timed stage runs the all-reduce's ranks as streams of one GPU whose kernels spin
+    // until their peers' run: each needs a hardware work queue of its own (the default is 8,
+    // exactly TP8). Set before the driver starts.
+    if std::env::var_os("CUDA_DEVICE_MAX_CONNECTIONS").is_none() {
+        // SAFETY: first thing in main, before any other thread exists.
+        unsafe { std::env::set_var("CUDA_DEVICE_MAX_CONNECTIONS", "32") };
+    }
     match run() {
         Ok(code) => code,
         Err(e) => {
@@ -97,6 +138,19 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+/// The SM of GPU `device`, for `--sm auto`.
+fn device_sm(device: usize, ptx_dir: &std::path::Path) -> Result<Sm> {
+    struct Probe;
+    impl WithTimedDevice for Probe {
+        type Output = Sm;
+        fn run<D: TimedDevice>(self, dev: &D) -> Sm {
+            dev.identity().sm
+        }
+    }
+    with_timed_device(device, ptx_dir, None, Probe)
+        .map_err(|why| anyhow::anyhow!("--sm auto: {why}"))
 }
 
 fn run() -> Result<ExitCode> {
@@ -121,7 +175,11 @@ fn run() -> Result<ExitCode> {
         })?;
         return Ok(ExitCode::SUCCESS);
     }
-    let sm = Sm::parse(&cli.sm).with_context(|| format!("--sm {}: expected 120 or 90", cli.sm))?;
+    let sm = if cli.sm == "auto" {
+        device_sm(cli.device, &cli.ptx_dir)?
+    } else {
+        Sm::parse(&cli.sm).with_context(|| format!("--sm {}: expected 120, 90 or auto", cli.sm))?
+    };
     let (model, model_name) = match &cli.checkpoint {
         Some(dir) => (
             CheckpointConfig::from_dir(dir)
@@ -138,7 +196,12 @@ fn run() -> Result<ExitCode> {
             model.num_attention_heads
         );
     }
-    if let Some(Command::StepTime { out_dir, tactics }) = &cli.command {
+    if let Some(Command::StepTime {
+        out_dir,
+        tactics,
+        cost_model,
+    }) = &cli.command
+    {
         let text = autotune::steptime::write_report(
             &model,
             &model_name,
@@ -146,6 +209,7 @@ fn run() -> Result<ExitCode> {
             out_dir,
             &cli.manifest,
             tactics.as_deref(),
+            cost_model.as_deref(),
         )?;
         print!("{text}");
         return Ok(ExitCode::SUCCESS);
@@ -165,6 +229,8 @@ fn run() -> Result<ExitCode> {
             })
             .collect::<Result<_>>()?
     };
+    let timing = Timing::parse(&cli.timing)
+        .with_context(|| format!("--timing {}: expected auto, measure or predict", cli.timing))?;
     let opts = Options {
         sm,
         tp: cli.tp,
@@ -180,11 +246,21 @@ fn run() -> Result<ExitCode> {
             .chain(std::env::args().skip(1))
             .collect::<Vec<_>>()
             .join(" "),
+        timing,
+        device: cli.device,
+        ptx_dir: cli.ptx_dir.clone(),
+        time_budget: Duration::from_secs_f64(cli.time_budget.clamp(0.0, 86_400.0)),
+        timing_options: TimingOptions {
+            warmup: cli.warmup,
+            reps: cli.reps.max(2),
+            flush_l2: !cli.no_l2_flush,
+            ..TimingOptions::default()
+        },
     };
     eprintln!(
         "autotune: {model_name} at TP{} on {} — stages: static (manifest), correct (goldens), \
-         timed (predicted)",
-        cli.tp, sm
+         timed (--timing {})",
+        cli.tp, sm, cli.timing
     );
     let report = tune::run(&opts)?;
     for n in &report.notes {
@@ -209,10 +285,54 @@ fn run() -> Result<ExitCode> {
     }
     std::fs::write(&out, report.cache.to_json())
         .with_context(|| format!("writing {}", out.display()))?;
+    let measured = report
+        .cache
+        .entries
+        .iter()
+        .filter(|e| e.winner.source == kernels::tactic::cache::FigureSource::Measured)
+        .count();
     eprintln!(
-        "autotune: wrote {} ({} entries, every figure predicted)",
+        "autotune: wrote {} ({} entries: {measured} measured, {} predicted)",
         out.display(),
-        report.cache.entries.len()
+        report.cache.entries.len(),
+        report.cache.entries.len() - measured
     );
+    // A device run: refit the cost model and the all-reduce link model, and compare.
+    let manifest = autotune::manifest::Manifest::load(&opts.manifest)?;
+    let predictor = Predictor::new(sm, &opts.model, opts.tp, &manifest);
+    if let Some(r) = refit::refit(&report, &predictor, opts.tp) {
+        let sidecar = out.with_extension("cost-model.json");
+        std::fs::write(&sidecar, r.file.to_json())
+            .with_context(|| format!("writing {}", sidecar.display()))?;
+        let gap = refit::gap_table(&r.gaps, &r.file.measured_on);
+        let gap_path = out.with_extension("gap.txt");
+        std::fs::write(&gap_path, &gap)
+            .with_context(|| format!("writing {}", gap_path.display()))?;
+        // The widest gaps only: every row is in the file.
+        print!("{}", gap.split("\nevery point").next().unwrap_or(&gap));
+        println!();
+        if let Some(k) = &r.file.kernels {
+            println!(
+                "cost model refitted to {} points: rms relative residual {:.3} (assumed \
+                 parameters {:.3}); held (not determined): {:?}",
+                k.points, k.rms_relative_residual, k.assumed_rms_relative_residual, k.held
+            );
+        }
+        if let Some(a) = &r.file.allreduce {
+            println!(
+                "all-reduce link model calibrated to {} points ({}): launch {:.2} µs, phase \
+                 sync {:.2} µs, bandwidth scale {:.3}, rms {:.2} µs",
+                a.points, a.measured_as, a.launch_us, a.phase_sync_us, a.bandwidth_scale, a.rms_us
+            );
+        }
+        for n in &r.file.notes {
+            eprintln!("note: {n}");
+        }
+        eprintln!(
+            "autotune: wrote {} and {}",
+            sidecar.display(),
+            gap_path.display()
+        );
+    }
     Ok(ExitCode::SUCCESS)
 }

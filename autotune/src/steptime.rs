@@ -9,13 +9,20 @@
 //! model: the MoE and MLA pairs for the tactic chosen — the heuristic default, or the tactic
 //! cache's winner — the dense products by the `m, n, k` their launcher names, the all-reduces
 //! by the all-reduce cost model for its tactic, every other launch by its recorded bytes at the
-//! streaming bandwidth plus a launch. Every time is predicted; none is measured.
+//! streaming bandwidth plus a launch. Every time is predicted; none is measured. The cost
+//! model's parameters are its assumed ones, or those a device run of the same SM fitted
+//! (`--cost-model FILE`, the sidecar `autotune --timing measure` writes beside its cache).
+//!
+//! Two memory rooflines bound each batch: the config's minimum bytes (every weight and the
+//! latent cache read once) and the recorded launch list's bytes (what the launchers say their
+//! launches read and write), both at the data-sheet bandwidth.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::Path;
 
 use anyhow::{Context, Result};
+use kernels::allreduce::cost::LinkParams;
 use kernels::allreduce::tactic::AllReduceTactic;
 use kernels::arch::{GpuSpec, Sm};
 use kernels::mla::MlaSplitTactic;
@@ -30,7 +37,7 @@ use model::weights::TpShard;
 use plotters::prelude::*;
 use serde_json::json;
 
-use crate::cost::{self, Model};
+use crate::cost::{self, CostParams, Model};
 use crate::manifest::Manifest;
 use crate::shapes::{dense_products, expert_load};
 
@@ -54,6 +61,8 @@ pub struct Step {
     pub total_us: f64,
     /// DRAM bytes a step must read at least (weights once, the latent cache once).
     pub min_bytes: f64,
+    /// Bytes the recorded launches read and write, by the launchers' counts.
+    pub launch_bytes: f64,
     /// The MoE and MLA tactics used (batch-dependent).
     pub tactics: Vec<String>,
 }
@@ -65,8 +74,13 @@ impl Step {
     pub fn allreduce_share(&self) -> f64 {
         self.by_family.get("allreduce").copied().unwrap_or(0.0) / self.total_us
     }
+    /// tok/s if the step only streamed its minimum bytes at the data-sheet bandwidth.
     pub fn roofline_tok_s(&self, gpu: &GpuSpec) -> f64 {
         f64::from(self.batch) / (self.min_bytes / (gpu.mem_bandwidth_gbs * 1e9))
+    }
+    /// tok/s if the step only streamed its recorded launches' bytes at that bandwidth.
+    pub fn launch_roofline_tok_s(&self, gpu: &GpuSpec) -> f64 {
+        f64::from(self.batch) / (self.launch_bytes / (gpu.mem_bandwidth_gbs * 1e9))
     }
 }
 
@@ -78,6 +92,7 @@ struct Ctx<'a> {
     manifest: &'a Manifest,
     lookup: &'a CacheLookup,
     ar_host: kernels::allreduce::cost::Host,
+    ar_params: LinkParams,
 }
 
 /// One decode step at `batch` (every request at [`CONTEXT`] cached tokens): the launch list
@@ -161,7 +176,8 @@ fn step(c: &Ctx<'_>, batch: u32) -> Result<Step> {
         .lookup
         .choose::<AllReduceTactic>(c.sm, &ar_shape)
         .context("no all-reduce tactic serves the shape")?;
-    let ar = cost::allreduce(&c.ar_host, &ar_t.tactic, &ar_shape).context("all-reduce")?;
+    let ar =
+        cost::allreduce(&c.ar_host, &c.ar_params, &ar_t.tactic, &ar_shape).context("all-reduce")?;
 
     let recorded = DryStep {
         model: "step-time".into(),
@@ -209,6 +225,7 @@ fn step(c: &Ctx<'_>, batch: u32) -> Result<Step> {
         launches: recorded.launches().len() as u32,
         total_us,
         min_bytes,
+        launch_bytes: (recorded.read() + recorded.written()) as f64,
         tactics: vec![moe_t.describe(), mla_t.describe(), ar_t.describe()],
     })
 }
@@ -219,6 +236,72 @@ fn cost_small(c: &Ctx<'_>, bytes: f64) -> f64 {
     bytes / bw * 1e6 + c.model.params.launch_us
 }
 
+/// The cost model's parameters the report prices with: the assumed ones, or a device run's
+/// fit of the same SM.
+#[derive(Clone, Debug)]
+pub struct Pricing {
+    pub params: CostParams,
+    pub links: LinkParams,
+    /// `assumed`, or where the fit came from.
+    pub source: String,
+}
+
+impl Pricing {
+    pub fn assumed(sm: Sm) -> Self {
+        Pricing {
+            params: CostParams::for_gpu(sm.reference_gpu()),
+            links: LinkParams::default(),
+            source: "assumed parameters (no device fit)".into(),
+        }
+    }
+
+    /// The fit in the sidecar at `path` when it was made on `sm`; else the assumed parameters,
+    /// with a one-line warning saying why.
+    pub fn load(path: &Path, sm: Sm) -> (Self, Option<String>) {
+        let warn = |why: String| {
+            (
+                Self::assumed(sm),
+                Some(format!(
+                    "warning: cost model {}: {why}; using the assumed parameters",
+                    path.display()
+                )),
+            )
+        };
+        let file = match std::fs::read_to_string(path)
+            .map_err(|e| e.to_string())
+            .and_then(|t| crate::refit::CostModelFile::from_json(&t))
+        {
+            Ok(f) => f,
+            Err(e) => return warn(e),
+        };
+        if file.sm != sm.arch() {
+            return warn(format!(
+                "fitted on {} ({}), the step-time model prices {sm}",
+                file.sm, file.measured_on
+            ));
+        }
+        let mut p = Self::assumed(sm);
+        if let Some(k) = &file.kernels {
+            p.params = k.params.clone();
+        }
+        p.links = file.link_params();
+        p.source = format!(
+            "fitted to measurements on {} (kernels: {}; all-reduce overheads: {})",
+            file.measured_on,
+            file.kernels
+                .as_ref()
+                .map_or("assumed".to_string(), |k| format!(
+                    "{} points, rms {:.3}",
+                    k.points, k.rms_relative_residual
+                )),
+            file.allreduce
+                .as_ref()
+                .map_or("assumed".to_string(), |a| format!("{} points", a.points))
+        );
+        (p, None)
+    }
+}
+
 /// The report at [`REPORT_BATCHES`] with the heuristic defaults, and with the tactic cache's
 /// winners when one is given.
 pub fn steps(
@@ -226,16 +309,18 @@ pub fn steps(
     tp: u32,
     manifest: &Manifest,
     lookup: &CacheLookup,
+    pricing: &Pricing,
 ) -> Result<Vec<Step>> {
     let sm = Sm::Sm120;
     let ctx = Ctx {
         cfg,
         tp,
         sm,
-        model: Model::new(sm.reference_gpu()),
+        model: Model::with_params(sm.reference_gpu(), pricing.params.clone()),
         manifest,
         lookup,
         ar_host: cost::allreduce_host(tp),
+        ar_params: pricing.links.clone(),
     };
     REPORT_BATCHES.iter().map(|&b| step(&ctx, b)).collect()
 }
@@ -244,7 +329,7 @@ fn table(title: &str, steps: &[Step], gpu: &GpuSpec) -> String {
     let mut s = format!("{title}\n");
     let _ = writeln!(
         s,
-        "{:>5} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>8} {:>9} {:>7} {:>10}",
+        "{:>5} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>8} {:>9} {:>7} {:>14} {:>14}",
         "batch",
         "moe µs",
         "mla µs",
@@ -255,13 +340,14 @@ fn table(title: &str, steps: &[Step], gpu: &GpuSpec) -> String {
         "launches",
         "tok/s",
         "ar %",
-        "roofline"
+        "roofline:min",
+        "roofline:list"
     );
     for st in steps {
         let f = |k: &str| st.by_family.get(k).copied().unwrap_or(0.0);
         let _ = writeln!(
             s,
-            "{:>5} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>10.0} {:>8} {:>9.1} {:>6.1}% {:>10.1}",
+            "{:>5} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>10.0} {:>8} {:>9.1} {:>6.1}% {:>14.1} {:>14.1}",
             st.batch,
             f("moe_gemm"),
             f("mla"),
@@ -272,11 +358,19 @@ fn table(title: &str, steps: &[Step], gpu: &GpuSpec) -> String {
             st.launches,
             st.tok_s(),
             100.0 * st.allreduce_share(),
-            st.roofline_tok_s(gpu)
+            st.roofline_tok_s(gpu),
+            st.launch_roofline_tok_s(gpu)
         );
     }
     for st in steps {
-        let _ = writeln!(s, "  batch {}: {}", st.batch, st.tactics.join("; "));
+        let _ = writeln!(
+            s,
+            "  batch {}: {:.2} GB minimum (config), {:.2} GB by the launch list; {}",
+            st.batch,
+            st.min_bytes / 1e9,
+            st.launch_bytes / 1e9,
+            st.tactics.join("; ")
+        );
     }
     s
 }
@@ -290,10 +384,21 @@ pub fn write_report(
     out_dir: &Path,
     manifest_path: &Path,
     tactics: Option<&Path>,
+    cost_model: Option<&Path>,
 ) -> Result<String> {
     let manifest = Manifest::load(manifest_path)?;
     let gpu = Sm::Sm120.reference_gpu();
-    let defaults = steps(cfg, tp, &manifest, &CacheLookup::none())?;
+    let pricing = match cost_model {
+        Some(p) => {
+            let (pricing, warning) = Pricing::load(p, Sm::Sm120);
+            if let Some(w) = warning {
+                eprintln!("{w}");
+            }
+            pricing
+        }
+        None => Pricing::assumed(Sm::Sm120),
+    };
+    let defaults = steps(cfg, tp, &manifest, &CacheLookup::none(), &pricing)?;
     let tuned = match tactics {
         Some(p) => {
             let lookup = load(p, &Expected::for_sm(Sm::Sm120, None));
@@ -303,7 +408,7 @@ pub fn write_report(
             lookup
                 .cache
                 .is_some()
-                .then(|| steps(cfg, tp, &manifest, &lookup))
+                .then(|| steps(cfg, tp, &manifest, &lookup, &pricing))
                 .transpose()?
         }
         None => None,
@@ -312,12 +417,15 @@ pub fn write_report(
         "# PREDICTED decode step time: {model_name} on {tp}x {} over PCIe (TP{tp}), every request \
          at {CONTEXT} cached tokens (FP8 latent cache)\n\
          # Launch list RECORDED from the device executor (rank 0, on a dry device: no kernel ran); \
-         per-launch times from autotune's cost model, all-reduces from \
+         per-launch times from autotune's cost model ({}), all-reduces from \
          kernels::allreduce::cost (two-sockets-4x4 host). Nothing here is measured.\n\
-         # roofline: tok/s if the step only streamed its minimum DRAM bytes (weights once, the \
-         latent cache once) at {:.0} GB/s. vLLM in the seeds (measured by others): ~{VLLM_FIRST_TOK_S:.0} \
-         tok/s first request, ~{VLLM_STEADY_TOK_S:.0} steady state.\n\n",
-        gpu.name, gpu.mem_bandwidth_gbs
+         # roofline:min  = tok/s if the step only streamed the config's minimum DRAM bytes \
+         (weights once, the latent cache once) at {:.0} GB/s;\n\
+         # roofline:list = tok/s if it only streamed the bytes its recorded launches read and \
+         write (the launchers' counts) at that bandwidth.\n\
+         # vLLM in the seeds (measured by others): ~{VLLM_FIRST_TOK_S:.0} tok/s first request, \
+         ~{VLLM_STEADY_TOK_S:.0} steady state.\n\n",
+        gpu.name, pricing.source, gpu.mem_bandwidth_gbs
     );
     text += &table("heuristic default tactics (predicted)", &defaults, gpu);
     if let Some(t) = &tuned {
@@ -338,7 +446,9 @@ pub fn write_report(
                     "tok_s": s.tok_s(),
                     "allreduce_share": s.allreduce_share(),
                     "roofline_tok_s": s.roofline_tok_s(gpu),
+                    "roofline_launch_list_tok_s": s.launch_roofline_tok_s(gpu),
                     "min_bytes": s.min_bytes,
+                    "launch_list_bytes": s.launch_bytes,
                     "tactics": s.tactics,
                 })
             })
@@ -350,6 +460,11 @@ pub fn write_report(
         "tp": tp,
         "gpu": gpu.name,
         "context_tokens": CONTEXT,
+        "cost_model": pricing.source,
+        "roofline": {
+            "min": "the config's minimum bytes (weights once, the latent cache once) at the data-sheet bandwidth",
+            "launch_list": "the recorded launches' bytes read + written at the data-sheet bandwidth",
+        },
         "launch_list": "recorded from the device executor (model::executor::DryStep: rank 0 on a dry device, no kernel ran)",
         "vllm_measured_by_others_tok_s": {"first_request": VLLM_FIRST_TOK_S, "steady": VLLM_STEADY_TOK_S},
         "defaults": rows(&defaults),
@@ -401,12 +516,21 @@ fn chart(
         ));
     }
     series.push((
-        "memory roofline (min bytes at the data-sheet bandwidth)".into(),
+        "memory roofline: the config's minimum bytes at the data-sheet bandwidth".into(),
         defaults
             .iter()
             .map(|s| (f64::from(s.batch), s.roofline_tok_s(gpu)))
             .collect(),
         BLACK.to_rgba(),
+        1,
+    ));
+    series.push((
+        "memory roofline: the recorded launch list's bytes at that bandwidth".into(),
+        defaults
+            .iter()
+            .map(|s| (f64::from(s.batch), s.launch_roofline_tok_s(gpu)))
+            .collect(),
+        RGBColor(110, 110, 110).to_rgba(),
         1,
     ));
     let xs: Vec<f64> = defaults.iter().map(|s| f64::from(s.batch)).collect();
@@ -473,10 +597,18 @@ mod tests {
         let manifest =
             Manifest::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../ptx/manifest.json"))
                 .unwrap();
-        let steps = steps(&cfg, 8, &manifest, &CacheLookup::none()).unwrap();
+        let pricing = Pricing::assumed(Sm::Sm120);
+        let steps = steps(&cfg, 8, &manifest, &CacheLookup::none(), &pricing).unwrap();
         let gpu = Sm::Sm120.reference_gpu();
         for s in &steps {
             assert!(s.tok_s() < s.roofline_tok_s(gpu), "batch {}", s.batch);
+            // The launches read at least what the config says a step must.
+            assert!(s.launch_bytes >= s.min_bytes, "batch {}", s.batch);
+            assert!(
+                s.tok_s() < s.launch_roofline_tok_s(gpu),
+                "batch {}",
+                s.batch
+            );
             assert!(s.allreduce_share() > 0.0 && s.allreduce_share() < 1.0);
             for f in ["moe_gemm", "mla", "allreduce", "dense", "small"] {
                 assert!(s.by_family[f] > 0.0, "{f}");
@@ -489,11 +621,71 @@ mod tests {
         // More sequences per step: more tokens per second (weights are shared).
         assert!(steps.windows(2).all(|w| w[1].tok_s() > w[0].tok_s()));
         // Without tensor parallelism there is no all-reduce.
-        let single = super::steps(&cfg, 1, &manifest, &CacheLookup::none()).unwrap();
+        let single = super::steps(&cfg, 1, &manifest, &CacheLookup::none(), &pricing).unwrap();
         assert!(
             single
                 .iter()
                 .all(|s| !s.by_family.contains_key("allreduce"))
         );
+    }
+
+    #[test]
+    fn a_cost_model_fitted_on_the_priced_sm_is_used_and_another_warns() {
+        use crate::refit::{AllReduceFit, COST_MODEL_FORMAT, CostModelFile, KernelFit};
+        let mut fitted = CostParams::for_gpu(Sm::Sm120.reference_gpu());
+        fitted.launch_us = 7.5;
+        let file = |sm: &str| CostModelFile {
+            format: COST_MODEL_FORMAT,
+            source: "fitted to measurements".into(),
+            sm: sm.into(),
+            measured_on: "a GPU".into(),
+            model_gpu: "RTX PRO 6000".into(),
+            driver_version: "580.1".into(),
+            cuda_version: "13.0".into(),
+            commit: "c".into(),
+            kernels: Some(KernelFit {
+                params: fitted.clone(),
+                assumed: CostParams::for_gpu(Sm::Sm120.reference_gpu()),
+                determined: vec!["launch_us".into()],
+                held: vec![],
+                points: 3,
+                rms_relative_residual: 0.1,
+                max_relative_residual: 0.2,
+                assumed_rms_relative_residual: 0.3,
+                residuals: vec![],
+            }),
+            allreduce: Some(AllReduceFit {
+                measured_as: "ranks".into(),
+                world: 8,
+                points: 4,
+                launch_us: 2.5,
+                phase_sync_us: 0.7,
+                bandwidth_scale: 3.0,
+                rms_us: 0.1,
+                used_by_step_time: vec![],
+            }),
+            notes: vec![],
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let same = dir.path().join("sm120.cost-model.json");
+        std::fs::write(&same, file("sm_120a").to_json()).unwrap();
+        let (p, warning) = Pricing::load(&same, Sm::Sm120);
+        assert_eq!(warning, None);
+        assert_eq!(p.params, fitted);
+        assert_eq!((p.links.launch_us, p.links.phase_sync_us), (2.5, 0.7));
+        // The link bandwidths stay the PCIe host's.
+        assert_eq!(
+            p.links.bandwidth_scale,
+            LinkParams::default().bandwidth_scale
+        );
+        assert!(p.source.contains("fitted"), "{}", p.source);
+        let other = dir.path().join("sm90.cost-model.json");
+        std::fs::write(&other, file("sm_90a").to_json()).unwrap();
+        let (p, warning) = Pricing::load(&other, Sm::Sm120);
+        let w = warning.unwrap();
+        assert!(w.contains("fitted on sm_90a") && !w.contains('\n'), "{w}");
+        assert_eq!(p.params, CostParams::for_gpu(Sm::Sm120.reference_gpu()));
+        let (_, warning) = Pricing::load(&dir.path().join("absent.json"), Sm::Sm120);
+        assert!(warning.unwrap().contains("using the assumed parameters"));
     }
 }

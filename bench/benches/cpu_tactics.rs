@@ -18,11 +18,11 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use bench::cpu_tactics::{CpuFamily, Shape, median_spread};
+use bench::cpu_tactics::{CpuFamily, Shape};
+use bench::sweep::{Point, SweepChart, read_point};
 use criterion::{BenchmarkId, Criterion, SamplingMode};
 use kernels::cpu_tactic::{CpuTactic, CpuTacticSpace};
 use kernels::moe_gemm::cpu_simd::Isa;
-use plotters::prelude::*;
 
 /// The sweep's subset of the tactic space: fewer dense and MLA points than autotune tries, so
 /// that the whole sweep takes a few minutes on two cores.
@@ -33,14 +33,6 @@ fn sweep_space(cores: usize) -> CpuTacticSpace {
     space.mla_min_chunk = vec![64, 256, 1024];
     space.mla_tasks_per_thread = vec![1, 4, 8];
     space
-}
-
-/// One measured point: seconds per call (median over criterion's samples), spread, samples.
-#[derive(Clone, Copy, Debug)]
-struct Point {
-    median: f64,
-    spread: f64,
-    n: usize,
 }
 
 fn main() -> Result<()> {
@@ -115,25 +107,6 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-/// Median and spread of seconds per iteration over criterion's samples (`sample.json`).
-fn read_point(dir: &Path) -> Result<Point> {
-    let path = dir.join("sample.json");
-    let json: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?,
-    )?;
-    let nums = |key: &str| -> Vec<f64> {
-        json[key]
-            .as_array()
-            .map(|a| a.iter().filter_map(|v| v.as_f64()).collect())
-            .unwrap_or_default()
-    };
-    let (iters, times) = (nums("iters"), nums("times"));
-    let mut per_iter: Vec<f64> = iters.iter().zip(&times).map(|(i, t)| t / i / 1e9).collect();
-    let n = per_iter.len();
-    let (median, spread) = median_spread(&mut per_iter);
-    Ok(Point { median, spread, n })
-}
-
 fn header(cores: usize) -> String {
     format!(
         "# CPU kernel tactic sweeps (measured; criterion, 10 samples per point)\n\
@@ -190,88 +163,20 @@ fn chart(
     default: usize,
 ) -> Result<()> {
     let ratio = |ti: usize, si: usize| points[&(ti, si)].median / points[&(default, si)].median;
-    let (mut lo, mut hi) = (1.0f64, 1.0f64);
-    for ti in 0..tactics.len() {
-        for si in 0..shapes.len() {
-            lo = lo.min(ratio(ti, si));
-            hi = hi.max(ratio(ti, si));
-        }
+    SweepChart {
+        title: format!(
+            "{family}: time / default tactic (measured, {}, {:?})",
+            bench::cpu_model(),
+            Isa::detect()
+        ),
+        y_desc: "time / default (lower is faster)",
+        shapes: shapes.iter().map(Shape::id).collect(),
+        series: tactics.iter().map(|t| family.label(t)).collect(),
+        values: (0..tactics.len())
+            .map(|ti| (0..shapes.len()).map(|si| ratio(ti, si)).collect())
+            .collect(),
+        emphasize: Some(default),
+        log_y: false,
     }
-    let root = SVGBackend::new(path, (1000, 620)).into_drawing_area();
-    root.fill(&WHITE)?;
-    let title = format!(
-        "{family}: time / default tactic (measured, {}, {:?})",
-        bench::cpu_model(),
-        Isa::detect()
-    );
-    let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 18))
-        .margin(15)
-        .x_label_area_size(50)
-        .y_label_area_size(60)
-        .build_cartesian_2d(
-            -0.3f64..(shapes.len() as f64 - 0.7),
-            (lo * 0.95)..(hi * 1.05),
-        )?;
-    let labels: Vec<String> = shapes.iter().map(Shape::id).collect();
-    chart
-        .configure_mesh()
-        .x_labels(shapes.len())
-        .x_label_formatter(&|x| {
-            let i = x.round();
-            if (x - i).abs() < 1e-6 && i >= 0.0 {
-                labels.get(i as usize).cloned().unwrap_or_default()
-            } else {
-                String::new()
-            }
-        })
-        .x_desc("shape")
-        .y_desc("time / default (lower is faster)")
-        .draw()?;
-    for (ti, t) in tactics.iter().enumerate() {
-        let color = Palette99::pick(ti).to_rgba();
-        let style = if ti == default {
-            BLACK.stroke_width(3)
-        } else {
-            color.stroke_width(1)
-        };
-        let series: Vec<(f64, f64)> = (0..shapes.len())
-            .map(|si| (si as f64, ratio(ti, si)))
-            .collect();
-        let name = if ti == default {
-            format!("{} (default)", family.label(t))
-        } else {
-            family.label(t)
-        };
-        chart
-            .draw_series(LineSeries::new(series, style))?
-            .label(name)
-            .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], style));
-    }
-    // The winner per shape: a ring on the fastest tactic's point.
-    for si in 0..shapes.len() {
-        let best = (0..tactics.len())
-            .min_by(|&a, &b| ratio(a, si).total_cmp(&ratio(b, si)))
-            .unwrap_or(default);
-        let color = Palette99::pick(best).to_rgba();
-        chart.draw_series([Circle::new(
-            (si as f64, ratio(best, si)),
-            7,
-            color.stroke_width(3),
-        )])?;
-        chart.draw_series([Text::new(
-            format!("winner: {}", family.label(&tactics[best])),
-            (si as f64 - 0.25, ratio(best, si) - (hi - lo) * 0.03),
-            ("sans-serif", 12),
-        )])?;
-    }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 11))
-        .position(SeriesLabelPosition::UpperRight)
-        .draw()?;
-    root.present()?;
-    Ok(())
+    .draw(path)
 }

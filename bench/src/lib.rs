@@ -4,6 +4,8 @@
 
 pub mod cpu_tactics;
 pub mod cpu_tune;
+pub mod gpu_timing;
+pub mod sweep;
 
 use std::hint::black_box;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};

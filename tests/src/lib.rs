@@ -9,11 +9,18 @@ pub mod device_models;
 pub mod layer_checks;
 pub mod moe_goldens;
 
-/// `golden/data/NAME` in the repository.
+/// Environment variable naming the `golden/data` folder where the source tree is not (the
+/// GPU bundle carries the goldens beside its binaries).
+pub const GOLDEN_DIR_ENV: &str = "KIMI_GOLDEN_DIR";
+
+/// `golden/data/NAME` in the repository, or `$KIMI_GOLDEN_DIR/NAME`.
 pub fn golden_path(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("..")
-        .join("golden")
-        .join("data")
-        .join(name)
+    match std::env::var_os(GOLDEN_DIR_ENV) {
+        Some(dir) => PathBuf::from(dir).join(name),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("..")
+            .join("golden")
+            .join("data")
+            .join(name),
+    }
 }

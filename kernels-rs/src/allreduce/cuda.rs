@@ -855,6 +855,14 @@ impl CudaIpcCommunicator {
             ));
         }
         tactic.validate().map_err(AllReduceError::Setup)?;
+        // The image loaded is the configured thread count's: a block of another size would
+        // run code compiled for a different one.
+        if tactic.threads != self.config.threads {
+            return Err(AllReduceError::Setup(format!(
+                "{tactic}: this communicator runs the {}-thread images",
+                self.config.threads
+            )));
+        }
         let f = self.function(tactic.algorithm, tactic.dtype)?;
         let (ctl, _sync) = self.ctl.device_ptr(&self.stream);
         let shape = LaunchShape {

@@ -21,7 +21,6 @@ use std::path::PathBuf;
 use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
 
-use cudarc::driver::CudaSlice;
 use half::bf16;
 use kernels::allreduce::cost::Choice;
 use kernels::allreduce::cuda::{CudaIpcCommunicator, CudaIpcConfig, is_no_device};
@@ -30,6 +29,7 @@ use kernels::allreduce::tactic::{AllReduceTactic, BLOCKS, ChoicePolicy};
 use kernels::allreduce::testing::{rank_input, residual_input};
 use kernels::allreduce::{Algorithm, AllReduceError, DType, Element, Islands, reference_reduce};
 use kernels::cuda::{default_ptx_dir, median};
+use kernels::tactic::timing::time_in_process;
 use serde_json::{Value, json};
 
 const CAPACITY: usize = 8 << 20;
@@ -253,68 +253,14 @@ fn in_process(o: &Opts, report: &mut Vec<Value>, text: &mut String) -> Result<us
 }
 
 /// Median µs per call of `tactic` on `bytes`, all ranks launching `iters` calls back to back
-/// (no host synchronization in between: the generation advances on the device).
+/// (no host synchronization in between: the generation advances on the device), 5 rounds.
 fn time_tactic(
     comms: &mut [CudaIpcCommunicator],
     tactic: AllReduceTactic,
     bytes: usize,
     iters: usize,
 ) -> Result<f64, AllReduceError> {
-    let len = bytes / tactic.dtype.size();
-    let results: Vec<Result<Option<f64>, AllReduceError>> = std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .iter_mut()
-            .enumerate()
-            .map(|(rank, comm)| {
-                s.spawn(move || {
-                    let stream = comm.stream().clone();
-                    let mut buf: CudaSlice<u8> = stream
-                        .alloc_zeros(bytes.max(16))
-                        .map_err(|e| AllReduceError::Device(e.to_string()))?;
-                    let ctx = comm.gpu().context().clone();
-                    let ev = |_: ()| {
-                        ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
-                            .map_err(|e| AllReduceError::Device(e.to_string()))
-                    };
-                    let (start, end) = (ev(())?, ev(())?);
-                    let mut samples = Vec::new();
-                    for round in 0..6 {
-                        start
-                            .record(&stream)
-                            .map_err(|e| AllReduceError::Device(e.to_string()))?;
-                        for _ in 0..iters {
-                            let (ptr, _g) =
-                                cudarc::driver::DevicePtrMut::device_ptr_mut(&mut buf, &stream);
-                            // SAFETY: `buf` holds `len` elements and outlives the launches (the
-                            // stream is synchronized below before it drops).
-                            unsafe { comm.launch_raw(tactic, len, ptr, None)? };
-                        }
-                        end.record(&stream)
-                            .map_err(|e| AllReduceError::Device(e.to_string()))?;
-                        comm.check()?;
-                        if round > 0 {
-                            let ms = start
-                                .elapsed_ms(&end)
-                                .map_err(|e| AllReduceError::Device(e.to_string()))?;
-                            samples.push(ms as f64 * 1e3 / iters as f64);
-                        }
-                    }
-                    Ok((rank == 0).then(|| median(&mut samples)))
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("rank thread panicked"))
-            .collect()
-    });
-    let mut us = f64::NAN;
-    for r in results {
-        if let Some(v) = r? {
-            us = v;
-        }
-    }
-    Ok(us)
+    time_in_process(comms, tactic, bytes, 5, iters).map(|mut us| median(&mut us))
 }
 
 fn timing(

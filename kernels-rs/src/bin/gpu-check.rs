@@ -46,6 +46,8 @@ use kernels::moe_gemm::launch::{
 };
 use kernels::moe_gemm::reference::Routing;
 use kernels::moe_gemm::{KernelVariant, MoeGemmTactic, ScaleLoad};
+use kernels::tactic::Tactic;
+use kernels::tactic::timing::random_moe_weights;
 use serde_json::{Value, json};
 
 const USAGE: &str = "usage: gpu-check [--ptx-dir DIR] [--golden-dir DIR] [--out DIR] [--device N]
@@ -368,32 +370,6 @@ struct Scenario {
     acts: MoeDeviceActivations<GpuContext>,
 }
 
-/// All experts' weights of one layer with random NVFP4 codes and valid scales: timing needs
-/// real-looking bytes (no zeros, no NaN scales), not meaningful values.
-fn timing_weights(rng: &mut Rng, experts: usize, hidden: usize, inter: usize) -> MoeWeightsHost {
-    let mut w = MoeWeightsHost {
-        experts,
-        hidden,
-        inter,
-        w13: vec![0; experts * 2 * inter * hidden / 2],
-        w13_sf: vec![0; experts * 2 * inter * hidden / 16],
-        w2: vec![0; experts * hidden * inter / 2],
-        w2_sf: vec![0; experts * hidden * inter / 16],
-        ..Default::default()
-    };
-    rng.fill_bytes(&mut w.w13);
-    rng.fill_bytes(&mut w.w2);
-    // UE4M3 codes 0x28..0x47: 2^-2 .. 2^1, far from NaN (0x7F) and subnormals.
-    for b in w.w13_sf.iter_mut().chain(w.w2_sf.iter_mut()) {
-        *b = 0x28 + (rng.next_u64() % 32) as u8;
-    }
-    w.w13_gs = vec![1e-3; experts];
-    w.a13_gs = vec![1e-3; experts];
-    w.w2_gs = vec![1e-3; experts];
-    w.a2_gs = vec![1e-3; experts];
-    w
-}
-
 /// Routings that cycle through all experts: each token's `top_k` experts are consecutive in
 /// a random permutation, and successive routings continue where the last one stopped, so a
 /// cycle of launches touches every expert (the whole 1.2 GB) once.
@@ -428,7 +404,7 @@ struct TimingInputs {
 
 fn timing_inputs(rng: &mut Rng) -> TimingInputs {
     let (experts, hidden, inter, top_k) = (384, 7168, 256, 8);
-    let weights = timing_weights(rng, experts, hidden, inter);
+    let weights = random_moe_weights(rng.next_u64(), experts, hidden, inter);
     let scenarios = [1usize, 16, 128]
         .into_iter()
         .map(|tokens| {
@@ -669,9 +645,16 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let tactics: Vec<MoeGemmTactic> = MoeGemmTactic::enumerate(sm)
+    // The family's space through the one tactic abstraction: what the gate built for this SM,
+    // each validated against its limits.
+    let tactics: Vec<MoeGemmTactic> = MoeGemmTactic::space(sm)
         .into_iter()
-        .filter(|t| args.filter.as_ref().is_none_or(|f| t.id().contains(f)))
+        .filter(|t| t.fits_on(sm))
+        .filter(|t| {
+            args.filter
+                .as_ref()
+                .is_none_or(|f| t.tactic_id().contains(f))
+        })
         .collect();
     println!(
         "gpu-check: {} tactics for {sm} from {}, seed {}",

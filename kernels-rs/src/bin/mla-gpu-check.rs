@@ -19,6 +19,7 @@ use kernels::mla::cache::KvCacheDtype;
 use kernels::mla::check::{build_cache, check_append, check_decode, load_golden};
 use kernels::mla::launch::{DecodeBatch, DeviceCache, MlaKernels};
 use kernels::mla::{MlaDims, MlaTactic};
+use kernels::tactic::Tactic;
 
 const L: usize = MlaDims::KIMI.latent;
 const R: usize = MlaDims::KIMI.rope;
@@ -46,9 +47,16 @@ fn run() -> Result<bool, String> {
     let sm = gpu.sm().map_err(|e| e.to_string())?;
     let sms = gpu.info().multiprocessors;
     println!("device {} ({sm}, {sms} SMs)", gpu.info().name);
-    let tactics: Vec<MlaTactic> = MlaTactic::enumerate(sm)
+    // The family's space through the one tactic abstraction (kernel images: the split count
+    // is planned per shape below).
+    let tactics: Vec<MlaTactic> = MlaTactic::space(sm)
         .into_iter()
-        .filter(|t| filter.as_ref().is_none_or(|f| t.id().contains(f.as_str())))
+        .filter(|t| t.fits_on(sm))
+        .filter(|t| {
+            filter
+                .as_ref()
+                .is_none_or(|f| t.tactic_id().contains(f.as_str()))
+        })
         .collect();
 
     let mut goldens = Vec::new();

@@ -1,12 +1,14 @@
-//! Compile gate for the kernel families: builds every (tactic, SM) of
-//! `MoeGemmTactic::enumerate` (NVFP4 MoE GEMM) and `MlaTactic::enumerate` (MLA decode) with the
-//! pinned toolchain (`scripts/cuda-toolchain.sh`), reads ptxas's resource report and the SASS,
-//! writes `ptx/manifest.json` and the cubins/PTX under `ptx/<family>/`, prints a table, and
-//! exits non-zero if any kernel spills, exceeds its SM's shared memory, or lacks the
-//! instructions its variant exists for.
+//! Compile gate for the kernel families: builds, with the pinned toolchain
+//! (`scripts/cuda-toolchain.sh`), one image per distinct image id of each gated family's
+//! tactic space on each SM — `Tactic::space` of `MoeGemmTactic` (NVFP4 MoE GEMM), `MlaTactic`
+//! (MLA decode) and `AllReduceTactic` (one image per algorithm × dtype × threads) — reads
+//! ptxas's resource report and the SASS, writes `ptx/manifest.json` and the cubins/PTX under
+//! `ptx/<family>/`, prints a table per family, and exits non-zero if any kernel spills, exceeds
+//! its SM's shared memory, or lacks the instructions its variant exists for.
 //!
-//! The all-reduce family (`allreduce`, one image per algorithm × dtype × threads) is built by
-//! its own module, `ptx-gate/allreduce.rs`.
+//! The build, the checks and the manifest are written once, generic over the families through
+//! the [`Tactic`] trait plus what compiling needs of them (`Gated`: defines, kernels, required
+//! SASS, the manifest entry); the all-reduce's own checks live in `ptx-gate/allreduce.rs`.
 //!
 //! Usage: `cargo run --release -p kernels --bin ptx-gate -- [--out DIR] [--jobs N] [--check]
 //! [--family moe_gemm|mla|allreduce]...` (`--family` restricts the build; other families' manifest entries
@@ -19,6 +21,7 @@ mod allreduce;
 
 use kernels::mla::MlaTactic;
 use kernels::moe_gemm::{MoeGemmTactic, Sm};
+use kernels::tactic::{KernelFamily, Tactic};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -26,7 +29,12 @@ use std::process::{Command, ExitCode};
 use std::sync::Mutex;
 use std::time::Instant;
 
-const FAMILIES: [&str; 3] = ["moe_gemm", "mla", allreduce::FAMILY];
+/// The gated families, in the order they are built and listed in the manifest.
+const FAMILIES: [KernelFamily; 3] = [
+    KernelFamily::MoeGemm,
+    KernelFamily::MlaDecode,
+    KernelFamily::AllReduce,
+];
 /// SASS mnemonics counted for every kernel of a family (the manifest records them all; the
 /// gate checks the variant's required ones).
 const MOE_COUNTED: [&str; 6] = ["OMMA", "HMMA", "SHFL", "LDGSTS", "LDS", "RED"];
@@ -34,86 +42,141 @@ const MLA_COUNTED: [&str; 8] = [
     "HMMA", "QMMA", "HMUL2", "LDSM", "LDGSTS", "F2FP", "MUFU", "SHFL",
 ];
 
-/// One (tactic, SM) build of one family.
-#[derive(Clone, Copy, Debug)]
-enum Job {
-    Moe(MoeGemmTactic, Sm),
-    Mla(MlaTactic, Sm),
+/// What the gate needs of a family beyond the shared [`Tactic`] trait (whose `space`, ids
+/// and family it enumerates by): how an image is compiled, which kernels it holds, and what
+/// each must show in its resources and SASS. One image per distinct
+/// [`image_id`](Tactic::image_id) of the family's space on an SM.
+trait Gated: Tactic + Copy + Send + Sync {
+    /// Kernels of one image.
+    const KERNELS: &'static [&'static str];
+    /// Base mnemonics counted per kernel (`op:` full mnemonics are always recorded).
+    const COUNTED: &'static [&'static str];
+    fn defines(&self) -> Vec<String>;
+    /// Dynamic shared memory the launcher requests for `kernel`.
+    fn dynamic_smem(&self, kernel: &str) -> usize;
+    /// SASS mnemonic prefixes `kernel` must contain on `sm`.
+    fn required(&self, sm: Sm, kernel: &str) -> Vec<&'static str>;
+    /// Failures beyond spills, shared memory and the required SASS (the ptxas log is given).
+    fn extra_failures(&self, _log: &str, _kernels: &BTreeMap<String, KernelReport>) -> Vec<String> {
+        Vec::new()
+    }
+    fn manifest_entry(b: &Build<Self>) -> Value;
 }
 
-impl Job {
-    fn family(&self) -> &'static str {
-        match self {
-            Job::Moe(..) => "moe_gemm",
-            Job::Mla(..) => "mla",
-        }
-    }
-
-    fn sm(&self) -> Sm {
-        match self {
-            Job::Moe(_, sm) | Job::Mla(_, sm) => *sm,
-        }
-    }
-
-    fn id(&self) -> String {
-        match self {
-            Job::Moe(t, _) => t.id(),
-            Job::Mla(t, _) => t.id(),
-        }
-    }
-
-    fn source(&self) -> &'static str {
-        source_of(self.family())
-    }
+impl Gated for MoeGemmTactic {
+    const KERNELS: &'static [&'static str] = &["moe_gate_up", "moe_down"];
+    const COUNTED: &'static [&'static str] = &MOE_COUNTED;
 
     fn defines(&self) -> Vec<String> {
-        match self {
-            Job::Moe(t, _) => t.nvcc_defines(),
-            Job::Mla(t, _) => t.nvcc_defines(),
-        }
+        self.nvcc_defines()
     }
 
-    fn kernels(&self) -> &'static [&'static str] {
-        match self {
-            Job::Moe(..) => &["moe_gate_up", "moe_down"],
-            Job::Mla(..) => &["mla_decode", "mla_combine", "mla_append"],
-        }
-    }
-
-    fn counted(&self) -> &'static [&'static str] {
-        match self {
-            Job::Moe(..) => &MOE_COUNTED,
-            Job::Mla(..) => &MLA_COUNTED,
-        }
-    }
-
-    /// Dynamic shared memory the launcher requests for `kernel`.
     fn dynamic_smem(&self, kernel: &str) -> usize {
-        match self {
-            Job::Moe(t, _) if kernel == "moe_gate_up" => t.smem().gate_up,
-            Job::Moe(t, _) => t.smem().down,
-            Job::Mla(t, _) if kernel == "mla_decode" => t.smem().total,
-            // Combine and append use only their small static arrays.
-            Job::Mla(..) => 0,
+        if kernel == "moe_gate_up" {
+            self.smem().gate_up
+        } else {
+            self.smem().down
         }
     }
 
-    /// SASS mnemonic prefixes `kernel` must contain.
-    fn required(&self, kernel: &str) -> Vec<&'static str> {
-        match self {
-            Job::Moe(t, _) => vec![t.variant.required_sass()],
-            Job::Mla(t, sm) if kernel == "mla_decode" => t.kind.required_sass(*sm),
-            Job::Mla(..) => Vec::new(),
-        }
+    fn required(&self, _sm: Sm, _kernel: &str) -> Vec<&'static str> {
+        vec![self.variant.required_sass()]
+    }
+
+    fn manifest_entry(b: &Build<Self>) -> Value {
+        let t = b.tactic;
+        json!({
+            "family": Self::FAMILY.id(),
+            "tactic": t.image_id(),
+            "sm": b.sm.arch(),
+            "variant": format!("{:?}", t.variant),
+            "threads": t.threads(),
+            "smem_limit_bytes": b.sm.smem_optin_per_block(),
+            "required_sass": t.variant.required_sass(),
+            "cubin": b.cubin,
+            "ptx": b.ptx,
+            "kernels": kernel_entries(b, false),
+            "ok": b.failures.is_empty(),
+        })
     }
 }
 
-fn source_of(family: &str) -> &'static str {
-    match family {
-        "moe_gemm" => "kernels-rs/src/moe_gemm/moe_gemm.cu",
-        allreduce::FAMILY => allreduce::SOURCE,
-        _ => "kernels-rs/src/mla/mla_decode.cu",
+impl Gated for MlaTactic {
+    const KERNELS: &'static [&'static str] = &["mla_decode", "mla_combine", "mla_append"];
+    const COUNTED: &'static [&'static str] = &MLA_COUNTED;
+
+    fn defines(&self) -> Vec<String> {
+        self.nvcc_defines()
     }
+
+    fn dynamic_smem(&self, kernel: &str) -> usize {
+        // Combine and append use only their small static arrays.
+        if kernel == "mla_decode" {
+            self.smem().total
+        } else {
+            0
+        }
+    }
+
+    fn required(&self, sm: Sm, kernel: &str) -> Vec<&'static str> {
+        if kernel == "mla_decode" {
+            self.kind.required_sass(sm)
+        } else {
+            Vec::new()
+        }
+    }
+
+    fn manifest_entry(b: &Build<Self>) -> Value {
+        let t = b.tactic;
+        json!({
+            "family": Self::FAMILY.id(),
+            "tactic": t.image_id(),
+            "sm": b.sm.arch(),
+            "variant": format!("{:?}", t.kind),
+            "threads": t.threads(),
+            "smem_limit_bytes": b.sm.smem_optin_per_block(),
+            "cubin": b.cubin,
+            "ptx": b.ptx,
+            // MLA records its required instructions per kernel, with their static counts.
+            "kernels": kernel_entries(b, true),
+            "ok": b.failures.is_empty(),
+        })
+    }
+}
+
+/// The manifest's `kernels` object of a MoE or MLA image: every kernel in the cubin with its
+/// resources and counted SASS (and, when `with_required`, its required instructions' counts).
+fn kernel_entries<T: Gated>(b: &Build<T>, with_required: bool) -> serde_json::Map<String, Value> {
+    b.kernels
+        .iter()
+        .map(|(name, k)| {
+            let sass: BTreeMap<&str, u32> = k
+                .sass
+                .iter()
+                .filter(|(op, _)| !op.starts_with("op:"))
+                .map(|(op, n)| (op.as_str(), *n))
+                .collect();
+            let mut entry = json!({
+                "registers": k.regs,
+                "stack_bytes": k.stack,
+                "spill_store_bytes": k.spill_stores,
+                "spill_load_bytes": k.spill_loads,
+                "static_smem_bytes": k.static_smem,
+                "dynamic_smem_bytes": b.tactic.dynamic_smem(name),
+                "sass_counts": sass,
+            });
+            if with_required {
+                let required: BTreeMap<&str, u32> = b
+                    .tactic
+                    .required(b.sm, name)
+                    .into_iter()
+                    .map(|r| (r, key_count(k, r)))
+                    .collect();
+                entry["required_sass"] = json!(required);
+            }
+            (name.clone(), entry)
+        })
+        .collect()
 }
 
 /// The header every kernel source includes for its inline PTX (`ptx_helpers.cuh`).
@@ -175,8 +238,10 @@ struct KernelReport {
     sass: BTreeMap<String, u32>,
 }
 
-struct Build {
-    job: Job,
+/// One image of family `T` built for one SM.
+struct Build<T> {
+    tactic: T,
+    sm: Sm,
     kernels: BTreeMap<String, KernelReport>,
     cubin: String,
     ptx: String,
@@ -314,16 +379,17 @@ fn compile_image(tc: &Toolchain, image: &Image<'_>, counted: &[&str]) -> Result<
     Ok(compiled)
 }
 
-fn build(tc: &Toolchain, root: &Path, out: &Path, job: Job) -> Build {
+fn build<T: Gated>(tc: &Toolchain, root: &Path, out: &Path, tactic: T, sm: Sm) -> Build<T> {
     let start = Instant::now();
-    let sm = job.sm();
-    let src = root.join(job.source());
-    let dir = out.join(job.family()).join(sm.arch());
+    let src = root.join(source_path(T::FAMILY));
+    let dir = out.join(T::FAMILY.id()).join(sm.arch());
     std::fs::create_dir_all(&dir).expect("create output dir");
-    let cubin = dir.join(format!("{}.cubin", job.id()));
-    let ptx = dir.join(format!("{}.ptx", job.id()));
+    let id = tactic.image_id();
+    let cubin = dir.join(format!("{id}.cubin"));
+    let ptx = dir.join(format!("{id}.ptx"));
     let mut b = Build {
-        job,
+        tactic,
+        sm,
         kernels: BTreeMap::new(),
         cubin: rel(root, &cubin),
         ptx: rel(root, &ptx),
@@ -333,12 +399,14 @@ fn build(tc: &Toolchain, root: &Path, out: &Path, job: Job) -> Build {
     let image = Image {
         src: &src,
         sm,
-        defines: job.defines(),
+        defines: tactic.defines(),
         cubin: &cubin,
         ptx: &ptx,
     };
-    match compile_image(tc, &image, job.counted()) {
+    match compile_image(tc, &image, T::COUNTED) {
         Ok(compiled) => {
+            b.failures
+                .extend(tactic.extra_failures(&compiled.log, &compiled.kernels));
             b.kernels = compiled.kernels;
             b.failures.extend(compiled.failures);
         }
@@ -350,6 +418,12 @@ fn build(tc: &Toolchain, root: &Path, out: &Path, job: Job) -> Build {
     b.compile_s = start.elapsed().as_secs_f64();
     check(&mut b);
     b
+}
+
+fn source_path(family: KernelFamily) -> &'static str {
+    family
+        .source_path()
+        .expect("every gated family has a CUDA source")
 }
 
 /// Static count of the instructions in `k` whose full mnemonic starts with `prefix`.
@@ -364,10 +438,10 @@ fn key_count(k: &KernelReport, prefix: &str) -> u32 {
         .sum()
 }
 
-fn check(b: &mut Build) {
-    let sm = b.job.sm();
+fn check<T: Gated>(b: &mut Build<T>) {
+    let sm = b.sm;
     let limit = sm.smem_optin_per_block();
-    for &name in b.job.kernels() {
+    for &name in T::KERNELS {
         let Some(k) = b.kernels.get(name) else {
             b.failures.push(format!("{name}: missing from the cubin"));
             continue;
@@ -378,18 +452,124 @@ fn check(b: &mut Build) {
                 k.spill_stores, k.spill_loads
             ));
         }
-        let total = b.job.dynamic_smem(name) + k.static_smem as usize;
+        let total = b.tactic.dynamic_smem(name) + k.static_smem as usize;
         if total > limit {
             b.failures.push(format!(
                 "{name}: {total} B shared memory > {limit} B on {sm}"
             ));
         }
-        for required in b.job.required(name) {
+        for required in b.tactic.required(sm, name) {
             if key_count(k, required) == 0 {
                 b.failures
                     .push(format!("{name}: no {required} in the SASS"));
             }
         }
+    }
+}
+
+/// The images of `T` for every SM: one per distinct image id of the family's space, in the
+/// space's order.
+fn images<T: Gated>() -> Vec<(T, Sm)> {
+    let mut out = Vec::new();
+    for sm in Sm::ALL {
+        let mut seen = std::collections::HashSet::new();
+        for t in T::space(sm) {
+            if seen.insert(t.image_id()) {
+                out.push((t, sm));
+            }
+        }
+    }
+    out
+}
+
+/// Builds every image of `T` on `jobs` threads, prints its table, and returns the builds.
+fn gate_family<T: Gated>(tc: &Toolchain, root: &Path, out: &Path, jobs: usize) -> Vec<Build<T>> {
+    let work = images::<T>();
+    eprintln!("ptx-gate: {}: {} builds", T::FAMILY, work.len());
+    let queue = Mutex::new(work.into_iter().enumerate().collect::<Vec<_>>());
+    let results = Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for _ in 0..jobs.max(1) {
+            s.spawn(|| {
+                loop {
+                    let Some((i, (t, sm))) = queue.lock().unwrap().pop() else {
+                        break;
+                    };
+                    let b = build(tc, root, out, t, sm);
+                    results.lock().unwrap().push((i, b));
+                }
+            });
+        }
+    });
+    let mut results = results.into_inner().unwrap();
+    results.sort_by_key(|(i, _)| *i);
+    let builds: Vec<Build<T>> = results.into_iter().map(|(_, b)| b).collect();
+    print_table(&builds);
+    builds
+}
+
+fn print_table<T: Gated>(builds: &[Build<T>]) {
+    if builds.is_empty() {
+        return;
+    }
+    println!(
+        "{:<42} {:<8} {:<12} {:>5} {:>7} {:>6} {:>6} {:>6}  {:<6} {:>6}",
+        format!("{} image", T::FAMILY),
+        "sm",
+        "kernel",
+        "regs",
+        "smem",
+        "spill",
+        "stack",
+        "key",
+        "status",
+        "secs"
+    );
+    for b in builds {
+        for &name in T::KERNELS {
+            let k = b.kernels.get(name).cloned().unwrap_or_default();
+            // The scarcest required instruction: 0 means one is missing.
+            let key = b
+                .tactic
+                .required(b.sm, name)
+                .iter()
+                .map(|r| key_count(&k, r))
+                .min();
+            println!(
+                "{:<42} {:<8} {:<12} {:>5} {:>7} {:>6} {:>6} {:>6}  {:<6} {:>6.1}",
+                b.tactic.image_id(),
+                b.sm.arch(),
+                name,
+                k.regs,
+                b.tactic.dynamic_smem(name) + k.static_smem as usize,
+                k.spill_stores + k.spill_loads,
+                k.stack,
+                key.map_or("-".to_string(), |n| n.to_string()),
+                if b.failures.is_empty() { "ok" } else { "FAIL" },
+                b.compile_s
+            );
+        }
+    }
+    for b in builds {
+        for f in &b.failures {
+            eprintln!("FAIL {} {}: {f}", b.tactic.image_id(), b.sm.arch());
+        }
+    }
+}
+
+/// A gated family's results, type-erased for the manifest: entries and failure count.
+struct FamilyResult {
+    family: KernelFamily,
+    entries: Vec<Value>,
+    failed: usize,
+}
+
+fn run_family<T: Gated>(tc: &Toolchain, root: &Path, out: &Path, jobs: usize) -> FamilyResult {
+    let builds = gate_family::<T>(tc, root, out, jobs);
+    FamilyResult {
+        family: T::FAMILY,
+        entries: builds.iter().map(T::manifest_entry).collect(),
+        failed: builds.iter().filter(|b| !b.failures.is_empty()).count(),
     }
 }
 
@@ -407,76 +587,13 @@ fn fnv1a(bytes: &[u8]) -> String {
     format!("{h:016x}")
 }
 
-fn manifest_entry(b: &Build) -> Value {
-    let kernels: serde_json::Map<String, Value> = b
-        .kernels
-        .iter()
-        .map(|(name, k)| {
-            let sass: BTreeMap<&str, u32> = k
-                .sass
-                .iter()
-                .filter(|(op, _)| !op.starts_with("op:"))
-                .map(|(op, n)| (op.as_str(), *n))
-                .collect();
-            let mut entry = json!({
-                "registers": k.regs,
-                "stack_bytes": k.stack,
-                "spill_store_bytes": k.spill_stores,
-                "spill_load_bytes": k.spill_loads,
-                "static_smem_bytes": k.static_smem,
-                "dynamic_smem_bytes": b.job.dynamic_smem(name),
-                "sass_counts": sass,
-            });
-            // MLA records its required instructions per kernel, with their static counts.
-            if let Job::Mla(..) = b.job {
-                let required: BTreeMap<&str, u32> = b
-                    .job
-                    .required(name)
-                    .into_iter()
-                    .map(|r| (r, key_count(k, r)))
-                    .collect();
-                entry["required_sass"] = json!(required);
-            }
-            (name.clone(), entry)
-        })
-        .collect();
-    let sm = b.job.sm();
-    match b.job {
-        Job::Moe(t, _) => json!({
-            "family": "moe_gemm",
-            "tactic": t.id(),
-            "sm": sm.arch(),
-            "variant": format!("{:?}", t.variant),
-            "threads": t.threads(),
-            "smem_limit_bytes": sm.smem_optin_per_block(),
-            "required_sass": t.variant.required_sass(),
-            "cubin": b.cubin,
-            "ptx": b.ptx,
-            "kernels": kernels,
-            "ok": b.failures.is_empty(),
-        }),
-        Job::Mla(t, _) => json!({
-            "family": "mla",
-            "tactic": t.id(),
-            "sm": sm.arch(),
-            "variant": format!("{:?}", t.kind),
-            "threads": t.threads(),
-            "smem_limit_bytes": sm.smem_optin_per_block(),
-            "cubin": b.cubin,
-            "ptx": b.ptx,
-            "kernels": kernels,
-            "ok": b.failures.is_empty(),
-        }),
-    }
-}
-
 fn main() -> ExitCode {
     let mut args = std::env::args().skip(1);
     let root = repo_root();
     let mut out = root.join("ptx");
     let mut jobs = std::thread::available_parallelism().map_or(2, |n| n.get());
     let mut check_fresh = false;
-    let mut families: Vec<&'static str> = Vec::new();
+    let mut families: Vec<KernelFamily> = Vec::new();
     while let Some(a) = args.next() {
         match a.as_str() {
             "--out" => out = PathBuf::from(args.next().expect("--out DIR")),
@@ -484,8 +601,9 @@ fn main() -> ExitCode {
             "--check" => check_fresh = true,
             "--family" => {
                 let f = args.next().unwrap_or_default();
-                let Some(f) = FAMILIES.into_iter().find(|k| *k == f) else {
-                    eprintln!("ptx-gate: unknown family {f} (one of {FAMILIES:?})");
+                let Some(f) = FAMILIES.into_iter().find(|k| k.id() == f) else {
+                    let ids: Vec<&str> = FAMILIES.iter().map(|f| f.id()).collect();
+                    eprintln!("ptx-gate: unknown family {f} (one of {ids:?})");
                     return ExitCode::from(2);
                 };
                 families.push(f);
@@ -496,9 +614,11 @@ fn main() -> ExitCode {
             }
         }
     }
-    if families.is_empty() {
-        families = FAMILIES.to_vec();
-    }
+    // In the manifest's order, whatever the order of the arguments.
+    families = FAMILIES
+        .into_iter()
+        .filter(|f| families.is_empty() || families.contains(f))
+        .collect();
     let tc = match find_toolchain(&root) {
         Ok(tc) => tc,
         Err(e) => {
@@ -506,92 +626,31 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let mut work: Vec<Job> = Vec::new();
-    if families.contains(&"moe_gemm") {
-        for sm in Sm::ALL {
-            work.extend(
-                MoeGemmTactic::enumerate(sm)
-                    .into_iter()
-                    .map(|t| Job::Moe(t, sm)),
-            );
-        }
-    }
-    if families.contains(&"mla") {
-        for sm in Sm::ALL {
-            work.extend(
-                MlaTactic::enumerate(sm)
-                    .into_iter()
-                    .map(|t| Job::Mla(t, sm)),
-            );
-        }
-    }
     eprintln!(
-        "ptx-gate: {} builds ({}) on {jobs} jobs with {}",
-        work.len(),
-        families.join(", "),
+        "ptx-gate: {} on {jobs} jobs with {}",
+        families
+            .iter()
+            .map(|f| f.id())
+            .collect::<Vec<_>>()
+            .join(", "),
         tc.version
     );
     let start = Instant::now();
-    let queue = Mutex::new(work.into_iter().enumerate().collect::<Vec<_>>());
-    let results = Mutex::new(Vec::new());
-    std::thread::scope(|s| {
-        for _ in 0..jobs.max(1) {
-            s.spawn(|| {
-                loop {
-                    let Some((i, job)) = queue.lock().unwrap().pop() else {
-                        break;
-                    };
-                    let b = build(&tc, &root, &out, job);
-                    results.lock().unwrap().push((i, b));
-                }
-            });
-        }
-    });
-    let mut results = results.into_inner().unwrap();
-    results.sort_by_key(|(i, _)| *i);
-    let builds: Vec<Build> = results.into_iter().map(|(_, b)| b).collect();
-
-    println!(
-        "{:<42} {:<8} {:<12} {:>5} {:>7} {:>6} {:>6} {:>6}  {:<6} {:>6}",
-        "tactic", "sm", "kernel", "regs", "smem", "spill", "stack", "key", "status", "secs"
-    );
-    for b in &builds {
-        for &name in b.job.kernels() {
-            let k = b.kernels.get(name).cloned().unwrap_or_default();
-            // The scarcest required instruction: 0 means one is missing.
-            let key = b.job.required(name).iter().map(|r| key_count(&k, r)).min();
-            println!(
-                "{:<42} {:<8} {:<12} {:>5} {:>7} {:>6} {:>6} {:>6}  {:<6} {:>6.1}",
-                b.job.id(),
-                b.job.sm().arch(),
-                name,
-                k.regs,
-                b.job.dynamic_smem(name) + k.static_smem as usize,
-                k.spill_stores + k.spill_loads,
-                k.stack,
-                key.map_or("-".to_string(), |n| n.to_string()),
-                if b.failures.is_empty() { "ok" } else { "FAIL" },
-                b.compile_s
-            );
-        }
-    }
-    let ar_builds = if families.contains(&allreduce::FAMILY) {
-        allreduce::run(&tc, &root, &out, jobs)
-    } else {
-        Vec::new()
-    };
-    allreduce::print_table(&ar_builds);
-    let ar_failed = ar_builds.iter().filter(|b| !b.failures.is_empty()).count();
-    let failed: Vec<&Build> = builds.iter().filter(|b| !b.failures.is_empty()).collect();
-    for b in &failed {
-        for f in &b.failures {
-            eprintln!("FAIL {} {}: {f}", b.job.id(), b.job.sm().arch());
-        }
-    }
+    let results: Vec<FamilyResult> = families
+        .iter()
+        .map(|f| match f {
+            KernelFamily::MoeGemm => run_family::<MoeGemmTactic>(&tc, &root, &out, jobs),
+            KernelFamily::MlaDecode => run_family::<MlaTactic>(&tc, &root, &out, jobs),
+            KernelFamily::AllReduce => {
+                run_family::<kernels::allreduce::tactic::AllReduceTactic>(&tc, &root, &out, jobs)
+            }
+            other => unreachable!("{other} is not a gated family"),
+        })
+        .collect();
+    let builds: usize = results.iter().map(|r| r.entries.len()).sum();
+    let failed: usize = results.iter().map(|r| r.failed).sum();
     eprintln!(
-        "ptx-gate: {} builds, {} failed, {:.1} s wall",
-        builds.len() + ar_builds.len(),
-        failed.len() + ar_failed,
+        "ptx-gate: {builds} builds, {failed} failed, {:.1} s wall",
         start.elapsed().as_secs_f64()
     );
 
@@ -609,25 +668,24 @@ fn main() -> ExitCode {
                 .filter(|v| {
                     v.get("family")
                         .and_then(Value::as_str)
-                        .is_none_or(|f| !families.contains(&f))
+                        .is_none_or(|f| !families.iter().any(|b| b.id() == f))
                 })
                 .cloned()
                 .collect()
         })
         .unwrap_or_default();
-    entries.extend(builds.iter().map(manifest_entry));
-    entries.extend(ar_builds.iter().map(allreduce::manifest_entry));
+    entries.extend(results.iter().flat_map(|r| r.entries.iter().cloned()));
     let mut sources = previous
         .as_ref()
         .and_then(|m| m.get("sources"))
         .and_then(Value::as_object)
         .cloned()
         .unwrap_or_default();
-    for family in &families {
-        let path = source_of(family);
+    for r in &results {
+        let path = source_path(r.family);
         let src = std::fs::read(root.join(path)).unwrap_or_default();
         sources.insert(
-            family.to_string(),
+            r.family.id().to_string(),
             json!({"path": path, "fnv1a64": fnv1a(&src)}),
         );
     }
@@ -655,7 +713,7 @@ fn main() -> ExitCode {
             rel(&root, &manifest_path)
         );
     }
-    if failed.is_empty() && ar_failed == 0 && !stale {
+    if failed == 0 && !stale {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
@@ -713,22 +771,48 @@ ptxas info    : Used 125 registers, used 1 barriers\n";
     }
 
     #[test]
-    fn mla_jobs_gate_the_decode_kernel_on_its_datapath() {
+    fn mla_images_gate_the_decode_kernel_on_its_datapath() {
         use kernels::mla::MlaKind;
-        for sm in Sm::ALL {
-            for t in MlaTactic::enumerate(sm) {
-                let job = Job::Mla(t, sm);
-                assert_eq!(job.kernels(), ["mla_decode", "mla_combine", "mla_append"]);
-                assert_eq!(job.dynamic_smem("mla_decode"), t.smem().total);
-                assert_eq!(job.dynamic_smem("mla_append"), 0);
-                assert!(job.required("mla_combine").is_empty());
-                let required = job.required("mla_decode");
-                assert!(required.contains(&"HMMA.16816.F32.BF16"));
-                if t.kind == MlaKind::Fp8QkMma && sm == Sm::Sm120 {
-                    assert!(required.contains(&"QMMA.16832.F32.E4M3.E4M3"));
-                }
-                assert_eq!(job.source(), "kernels-rs/src/mla/mla_decode.cu");
+        for (t, sm) in images::<MlaTactic>() {
+            assert_eq!(
+                <MlaTactic as Gated>::KERNELS,
+                ["mla_decode", "mla_combine", "mla_append"]
+            );
+            assert_eq!(t.dynamic_smem("mla_decode"), t.smem().total);
+            assert_eq!(t.dynamic_smem("mla_append"), 0);
+            assert!(t.required(sm, "mla_combine").is_empty());
+            let required = t.required(sm, "mla_decode");
+            assert!(required.contains(&"HMMA.16816.F32.BF16"));
+            if t.kind == MlaKind::Fp8QkMma && sm == Sm::Sm120 {
+                assert!(required.contains(&"QMMA.16832.F32.E4M3.E4M3"));
             }
+            assert_eq!(
+                source_path(MlaTactic::FAMILY),
+                "kernels-rs/src/mla/mla_decode.cu"
+            );
         }
+    }
+
+    /// The images are the families' tactic spaces, one per image id and SM: every MoE and MLA
+    /// tactic, and the all-reduce's one image per (algorithm, dtype, threads).
+    #[test]
+    fn images_come_from_the_tactic_spaces() {
+        let moe = images::<MoeGemmTactic>();
+        let want: usize = Sm::ALL
+            .iter()
+            .map(|&sm| MoeGemmTactic::enumerate(sm).len())
+            .sum();
+        assert_eq!(moe.len(), want);
+        let ar = images::<kernels::allreduce::tactic::AllReduceTactic>();
+        let per_sm = kernels::allreduce::tactic::AllReduceTactic::images();
+        assert_eq!(ar.len(), per_sm.len() * Sm::ALL.len());
+        assert!(ar.iter().all(|(t, _)| t.blocks == 1));
+        assert_eq!(
+            ar.iter()
+                .take(per_sm.len())
+                .map(|(t, _)| *t)
+                .collect::<Vec<_>>(),
+            per_sm
+        );
     }
 }

@@ -31,8 +31,7 @@ mod blas;
 use crate::moe_gemm::Sm;
 pub use blas::library_present as cublaslt_present;
 
-/// Environment variable that overrides where kernel images are looked for.
-pub const PTX_DIR_ENV: &str = "KIMI_PTX_DIR";
+pub use crate::tactic::timing::PTX_DIR_ENV;
 
 /// Errors of the CUDA runtime are the device seam's errors.
 pub use crate::device::DeviceError as CudaError;
@@ -113,18 +112,7 @@ pub fn find_kernel_image(ptx_dir: &Path, family: &str, sm: Sm, tactic: &str) -> 
         })
 }
 
-/// Where kernel images are looked for: `$KIMI_PTX_DIR`, else `./ptx` if it exists, else the
-/// `ptx/` of the source tree this crate was built from.
-pub fn default_ptx_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os(PTX_DIR_ENV) {
-        return PathBuf::from(dir);
-    }
-    let local = PathBuf::from("ptx");
-    if local.is_dir() {
-        return local;
-    }
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../ptx")
-}
+pub use crate::tactic::timing::default_ptx_dir;
 
 /// What the check and the launchers need to know about the device.
 #[derive(Clone, Debug)]

@@ -96,6 +96,30 @@ pub struct TacticFigure {
     pub source: FigureSource,
 }
 
+impl TacticFigure {
+    /// A figure timed on the device: median, spread and count of `samples`.
+    pub fn measured(tactic: String, samples: &super::timing::Samples) -> Self {
+        TacticFigure {
+            tactic,
+            median_us: samples.median(),
+            spread_us: samples.spread(),
+            n: samples.n() as u32,
+            source: FigureSource::Measured,
+        }
+    }
+
+    /// The cost model's prediction: one point, no spread.
+    pub fn predicted(tactic: String, us: f64) -> Self {
+        TacticFigure {
+            tactic,
+            median_us: us,
+            spread_us: 0.0,
+            n: 1,
+            source: FigureSource::Predicted,
+        }
+    }
+}
+
 /// FNV-1a 64 as the compile gate writes it into the manifest (16 hex digits).
 pub fn fnv1a64(bytes: &[u8]) -> String {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;

@@ -9,7 +9,8 @@
 //! goldens needs the host execution layer or a GPU, so it lives with them (`autotune`'s
 //! correct stage), built on the same launchers and check harnesses as the tests.
 //!
-//! [`cache`] holds the tuning results (the tactic cache) the runtime reads.
+//! [`cache`] holds the tuning results (the tactic cache) the runtime reads; [`timing`] is the
+//! seam through which the lab's timed stage and the CUDA sweeps time tactics on a GPU.
 
 use std::fmt;
 
@@ -24,6 +25,7 @@ use crate::mla::{MlaDims, MlaKind, MlaSplitTactic, MlaTactic};
 use crate::moe_gemm::MoeGemmTactic;
 
 pub mod cache;
+pub mod timing;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TacticError {
