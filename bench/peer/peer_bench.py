@@ -143,7 +143,9 @@ def ours(model_bin, nvfp4, threads, prompt, batch, new_tokens, isa=None):
     out = run([model_bin, "run", "--checkpoint", nvfp4, "--prompt-len", prompt,
                "--batch", batch, "--max-new-tokens", new_tokens, "--ignore-eos",
                # A 16-bit latent cache, like llama.cpp's default F16 KV cache.
-               "--kv-dtype", "bf16"], env=env)
+               "--kv-dtype", "bf16",
+               # One untimed run first, as llama-bench warms up before it measures.
+               "--warmup"], env=env)
     pre = re.search(r"^prefill: .* = ([0-9.]+) tok/s", out, re.M)
     dec = re.search(r"^decode: .* = ([0-9.]+) tok/s", out, re.M)
     if not pre or not dec:

@@ -668,6 +668,11 @@ struct RunArgs {
     /// rate over a fixed length; a small model may otherwise stop after a few tokens).
     #[arg(long)]
     ignore_eos: bool,
+    /// Run the same requests once, untimed, before the timed run (benchmarks: the first
+    /// forward pass also pays page faults, the thread pool's start and first-touch buffers,
+    /// as llama-bench's warm-up run does for llama.cpp). CPU backend.
+    #[arg(long)]
+    warmup: bool,
     #[command(flatten)]
     tp: TpArgs,
     #[command(flatten)]
@@ -1161,6 +1166,13 @@ fn run(args: RunArgs) -> Result<()> {
         }
         return tp::launch_ranks(args.tp.world(), &rank_args);
     }
+    if args.warmup && args.device.backend != BackendArg::Cpu {
+        return Err(InvalidInput(format!(
+            "--warmup is for --backend cpu, not {}",
+            args.device.backend.name()
+        ))
+        .into());
+    }
     let (checkpoint, mut model) = load(&dir, args.tp.shard())?;
     if args.ignore_eos {
         model.config.eos_token_ids.clear();
@@ -1191,6 +1203,10 @@ fn run(args: RunArgs) -> Result<()> {
         let quiet = shard.rank != 0;
         if !quiet {
             header(backend.name(), shard.world);
+        }
+        if args.warmup {
+            let mut cache = model.new_cache(kv_dtype, total_tokens);
+            generate(&model, backend.as_ref(), &mut cache, &requests, |_, _| {})?;
         }
         let mut cache = model.new_cache(kv_dtype, total_tokens);
         let out = generate(&model, backend.as_ref(), &mut cache, &requests, |_, _| {})?;
