@@ -205,21 +205,29 @@ impl Backend for TunedCpuBackend {
     }
 
     fn run_step(&self, step: &mut (dyn FnMut() + Send)) {
-        if std::env::var_os(ADAPTIVE_THREADS_ENV).is_some_and(|v| v == "0") {
-            return step();
-        }
         let threads = self
             .pool
             .as_ref()
             .map_or_else(rayon::current_num_threads, |p| p.current_num_threads());
-        let want = step_threads(threads);
+        let adaptive = std::env::var_os(ADAPTIVE_THREADS_ENV).is_none_or(|v| v != "0");
+        let want = if adaptive {
+            step_threads(threads)
+        } else {
+            threads
+        };
         match (want < threads).then(|| self.reduced_pool(want)).flatten() {
             Some(pool) => pool.install(|| {
                 IN_REDUCED_STEP.set(true);
                 step();
                 IN_REDUCED_STEP.set(false);
             }),
-            None => step(),
+            // The whole step on a thread of the pool its calls run in: a call from inside the
+            // pool forks there, while a call from outside hands itself to the pool and sleeps
+            // until it is done, two thread switches for each of the ~70 calls of a decode step.
+            None => match &self.pool {
+                Some(pool) => pool.install(step),
+                None => rayon::scope(|_| step()),
+            },
         }
     }
 
