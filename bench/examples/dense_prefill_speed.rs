@@ -13,7 +13,10 @@ use kernels::dense::matmul_transposed_tuned;
 use kernels::matrix::MatrixView;
 
 fn main() {
-    let panel = CpuTactic::DEFAULT;
+    let panel = CpuTactic {
+        dense_panel_min_tokens: 2,
+        ..CpuTactic::DEFAULT
+    };
     let tiles = CpuTactic {
         dense_panel_min_tokens: 1 << 20,
         ..CpuTactic::DEFAULT
@@ -28,6 +31,12 @@ fn main() {
         (512, 1536, 384),
         (16, 1024, 1024),
         (8, 1024, 1024),
+        (4, 1024, 1024),
+        (4, 2816, 1024),
+        (4, 1024, 2816),
+        (4, 32768, 1024),
+        (3, 1024, 1024),
+        (2, 1024, 1024),
     ] {
         let x: Vec<f32> = (0..tokens * cols)
             .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)

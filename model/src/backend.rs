@@ -152,6 +152,43 @@ fn task_is_running(stat: &str) -> Option<bool> {
     Some(stat.rsplit_once(')')?.1.split_whitespace().next()? == "R")
 }
 
+/// Environment variable that stops the pool's other threads from waiting for a step's work
+/// spinning (`0`): they then sleep between the step's calls, as rayon's idle threads do.
+pub const SPIN_ENV: &str = "KIMI_CPU_SPIN";
+
+/// Runs `step` on this pool thread while every other thread of the pool waits for its work
+/// awake, taking each job the step forks as soon as it is pushed. A thread that rayon has put
+/// to sleep between two calls takes a futex wake to join the next one, tens of µs on a VM:
+/// as long as a decode step's smaller products, so the second core used to join them late.
+/// (llama.cpp's threads spin between operations for the same reason.) Where other processes
+/// keep cores busy, [`step_threads`] has already given the step a smaller pool.
+fn step_with_helpers(step: &mut (dyn FnMut() + Send)) {
+    let helpers = rayon::current_num_threads().saturating_sub(1);
+    if helpers == 0 || std::env::var_os(SPIN_ENV).is_some_and(|v| v == "0") {
+        return step();
+    }
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let owner = rayon::current_thread_index();
+    rayon::in_place_scope(|scope| {
+        for _ in 0..helpers {
+            scope.spawn(|_| {
+                // The step's own thread, finding a helper job in a join, must not wait for the
+                // step to end: it is that step.
+                if rayon::current_thread_index() == owner {
+                    return;
+                }
+                while !done.load(std::sync::atomic::Ordering::Acquire) {
+                    if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                        std::hint::spin_loop();
+                    }
+                }
+            });
+        }
+        step();
+        done.store(true, std::sync::atomic::Ordering::Release);
+    });
+}
+
 impl TunedCpuBackend {
     /// # Errors
     /// If the tactic is invalid or its thread pool cannot be built.
@@ -225,8 +262,8 @@ impl Backend for TunedCpuBackend {
             // pool forks there, while a call from outside hands itself to the pool and sleeps
             // until it is done, two thread switches for each of the ~70 calls of a decode step.
             None => match &self.pool {
-                Some(pool) => pool.install(step),
-                None => rayon::scope(|_| step()),
+                Some(pool) => pool.install(|| step_with_helpers(step)),
+                None => rayon::scope(|_| step_with_helpers(step)),
             },
         }
     }
@@ -340,6 +377,54 @@ mod tests {
         for threads in 1..5 {
             let n = step_threads(threads);
             assert!((1..=threads).contains(&n), "{threads} threads: {n}");
+        }
+    }
+
+    /// Steps on a pool of several threads, with helpers waiting for their work awake: each
+    /// gives the sum its forks compute on the pool's threads, and steps that run at once from
+    /// several threads (a helper may pick up another step's job) all end. (Which threads take
+    /// part is not asserted: on a busy machine a step runs on a reduced pool.)
+    #[test]
+    fn steps_with_spinning_helpers_compute_their_forks_and_end() {
+        use rayon::prelude::*;
+        use std::collections::HashSet;
+        use std::sync::Mutex;
+        for threads in [2, 3] {
+            let backend = TunedCpuBackend::new(CpuTactic {
+                threads,
+                ..CpuTactic::DEFAULT
+            })
+            .unwrap();
+            let workers = Mutex::new(HashSet::new());
+            std::thread::scope(|s| {
+                for caller in 0..3u64 {
+                    let (backend, workers) = (&backend, &workers);
+                    s.spawn(move || {
+                        for step in 0..20u64 {
+                            let mut sum = 0u64;
+                            backend.run_step(&mut || {
+                                sum = (0..10_000usize)
+                                    .into_par_iter()
+                                    .with_max_len(64)
+                                    .map(|i| {
+                                        workers
+                                            .lock()
+                                            .unwrap()
+                                            .insert(rayon::current_thread_index());
+                                        i as u64 * (caller + step)
+                                    })
+                                    .sum();
+                            });
+                            assert_eq!(sum, 49_995_000 * (caller + step));
+                        }
+                    });
+                }
+            });
+            let workers = workers.into_inner().unwrap();
+            assert!(
+                !workers.is_empty() && workers.iter().all(Option::is_some),
+                "every fork ran in a pool"
+            );
         }
     }
 

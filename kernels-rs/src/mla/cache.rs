@@ -445,8 +445,9 @@ impl PagedLatentCache {
         Ok(())
     }
 
-    /// Reads the cache entry in physical slot `slot` of `layer`.
-    #[inline]
+    /// Reads the cache entry in physical slot `slot` of `layer`. Always inlined: into the
+    /// attention's per-ISA bodies, where the widening loops vectorize for that ISA.
+    #[inline(always)]
     pub fn read_slot(&self, layer: usize, slot: usize, latent: &mut [f32], rope: &mut [f32]) {
         let (l, r) = (self.shape.latent_dim, self.shape.rope_dim);
         match &self.layers[layer] {
