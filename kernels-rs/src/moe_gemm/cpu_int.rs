@@ -676,6 +676,40 @@ mod x86 {
     /// the eight block scales.
     const HALF: usize = 5;
 
+    /// The four byte planes of `2·e2m1 + 12` weights (through `table`) of the half-group whose
+    /// 64 packed bytes start at `packed`: 64-bit chunks (b0,b1), (b4,b5) | (b2,b3), (b6,b7),
+    /// then in block order, low and high nibbles of each.
+    ///
+    /// # Safety
+    /// AVX2 (inlined into the callers' AVX2 bodies); 64 bytes readable at `packed`.
+    #[inline(always)]
+    unsafe fn decode_half(packed: *const u8, table: __m256i, nibble: __m256i) -> [__m256i; 4] {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let p0 = _mm256_loadu_si256(packed.cast());
+            let p1 = _mm256_loadu_si256(packed.add(32).cast());
+            let q = |even: bool| {
+                let s = if even {
+                    _mm256_shuffle_ps::<0b10_00_10_00>(
+                        _mm256_castsi256_ps(p0),
+                        _mm256_castsi256_ps(p1),
+                    )
+                } else {
+                    _mm256_shuffle_ps::<0b11_01_11_01>(
+                        _mm256_castsi256_ps(p0),
+                        _mm256_castsi256_ps(p1),
+                    )
+                };
+                _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_castps_si256(s))
+            };
+            let (q0, q1) = (q(true), q(false));
+            let lo = |q| _mm256_shuffle_epi8(table, _mm256_and_si256(q, nibble));
+            let hi =
+                |q| _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16::<4>(q), nibble));
+            [lo(q0), hi(q0), lo(q1), hi(q1)]
+        }
+    }
+
     /// Weight row `r` decoded for [`avx2_row_decoded`]: per group and half, the four byte
     /// planes and the block scales ([`HALF`] registers), as [`avx2_row`] decodes them in
     /// registers; a half tail is one half, any other tail the zero-padded copy's two.
@@ -719,35 +753,11 @@ mod x86 {
                 };
                 let halves = if g < full || !half_tail { 2 } else { 1 };
                 for h in 0..halves {
-                    let p0 = _mm256_loadu_si256(packed.add(64 * h).cast());
-                    let p1 = _mm256_loadu_si256(packed.add(64 * h + 32).cast());
-                    let q = |even: bool| {
-                        let s = if even {
-                            _mm256_shuffle_ps::<0b10_00_10_00>(
-                                _mm256_castsi256_ps(p0),
-                                _mm256_castsi256_ps(p1),
-                            )
-                        } else {
-                            _mm256_shuffle_ps::<0b11_01_11_01>(
-                                _mm256_castsi256_ps(p0),
-                                _mm256_castsi256_ps(p1),
-                            )
-                        };
-                        _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_castps_si256(s))
-                    };
-                    let (q0, q1) = (q(true), q(false));
-                    let lo = |q| _mm256_shuffle_epi8(table, _mm256_and_si256(q, nibble));
-                    let hi = |q| {
-                        _mm256_shuffle_epi8(
-                            table,
-                            _mm256_and_si256(_mm256_srli_epi16::<4>(q), nibble),
-                        )
-                    };
                     let d = &mut dst[HALF * n..HALF * (n + 1)];
-                    d[0] = _mm256_castsi256_ps(lo(q0));
-                    d[1] = _mm256_castsi256_ps(hi(q0));
-                    d[2] = _mm256_castsi256_ps(lo(q1));
-                    d[3] = _mm256_castsi256_ps(hi(q1));
+                    let planes = decode_half(packed.add(64 * h), table, nibble);
+                    for (d, p) in d.iter_mut().zip(planes) {
+                        *d = _mm256_castsi256_ps(p);
+                    }
                     d[4] = e4m3x8(_mm_loadl_epi64(scales.add(8 * h).cast()));
                     n += 1;
                 }
@@ -917,32 +927,7 @@ mod x86 {
                 _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64).cast());
                 let halves = if g < full || !half_tail { 2 } else { 1 };
                 for h in 0..halves {
-                    let p0 = _mm256_loadu_si256(packed.add(64 * h).cast());
-                    let p1 = _mm256_loadu_si256(packed.add(64 * h + 32).cast());
-                    // 64-bit chunks (b0,b1), (b4,b5) | (b2,b3), (b6,b7), then in block order.
-                    let q = |even: bool| {
-                        let s = if even {
-                            _mm256_shuffle_ps::<0b10_00_10_00>(
-                                _mm256_castsi256_ps(p0),
-                                _mm256_castsi256_ps(p1),
-                            )
-                        } else {
-                            _mm256_shuffle_ps::<0b11_01_11_01>(
-                                _mm256_castsi256_ps(p0),
-                                _mm256_castsi256_ps(p1),
-                            )
-                        };
-                        _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_castps_si256(s))
-                    };
-                    let (q0, q1) = (q(true), q(false));
-                    let lo = |q| _mm256_shuffle_epi8(table, _mm256_and_si256(q, nibble));
-                    let hi = |q| {
-                        _mm256_shuffle_epi8(
-                            table,
-                            _mm256_and_si256(_mm256_srli_epi16::<4>(q), nibble),
-                        )
-                    };
-                    let wv = [lo(q0), hi(q0), lo(q1), hi(q1)];
+                    let wv = decode_half(packed.add(64 * h), table, nibble);
                     let sw = e4m3x8(_mm_loadl_epi64(scales.add(8 * h).cast()));
                     for (t, acc) in acc.iter_mut().enumerate() {
                         let xt = codes.add(t * pc + g * GROUP_ELEMENTS + 32 * h);
