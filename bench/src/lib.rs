@@ -68,9 +68,16 @@ pub fn process_cpu_seconds() -> f64 {
         / 1e9
 }
 
-/// Best-of-`passes` copy (read + written bytes per second) and read-only bandwidth, in GB/s.
+/// Best-of-`passes` copy (read + written bytes per second) and read-only bandwidth, in GB/s,
+/// over buffers of [`COPY_BYTES`].
 pub fn bandwidth(passes: usize) -> (f64, f64) {
-    let words = COPY_BYTES / 8;
+    bandwidth_over(COPY_BYTES, passes)
+}
+
+/// [`bandwidth`] over buffers of `bytes` each: sizes around a cache's capacity show where the
+/// cache ends (a hypervisor may report a last-level cache the guest cannot hold).
+pub fn bandwidth_over(bytes: usize, passes: usize) -> (f64, f64) {
+    let words = bytes / 8;
     // Filled in parallel so that pages are first touched by the threads that will use them.
     let mut src = vec![0u64; words];
     src.par_chunks_mut(1 << 16).enumerate().for_each(|(i, c)| {
@@ -108,8 +115,8 @@ pub fn bandwidth(passes: usize) -> (f64, f64) {
         black_box(sum);
     }
     (
-        2.0 * COPY_BYTES as f64 / copy / 1e9,
-        COPY_BYTES as f64 / read / 1e9,
+        2.0 * (words * 8) as f64 / copy / 1e9,
+        (words * 8) as f64 / read / 1e9,
     )
 }
 

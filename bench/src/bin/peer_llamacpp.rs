@@ -25,12 +25,21 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("bandwidth") => {
-            let (copy, read) = bench::bandwidth(BANDWIDTH_PASSES);
+            let mib = match args.iter().position(|a| a == "--mib") {
+                Some(i) => args
+                    .get(i + 1)
+                    .and_then(|v| v.parse::<usize>().ok())
+                    .filter(|&v| v > 0)
+                    .context("--mib needs a positive whole number of MiB")?,
+                None => bench::COPY_BYTES >> 20,
+            };
+            let (copy, read) = bench::bandwidth_over(mib << 20, BANDWIDTH_PASSES);
             println!(
                 "{}",
                 serde_json::json!({
                     "read_gb_s": read,
                     "copy_gb_s": copy,
+                    "buffer_mib": mib,
                     "threads": rayon::current_num_threads(),
                 })
             );
@@ -46,7 +55,7 @@ fn main() -> Result<()> {
             };
             chart(&value("--json")?, &value("--out")?)
         }
-        _ => bail!("usage: peer-llamacpp bandwidth | chart --json FILE --out FILE.svg"),
+        _ => bail!("usage: peer-llamacpp bandwidth [--mib N] | chart --json FILE --out FILE.svg"),
     }
 }
 

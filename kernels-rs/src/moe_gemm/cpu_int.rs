@@ -299,7 +299,12 @@ impl IntKernel {
         assert!(isa.is_supported(), "{isa:?} is not supported by this CPU");
         match isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 if is_x86_feature_detected!("avx512vnni") => Self::Avx512Vnni,
+            Isa::Avx512
+                if is_x86_feature_detected!("avx512vnni")
+                    && is_x86_feature_detected!("avx512vl") =>
+            {
+                Self::Avx512Vnni
+            }
             Isa::Avx512 | Isa::Avx2Fma => Self::Avx2,
             Isa::Scalar => Self::Scalar,
         }
@@ -362,7 +367,7 @@ pub fn nvfp4_rows_dots_int(
         let (xg, out) = (x.rows_from(t0), &mut out[t0 * stride..]);
         match kernel {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: the CPU supports AVX-512F/BW/VNNI (IntKernel::for_isa checked it); the
+            // SAFETY: the CPU supports AVX-512F/BW/VL/VNNI (IntKernel::for_isa checked it); the
             // asserts above cover every load: rows < w.rows, g ≤ 4 padded rows of x, g rows
             // of out.
             IntKernel::Avx512Vnni => unsafe {
@@ -508,9 +513,9 @@ mod x86 {
     /// its final row and drops the copies).
     ///
     /// # Safety
-    /// AVX-512F/BW/VNNI; `rows` within `w`, `x` holds `g ≤ 4` quantized rows of `w.cols`,
+    /// AVX-512F/BW/VL/VNNI; `rows` within `w`, `x` holds `g ≤ 4` quantized rows of `w.cols`,
     /// `out` holds `(g − 1) · stride + rows.len()` floats.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
     pub(super) unsafe fn rows_vnni(
         w: &Nvfp4View<'_>,
         rows: Range<usize>,
@@ -550,7 +555,7 @@ mod x86 {
     /// # Safety
     /// As for [`rows_vnni`], with `N` tokens.
     #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
     unsafe fn vnni_rows4<const N: usize>(
         w: &Nvfp4View<'_>,
         rows: [usize; 4],
@@ -575,14 +580,11 @@ mod x86 {
         // One row's group: decode, then every token. A macro rather than a loop over the rows,
         // so that the accumulator index is a constant and all 16 stay in registers.
         macro_rules! row_group {
-            ($i:literal, $packed:expr, $scales:expr, $g:expr) => {{
-                let (packed, scales, g): (*const u8, *const u8, usize) = ($packed, $scales, $g);
-                // SAFETY: `packed` and `scales` point at a group's 128 bytes and 16 scales
-                // (a whole group of the row, or its zero-padded tail); x holds N padded rows
-                // of `groups` groups, and g < groups.
+            ($i:literal, $p0:expr, $p1:expr, $scales:expr, $g:expr) => {{
+                let (p0, p1, scales, g): (__m512i, __m512i, __m128i, usize) =
+                    ($p0, $p1, $scales, $g);
+                // SAFETY: x holds N padded rows of `groups` groups, and g < groups.
                 unsafe {
-                    let p0 = _mm512_loadu_si512(packed.cast());
-                    let p1 = _mm512_loadu_si512(packed.add(64).cast());
                     // Lane j: bytes 0–3 (q0) and 4–7 (q1) of block j.
                     let q0 = _mm512_permutex2var_epi32(p0, even, p1);
                     let q1 = _mm512_permutex2var_epi32(p0, odd, p1);
@@ -594,7 +596,7 @@ mod x86 {
                         _mm512_shuffle_epi8(table, _mm512_and_si512(q1, nibble)),
                         _mm512_shuffle_epi8(table, _mm512_and_si512(q1h, nibble)),
                     ];
-                    let sw = e4m3x16(_mm_loadu_si128(scales.cast()));
+                    let sw = e4m3x16(scales);
                     for (t, acc) in acc.iter_mut().enumerate() {
                         let xt = codes.add(t * pc + g * GROUP_ELEMENTS);
                         let lane = t * pb + g * GROUP_BLOCKS;
@@ -622,17 +624,42 @@ mod x86 {
                     _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
                 }
             }
-            row_group!(0, p[0], s[0], g);
-            row_group!(1, p[1], s[1], g);
-            row_group!(2, p[2], s[2], g);
-            row_group!(3, p[3], s[3], g);
+            // SAFETY: group g < full of every row: 128 packed bytes and 16 scales in `w`.
+            let (p0, p1, sc) = unsafe {
+                (
+                    p.map(|p| _mm512_loadu_si512(p.cast())),
+                    p.map(|p| _mm512_loadu_si512(p.add(64).cast())),
+                    s.map(|s| _mm_loadu_si128(s.cast())),
+                )
+            };
+            row_group!(0, p0[0], p1[0], sc[0], g);
+            row_group!(1, p0[1], p1[1], sc[1], g);
+            row_group!(2, p0[2], p1[2], sc[2], g);
+            row_group!(3, p0[3], p1[3], sc[3], g);
         }
         if full < groups {
-            let t = rows.map(|r| tail_group(w, r, full));
-            row_group!(0, t[0].0.as_ptr(), t[0].1.as_ptr(), full);
-            row_group!(1, t[1].0.as_ptr(), t[1].1.as_ptr(), full);
-            row_group!(2, t[2].0.as_ptr(), t[2].1.as_ptr(), full);
-            row_group!(3, t[3].0.as_ptr(), t[3].1.as_ptr(), full);
+            // The last, partial group read in place by masked loads (masked-out bytes are
+            // zero and never touched, so nothing past the row is read): zero codes and zero
+            // scales add nothing, as the zero-padded activations' correction is zero.
+            let bytes = (blocks - full * GROUP_BLOCKS) * NVFP4_BLOCK / 2;
+            let low = |n: usize| if n >= 64 { u64::MAX } else { (1u64 << n) - 1 };
+            let (m0, m1) = (low(bytes), low(bytes.saturating_sub(64)));
+            let ms = ((1u32 << (bytes / 8)) - 1) as u16;
+            let p = row_packed.map(|p| p.wrapping_add(full * GROUP_BYTES));
+            let s = row_scales.map(|s| s.wrapping_add(full * GROUP_BLOCKS));
+            // SAFETY: the masks cover the row's last `bytes` packed bytes and `bytes / 8`
+            // scales, which lie within `w`; masked-out elements are not accessed.
+            let (p0, p1, sc) = unsafe {
+                (
+                    p.map(|p| _mm512_maskz_loadu_epi8(m0, p.cast())),
+                    p.map(|p| _mm512_maskz_loadu_epi8(m1, p.wrapping_add(64).cast())),
+                    s.map(|s| _mm_maskz_loadu_epi8(ms, s.cast())),
+                )
+            };
+            row_group!(0, p0[0], p1[0], sc[0], full);
+            row_group!(1, p0[1], p1[1], sc[1], full);
+            row_group!(2, p0[2], p1[2], sc[2], full);
+            row_group!(3, p0[3], p1[3], sc[3], full);
         }
         let mut sums = [[0.0f32; 4]; 4];
         for (s, a) in sums.iter_mut().zip(&acc) {
