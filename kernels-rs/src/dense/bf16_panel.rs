@@ -123,10 +123,7 @@ pub fn widen_rows(isa: Isa, w: &[bf16], cols: usize, panel: &mut [f32]) {
     }
 }
 
-#[inline(always)]
-fn widen(w: bf16) -> f32 {
-    f32::from_bits(u32::from(w.to_bits()) << 16)
-}
+use crate::formats::widen_bf16 as widen;
 
 /// One tile's operands: `rows` panel rows and `tokens` reordered activation rows (both of
 /// `full` elements, pass-major), and the original rows for the tail elements.

@@ -183,10 +183,7 @@ fn reduce_lanes(a: &[f32; LANES]) -> f32 {
     s2[0] + s2[1]
 }
 
-#[inline(always)]
-fn widen(w: bf16) -> f32 {
-    f32::from_bits(u32::from(w.to_bits()) << 16)
-}
+use crate::formats::widen_bf16 as widen;
 
 /// The tail elements past the last whole step (`cols mod 64` of them), in order.
 #[inline(always)]

@@ -20,6 +20,7 @@ use half::bf16;
 use thiserror::Error;
 
 use crate::formats::e4m3::{E4M3_MAX, Overflow, e4m3_to_f32, f32_to_e4m3};
+use crate::formats::widen_bf16;
 
 /// Tokens per cache page.
 pub const PAGE_TOKENS: usize = 64;
@@ -458,11 +459,11 @@ impl PagedLatentCache {
             }
             LayerStorage::Bf16 { values } => {
                 let entry = &values[slot * (l + r)..(slot + 1) * (l + r)];
-                for (dst, src) in latent.iter_mut().zip(&entry[..l]) {
-                    *dst = src.to_f32();
+                for (dst, &src) in latent.iter_mut().zip(&entry[..l]) {
+                    *dst = widen_bf16(src);
                 }
-                for (dst, src) in rope.iter_mut().zip(&entry[l..]) {
-                    *dst = src.to_f32();
+                for (dst, &src) in rope.iter_mut().zip(&entry[l..]) {
+                    *dst = widen_bf16(src);
                 }
             }
             LayerStorage::Fp8 {
@@ -474,8 +475,8 @@ impl PagedLatentCache {
                 for (dst, &code) in latent.iter_mut().zip(&codes[slot * l..(slot + 1) * l]) {
                     *dst = e4m3_to_f32(code) * scale;
                 }
-                for (dst, src) in rope.iter_mut().zip(&rope_store[slot * r..(slot + 1) * r]) {
-                    *dst = src.to_f32();
+                for (dst, &src) in rope.iter_mut().zip(&rope_store[slot * r..(slot + 1) * r]) {
+                    *dst = widen_bf16(src);
                 }
             }
         }
