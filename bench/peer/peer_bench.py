@@ -14,8 +14,8 @@ git-ignored folder bench/peer/work and is skipped when its output is already the
    128-token prompt; ours via `model run --ignore-eos`, llama.cpp via `llama-bench` (batch 1)
    and `llama-batched-bench` (batch 4), HF transformers float32 via `peer_model.py hf`;
 6. measures the machine's read bandwidth (bench's `peer-llamacpp bandwidth`: the best of
-   passes summing a 512 MiB buffer on every thread) and decode at batch 1 with one competing
-   busy process;
+   passes summing a 512 MiB buffer on every thread, on 4 KiB and on 2 MiB pages, the better
+   of the two) and decode at batch 1 with one competing busy process;
 7. writes bench/results/peer-llamacpp.{txt,json} and the chart peer-llamacpp.svg (plotters,
    `peer-llamacpp chart`).
 
@@ -292,6 +292,8 @@ def main():
         "median": med,
         "read_bandwidth_gb_s": bw["read_gb_s"],
         "read_bandwidth_samples": [b["read_gb_s"] for b in bandwidths],
+        "read_bandwidth_4k_pages_samples": [b.get("read_4k_pages_gb_s") for b in bandwidths],
+        "read_bandwidth_2m_pages_samples": [b.get("read_2m_pages_gb_s") for b in bandwidths],
         "copy_bandwidth_gb_s": bw["copy_gb_s"],
         "decode_step_bytes": step["step_bytes"],
         "checkpoint_bytes": {k: step[k] for k in ("dense_bytes", "routed_expert_bytes",
@@ -397,7 +399,11 @@ def table(d):
     step = d["decode_step_bytes"]
     samples = ", ".join(f"{v:.1f}" for v in d.get("read_bandwidth_samples", [bw]))
     w(f"read bandwidth: {bw:.1f} GB/s (copy {d['copy_bandwidth_gb_s']:.1f} GB/s): the best of the")
-    w(f"rounds ({samples}), each the best of passes summing a 512 MiB buffer on every thread.")
+    w(f"rounds ({samples}), each the best of passes summing a 512 MiB buffer on every thread,")
+    small = ", ".join(f"{v:.1f}" for v in d.get("read_bandwidth_4k_pages_samples", []) if v)
+    huge = ", ".join(f"{v:.1f}" for v in d.get("read_bandwidth_2m_pages_samples", []) if v)
+    w(f"the better of 4 KiB pages ({small}) and 2 MiB pages ({huge}). Our `model run` reads its")
+    w("weights from a copy on 2 MiB pages (`--weights auto`); llama.cpp from its mmap (4 KiB).")
     w(f"bytes one batch-1 decode step reads: {step / 1e6:.1f} MB (computed from our checkpoint's")
     w("tensor sizes: every weight but the embedding, one embedding row, 8 of the 64 routed")
     w("experts per MoE layer; the latent cache is a few hundred KB and is left out).")

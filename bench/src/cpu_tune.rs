@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use kernels::cpu_tactic::{CpuTactic, CpuTacticSpace};
 use model::backend::TunedCpuBackend;
-use model::checkpoint::Checkpoint;
+use model::checkpoint::{Checkpoint, WeightPlacement};
 use model::config::ModelConfig;
 use model::forward::Model;
 use model::generate::{GenerationRequest, generate};
@@ -201,7 +201,9 @@ impl DecodeBench {
     /// Loads the checkpoint at `dir`; each sample prefills `prompt_len` random tokens and
     /// decodes `new_tokens` greedily.
     pub fn load(dir: &std::path::Path, prompt_len: usize, new_tokens: usize) -> Result<Self> {
-        let checkpoint = Checkpoint::open(dir)?;
+        let mut checkpoint = Checkpoint::open(dir)?;
+        // Where `model run` reads them (`--weights auto`), so that tactics are timed as run.
+        checkpoint.place_weights(WeightPlacement::auto(checkpoint.file_bytes()));
         let mut config = checkpoint.model_config().clone();
         // Every sample decodes all its tokens (as `model run --ignore-eos`).
         config.eos_token_ids.clear();

@@ -69,24 +69,54 @@ pub fn process_cpu_seconds() -> f64 {
 }
 
 /// Best-of-`passes` copy (read + written bytes per second) and read-only bandwidth, in GB/s,
-/// over buffers of [`COPY_BYTES`].
+/// over buffers of [`COPY_BYTES`]: the better of 4 KiB and 2 MiB pages for each
+/// ([`bandwidth_on`]), the most this machine's memory gives a plain loop.
 pub fn bandwidth(passes: usize) -> (f64, f64) {
-    bandwidth_over(COPY_BYTES, passes)
+    let small = bandwidth_on(Pages::Small, COPY_BYTES, passes);
+    let huge = bandwidth_on(Pages::Huge, COPY_BYTES, passes);
+    (small.0.max(huge.0), small.1.max(huge.1))
 }
 
-/// [`bandwidth`] over buffers of `bytes` each: sizes around a cache's capacity show where the
-/// cache ends (a hypervisor may report a last-level cache the guest cannot hold).
-pub fn bandwidth_over(bytes: usize, passes: usize) -> (f64, f64) {
-    let words = bytes / 8;
-    // Filled in parallel so that pages are first touched by the threads that will use them.
-    let mut src = vec![0u64; words];
+/// The page size of a bandwidth measurement's buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pages {
+    /// 4 KiB pages (`MADV_NOHUGEPAGE`), what a memory-mapped file is read through.
+    Small,
+    /// 2 MiB transparent huge pages (`MADV_HUGEPAGE`): far fewer TLB misses while streaming,
+    /// which under a hypervisor (two-dimensional page walks) is worth half as much bandwidth
+    /// again (measured on a 2-vCPU KVM guest: 22 vs 34 GB/s).
+    Huge,
+}
+
+/// A zeroed anonymous buffer of `words` u64 on `pages`.
+fn buffer(pages: Pages, words: usize) -> memmap2::MmapMut {
+    let mut map = memmap2::MmapMut::map_anon((words * 8).max(1)).expect("anonymous memory");
+    #[cfg(target_os = "linux")]
+    let _ = map.advise(match pages {
+        Pages::Small => memmap2::Advice::NoHugePage,
+        Pages::Huge => memmap2::Advice::HugePage,
+    });
+    // Touched in parallel so that pages are first touched by the threads that will use them.
+    map.par_chunks_mut(1 << 19).for_each(|c| c.fill(1));
+    map
+}
+
+fn words(map: &mut memmap2::MmapMut) -> &mut [u64] {
+    // SAFETY: an anonymous mapping is page-aligned and its length a multiple of 8 here.
+    unsafe { std::slice::from_raw_parts_mut(map.as_mut_ptr().cast::<u64>(), map.len() / 8) }
+}
+
+/// [`bandwidth`] on buffers of `bytes` each on `pages`: sizes around a cache's capacity show
+/// where the cache ends (a hypervisor may report a last-level cache the guest cannot hold).
+pub fn bandwidth_on(pages: Pages, bytes: usize, passes: usize) -> (f64, f64) {
+    let n = bytes / 8;
+    let (mut src_map, mut dst_map) = (buffer(pages, n), buffer(pages, n));
+    let (src, dst) = (words(&mut src_map), words(&mut dst_map));
     src.par_chunks_mut(1 << 16).enumerate().for_each(|(i, c)| {
         c.iter_mut()
             .enumerate()
             .for_each(|(j, v)| *v = (i + j) as u64)
     });
-    let mut dst = vec![1u64; words];
-    dst.par_chunks_mut(1 << 16).for_each(|c| c.fill(2));
     let chunk = 1 << 19;
     let mut copy = f64::MAX;
     let mut read = f64::MAX;
@@ -115,8 +145,8 @@ pub fn bandwidth_over(bytes: usize, passes: usize) -> (f64, f64) {
         black_box(sum);
     }
     (
-        2.0 * (words * 8) as f64 / copy / 1e9,
-        (words * 8) as f64 / read / 1e9,
+        2.0 * (n * 8) as f64 / copy / 1e9,
+        (n * 8) as f64 / read / 1e9,
     )
 }
 

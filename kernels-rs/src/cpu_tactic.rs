@@ -34,6 +34,14 @@ use std::str::FromStr;
 use crate::tactic::cache::{self, CPU_TARGET, Expected};
 use crate::tactic::{KernelFamily, ProblemShape};
 
+/// Logical CPUs this process may use, read once: `std::thread::available_parallelism` reads
+/// the cgroup's CPU quota files on every call (tens of microseconds on Linux), which the MLA
+/// kernel's once-per-call and the backend's once-per-step use paid at every decode step.
+pub fn machine_cores() -> usize {
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
 /// Tokens the MLA kernel dequantizes together; a split-KV chunk is a multiple of it.
 pub const MLA_TILE: usize = 16;
 

@@ -118,7 +118,7 @@ thread_local! {
 /// threads leave (at least one), from `/proc/loadavg`'s running count minus this process's
 /// running threads; `threads` where that cannot be read.
 pub fn step_threads(threads: usize) -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cores = kernels::cpu_tactic::machine_cores();
     match others_running() {
         Some(others) => threads.min(cores.saturating_sub(others).max(1)),
         None => threads,

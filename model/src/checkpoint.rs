@@ -37,6 +37,42 @@ struct IndexFile {
     weight_map: BTreeMap<String, String>,
 }
 
+/// Where a CPU forward pass reads the weights from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum WeightPlacement {
+    /// The checkpoint's files, memory-mapped (4 KiB pages of the page cache), populated at
+    /// load: no copy, the least memory.
+    Mapped,
+    /// A copy in anonymous memory on 2 MiB transparent huge pages: fewer TLB misses while a
+    /// decode step streams the weights (1.5x the read bandwidth on a KVM guest, measured), at
+    /// the cost of the copy's RAM and time.
+    HugePages,
+}
+
+impl WeightPlacement {
+    /// Huge pages where the kernel offers them to a process that asks
+    /// (`/sys/kernel/mm/transparent_hugepage/enabled` is `always` or `madvise`) and the copy
+    /// fits in half of the memory available now; else the mapping.
+    pub fn auto(checkpoint_bytes: usize) -> Self {
+        let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+            .is_ok_and(|s| s.contains("[always]") || s.contains("[madvise]"));
+        let available = std::fs::read_to_string("/proc/meminfo")
+            .ok()
+            .and_then(|m| mem_available_bytes(&m));
+        match available {
+            Some(bytes) if thp && checkpoint_bytes <= bytes / 2 => Self::HugePages,
+            _ => Self::Mapped,
+        }
+    }
+}
+
+/// `MemAvailable` of `/proc/meminfo`'s text, in bytes.
+fn mem_available_bytes(meminfo: &str) -> Option<usize> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 /// An opened checkpoint: its configuration and its memory-mapped shards.
 pub struct Checkpoint {
     pub dir: PathBuf,
@@ -305,6 +341,43 @@ impl Checkpoint {
         }
     }
 
+    /// Puts the weights where a CPU forward pass reads them fastest, as `placement` asks, and
+    /// returns where they went: [`WeightPlacement::HugePages`] copies every shard into huge
+    /// pages ([`TensorFile::copy_into_huge_pages`]) with a progress bar, and falls back to the
+    /// populated mapping, with a warning, when a copy cannot be made (out of memory).
+    /// Call before [`load_weights`](Self::load_weights): the weights point into the shards.
+    pub fn place_weights(&mut self, placement: WeightPlacement) -> WeightPlacement {
+        if placement == WeightPlacement::HugePages {
+            let total: usize = self.shards.iter().map(|s| s.file_bytes()).sum();
+            let progress = progress_bar(total as u64, "copying weights into huge pages");
+            let mut copies = Vec::with_capacity(self.shards.len());
+            for shard in &self.shards {
+                match shard.copy_into_huge_pages() {
+                    Ok(copy) => copies.push(Arc::new(copy)),
+                    Err(e) => {
+                        progress.finish_and_clear();
+                        eprintln!(
+                            "warning: {e}; reading the weights from the file mapping instead"
+                        );
+                        self.populate();
+                        return WeightPlacement::Mapped;
+                    }
+                }
+                progress.inc(shard.file_bytes() as u64);
+            }
+            progress.finish_and_clear();
+            self.shards = copies;
+            return WeightPlacement::HugePages;
+        }
+        self.populate();
+        WeightPlacement::Mapped
+    }
+
+    /// Bytes of every shard file.
+    pub fn file_bytes(&self) -> usize {
+        self.shards.iter().map(|s| s.file_bytes()).sum()
+    }
+
     /// Maps every page of every shard now ([`TensorFile::populate`]), in parallel, with a
     /// progress bar: for a model the CPU computes on, so that the first request does not pay
     /// the page faults of the whole model (llama.cpp maps with `MAP_POPULATE` for the same
@@ -536,4 +609,26 @@ pub fn progress_bar(len: u64, what: &str) -> ProgressBar {
     );
     bar.set_message(what.to_string());
     bar
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mem_available_is_read_from_meminfo_in_bytes() {
+        let meminfo =
+            "MemTotal:       24576000 kB\nMemFree:         1000 kB\nMemAvailable:   23000000 kB\n";
+        assert_eq!(mem_available_bytes(meminfo), Some(23_000_000 * 1024));
+        assert_eq!(mem_available_bytes("MemTotal: 5 kB\n"), None);
+        assert_eq!(mem_available_bytes("MemAvailable: lots kB\n"), None);
+    }
+
+    #[test]
+    fn auto_placement_keeps_the_mapping_when_the_copy_does_not_fit() {
+        assert_eq!(
+            WeightPlacement::auto(usize::MAX / 2),
+            WeightPlacement::Mapped
+        );
+    }
 }

@@ -17,7 +17,7 @@ use kernels::formats::nvfp4::Nvfp4Matrix;
 use kernels::mla::cache::{KvCacheDtype, PAGE_TOKENS};
 use kernels::tactic::ProblemShape;
 use model::backend::{Backend, CpuBackend, TunedCpuBackend};
-use model::checkpoint::{Checkpoint, CheckpointError};
+use model::checkpoint::{Checkpoint, CheckpointError, WeightPlacement};
 use model::checkpoint_writer::{OutputKind, OwnedTensor, StagedOutput, write_file};
 use model::config::{ConfigError, KvCacheQuant, ModelConfig};
 use model::executor::{ShmAllReduce, TpAllReduce};
@@ -137,6 +137,31 @@ struct CpuTacticArgs {
     /// the default's value); overrides the `--tactics` cache's.
     #[arg(long)]
     cpu_tactic: Option<CpuTactic>,
+    /// Where the CPU backend reads the weights from: `huge-pages` (a copy on 2 MiB pages,
+    /// faster decode), `mapped` (the files' mapping, no copy) or `auto` (huge pages where the
+    /// kernel offers them and the copy fits in half of the available memory). Other backends
+    /// read the mapping.
+    #[arg(long, value_enum, default_value_t = WeightsArg::Auto)]
+    weights: WeightsArg,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+enum WeightsArg {
+    #[default]
+    Auto,
+    Mapped,
+    HugePages,
+}
+
+impl CpuTacticArgs {
+    /// Where `checkpoint`'s weights go for `backend`.
+    fn placement(&self, backend: BackendArg, checkpoint: &Checkpoint) -> WeightPlacement {
+        match (backend, self.weights) {
+            (BackendArg::Cpu, WeightsArg::Auto) => WeightPlacement::auto(checkpoint.file_bytes()),
+            (BackendArg::Cpu, WeightsArg::HugePages) => WeightPlacement::HugePages,
+            _ => WeightPlacement::Mapped,
+        }
+    }
 }
 
 impl CpuTacticArgs {
@@ -999,11 +1024,24 @@ fn kv_dtype_for(arg: KvDtypeArg, asked: Option<KvCacheQuant>) -> KvCacheDtype {
     }
 }
 
-fn load(dir: &Path, shard: TpShard) -> Result<(Checkpoint, Model)> {
-    let checkpoint = Checkpoint::open(dir)?;
+fn load(
+    dir: &Path,
+    shard: TpShard,
+    placement: impl FnOnce(&Checkpoint) -> WeightPlacement,
+) -> Result<(Checkpoint, Model)> {
+    let mut checkpoint = Checkpoint::open(dir)?;
     let config = checkpoint.model_config().clone();
     check_tensor_parallel(dir, &config, shard.world)?;
-    checkpoint.populate();
+    let asked = placement(&checkpoint);
+    let started = std::time::Instant::now();
+    let placed = checkpoint.place_weights(asked);
+    if placed == WeightPlacement::HugePages && shard.rank == 0 {
+        eprintln!(
+            "weights: a copy on 2 MiB pages ({:.1} MiB in {:.2} s; --weights mapped reads the files' mapping)",
+            checkpoint.file_bytes() as f64 / (1 << 20) as f64,
+            started.elapsed().as_secs_f64()
+        );
+    }
     let weights = checkpoint
         .load_weights()?
         .shard(&config, shard)
@@ -1173,7 +1211,9 @@ fn run(args: RunArgs) -> Result<()> {
         ))
         .into());
     }
-    let (checkpoint, mut model) = load(&dir, args.tp.shard())?;
+    let (checkpoint, mut model) = load(&dir, args.tp.shard(), |c| {
+        args.cpu.placement(args.device.backend, c)
+    })?;
     if args.ignore_eos {
         model.config.eos_token_ids.clear();
     }
@@ -1288,7 +1328,9 @@ fn logits(args: LogitsArgs) -> Result<()> {
     }
     // Load (and shard) before joining the collective, so a model that cannot be split fails
     // alone instead of leaving its peers waiting.
-    let (checkpoint, model) = load(dir, args.tp.shard())?;
+    let (checkpoint, model) = load(dir, args.tp.shard(), |c| {
+        args.cpu.placement(args.device.backend, c)
+    })?;
     let kv_dtype = resolve_kv_dtype(args.kv_dtype, &checkpoint);
     let logits = if args.device.backend == BackendArg::Cpu {
         let (shard, backend) = rank_backend(&args.tp, tokens.len() * config.hidden_size, tactic)?;

@@ -319,6 +319,37 @@ fn cuda_emulated_refuses_what_the_kernels_cannot_run() {
 /// Greedy `model run` of the trained `kimi-chat-tiny` (the model `model` answers with by
 /// default) on `--backend cuda-emulated` prints the tokens `--backend cpu` prints, with either
 /// cache, for the golden chat prompt (`golden/data/serving/chat_model_golden.json`).
+/// `--weights huge-pages` (a copy of the checkpoint on 2 MiB pages) and `--weights mapped` (the
+/// files' mapping) decode the same tokens, and the copy says what it did.
+#[test]
+fn weights_on_huge_pages_or_mapped_decode_the_same_tokens() {
+    let checkpoint = golden_model("kimi-tiny");
+    let run = |weights: &str| {
+        let text = run_ok(
+            model_cmd()
+                .args(["run", "--max-new-tokens", "6", "--prompt", "5,6,7,8"])
+                .args(["--weights", weights])
+                .arg("--checkpoint")
+                .arg(&checkpoint),
+        );
+        let sequences = text
+            .lines()
+            .filter(|l| l.starts_with("sequence"))
+            .map(str::to_string)
+            .collect::<Vec<_>>();
+        (text, sequences)
+    };
+    let (copied_text, copied) = run("huge-pages");
+    let (mapped_text, mapped) = run("mapped");
+    assert!(
+        copied_text.contains("weights: a copy on 2 MiB pages"),
+        "{copied_text}"
+    );
+    assert!(!mapped_text.contains("weights: a copy"), "{mapped_text}");
+    assert_eq!(copied.len(), 1, "{copied_text}");
+    assert_eq!(copied, mapped);
+}
+
 #[test]
 fn greedy_run_on_cuda_emulated_decodes_the_cpus_tokens() {
     let golden: serde_json::Value = serde_json::from_str(

@@ -113,6 +113,37 @@ fn prefill_logits_match_hf_w4a4() {
     }
 }
 
+/// Weights copied onto huge pages (`model run --weights huge-pages`, the CPU default where the
+/// kernel offers them) are the same bytes: the logits equal those read from the file mapping
+/// bit for bit, and so match HF as the test above checks.
+#[test]
+fn weights_on_huge_pages_give_the_mappings_logits() {
+    use model::checkpoint::{Checkpoint, WeightPlacement};
+    for name in MODELS {
+        let dir = project_tests::golden_path("models").join(name);
+        let g = load(name);
+        let mut checkpoint = Checkpoint::open(&dir).unwrap();
+        assert_eq!(
+            checkpoint.place_weights(WeightPlacement::HugePages),
+            WeightPlacement::HugePages,
+            "{name}"
+        );
+        let model = Model::new(
+            checkpoint.model_config().clone(),
+            checkpoint.load_weights().unwrap(),
+        );
+        let mapped = cpu_prefill(&g.model, &g.tokens, KvCacheDtype::F32);
+        let copied = cpu_prefill(&model, &g.tokens, KvCacheDtype::F32);
+        assert!(
+            mapped
+                .iter()
+                .zip(&copied)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{name}: logits differ between the mapping and the huge-page copy"
+        );
+    }
+}
+
 #[test]
 fn greedy_continuation_matches_hf() {
     for name in MODELS {

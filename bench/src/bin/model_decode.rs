@@ -24,7 +24,7 @@ use kernels::mla::cache::{CacheError, KvCacheDtype, PagedLatentCache};
 use kernels::mla::reference::MlaProblem;
 use kernels::moe_gemm::reference::{ExpertInputAmax, ExpertView, Routing};
 use model::backend::{Backend, CpuBackend};
-use model::checkpoint::Checkpoint;
+use model::checkpoint::{Checkpoint, WeightPlacement};
 use model::forward::{LogitRows, Model, SeqInput};
 use model::generator::default_checkpoint;
 use model::quantize::random_tokens;
@@ -128,7 +128,9 @@ fn main() -> Result<()> {
         Some(dir) => dir.clone(),
         None => default_checkpoint(None)?,
     };
-    let checkpoint = Checkpoint::open(&dir)?;
+    let mut checkpoint = Checkpoint::open(&dir)?;
+    // Where `model run` reads them (`--weights auto`).
+    checkpoint.place_weights(WeightPlacement::auto(checkpoint.file_bytes()));
     let model = Model::new(
         checkpoint.model_config().clone(),
         checkpoint.load_weights()?,

@@ -1,7 +1,8 @@
 //! The Rust half of the peer benchmark against llama.cpp (`bench/peer/run.sh` runs it):
 //!
-//! - `peer-llamacpp bandwidth`: the machine's read and copy bandwidth on every thread
-//!   (`bench::bandwidth`, best of 10 passes over 512 MiB), as one JSON line;
+//! - `peer-llamacpp bandwidth [--mib N]`: the machine's read and copy bandwidth on every
+//!   thread (best of 10 passes over 512 MiB, or N MiB), on 4 KiB and on 2 MiB pages, and the
+//!   better of the two as `read_gb_s`/`copy_gb_s`, as one JSON line;
 //! - `peer-llamacpp chart --json bench/results/peer-llamacpp.json --out FILE.svg`: the
 //!   measured medians as grouped bars, one group per row (prefill 128/512, decode b1/b4),
 //!   one bar per engine, tok/s on a log axis.
@@ -33,12 +34,15 @@ fn main() -> Result<()> {
                     .context("--mib needs a positive whole number of MiB")?,
                 None => bench::COPY_BYTES >> 20,
             };
-            let (copy, read) = bench::bandwidth_over(mib << 20, BANDWIDTH_PASSES);
+            let small = bench::bandwidth_on(bench::Pages::Small, mib << 20, BANDWIDTH_PASSES);
+            let huge = bench::bandwidth_on(bench::Pages::Huge, mib << 20, BANDWIDTH_PASSES);
             println!(
                 "{}",
                 serde_json::json!({
-                    "read_gb_s": read,
-                    "copy_gb_s": copy,
+                    "read_gb_s": small.1.max(huge.1),
+                    "copy_gb_s": small.0.max(huge.0),
+                    "read_4k_pages_gb_s": small.1,
+                    "read_2m_pages_gb_s": huge.1,
                     "buffer_mib": mib,
                     "threads": rayon::current_num_threads(),
                 })

@@ -83,7 +83,7 @@ pub fn mla_attention_compiled_for(
     // chunks are cut sets the rounding, and a backend that runs a contended step on fewer
     // threads must still give the same bits.
     let planned_threads = match tactic.threads {
-        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        0 => crate::cpu_tactic::machine_cores(),
         n => n,
     };
     let want_tasks = tactic.mla_tasks_per_thread * planned_threads;
