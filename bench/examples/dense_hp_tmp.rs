@@ -1,0 +1,26 @@
+use half::bf16;
+use kernels::dense::matmul_transposed;
+use kernels::matrix::MatrixView;
+use std::time::Instant;
+fn main() {
+    let (_, read) = bench::bandwidth(5);
+    for (rows, cols) in [(32768usize, 1024usize), (1024, 2816), (2048, 1024), (1536, 384), (512, 128)] {
+        let sets = (512usize << 20) / (rows * cols * 2) + 1;
+        let bytes = sets * rows * cols * 2;
+        let mut map = memmap2::MmapMut::map_anon(bytes).unwrap();
+        map.advise(memmap2::Advice::HugePage).unwrap();
+        let all: &mut [bf16] = unsafe { std::slice::from_raw_parts_mut(map.as_mut_ptr().cast(), bytes / 2) };
+        for (i, v) in all.iter_mut().enumerate() { *v = bf16::from_f32((i % 7) as f32 * 0.1); }
+        let x = vec![0.5f32; cols];
+        let mut out = vec![0.0f32; rows];
+        let mut best = f64::MAX;
+        for it in 0..60 {
+            let s = it % sets;
+            let start = Instant::now();
+            matmul_transposed(&x, 1, MatrixView::Bf16 { rows, cols, data: &all[s * rows * cols..(s + 1) * rows * cols] }, &mut out);
+            best = best.min(start.elapsed().as_secs_f64());
+        }
+        let gbs = (rows * cols * 2) as f64 / best / 1e9;
+        println!("{rows}x{cols}: {:.3} ms, {gbs:.1} GB/s, {:.2} of read {read:.1}", best * 1e3, gbs / read);
+    }
+}
