@@ -427,6 +427,8 @@ const DOT_KEYS: usize = 4;
 
 /// `[dot(a, b[0]), …, dot(a, b[3])]`, each in [`dot`]'s order (the same bits), computed side by
 /// side so that the four accumulator chains overlap.
+// The lane sums read best as acc[key][lane] indexed by the loop counters.
+#[allow(clippy::needless_range_loop)]
 #[inline(always)]
 fn dots(a: &[f32], b: [&[f32]; DOT_KEYS]) -> [f32; DOT_KEYS] {
     let full = a.len() / 16 * 16;
