@@ -56,21 +56,11 @@ impl WeightPlacement {
     pub fn auto(checkpoint_bytes: usize) -> Self {
         let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
             .is_ok_and(|s| s.contains("[always]") || s.contains("[madvise]"));
-        let available = std::fs::read_to_string("/proc/meminfo")
-            .ok()
-            .and_then(|m| mem_available_bytes(&m));
-        match available {
-            Some(bytes) if thp && checkpoint_bytes <= bytes / 2 => Self::HugePages,
+        match crate::input::available_memory_bytes() {
+            Some(bytes) if thp && checkpoint_bytes as u64 <= bytes / 2 => Self::HugePages,
             _ => Self::Mapped,
         }
     }
-}
-
-/// `MemAvailable` of `/proc/meminfo`'s text, in bytes.
-fn mem_available_bytes(meminfo: &str) -> Option<usize> {
-    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
 }
 
 /// An opened checkpoint: its configuration and its memory-mapped shards.
@@ -614,14 +604,15 @@ pub fn progress_bar(len: u64, what: &str) -> ProgressBar {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::input::mem_available_in;
 
     #[test]
     fn mem_available_is_read_from_meminfo_in_bytes() {
         let meminfo =
             "MemTotal:       24576000 kB\nMemFree:         1000 kB\nMemAvailable:   23000000 kB\n";
-        assert_eq!(mem_available_bytes(meminfo), Some(23_000_000 * 1024));
-        assert_eq!(mem_available_bytes("MemTotal: 5 kB\n"), None);
-        assert_eq!(mem_available_bytes("MemAvailable: lots kB\n"), None);
+        assert_eq!(mem_available_in(meminfo), Some(23_000_000 * 1024));
+        assert_eq!(mem_available_in("MemTotal: 5 kB\n"), None);
+        assert_eq!(mem_available_in("MemAvailable: lots kB\n"), None);
     }
 
     #[test]

@@ -52,8 +52,12 @@ impl FromStr for TokenIds {
 /// Bytes of memory the kernel says a new allocation can get without swapping (`MemAvailable`
 /// of `/proc/meminfo`); `None` where that is unknown.
 pub fn available_memory_bytes() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    mem_available_in(&std::fs::read_to_string("/proc/meminfo").ok()?)
+}
+
+/// `MemAvailable` of `/proc/meminfo`'s text, in bytes.
+pub fn mem_available_in(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib.saturating_mul(1024))
 }

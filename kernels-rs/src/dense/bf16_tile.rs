@@ -165,9 +165,16 @@ pub fn compute_rows_one_token(isa: Isa, x: &[f32], w: &[bf16], cols: usize, out:
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn rows_avx2_one(x: &[f32], w: &[bf16], cols: usize, out: &mut [f32]) {
+/// `one_row(tile, out)` for each row of `w` and its output, one token: the body of the per-ISA
+/// row loops, inlined into each so the kernel call inlines with the ISA's features.
+#[inline(always)]
+fn each_row_one_token(
+    x: &[f32],
+    w: &[bf16],
+    cols: usize,
+    out: &mut [f32],
+    mut one_row: impl FnMut(Tile<'_>, &mut [f32]),
+) {
     for (r, o) in out.iter_mut().enumerate() {
         let t = Tile {
             x,
@@ -176,25 +183,24 @@ unsafe fn rows_avx2_one(x: &[f32], w: &[bf16], cols: usize, out: &mut [f32]) {
             rows: 1,
             tokens: 1,
         };
-        // SAFETY: as this function's.
-        unsafe { tile_avx2_one(t, std::slice::from_mut(o)) };
+        one_row(t, std::slice::from_mut(o));
     }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn rows_avx2_one(x: &[f32], w: &[bf16], cols: usize, out: &mut [f32]) {
+    // SAFETY: as this function's.
+    each_row_one_token(x, w, cols, out, |t, o| unsafe { tile_avx2_one(t, o) });
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn rows_avx512_one(x: &[f32], w: &[bf16], cols: usize, out: &mut [f32]) {
-    for (r, o) in out.iter_mut().enumerate() {
-        let t = Tile {
-            x,
-            w: &w[r * cols..(r + 1) * cols],
-            cols,
-            rows: 1,
-            tokens: 1,
-        };
-        // SAFETY: as this function's.
-        unsafe { tile_avx512::<1, 1>(t, std::slice::from_mut(o), 1) };
-    }
+    // SAFETY: as this function's.
+    each_row_one_token(x, w, cols, out, |t, o| unsafe {
+        tile_avx512::<1, 1>(t, o, 1)
+    });
 }
 
 /// The 16-lane tree sum of the module documentation.

@@ -147,7 +147,7 @@ pub fn quantize_row_int_with(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         Isa::Avx2Fma => unsafe { quantize_blocks_avx2(row, input_scale, codes, corr, scales) },
-        _ => quantize_blocks(row, input_scale, codes, corr, scales),
+        _ => quantize_blocks(0, row, input_scale, codes, corr, scales),
     }
     // Padding: zero codes, correction and scale contribute exactly 0 to every lane.
     for b in blocks..padded_blocks(cols) {
@@ -166,21 +166,9 @@ fn magnitude_twice(ordinal: u8) -> i8 {
     (ordinal + ordinal.saturating_sub(4) + 2 * u8::from(ordinal == 7)) as i8
 }
 
-/// The blocks of [`quantize_row_int_with`] (not the padding).
+/// The blocks of [`quantize_row_int_with`] from block `first` on (not the padding).
 #[inline(always)]
 fn quantize_blocks(
-    row: &[f32],
-    input_scale: f32,
-    codes: &mut [i8],
-    corr: &mut [i32],
-    scales: &mut [f32],
-) {
-    quantize_blocks_from(0, row, input_scale, codes, corr, scales)
-}
-
-/// [`quantize_blocks`] of the blocks from `first` on.
-#[inline(always)]
-fn quantize_blocks_from(
     first: usize,
     row: &[f32],
     input_scale: f32,
@@ -223,7 +211,7 @@ fn quantize_blocks_avx512(
             )
         };
     }
-    quantize_blocks_from(groups * GROUP_BLOCKS, row, input_scale, codes, corr, scales)
+    quantize_blocks(groups * GROUP_BLOCKS, row, input_scale, codes, corr, scales)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -235,7 +223,7 @@ fn quantize_blocks_avx2(
     corr: &mut [i32],
     scales: &mut [f32],
 ) {
-    quantize_blocks(row, input_scale, codes, corr, scales)
+    quantize_blocks(0, row, input_scale, codes, corr, scales)
 }
 
 /// One block of [`quantize_row_int`]: its E4M3 scale code, the 16 values `2·e2m1` in
