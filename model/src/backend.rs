@@ -104,6 +104,49 @@ pub struct TunedCpuBackend {
     pool: Option<Arc<rayon::ThreadPool>>,
     /// Pools of fewer threads for contended steps, by size, made when first needed.
     reduced: Arc<std::sync::Mutex<Vec<Arc<rayon::ThreadPool>>>>,
+    contention: Arc<std::sync::Mutex<ContentionSamples>>,
+}
+
+/// How often a step re-reads how busy the other processes keep the cores. Reading
+/// `/proc/loadavg` and every thread's `stat` takes about 0.1 ms on a VM, 1.3 % of a decode step
+/// when it ran before every step (measured with `model run --profile-ops`, `mini`, 2 vCPUs;
+/// every 25 ms still cost 0.04 ms per step); the contention a step reacts to lasts seconds.
+pub const CONTENTION_SAMPLE_INTERVAL: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// The last two samples of [`step_threads`], for [`ContentionSamples::threads`].
+#[derive(Debug, Default)]
+struct ContentionSamples {
+    sampled_at: Option<std::time::Instant>,
+    /// Threads the newest and the one before allowed.
+    recent: [usize; 2],
+}
+
+impl ContentionSamples {
+    /// Threads a step at `now` should use out of `threads`: `sample()` (the cores other
+    /// processes leave) is re-read once [`CONTENTION_SAMPLE_INTERVAL`] has passed, and a step
+    /// runs on fewer threads only when the last two samples both say so. One sample can catch
+    /// a stray runnable thread (a kernel worker, a shell starting a command), which would
+    /// halve a two-thread step for nothing.
+    fn threads(
+        &mut self,
+        now: std::time::Instant,
+        threads: usize,
+        sample: impl FnOnce() -> usize,
+    ) -> usize {
+        let due = self
+            .sampled_at
+            .is_none_or(|at| now.duration_since(at) >= CONTENTION_SAMPLE_INTERVAL);
+        if due {
+            let previous = if self.sampled_at.is_some() {
+                self.recent[0]
+            } else {
+                threads
+            };
+            self.recent = [sample(), previous];
+            self.sampled_at = Some(now);
+        }
+        self.recent[0].max(self.recent[1]).clamp(1, threads)
+    }
 }
 
 /// Environment variable that turns the contended-step thread reduction off (`0`).
@@ -205,6 +248,7 @@ impl TunedCpuBackend {
             tactic,
             pool,
             reduced: Default::default(),
+            contention: Default::default(),
         })
     }
 
@@ -247,10 +291,11 @@ impl Backend for TunedCpuBackend {
             .as_ref()
             .map_or_else(rayon::current_num_threads, |p| p.current_num_threads());
         let adaptive = std::env::var_os(ADAPTIVE_THREADS_ENV).is_none_or(|v| v != "0");
-        let want = if adaptive {
-            step_threads(threads)
-        } else {
-            threads
+        let want = match self.contention.lock() {
+            Ok(mut samples) if adaptive => {
+                samples.threads(std::time::Instant::now(), threads, || step_threads(threads))
+            }
+            _ => threads,
         };
         match (want < threads).then(|| self.reduced_pool(want)).flatten() {
             Some(pool) => pool.install(|| {
@@ -378,6 +423,34 @@ mod tests {
             let n = step_threads(threads);
             assert!((1..=threads).contains(&n), "{threads} threads: {n}");
         }
+    }
+
+    #[test]
+    fn contention_is_sampled_at_intervals_and_acted_on_when_two_samples_agree() {
+        use std::time::{Duration, Instant};
+        let start = Instant::now();
+        let at = |ms: u64| start + Duration::from_millis(ms);
+        let mut samples = ContentionSamples::default();
+        let mut reads = 0;
+        let mut step = |samples: &mut ContentionSamples, now, free: usize| {
+            samples.threads(now, 2, || {
+                reads += 1;
+                free
+            })
+        };
+        // A first busy sample alone does not reduce the step; nor do steps before the next.
+        assert_eq!(step(&mut samples, at(0), 1), 2);
+        assert_eq!(step(&mut samples, at(5), 1), 2);
+        // The second busy sample agrees: one thread.
+        let next = CONTENTION_SAMPLE_INTERVAL.as_millis() as u64;
+        assert_eq!(step(&mut samples, at(next), 1), 1);
+        assert_eq!(step(&mut samples, at(next + 1), 2), 1);
+        // A quiet sample gives the threads back at once.
+        assert_eq!(step(&mut samples, at(2 * next), 2), 2);
+        // A stray busy sample between quiet ones changes nothing.
+        assert_eq!(step(&mut samples, at(3 * next), 1), 2);
+        assert_eq!(step(&mut samples, at(4 * next), 2), 2);
+        assert_eq!(reads, 5, "one read per interval");
     }
 
     /// Steps on a pool of several threads, with helpers waiting for their work awake: each

@@ -159,10 +159,16 @@ struct AbsorbedAttention {
 }
 
 impl AbsorbedAttention {
-    fn new(c: &ModelConfig, w: &AttentionWeights) -> Self {
-        let (nope, v_dim, latent) = (c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank);
-        let heads = w.kv_b.rows / (nope + v_dim);
-        let mut t = vec![half::bf16::ZERO; heads * latent * nope];
+    /// `(heads, L, P)` of a layer's W_UK.
+    fn shape(c: &ModelConfig, w: &AttentionWeights) -> (usize, usize, usize) {
+        let heads = w.kv_b.rows / (c.qk_nope_head_dim + c.v_head_dim);
+        (heads, c.kv_lora_rank, c.qk_nope_head_dim)
+    }
+
+    /// Writes W_UKᵀ of every head into `t` (`[heads · L, P]`).
+    fn transpose_into(c: &ModelConfig, w: &AttentionWeights, t: &mut [half::bf16]) {
+        let (heads, latent, nope) = Self::shape(c, w);
+        let v_dim = c.v_head_dim;
         for head in 0..heads {
             for p in 0..nope {
                 for (l, &value) in w.kv_b.row(head * (nope + v_dim) + p).iter().enumerate() {
@@ -170,9 +176,54 @@ impl AbsorbedAttention {
                 }
             }
         }
-        Self {
-            w_uk_t: Bf16Weight::owned(heads * latent, nope, t),
-        }
+    }
+
+    /// Every layer's, in one mapping on huge pages ([`derived_on_huge_pages`]), or owned
+    /// vectors where nothing could be mapped.
+    fn for_layers(c: &ModelConfig, layers: &[LayerWeights]) -> Vec<Self> {
+        let sizes: Vec<usize> = layers
+            .iter()
+            .map(|l| {
+                let (heads, latent, nope) = Self::shape(c, &l.attention);
+                heads * latent * nope
+            })
+            .collect();
+        let total: usize = sizes.iter().sum();
+        let memory = derived_on_huge_pages(total, |all| {
+            let mut rest = all;
+            for (l, &n) in layers.iter().zip(&sizes) {
+                let (layer, tail) = rest.split_at_mut(n);
+                Self::transpose_into(c, &l.attention, layer);
+                rest = tail;
+            }
+        });
+        let mut start = 0;
+        layers
+            .iter()
+            .zip(&sizes)
+            .map(|(l, &n)| {
+                let (heads, latent, nope) = Self::shape(c, &l.attention);
+                let data = match &memory {
+                    Some(memory) => Bf16Data::Derived {
+                        memory: memory.clone(),
+                        range: start * 2..(start + n) * 2,
+                    },
+                    None => {
+                        let mut t = vec![half::bf16::ZERO; n];
+                        Self::transpose_into(c, &l.attention, &mut t);
+                        Bf16Data::Owned(std::sync::Arc::new(t))
+                    }
+                };
+                start += n;
+                Self {
+                    w_uk_t: Bf16Weight {
+                        rows: heads * latent,
+                        cols: nope,
+                        data,
+                    },
+                }
+            })
+            .collect()
     }
 }
 
@@ -180,11 +231,7 @@ impl Model {
     pub fn new(config: ModelConfig, weights: ModelWeights) -> Self {
         let rope = Rope::new(&config);
         let softmax_scale = config.softmax_scale();
-        let absorbed = weights
-            .layers
-            .iter()
-            .map(|l| AbsorbedAttention::new(&config, &l.attention))
-            .collect();
+        let absorbed = AbsorbedAttention::for_layers(&config, &weights.layers);
         Self {
             config,
             weights,

@@ -27,6 +27,7 @@ pub mod generate;
 pub mod generator;
 pub mod input;
 pub mod nvfp4_file;
+pub mod op_profile;
 pub mod parsers;
 pub mod plan;
 pub mod quantize;

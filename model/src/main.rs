@@ -28,6 +28,7 @@ use model::generate::{
 use model::generator::{Preset, default_checkpoint, generate_checkpoint};
 use model::input::{InvalidInput, TokenIds, check_memory, largest_fitting};
 use model::nvfp4_file::{nvfp4_weight_names, read_nvfp4};
+use model::op_profile::ProfiledBackend;
 use model::plan::{PlanRequest, plan};
 use model::quantize::{quantize_checkpoint, random_tokens};
 use model::sampler::SamplingParams;
@@ -698,6 +699,10 @@ struct RunArgs {
     /// as llama-bench's warm-up run does for llama.cpp). CPU backend.
     #[arg(long)]
     warmup: bool,
+    /// Time every backend call of the timed run and print where a step's time goes, by
+    /// operation and shape, with the rate each product read its weights at. CPU backend.
+    #[arg(long)]
+    profile_ops: bool,
     #[command(flatten)]
     tp: TpArgs,
     #[command(flatten)]
@@ -1204,12 +1209,17 @@ fn run(args: RunArgs) -> Result<()> {
         }
         return tp::launch_ranks(args.tp.world(), &rank_args);
     }
-    if args.warmup && args.device.backend != BackendArg::Cpu {
-        return Err(InvalidInput(format!(
-            "--warmup is for --backend cpu, not {}",
-            args.device.backend.name()
-        ))
-        .into());
+    for (flag, set) in [
+        ("--warmup", args.warmup),
+        ("--profile-ops", args.profile_ops),
+    ] {
+        if set && args.device.backend != BackendArg::Cpu {
+            return Err(InvalidInput(format!(
+                "{flag} is for --backend cpu, not {}",
+                args.device.backend.name()
+            ))
+            .into());
+        }
     }
     let (checkpoint, mut model) = load(&dir, args.tp.shard(), |c| {
         args.cpu.placement(args.device.backend, c)
@@ -1249,7 +1259,16 @@ fn run(args: RunArgs) -> Result<()> {
             generate(&model, backend.as_ref(), &mut cache, &requests, |_, _| {})?;
         }
         let mut cache = model.new_cache(kv_dtype, total_tokens);
-        let out = generate(&model, backend.as_ref(), &mut cache, &requests, |_, _| {})?;
+        let out = if args.profile_ops {
+            let profiled = ProfiledBackend::new(backend.as_ref());
+            let out = generate(&model, &profiled, &mut cache, &requests, |_, _| {})?;
+            if !quiet {
+                print!("{}", profiled.report());
+            }
+            out
+        } else {
+            generate(&model, backend.as_ref(), &mut cache, &requests, |_, _| {})?
+        };
         if quiet {
             return Ok(());
         }

@@ -119,9 +119,7 @@ impl TensorFile {
             source,
         };
         let len = self.mmap.len();
-        let mut map = memmap2::MmapMut::map_anon(len.max(1)).map_err(open_error)?;
-        #[cfg(target_os = "linux")]
-        let _ = map.advise(memmap2::Advice::HugePage);
+        let mut map = huge_page_memory(len).map_err(open_error)?;
         // Copied in huge-page-sized pieces so that each piece faults in one huge page.
         const PIECE: usize = 2 << 20;
         map[..len]
@@ -380,6 +378,15 @@ impl TensorFile {
             expected,
         }
     }
+}
+
+/// A zeroed anonymous mapping of at least `len` bytes (one, for 0) asking for transparent huge
+/// pages (Linux `MADV_HUGEPAGE`; elsewhere, or where THP is off, ordinary pages).
+pub fn huge_page_memory(len: usize) -> std::io::Result<memmap2::MmapMut> {
+    let map = memmap2::MmapMut::map_anon(len.max(1))?;
+    #[cfg(target_os = "linux")]
+    let _ = map.advise(memmap2::Advice::HugePage);
+    Ok(map)
 }
 
 #[cfg(test)]

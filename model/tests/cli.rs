@@ -351,6 +351,43 @@ fn weights_on_huge_pages_or_mapped_decode_the_same_tokens() {
 }
 
 #[test]
+fn profiled_runs_decode_the_same_tokens_and_show_where_a_step_goes() {
+    let checkpoint = golden_model("kimi-tiny");
+    let run = |profile: bool| {
+        let mut cmd = model_cmd();
+        cmd.args(["run", "--max-new-tokens", "5", "--prompt", "5,6,7,8"])
+            .arg("--checkpoint")
+            .arg(&checkpoint);
+        if profile {
+            cmd.arg("--profile-ops");
+        }
+        run_ok(&mut cmd)
+    };
+    let sequences = |text: &str| {
+        text.lines()
+            .filter(|l| l.starts_with("sequence"))
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    let (plain, profiled) = (run(false), run(true));
+    assert_eq!(sequences(&plain), sequences(&profiled));
+    // Prefill is one step of the prompt's 4 rows; decode is 4 steps of one row (the fifth
+    // token comes from the last step's logits).
+    assert!(profiled.contains("1 steps of 4 row(s)"), "{profiled}");
+    assert!(profiled.contains("4 steps of 1 row(s)"), "{profiled}");
+    for part in [
+        "mla attention",
+        "moe top-",
+        "per-head",
+        "(between the calls)",
+        "GB/s",
+    ] {
+        assert!(profiled.contains(part), "no {part:?} in:\n{profiled}");
+    }
+    assert!(!plain.contains("(between the calls)"), "{plain}");
+}
+
+#[test]
 fn greedy_run_on_cuda_emulated_decodes_the_cpus_tokens() {
     let golden: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(

@@ -11,6 +11,10 @@
 //!    then fake-quantize `h` with `down_input_scale` per (token, slot);
 //! 3. down products per tile of hidden rows; then `out[t] = Σ_k w[t,k] · y[t,k]` in slot order.
 //!
+//! At decode (at most [`INT_GROUP`] tokens per expert, at least two routed experts per thread)
+//! the same steps run as one task per expert instead ([`ByExpert`]): each matrix is one
+//! sequential run per thread and the threads join once per call.
+//!
 //! Each weight row is read once per call for all the tokens routed to its expert and decoded in
 //! registers; nothing dequantized is ever written to memory. The tactic's
 //! [`MoeDot`] picks the dot products:
@@ -30,7 +34,9 @@ use rayon::prelude::*;
 use std::cell::Cell;
 use std::ops::Range;
 
-use super::cpu_int::{IntActs, nvfp4_rows_dots_int, padded_blocks, padded_cols, quantize_row_int};
+use super::cpu_int::{
+    INT_GROUP, IntActs, nvfp4_rows_dots_int, padded_blocks, padded_cols, quantize_row_int,
+};
 use super::cpu_simd::{Isa, fake_quantize_row_fast, interleave_blocks, nvfp4_rows_dots};
 use super::reference::{ExpertInputAmax, ExpertView, Routing, silu};
 use crate::cpu_tactic::{CpuTactic, MoeDot};
@@ -175,6 +181,45 @@ pub fn moe_cpu_tuned(
     out: &mut [f32],
     amax: Option<&mut ExpertInputAmax>,
 ) {
+    moe_cpu_split(
+        Split::Auto,
+        tactic,
+        isa,
+        x,
+        hidden,
+        routing,
+        experts,
+        out,
+        amax,
+    );
+}
+
+/// How a call's work is split into parallel tasks; every split gives the same bits (the tests
+/// force each one; the kernels choose with [`Split::Auto`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(not(test), allow(dead_code))]
+enum Split {
+    /// [`ByExpert`] where [`Plan::expert_tasks_pay`], else [`Split::Phases`].
+    Auto,
+    /// Four parallel phases over `(expert, row tile)` items (the module documentation).
+    Phases,
+    /// One task per routed expert ([`ByExpert`]; calibration, which records activation
+    /// maxima, always takes the phases).
+    ByExpert,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn moe_cpu_split(
+    split: Split,
+    tactic: &CpuTactic,
+    isa: Isa,
+    x: &[f32],
+    hidden: usize,
+    routing: &Routing,
+    experts: &[ExpertView<'_>],
+    out: &mut [f32],
+    amax: Option<&mut ExpertInputAmax>,
+) {
     if let Err(e) = tactic.validate() {
         panic!("{e}");
     }
@@ -207,6 +252,24 @@ pub fn moe_cpu_tuned(
         .collect();
     let plan = Plan::new(routing, experts.len(), &inters, tactic.moe_item_bytes);
     let int_dot = tactic.moe_dot == MoeDot::IntDot && experts.iter().all(is_w4a4);
+    let by_expert = match split {
+        Split::Auto => plan.expert_tasks_pay(),
+        Split::Phases => false,
+        Split::ByExpert => true,
+    };
+    if by_expert && amax.is_none() && hidden > 0 {
+        let by_expert = ByExpert {
+            isa,
+            int_dot,
+            x,
+            hidden,
+            inters: &inters,
+            experts,
+            plan: &plan,
+        };
+        by_expert.run(routing, out);
+        return;
+    }
 
     // Phase 1: the quantized inputs, one row per (token, slot) in expert order.
     let mut scratch = SCRATCH.with(Cell::take);
@@ -425,6 +488,154 @@ pub fn moe_cpu_tuned(
     }
 }
 
+/// The decode path: one task per routed expert, each the whole chain for its few tokens
+/// (quantize the inputs, gate and up over all intermediate rows, quantize `h`, down over all
+/// hidden rows), where the phase path runs four parallel phases with a join after each.
+///
+/// Why: at decode every expert streams a few hundred KB per matrix. Measured on a 2-vCPU KVM
+/// guest (the `mini` preset's 64 × 384 × 1024 experts, top-8, one token,
+/// `examples/moe_decode_speed`): a thread streaming the integer kernel through matrices of
+/// 72 KB (the phase path's items) reads at 9.5 GB/s, through 1 MB runs at 16 GB/s; every jump
+/// to a new stream costs microseconds before the prefetchers catch up. Here each matrix is
+/// one run, the two quantizations run in parallel instead of on one thread, and the threads
+/// wait for each other once per call instead of four times. Every product and quantization is
+/// the same function of the same values as on the phase path, so the bits are the same.
+struct ByExpert<'a> {
+    isa: Isa,
+    int_dot: bool,
+    x: &'a [f32],
+    hidden: usize,
+    inters: &'a [usize],
+    experts: &'a [ExpertView<'a>],
+    plan: &'a Plan,
+}
+
+/// One expert task's buffers, kept per thread across the tasks of a call.
+#[derive(Default)]
+struct ExpertScratch {
+    input: QuantizedRows,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    act: QuantizedRows,
+}
+
+/// Activation rows quantized for one kernel: integer codes, corrections and scales, or f32
+/// rows in the kernels' block order.
+#[derive(Default)]
+struct QuantizedRows {
+    int: IntBufs,
+    f32: Vec<f32>,
+}
+
+impl QuantizedRows {
+    /// Quantizes `rows(i)` for `i < n` (each `cols` wide) with `input_scale` (none: BF16
+    /// experts, copied as they are) and returns them as a kernel reads them.
+    fn quantize<'s>(
+        &'s mut self,
+        isa: Isa,
+        int_dot: bool,
+        n: usize,
+        cols: usize,
+        input_scale: Option<f32>,
+        rows: impl Fn(usize) -> &'s [f32],
+    ) -> Acts<'s> {
+        if int_dot {
+            let scale = input_scale.expect("W4A4 expert");
+            let (pc, pb) = (padded_cols(cols), padded_blocks(cols));
+            let codes = sized(&mut self.int.codes, n * pc);
+            let corr = sized(&mut self.int.corr, n * pb);
+            let scales = sized(&mut self.int.scales, n * pb);
+            for (i, ((codes, corr), scales)) in codes
+                .chunks_exact_mut(pc)
+                .zip(corr.chunks_exact_mut(pb))
+                .zip(scales.chunks_exact_mut(pb))
+                .enumerate()
+            {
+                quantize_row_int(rows(i), scale, codes, corr, scales);
+            }
+            Acts::Int(IntActs {
+                cols,
+                codes,
+                corr,
+                scales,
+                input_scale: scale,
+            })
+        } else {
+            let dst = sized(&mut self.f32, n * cols);
+            for (i, dst) in dst.chunks_exact_mut(cols).enumerate() {
+                match input_scale {
+                    Some(scale) => fake_quantize_row_fast(isa, rows(i), scale, dst),
+                    None => dst.copy_from_slice(rows(i)),
+                }
+                interleave_blocks(dst);
+            }
+            Acts::F32(dst)
+        }
+    }
+}
+
+impl ByExpert<'_> {
+    fn run(&self, routing: &Routing, out: &mut [f32]) {
+        let (plan, hidden) = (self.plan, self.hidden);
+        // y: each expert's [count, hidden] block, in expert order.
+        let mut y = vec![0.0f32; plan.rows() * hidden];
+        let mut tasks = Vec::new();
+        let mut rest = y.as_mut_slice();
+        for e in 0..self.experts.len() {
+            let n = plan.count(e);
+            if n > 0 {
+                let (block, tail) = rest.split_at_mut(n * hidden);
+                rest = tail;
+                tasks.push((e, block));
+            }
+        }
+        tasks
+            .into_par_iter()
+            .for_each_init(ExpertScratch::default, |scratch, (e, y)| {
+                self.expert(e, scratch, y)
+            });
+        let top_k = routing.top_k;
+        for (t, out_row) in out.chunks_exact_mut(hidden).enumerate() {
+            out_row.fill(0.0);
+            for k in 0..top_k {
+                let r = plan.slot_row[t * top_k + k];
+                let w = routing.weights[t * top_k + k];
+                for (o, &v) in out_row.iter_mut().zip(&y[r * hidden..(r + 1) * hidden]) {
+                    *o += w * v;
+                }
+            }
+        }
+    }
+
+    /// Expert `e`'s whole chain for its rows; `y` is its `[count, hidden]` output.
+    fn expert(&self, e: usize, scratch: &mut ExpertScratch, y: &mut [f32]) {
+        let (plan, hidden, isa) = (self.plan, self.hidden, self.isa);
+        let (ex, inter, n) = (&self.experts[e], self.inters[e], plan.count(e));
+        let first = plan.row_start[e];
+        let ExpertScratch {
+            input,
+            gate,
+            up,
+            act,
+        } = scratch;
+        let xe = input.quantize(isa, self.int_dot, n, hidden, ex.gate_up_input_scale, |i| {
+            let (t, _) = plan.order[first + i];
+            &self.x[t * hidden..(t + 1) * hidden]
+        });
+        let (gate, up) = (sized(gate, n * inter), sized(up, n * inter));
+        tile_dots(isa, &ex.gate, 0..inter, xe, n, gate, inter);
+        tile_dots(isa, &ex.up, 0..inter, xe, n, up, inter);
+        for (g, &u) in gate.iter_mut().zip(up.iter()) {
+            *g = silu(*g) * u;
+        }
+        let gate = &*gate;
+        let acts = act.quantize(isa, self.int_dot, n, inter, ex.down_input_scale, |i| {
+            &gate[i * inter..(i + 1) * inter]
+        });
+        tile_dots(isa, &ex.down, 0..hidden, acts, n, y, hidden);
+    }
+}
+
 /// Rows one task of the quantization and combine phases takes at least: a row is about a
 /// microsecond of work, and a decode step's eight are done before another thread would have
 /// woken for them.
@@ -536,6 +747,15 @@ impl Plan {
 
     fn rows(&self) -> usize {
         self.order.len()
+    }
+
+    /// Whether one task per expert ([`ByExpert`]) is the better split: every routed expert
+    /// has at most [`INT_GROUP`] rows (decode: one kernel pass covers them all) and there are
+    /// at least two experts per thread to balance the threads.
+    fn expert_tasks_pay(&self) -> bool {
+        let counts = (0..self.row_start.len() - 1).map(|e| self.count(e));
+        let used = counts.clone().filter(|&n| n > 0).count();
+        counts.max().is_some_and(|n| n <= INT_GROUP) && used >= 2 * rayon::current_num_threads()
     }
 
     fn count(&self, e: usize) -> usize {
@@ -949,6 +1169,47 @@ mod tests {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
         /// The work-item size only decides which thread computes which rows: any valid tactic
         /// is bit-identical to the default with its dot kind, on every ISA this CPU has.
+        #[test]
+        fn one_task_per_expert_gives_the_phases_bits(
+            seed in 0u64..1000,
+            case in 0usize..4,
+            tokens in 1usize..=INT_GROUP,
+            int_dot in proptest::bool::ANY,
+        ) {
+            let tactic = CpuTactic {
+                moe_dot: if int_dot { MoeDot::IntDot } else { MoeDot::F32Fma },
+                ..CpuTactic::DEFAULT
+            };
+            // Ragged and whole groups of 256, a heavy expert (one task of `tokens` rows).
+            let (hidden, inter, num_experts, top_k, heavy) = [
+                (256, 96, 6, 2, None),
+                (512, 64, 8, 8, None),
+                (128, 320, 5, 3, Some(2)),
+                (1024, 384, 16, 8, None),
+            ][case];
+            let mut rng = Rng(seed);
+            let w = Weights::new(&mut rng, num_experts, hidden, inter);
+            let experts = w.views();
+            let routing = routing(&mut rng, tokens, top_k, num_experts, &[], heavy);
+            let x = rng.values(tokens * hidden, 1.0);
+            for isa in Isa::all_supported() {
+                let run = |split| {
+                    let mut out = vec![f32::NAN; tokens * hidden];
+                    moe_cpu_split(split, &tactic, isa, &x, hidden, &routing, &experts, &mut out, None);
+                    out
+                };
+                let (phases, by_expert) = (run(Split::Phases), run(Split::ByExpert));
+                proptest::prop_assert!(
+                    phases.iter().all(|v| v.is_finite()),
+                    "{isa:?}: the phases gave non-finite outputs"
+                );
+                proptest::prop_assert!(
+                    by_expert.iter().zip(&phases).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{isa:?} int_dot={int_dot}: one task per expert differs from the phases"
+                );
+            }
+        }
+
         #[test]
         fn every_tactic_is_bit_identical_to_the_default(
             item_bytes in 1usize..(64 << 10),

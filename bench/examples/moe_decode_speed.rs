@@ -1,0 +1,113 @@
+//! Speed of the routed experts at decode shapes (the `mini` preset's 64 experts of 384 × 1024,
+//! top-8, one token), inside a step as `model run` runs it (`TunedCpuBackend::run_step`: the
+//! pool's other threads waiting awake), on 2 MiB pages, rotating through more expert weights
+//! than the last-level cache holds, so every call streams from DRAM. Each expert's tensors lie
+//! together as in a checkpoint. Prints µs per call and the rate the routed experts' bytes were
+//! read at, against the machine's read bandwidth.
+//!
+//! ```sh
+//! cargo run --release -p bench --example moe_decode_speed [-- HIDDEN INTER EXPERTS TOP_K]
+//! ```
+use std::time::Instant;
+
+use kernels::cpu_tactic::CpuTactic;
+use kernels::formats::nvfp4::Nvfp4View;
+use kernels::matrix::MatrixView;
+use kernels::moe_gemm::reference::{ExpertView, Routing};
+use model::backend::{Backend, TunedCpuBackend};
+
+fn main() {
+    let arg = |i: usize, default: usize| {
+        std::env::args()
+            .nth(i)
+            .map_or(default, |s| s.parse().expect("a number"))
+    };
+    let (hidden, inter, experts, top_k) = (arg(1, 1024), arg(2, 384), arg(3, 64), arg(4, 8));
+    let (_, read) = bench::bandwidth(3);
+    let matrix_bytes = |rows: usize, cols: usize| rows * cols / 2 + rows * cols / 16;
+    let expert_bytes = 2 * matrix_bytes(inter, hidden) + matrix_bytes(hidden, inter);
+    let layers = (768usize << 20) / (experts * expert_bytes) + 1;
+    let total = layers * experts * expert_bytes;
+    let mut map = model::tensor_file::huge_page_memory(total).expect("anonymous memory");
+    for (i, b) in map.iter_mut().enumerate() {
+        *b = (i.wrapping_mul(2654435761) >> 13) as u8;
+    }
+    // Each expert's tensors lie together, as in the checkpoint (safetensors sorts by name):
+    // down, gate, up, each its packed bytes then its scales. Scale bytes must be finite E4M3:
+    // keep them in the normal range.
+    let scale_bytes = inter * hidden / 16;
+    let packed_bytes = inter * hidden / 2;
+    for e in 0..layers * experts {
+        for k in 0..3 {
+            let at = e * expert_bytes + k * (packed_bytes + scale_bytes) + packed_bytes;
+            for (i, s) in map[at..at + scale_bytes].iter_mut().enumerate() {
+                *s = 0x30 | (i % 16) as u8;
+            }
+        }
+    }
+    let bytes: &[u8] = &map;
+    let mut layer_views = Vec::new();
+    for l in 0..layers {
+        let mut views = Vec::new();
+        for e in 0..experts {
+            let base = (l * experts + e) * expert_bytes;
+            let m = |k: usize, rows: usize, cols: usize| {
+                let at = base + k * (packed_bytes + scale_bytes);
+                MatrixView::Nvfp4(Nvfp4View {
+                    rows,
+                    cols,
+                    packed: &bytes[at..at + packed_bytes],
+                    block_scales: &bytes[at + packed_bytes..at + packed_bytes + scale_bytes],
+                    global_scale: 1e-3,
+                })
+            };
+            views.push(ExpertView {
+                gate: m(1, inter, hidden),
+                up: m(2, inter, hidden),
+                down: m(0, hidden, inter),
+                gate_up_input_scale: Some(1.0 / 2688.0),
+                down_input_scale: Some(1.0 / 2688.0),
+            });
+        }
+        layer_views.push(views);
+    }
+    let x: Vec<f32> = (0..hidden)
+        .map(|i| ((i * 7919) % 199) as f32 / 99.0 - 1.0)
+        .collect();
+    let mut out = vec![0.0f32; hidden];
+    let tactic = CpuTactic::default();
+    let backend = TunedCpuBackend::new(tactic).expect("the default tactic");
+    let routed_bytes = top_k * (3 * matrix_bytes(inter, hidden));
+    for round in 0..3 {
+        let calls = layers * 20;
+        let mut time = 0.0;
+        backend.run_step(&mut || {
+            let start = Instant::now();
+            for c in 0..calls {
+                let routing = Routing {
+                    top_k,
+                    experts: (0..top_k)
+                        .map(|k| ((c * 13 + k * 7) % experts) as u32)
+                        .collect(),
+                    weights: vec![1.0 / top_k as f32; top_k],
+                };
+                backend.moe(
+                    &x,
+                    hidden,
+                    &routing,
+                    &layer_views[c % layers],
+                    &mut out,
+                    None,
+                );
+            }
+            time = start.elapsed().as_secs_f64() / calls as f64;
+        });
+        let gbs = routed_bytes as f64 / time / 1e9;
+        println!(
+            "round {round}: {:.1} µs per call, routed experts {:.2} MB at {gbs:.1} GB/s, {:.2} of read {read:.1}",
+            time * 1e6,
+            routed_bytes as f64 / 1e6,
+            gbs / read
+        );
+    }
+}
