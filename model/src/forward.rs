@@ -701,16 +701,44 @@ fn round_to_bf16(values: &mut [f32]) {
 
 /// RMSNorm in FP32: `x / sqrt(mean(x²) + eps) · w`.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f64) -> Vec<f32> {
-    let mean_square = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
-    let inv = 1.0 / (mean_square + eps as f32).sqrt();
-    x.iter().zip(weight).map(|(v, w)| w * (v * inv)).collect()
+    let mut out = vec![0.0; x.len().min(weight.len())];
+    rms_norm_into(x, weight, eps, &mut out);
+    out
 }
 
-fn rms_norm_rows(x: &[f32], dim: usize, weight: &[f32], eps: f64) -> Vec<f32> {
-    x.chunks_exact(dim)
-        .flat_map(|row| rms_norm(row, weight, eps))
-        .collect()
+/// [`rms_norm`] written into `out`.
+fn rms_norm_into(x: &[f32], weight: &[f32], eps: f64, out: &mut [f32]) {
+    let mean_square = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let inv = 1.0 / (mean_square + eps as f32).sqrt();
+    for ((o, v), w) in out.iter_mut().zip(x).zip(weight) {
+        *o = w * (v * inv);
+    }
 }
+
+/// [`rms_norm`] of every row, the rows of a prefill in parallel (each row's sum in the same
+/// order as alone).
+fn rms_norm_rows(x: &[f32], dim: usize, weight: &[f32], eps: f64) -> Vec<f32> {
+    use rayon::prelude::*;
+    let mut out = vec![0.0; x.len() / dim.max(1) * dim];
+    if dim == 0 {
+        return out;
+    }
+    if x.len() / dim >= NORM_PARALLEL_ROWS {
+        x.par_chunks_exact(dim)
+            .zip(out.par_chunks_exact_mut(dim))
+            .with_min_len(NORM_PARALLEL_ROWS / 2)
+            .for_each(|(row, o)| rms_norm_into(row, weight, eps, o));
+    } else {
+        for (row, o) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
+            rms_norm_into(row, weight, eps, o);
+        }
+    }
+    out
+}
+
+/// Rows from which [`rms_norm_rows`] runs in parallel: a row of a few thousand elements is a
+/// microsecond, less than waking a thread for it.
+const NORM_PARALLEL_ROWS: usize = 32;
 
 fn add_in_place(x: &mut [f32], y: &[f32]) {
     for (a, b) in x.iter_mut().zip(y) {
