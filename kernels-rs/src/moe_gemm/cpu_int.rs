@@ -223,7 +223,21 @@ fn quantize_blocks_avx2(
     corr: &mut [i32],
     scales: &mut [f32],
 ) {
-    quantize_blocks(0, row, input_scale, codes, corr, scales)
+    let groups = row.len() / GROUP_ELEMENTS;
+    for g in 0..groups {
+        // SAFETY: AVX2 and FMA (this function's features); as in quantize_blocks_avx512.
+        unsafe {
+            x86::quantize_group_avx2(
+                &row[g * GROUP_ELEMENTS..],
+                input_scale,
+                g,
+                codes,
+                corr,
+                scales,
+            )
+        };
+    }
+    quantize_blocks(groups * GROUP_BLOCKS, row, input_scale, codes, corr, scales)
 }
 
 /// One block of [`quantize_row_int`]: its E4M3 scale code, the 16 values `2·e2m1` in
@@ -503,7 +517,13 @@ mod x86 {
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     fn e4m3x8(codes: __m128i) -> __m256 {
-        let c = _mm256_cvtepu8_epi32(codes);
+        e4m3x8_lanes(_mm256_cvtepu8_epi32(codes))
+    }
+
+    /// [`e4m3x8`] of codes already in the 32-bit lanes of `c`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn e4m3x8_lanes(c: __m256i) -> __m256 {
         let magnitude = _mm256_and_si256(c, _mm256_set1_epi32(0x7F));
         let sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
         let bits = _mm256_or_si256(_mm256_slli_epi32(magnitude, 20), sign);
@@ -640,6 +660,209 @@ mod x86 {
             _mm512_storeu_si512(corr.as_mut_ptr().add(g * GROUP_BLOCKS).cast(), corr_v);
             _mm512_storeu_ps(scales.as_mut_ptr().add(g * GROUP_BLOCKS), sw);
         }
+    }
+
+    /// [`quantize_group_avx512`] for AVX2, the 16 blocks of group `g` as two halves of eight
+    /// (lane `j` of half `h`: block `8h + j`); the same IEEE operations in the same order, so
+    /// the same bits. The per-block code it replaces ran at about 4 ns per element.
+    ///
+    /// # Safety
+    /// AVX2 and FMA; as for [`quantize_group_avx512`].
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn quantize_group_avx2(
+        row: &[f32],
+        input_scale: f32,
+        g: usize,
+        codes: &mut [i8],
+        corr: &mut [i32],
+        scales: &mut [f32],
+    ) {
+        use crate::formats::e2m1::E2M1_MAX;
+        use crate::formats::e4m3::{E4M3_MAX, E4M3_MIN_SUBNORMAL};
+        assert!(row.len() >= GROUP_ELEMENTS);
+        assert!(codes.len() >= (g + 1) * GROUP_ELEMENTS);
+        assert!(corr.len() >= (g + 1) * GROUP_BLOCKS && scales.len() >= (g + 1) * GROUP_BLOCKS);
+        let sign_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+        let abs = |v: __m256| _mm256_and_ps(v, sign_mask);
+        let blend = |mask: __m256, no: __m256, yes: __m256| _mm256_blendv_ps(no, yes, mask);
+        for half in 0..2 {
+            let first = 8 * half * NVFP4_BLOCK;
+            // Vector e: element e of the half's 8 blocks (two 8 × 8 transposes).
+            // SAFETY: 16 loads of 8 floats inside `row[..256]`.
+            let load = |j: usize, e0: usize| unsafe {
+                _mm256_loadu_ps(row.as_ptr().add(first + NVFP4_BLOCK * j + e0))
+            };
+            let lo = transpose8(std::array::from_fn(|j| load(j, 0)));
+            let hi = transpose8(std::array::from_fn(|j| load(j, 8)));
+            let t: [__m256; 16] = std::array::from_fn(|e| if e < 8 { lo[e] } else { hi[e - 8] });
+            let mut amax = _mm256_setzero_ps();
+            let mut any_nan = _mm256_setzero_ps();
+            for &v in &t {
+                amax = _mm256_max_ps(abs(v), amax);
+                any_nan = _mm256_or_ps(any_nan, _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+            }
+            let amax = blend(any_nan, amax, _mm256_set1_ps(f32::NAN));
+            let mut scale = _mm256_div_ps(amax, _mm256_set1_ps(E2M1_MAX * input_scale));
+            let zero = _mm256_cmp_ps::<_CMP_EQ_OQ>(scale, _mm256_setzero_ps());
+            scale = blend(zero, scale, _mm256_set1_ps(1.0));
+            let min = _mm256_set1_ps(E4M3_MIN_SUBNORMAL);
+            scale = blend(_mm256_cmp_ps::<_CMP_LT_OQ>(scale, min), scale, min);
+            let max = _mm256_set1_ps(E4M3_MAX);
+            scale = blend(_mm256_cmp_ps::<_CMP_GT_OQ>(scale, max), scale, max);
+            let sw = e4m3x8_lanes(e4m3_codes_avx2(scale));
+            let factor = _mm256_mul_ps(sw, _mm256_set1_ps(input_scale));
+            let mut values = [_mm256_setzero_si256(); 16];
+            let mut sum = _mm256_setzero_si256();
+            for (e, v) in values.iter_mut().enumerate() {
+                let q = _mm256_div_ps(t[e], factor);
+                let m = abs(q);
+                // A true compare is −1 in every bit: subtracting it counts it.
+                let count = |ordinal: __m256i, mask: __m256| {
+                    _mm256_sub_epi32(ordinal, _mm256_castps_si256(mask))
+                };
+                let mut ordinal = _mm256_setzero_si256();
+                for bound in super::MIDPOINTS {
+                    ordinal = count(
+                        ordinal,
+                        _mm256_cmp_ps::<_CMP_LT_OQ>(_mm256_set1_ps(bound), m),
+                    );
+                }
+                let tie = _mm256_or_ps(
+                    _mm256_or_ps(
+                        _mm256_cmp_ps::<_CMP_EQ_OQ>(m, _mm256_set1_ps(0.75)),
+                        _mm256_cmp_ps::<_CMP_EQ_OQ>(m, _mm256_set1_ps(1.75)),
+                    ),
+                    _mm256_cmp_ps::<_CMP_EQ_OQ>(m, _mm256_set1_ps(3.5)),
+                );
+                ordinal = count(ordinal, tie);
+                let m_nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(m, m));
+                ordinal = _mm256_blendv_epi8(ordinal, _mm256_set1_epi32(7), m_nan);
+                // magnitude_twice: o + max(o − 4, 0) + 2·(o == 7).
+                let mut twice = _mm256_add_epi32(
+                    ordinal,
+                    _mm256_max_epi32(
+                        _mm256_sub_epi32(ordinal, _mm256_set1_epi32(4)),
+                        _mm256_setzero_si256(),
+                    ),
+                );
+                let seven = _mm256_cmpeq_epi32(ordinal, _mm256_set1_epi32(7));
+                twice = _mm256_add_epi32(twice, _mm256_and_si256(seven, _mm256_set1_epi32(2)));
+                let negative =
+                    _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LT_OQ>(q, _mm256_setzero_ps()));
+                let negated = _mm256_sub_epi32(_mm256_setzero_si256(), twice);
+                *v = _mm256_blendv_epi8(twice, negated, negative);
+                sum = _mm256_add_epi32(sum, *v);
+            }
+            // Plane k, byte m of lane j: element (k & 1) | m << 1 | (k >> 1) << 3 of block j;
+            // this half's 8 blocks are bytes 32h..32h+32 of each 64-byte plane.
+            let byte = _mm256_set1_epi32(0xFF);
+            for k in 0..4 {
+                let mut plane = _mm256_setzero_si256();
+                for m in 0..4 {
+                    let e = (k & 1) | (m << 1) | ((k >> 1) << 3);
+                    let b = _mm256_and_si256(values[e], byte);
+                    plane = _mm256_or_si256(
+                        plane,
+                        _mm256_sllv_epi32(b, _mm256_set1_epi32(8 * m as i32)),
+                    );
+                }
+                // SAFETY: 32 bytes of plane k of group g, inside `codes` (asserted above).
+                unsafe {
+                    _mm256_storeu_si256(
+                        codes
+                            .as_mut_ptr()
+                            .add(g * GROUP_ELEMENTS + 64 * k + 32 * half)
+                            .cast(),
+                        plane,
+                    )
+                };
+            }
+            let corr_v = _mm256_mullo_epi32(sum, _mm256_set1_epi32(-super::WEIGHT_OFFSET));
+            let at = g * GROUP_BLOCKS + 8 * half;
+            // SAFETY: 8 entries of group g's `corr` and `scales` (asserted above).
+            unsafe {
+                _mm256_storeu_si256(corr.as_mut_ptr().add(at).cast(), corr_v);
+                _mm256_storeu_ps(scales.as_mut_ptr().add(at), sw);
+            }
+        }
+    }
+
+    /// [`e4m3_codes`] for AVX2.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn e4m3_codes_avx2(x: __m256) -> __m256i {
+        let bits = _mm256_castps_si256(x);
+        let abs_bits = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFF_FFFF));
+        let rebased = _mm256_sub_epi32(abs_bits, _mm256_set1_epi32((127 - 7) << 23));
+        let lsb = _mm256_and_si256(_mm256_srli_epi32::<20>(rebased), _mm256_set1_epi32(1));
+        let rounded = _mm256_add_epi32(_mm256_add_epi32(rebased, _mm256_set1_epi32(0x7FFFF)), lsb);
+        let normal = _mm256_min_epi32(_mm256_srli_epi32::<20>(rounded), _mm256_set1_epi32(0x7E));
+        let sub = _mm256_cvtps_epi32(_mm256_round_ps::<
+            { _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC },
+        >(_mm256_mul_ps(x, _mm256_set1_ps(512.0))));
+        let below_normal = _mm256_cmpgt_epi32(_mm256_set1_epi32(121 << 23), abs_bits);
+        let code = _mm256_blendv_epi8(normal, sub, below_normal);
+        let sign = _mm256_and_si256(_mm256_srli_epi32::<24>(bits), _mm256_set1_epi32(0x80));
+        let is_nan = _mm256_cmpgt_epi32(abs_bits, _mm256_set1_epi32(0x7F80_0000));
+        let code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7F), is_nan);
+        _mm256_or_si256(code, sign)
+    }
+
+    /// The 8 × 8 transpose: vector `e` of the result holds element `e` of every input vector.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
+        let t: [__m256; 8] = std::array::from_fn(|i| {
+            let (a, b) = (r[2 * (i / 2)], r[2 * (i / 2) + 1]);
+            if i % 2 == 0 {
+                _mm256_unpacklo_ps(a, b)
+            } else {
+                _mm256_unpackhi_ps(a, b)
+            }
+        });
+        // t[2p] = a0 b0 a1 b1 | a4 b4 a5 b5, t[2p+1] = a2 b2 a3 b3 | a6 b6 a7 b7.
+        let u: [__m256; 8] = std::array::from_fn(|i| {
+            let base = 4 * (i / 4) + (i % 2);
+            let (a, b) = (t[base], t[base + 2]);
+            if (i / 2) % 2 == 0 {
+                _mm256_shuffle_ps::<0b01_00_01_00>(a, b)
+            } else {
+                _mm256_shuffle_ps::<0b11_10_11_10>(a, b)
+            }
+        });
+        // u[4q + c]: per 128-bit half l, element 4l + c' of rows 4q..4q+4.
+        let w: [__m256; 8] = std::array::from_fn(|i| {
+            let (a, b) = (u[i % 4], u[i % 4 + 4]);
+            if i < 4 {
+                _mm256_permute2f128_ps::<0x20>(a, b)
+            } else {
+                _mm256_permute2f128_ps::<0x31>(a, b)
+            }
+        });
+        // The stages leave element e in vector e with its two low bits swapped.
+        std::array::from_fn(|e| w[(e & !3) | ((e & 1) << 1) | ((e >> 1) & 1)])
+    }
+
+    #[cfg(test)]
+    #[test]
+    fn transpose8_transposes() {
+        if !is_x86_feature_detected!("avx2") || !is_x86_feature_detected!("fma") {
+            println!("skipped: no AVX2 on this CPU");
+            return;
+        }
+        let m: Vec<f32> = (0..64).map(|i| i as f32).collect();
+        // SAFETY: AVX2 checked above; 8 loads of 8 floats inside `m`.
+        let out = unsafe {
+            let rows: [__m256; 8] = std::array::from_fn(|j| _mm256_loadu_ps(m.as_ptr().add(8 * j)));
+            transpose8(rows)
+        };
+        let mut got = [[0.0f32; 8]; 8];
+        for (e, v) in out.iter().enumerate() {
+            // SAFETY: 8 floats.
+            unsafe { _mm256_storeu_ps(got[e].as_mut_ptr(), *v) };
+        }
+        let want: [[f32; 8]; 8] = std::array::from_fn(|e| std::array::from_fn(|j| m[8 * j + e]));
+        assert_eq!(got, want);
     }
 
     #[cfg(test)]
