@@ -187,9 +187,18 @@ fn quantize_blocks(
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw")]
-fn quantize_blocks_avx512(
+/// One whole group's quantization by a vector kernel: `(row from the group on, input_scale,
+/// group, codes, corr, scales)`.
+type GroupKernel = unsafe fn(&[f32], f32, usize, &mut [i8], &mut [i32], &mut [f32]);
+
+/// The row's whole groups by `group`, the blocks past them by [`quantize_blocks`].
+///
+/// # Safety
+/// The CPU supports what `group` needs; the outputs hold `padded_cols` / `padded_blocks` of
+/// the row (the caller's asserts).
+#[inline(always)]
+unsafe fn quantize_by_groups(
+    group: GroupKernel,
     row: &[f32],
     input_scale: f32,
     codes: &mut [i8],
@@ -198,10 +207,9 @@ fn quantize_blocks_avx512(
 ) {
     let groups = row.len() / GROUP_ELEMENTS;
     for g in 0..groups {
-        // SAFETY: AVX-512F/BW (this function's features); group g is whole in `row`, and the
-        // outputs hold padded_cols / padded_blocks (asserted by the caller), past group g.
+        // SAFETY: the caller's contract; group g is whole in `row`.
         unsafe {
-            x86::quantize_group_avx512(
+            group(
                 &row[g * GROUP_ELEMENTS..],
                 input_scale,
                 g,
@@ -215,6 +223,28 @@ fn quantize_blocks_avx512(
 }
 
 #[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn quantize_blocks_avx512(
+    row: &[f32],
+    input_scale: f32,
+    codes: &mut [i8],
+    corr: &mut [i32],
+    scales: &mut [f32],
+) {
+    // SAFETY: AVX-512F/BW (this function's features); the caller asserted the outputs.
+    unsafe {
+        quantize_by_groups(
+            x86::quantize_group_avx512,
+            row,
+            input_scale,
+            codes,
+            corr,
+            scales,
+        )
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 fn quantize_blocks_avx2(
     row: &[f32],
@@ -223,21 +253,17 @@ fn quantize_blocks_avx2(
     corr: &mut [i32],
     scales: &mut [f32],
 ) {
-    let groups = row.len() / GROUP_ELEMENTS;
-    for g in 0..groups {
-        // SAFETY: AVX2 and FMA (this function's features); as in quantize_blocks_avx512.
-        unsafe {
-            x86::quantize_group_avx2(
-                &row[g * GROUP_ELEMENTS..],
-                input_scale,
-                g,
-                codes,
-                corr,
-                scales,
-            )
-        };
+    // SAFETY: AVX2 and FMA (this function's features); the caller asserted the outputs.
+    unsafe {
+        quantize_by_groups(
+            x86::quantize_group_avx2,
+            row,
+            input_scale,
+            codes,
+            corr,
+            scales,
+        )
     }
-    quantize_blocks(groups * GROUP_BLOCKS, row, input_scale, codes, corr, scales)
 }
 
 /// One block of [`quantize_row_int`]: its E4M3 scale code, the 16 values `2·e2m1` in
