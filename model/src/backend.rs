@@ -291,11 +291,12 @@ impl Backend for TunedCpuBackend {
             .as_ref()
             .map_or_else(rayon::current_num_threads, |p| p.current_num_threads());
         let adaptive = std::env::var_os(ADAPTIVE_THREADS_ENV).is_none_or(|v| v != "0");
-        let want = match self.contention.lock() {
-            Ok(mut samples) if adaptive => {
+        let want = if adaptive {
+            self.contention.lock().map_or(threads, |mut samples| {
                 samples.threads(std::time::Instant::now(), threads, || step_threads(threads))
-            }
-            _ => threads,
+            })
+        } else {
+            threads
         };
         match (want < threads).then(|| self.reduced_pool(want)).flatten() {
             Some(pool) => pool.install(|| {

@@ -331,6 +331,19 @@ impl Checkpoint {
         }
     }
 
+    /// [`Self::place_weights`], timed: where the weights were copied into huge pages, how
+    /// much and how long it took (`"401.4 MiB in 0.39 s"`), for the line that says so.
+    pub fn place_weights_timed(&mut self, placement: WeightPlacement) -> Option<String> {
+        let started = std::time::Instant::now();
+        (self.place_weights(placement) == WeightPlacement::HugePages).then(|| {
+            format!(
+                "{:.1} MiB in {:.2} s",
+                self.file_bytes() as f64 / (1 << 20) as f64,
+                started.elapsed().as_secs_f64()
+            )
+        })
+    }
+
     /// Puts the weights where a CPU forward pass reads them fastest, as `placement` asks, and
     /// returns where they went: [`WeightPlacement::HugePages`] copies every shard into huge
     /// pages ([`TensorFile::copy_into_huge_pages`]) with a progress bar, and falls back to the

@@ -1038,13 +1038,11 @@ fn load(
     let config = checkpoint.model_config().clone();
     check_tensor_parallel(dir, &config, shard.world)?;
     let asked = placement(&checkpoint);
-    let started = std::time::Instant::now();
-    let placed = checkpoint.place_weights(asked);
-    if placed == WeightPlacement::HugePages && shard.rank == 0 {
+    if let Some(copied) = checkpoint.place_weights_timed(asked)
+        && shard.rank == 0
+    {
         eprintln!(
-            "weights: a copy on 2 MiB pages ({:.1} MiB in {:.2} s; --weights mapped reads the files' mapping)",
-            checkpoint.file_bytes() as f64 / (1 << 20) as f64,
-            started.elapsed().as_secs_f64()
+            "weights: a copy on 2 MiB pages ({copied}; --weights mapped reads the files' mapping)"
         );
     }
     let weights = checkpoint
@@ -1259,16 +1257,17 @@ fn run(args: RunArgs) -> Result<()> {
             generate(&model, backend.as_ref(), &mut cache, &requests, |_, _| {})?;
         }
         let mut cache = model.new_cache(kv_dtype, total_tokens);
-        let out = if args.profile_ops {
-            let profiled = ProfiledBackend::new(backend.as_ref());
-            let out = generate(&model, &profiled, &mut cache, &requests, |_, _| {})?;
-            if !quiet {
-                print!("{}", profiled.report());
-            }
-            out
-        } else {
-            generate(&model, backend.as_ref(), &mut cache, &requests, |_, _| {})?
+        let profiled = args
+            .profile_ops
+            .then(|| ProfiledBackend::new(backend.as_ref()));
+        let timed: &dyn Backend = match &profiled {
+            Some(p) => p,
+            None => backend.as_ref(),
         };
+        let out = generate(&model, timed, &mut cache, &requests, |_, _| {})?;
+        if let Some(p) = profiled.filter(|_| !quiet) {
+            print!("{}", p.report());
+        }
         if quiet {
             return Ok(());
         }

@@ -32,7 +32,7 @@ pub struct OpTotals {
 }
 
 /// The steps whose calls carried at most `tokens` rows (and some carried that many).
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct StepTotals {
     pub tokens: usize,
     pub steps: u64,
@@ -45,8 +45,8 @@ pub struct StepTotals {
 #[derive(Default)]
 struct Recorder {
     ops: BTreeMap<OpKey, OpTotals>,
-    /// Steps by the most rows any of their calls carried: count, whole time, time in calls.
-    steps: BTreeMap<usize, (u64, Duration, Duration)>,
+    /// Steps by the most rows any of their calls carried.
+    steps: BTreeMap<usize, StepTotals>,
     step_calls: Duration,
     step_tokens: usize,
 }
@@ -90,15 +90,7 @@ impl<'a> ProfiledBackend<'a> {
         let r = self.recorder.lock().unwrap_or_else(|e| e.into_inner());
         (
             r.ops.iter().map(|(k, v)| (k.clone(), *v)).collect(),
-            r.steps
-                .iter()
-                .map(|(&tokens, &(steps, time, in_calls))| StepTotals {
-                    tokens,
-                    steps,
-                    time,
-                    in_calls,
-                })
-                .collect(),
+            r.steps.values().copied().collect(),
         )
     }
 
@@ -275,10 +267,13 @@ impl Backend for ProfiledBackend<'_> {
         let all = start.elapsed();
         let mut r = self.recorder.lock().unwrap_or_else(|e| e.into_inner());
         let (tokens, calls) = (r.step_tokens, r.step_calls);
-        let entry = r.steps.entry(tokens).or_default();
-        entry.0 += 1;
-        entry.1 += all;
-        entry.2 += calls;
+        let entry = r.steps.entry(tokens).or_insert(StepTotals {
+            tokens,
+            ..StepTotals::default()
+        });
+        entry.steps += 1;
+        entry.time += all;
+        entry.in_calls += calls;
     }
 
     fn all_reduce_sum(&self, data: &mut [f32]) -> Result<(), String> {

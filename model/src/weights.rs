@@ -44,8 +44,7 @@ impl Bf16Data {
 /// decode step like the checkpoint's own weights, and on 4 KiB pages each page is a TLB miss
 /// (on a 2-vCPU KVM guest the per-head W_UK products read a heap copy at 15 GB/s where the
 /// products on huge pages ran at 22–27; measured with `model run --profile-ops`).
-/// `fill(bytes)` writes the values as little-endian BF16; returns `None` if no memory could be
-/// mapped.
+/// `fill` writes the `values` values; returns `None` if no memory could be mapped.
 pub fn derived_on_huge_pages(
     values: usize,
     fill: impl FnOnce(&mut [bf16]),

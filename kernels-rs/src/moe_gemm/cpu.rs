@@ -293,10 +293,8 @@ fn moe_cpu_split(
                 let (t, _) = plan.order[r];
                 let row = &x[t * hidden..(t + 1) * hidden];
                 *am = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-                let scale = experts[plan.row_expert[r]]
-                    .gate_up_input_scale
-                    .expect("W4A4 expert");
-                quantize_row_int(row, scale, codes, corr, scales);
+                let scale = experts[plan.row_expert[r]].gate_up_input_scale;
+                ActDst::Int(codes, corr, scales).quantize(isa, row, scale);
             });
     } else if hidden > 0 {
         xq.par_chunks_mut(hidden)
@@ -307,11 +305,8 @@ fn moe_cpu_split(
                 let (t, _) = plan.order[r];
                 let row = &x[t * hidden..(t + 1) * hidden];
                 *am = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-                match experts[plan.row_expert[r]].gate_up_input_scale {
-                    Some(scale) => fake_quantize_row_fast(isa, row, scale, dst),
-                    None => dst.copy_from_slice(row),
-                }
-                interleave_blocks(dst);
+                let scale = experts[plan.row_expert[r]].gate_up_input_scale;
+                ActDst::F32(dst).quantize(isa, row, scale);
             });
     }
 
@@ -398,19 +393,7 @@ fn moe_cpu_split(
                 row.extend_from_slice(&h[start..start + len]);
             }
             *am = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            match dst {
-                ActDst::Int(codes, corr, scales) => {
-                    let s = experts[e].down_input_scale.expect("W4A4 expert");
-                    quantize_row_int(row, s, codes, corr, scales);
-                }
-                ActDst::F32(dst) => {
-                    match experts[e].down_input_scale {
-                        Some(s) => fake_quantize_row_fast(isa, row, s, dst),
-                        None => dst.copy_from_slice(row),
-                    }
-                    interleave_blocks(dst);
-                }
-            }
+            dst.quantize(isa, row, experts[e].down_input_scale);
         });
     let (act, act_codes, act_corr, act_scales) = (&*act, &*act_codes, &*act_corr, &*act_scales);
     let down_acts = |e: usize| {
@@ -510,7 +493,12 @@ struct ByExpert<'a> {
     plan: &'a Plan,
 }
 
-/// One expert task's buffers, kept per thread across the tasks of a call.
+thread_local! {
+    /// One expert task's buffers, taken out for the task: a few KB per expert at decode.
+    static EXPERT_SCRATCH: Cell<ExpertScratch> = Cell::default();
+}
+
+/// One expert task's buffers, kept per thread between tasks (and calls).
 #[derive(Default)]
 struct ExpertScratch {
     input: QuantizedRows,
@@ -540,7 +528,6 @@ impl QuantizedRows {
         rows: impl Fn(usize) -> &'s [f32],
     ) -> Acts<'s> {
         if int_dot {
-            let scale = input_scale.expect("W4A4 expert");
             let (pc, pb) = (padded_cols(cols), padded_blocks(cols));
             let codes = sized(&mut self.int.codes, n * pc);
             let corr = sized(&mut self.int.corr, n * pb);
@@ -551,23 +538,19 @@ impl QuantizedRows {
                 .zip(scales.chunks_exact_mut(pb))
                 .enumerate()
             {
-                quantize_row_int(rows(i), scale, codes, corr, scales);
+                ActDst::Int(codes, corr, scales).quantize(isa, rows(i), input_scale);
             }
             Acts::Int(IntActs {
                 cols,
                 codes,
                 corr,
                 scales,
-                input_scale: scale,
+                input_scale: input_scale.expect("W4A4 expert"),
             })
         } else {
             let dst = sized(&mut self.f32, n * cols);
             for (i, dst) in dst.chunks_exact_mut(cols).enumerate() {
-                match input_scale {
-                    Some(scale) => fake_quantize_row_fast(isa, rows(i), scale, dst),
-                    None => dst.copy_from_slice(rows(i)),
-                }
-                interleave_blocks(dst);
+                ActDst::F32(dst).quantize(isa, rows(i), input_scale);
             }
             Acts::F32(dst)
         }
@@ -578,9 +561,10 @@ impl ByExpert<'_> {
     fn run(&self, routing: &Routing, out: &mut [f32]) {
         let (plan, hidden) = (self.plan, self.hidden);
         // y: each expert's [count, hidden] block, in expert order.
-        let mut y = vec![0.0f32; plan.rows() * hidden];
+        let mut scratch = SCRATCH.with(Cell::take);
+        let y = sized(&mut scratch.y, plan.rows() * hidden);
         let mut tasks = Vec::new();
-        let mut rest = y.as_mut_slice();
+        let mut rest = &mut *y;
         for e in 0..self.experts.len() {
             let n = plan.count(e);
             if n > 0 {
@@ -589,11 +573,11 @@ impl ByExpert<'_> {
                 tasks.push((e, block));
             }
         }
-        tasks
-            .into_par_iter()
-            .for_each_init(ExpertScratch::default, |scratch, (e, y)| {
-                self.expert(e, scratch, y)
-            });
+        tasks.into_par_iter().for_each(|(e, y)| {
+            let mut buffers = EXPERT_SCRATCH.with(Cell::take);
+            self.expert(e, &mut buffers, y);
+            EXPERT_SCRATCH.with(|s| s.set(buffers));
+        });
         let top_k = routing.top_k;
         for (t, out_row) in out.chunks_exact_mut(hidden).enumerate() {
             out_row.fill(0.0);
@@ -604,6 +588,9 @@ impl ByExpert<'_> {
                     *o += w * v;
                 }
             }
+        }
+        if scratch.bytes() <= KEEP_SCRATCH_BYTES {
+            SCRATCH.with(|s| s.set(scratch));
         }
     }
 
@@ -641,10 +628,34 @@ impl ByExpert<'_> {
 /// woken for them.
 const QUANTIZE_ROWS_PER_TASK: usize = 16;
 
-/// Where phase 2b writes one row's quantized activations.
+/// Where one row's quantized activations go: an f32 row in the kernels' block order, or
+/// integer codes, corrections and scales ([`quantize_row_int`]).
 enum ActDst<'a> {
     F32(&'a mut [f32]),
     Int(&'a mut [i8], &'a mut [i32], &'a mut [f32]),
+}
+
+impl ActDst<'_> {
+    /// Quantizes `row` with `input_scale` into this destination; an f32 row without one (a
+    /// BF16 expert) is copied as it is.
+    ///
+    /// # Panics
+    /// For integer activations without an input scale (only W4A4 experts get them).
+    fn quantize(self, isa: Isa, row: &[f32], input_scale: Option<f32>) {
+        match self {
+            ActDst::Int(codes, corr, scales) => {
+                let scale = input_scale.expect("W4A4 expert");
+                quantize_row_int(row, scale, codes, corr, scales);
+            }
+            ActDst::F32(dst) => {
+                match input_scale {
+                    Some(scale) => fake_quantize_row_fast(isa, row, scale, dst),
+                    None => dst.copy_from_slice(row),
+                }
+                interleave_blocks(dst);
+            }
+        }
+    }
 }
 
 /// `out[t · stride + j] = x[t] · w[rows.start + j]` for `t < n`: NVFP4 tiles go through the
@@ -1167,8 +1178,8 @@ mod tests {
 
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
-        /// The work-item size only decides which thread computes which rows: any valid tactic
-        /// is bit-identical to the default with its dot kind, on every ISA this CPU has.
+        /// One task per expert and the four phases compute every product and quantization
+        /// from the same values: the same bits, on every ISA this CPU has, either dot kind.
         #[test]
         fn one_task_per_expert_gives_the_phases_bits(
             seed in 0u64..1000,
@@ -1210,6 +1221,8 @@ mod tests {
             }
         }
 
+        /// The work-item size only decides which thread computes which rows: any valid tactic
+        /// is bit-identical to the default with its dot kind, on every ISA this CPU has.
         #[test]
         fn every_tactic_is_bit_identical_to_the_default(
             item_bytes in 1usize..(64 << 10),

@@ -576,6 +576,25 @@ mod x86 {
         out
     }
 
+    /// What the vector quantizers' unchecked loads and stores of group `g` rely on: 256
+    /// elements of `row`, and the group's codes, corrections and scales inside the outputs.
+    fn check_group_bounds(row: &[f32], g: usize, codes: &[i8], corr: &[i32], scales: &[f32]) {
+        assert!(row.len() >= GROUP_ELEMENTS);
+        assert!(codes.len() >= (g + 1) * GROUP_ELEMENTS);
+        assert!(corr.len() >= (g + 1) * GROUP_BLOCKS && scales.len() >= (g + 1) * GROUP_BLOCKS);
+    }
+
+    /// The element of a block that byte `m` of its lane in code plane `k` holds (the layout of
+    /// [`super::code_position`]).
+    const fn plane_element(k: usize, m: usize) -> usize {
+        (k & 1) | (m << 1) | ((k >> 1) << 3)
+    }
+
+    /// The vector in which the transposes' stages leave element `e`: its two low bits swapped.
+    const fn low_bits_swapped(e: usize) -> usize {
+        (e & !3) | ((e & 1) << 1) | ((e >> 1) & 1)
+    }
+
     /// Quantizes the 16 blocks of group `g` (`row[..256]`) as [`super::quantize_block_int`]
     /// does each, with lane `j` holding block `j`: the elements are transposed into 16
     /// vectors (vector `e` = element `e` of every block), so that the amax, the E4M3 scale
@@ -599,9 +618,7 @@ mod x86 {
     ) {
         use crate::formats::e2m1::E2M1_MAX;
         use crate::formats::e4m3::{E4M3_MAX, E4M3_MIN_SUBNORMAL};
-        assert!(row.len() >= GROUP_ELEMENTS);
-        assert!(codes.len() >= (g + 1) * GROUP_ELEMENTS);
-        assert!(corr.len() >= (g + 1) * GROUP_BLOCKS && scales.len() >= (g + 1) * GROUP_BLOCKS);
+        check_group_bounds(row, g, codes, corr, scales);
         // SAFETY: 16 loads of 16 floats inside `row[..256]`.
         let blocks: [__m512; 16] =
             std::array::from_fn(|j| unsafe { _mm512_loadu_ps(row.as_ptr().add(16 * j)) });
@@ -662,13 +679,12 @@ mod x86 {
             *v = _mm512_mask_sub_epi32(twice, negative, _mm512_setzero_si512(), twice);
             sum = _mm512_add_epi32(sum, *v);
         }
-        // Plane k, byte m of lane j: element (k & 1) | m << 1 | (k >> 1) << 3 of block j.
+        // Plane k, byte m of lane j: element plane_element(k, m) of block j.
         let byte = _mm512_set1_epi32(0xFF);
         for k in 0..4 {
             let mut plane = _mm512_setzero_si512();
             for m in 0..4 {
-                let e = (k & 1) | (m << 1) | ((k >> 1) << 3);
-                let b = _mm512_and_si512(values[e], byte);
+                let b = _mm512_and_si512(values[plane_element(k, m)], byte);
                 plane =
                     _mm512_or_si512(plane, _mm512_sllv_epi32(b, _mm512_set1_epi32(8 * m as i32)));
             }
@@ -705,9 +721,7 @@ mod x86 {
     ) {
         use crate::formats::e2m1::E2M1_MAX;
         use crate::formats::e4m3::{E4M3_MAX, E4M3_MIN_SUBNORMAL};
-        assert!(row.len() >= GROUP_ELEMENTS);
-        assert!(codes.len() >= (g + 1) * GROUP_ELEMENTS);
-        assert!(corr.len() >= (g + 1) * GROUP_BLOCKS && scales.len() >= (g + 1) * GROUP_BLOCKS);
+        check_group_bounds(row, g, codes, corr, scales);
         let sign_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
         let abs = |v: __m256| _mm256_and_ps(v, sign_mask);
         let blend = |mask: __m256, no: __m256, yes: __m256| _mm256_blendv_ps(no, yes, mask);
@@ -779,14 +793,13 @@ mod x86 {
                 *v = _mm256_blendv_epi8(twice, negated, negative);
                 sum = _mm256_add_epi32(sum, *v);
             }
-            // Plane k, byte m of lane j: element (k & 1) | m << 1 | (k >> 1) << 3 of block j;
+            // Plane k, byte m of lane j: element plane_element(k, m) of block j;
             // this half's 8 blocks are bytes 32h..32h+32 of each 64-byte plane.
             let byte = _mm256_set1_epi32(0xFF);
             for k in 0..4 {
                 let mut plane = _mm256_setzero_si256();
                 for m in 0..4 {
-                    let e = (k & 1) | (m << 1) | ((k >> 1) << 3);
-                    let b = _mm256_and_si256(values[e], byte);
+                    let b = _mm256_and_si256(values[plane_element(k, m)], byte);
                     plane = _mm256_or_si256(
                         plane,
                         _mm256_sllv_epi32(b, _mm256_set1_epi32(8 * m as i32)),
@@ -865,8 +878,7 @@ mod x86 {
                 _mm256_permute2f128_ps::<0x31>(a, b)
             }
         });
-        // The stages leave element e in vector e with its two low bits swapped.
-        std::array::from_fn(|e| w[(e & !3) | ((e & 1) << 1) | ((e >> 1) & 1)])
+        std::array::from_fn(|e| w[low_bits_swapped(e)])
     }
 
     #[cfg(test)]
@@ -983,8 +995,7 @@ mod x86 {
                 _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b)
             }
         });
-        // The stages leave element e in vector e with its two low bits swapped.
-        std::array::from_fn(|e| w[(e & !3) | ((e & 1) << 1) | ((e >> 1) & 1)])
+        std::array::from_fn(|e| w[low_bits_swapped(e)])
     }
 
     /// The AVX-512 VNNI tile loop: weight rows four at a time (a last partial four repeats

@@ -86,15 +86,10 @@ impl Runtime {
         // As `model run` on the CPU: the weights on huge pages where they fit, and the tuned
         // backend (its pool's threads wait for a step's work awake, and a step runs on fewer
         // threads while other processes keep the cores busy).
-        let started = std::time::Instant::now();
-        if checkpoint.place_weights(WeightPlacement::auto(checkpoint.file_bytes()))
-            == WeightPlacement::HugePages
+        if let Some(copied) =
+            checkpoint.place_weights_timed(WeightPlacement::auto(checkpoint.file_bytes()))
         {
-            eprintln!(
-                "weights: a copy on 2 MiB pages ({:.1} MiB in {:.2} s)",
-                checkpoint.file_bytes() as f64 / (1 << 20) as f64,
-                started.elapsed().as_secs_f64()
-            );
+            eprintln!("weights: a copy on 2 MiB pages ({copied})");
         }
         let weights = checkpoint.load_weights()?;
         let model = Model::new(config, weights);
