@@ -359,18 +359,25 @@ unsafe fn tile_avx512<const R: usize, const T: usize>(
     }
 }
 
-/// How far ahead (in elements, 2 KB of BF16) a one-row tile prefetches at least: the next
-/// row's position was 256 bytes ahead for the 128-column rows of W_UKᵀ, less than the memory
-/// latency covers. Measured with `model run --profile-ops` (`mini`, 2 vCPUs, weights on huge
-/// pages): the per-head W_UK product 55 → 46 µs, the 1536 × 384 q_b 52 → 49 µs, the shared
-/// expert's 1024 × 384 down 38.5 → 36 µs; 4 KB was no better, and 4–8 KB for the 1024-column
-/// rows lost 10–35 % in `lm_head`.
-const PREFETCH_MIN_ELEMENTS: usize = 1024;
+/// How far ahead (in elements, 4 KB of BF16) a one-row tile of rows shorter than
+/// [`PREFETCH_OWN_ROW_COLS`] prefetches at least: the next row's position was 256 bytes ahead
+/// for the 128-column rows of W_UKᵀ, less than the memory latency covers. Measured with
+/// `model run --profile-ops` (`mini`, 2 vCPUs, weights on huge pages, Xeon): 2 KB took the
+/// per-head W_UK product 55 → 46 µs, the 1536 × 384 q_b 52 → 49 µs, the shared expert's
+/// 1024 × 384 down 38.5 → 36 µs, and 4 KB was no better there; on a Zen 5 EPYC 4 KB beat
+/// 2 KB by 1.03–1.04× for 384-column rows and 1.12–1.14× for 128- and 512-column ones
+/// (`examples/dense_speed`, 15 interleaved rounds, medians of per-round ratios).
+const PREFETCH_MIN_ELEMENTS: usize = 2048;
+
+/// Rows this long prefetch the next row's position, one row ahead: 4–8 KB ahead in 1024-column
+/// rows lost 10–35 % in `lm_head` on the Xeon (neutral, 0.96–1.0×, on the Zen 5).
+const PREFETCH_OWN_ROW_COLS: usize = 1024;
 
 /// Asks for the lines the next tile of `R` rows reads at element `i` (one 64-element step is
 /// two 64-byte lines of a BF16 row): to the hardware prefetcher each tile is `R` new
 /// streams, and a tile of short rows ends before it has ramped up on them. A one-row tile
-/// (one stream: the next rows follow) asks at least [`PREFETCH_MIN_ELEMENTS`] ahead.
+/// (one stream: the next rows follow) asks one row ahead, and at least
+/// [`PREFETCH_MIN_ELEMENTS`] ahead where the rows are short.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn prefetch_next_tile<const R: usize>(w: *const bf16, cols: usize, i: usize) {
@@ -378,7 +385,9 @@ fn prefetch_next_tile<const R: usize>(w: *const bf16, cols: usize, i: usize) {
     for r in 0..R {
         // A prefetch never faults; `wrapping_add` keeps the address arithmetic defined past
         // the end of the weights.
-        let distance = if R == 1 {
+        let distance = if R == 1 && cols >= PREFETCH_OWN_ROW_COLS {
+            cols
+        } else if R == 1 {
             cols.max(PREFETCH_MIN_ELEMENTS)
         } else {
             (R + r) * cols
