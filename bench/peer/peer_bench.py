@@ -252,13 +252,24 @@ def main():
             return llama_batched(batched_b, gguf, t, DECODE_PROMPT, n, b)
         return hf(bf16, t, DECODE_PROMPT, b, n)["decode_tok_s"]
 
+    # Each batch-1 decode beside the read bandwidth measured just before it: on a VM whose
+    # bandwidth drifts (38-70 GB/s within minutes on a shared host), the best round's figure
+    # and a decode measured at another moment can be far apart.
+    paired = {}
+
+    def read_gb_s():
+        return json.loads(run([peer_bin, "bandwidth"]).strip().splitlines()[-1])["read_gb_s"]
+
     for r in range(a.rounds):
         # Rotating the order spreads drift in the machine's load over all three engines.
         order = engines[r % len(engines):] + engines[:r % len(engines)]
         for row in rows:
             for e in order:
+                before = read_gb_s() if row == "decode-b1" and e != "hf" else None
                 v = measure(e, row)
                 samples[row][e].append(v)
+                if before:
+                    paired.setdefault(e, []).append({"tok_s": v, "read_gb_s": before})
                 log(f"round {r + 1}/{a.rounds} {row:<12} {e:<9} {v:8.1f} tok/s")
         # The bandwidth in every round, beside the engines: the best is the machine's.
         bandwidths.append(json.loads(run([peer_bin, "bandwidth"]).strip().splitlines()[-1]))
@@ -296,6 +307,7 @@ def main():
         "read_bandwidth_2m_pages_samples": [b.get("read_2m_pages_gb_s") for b in bandwidths],
         "copy_bandwidth_gb_s": bw["copy_gb_s"],
         "decode_step_bytes": step["step_bytes"],
+        "decode_b1_beside_bandwidth": paired,
         "checkpoint_bytes": {k: step[k] for k in ("dense_bytes", "routed_expert_bytes",
                                                   "embedding_bytes")},
         "gguf_bytes": gguf.stat().st_size,
@@ -413,6 +425,14 @@ def table(d):
             gbs = tok * step / 1e9
             w(f"  {e:<9} decode b1 {tok:.1f} tok/s x {step / 1e6:.1f} MB = {gbs:.1f} GB/s = "
               f"{gbs / bw:.2f} of the read bandwidth (goal >= 0.8)")
+    paired = d.get("decode_b1_beside_bandwidth", {})
+    if paired:
+        w("each decode b1 run against the read bandwidth measured just before it (the machine's")
+        w("bandwidth drifts; the figures above divide the median run by the best round):")
+        for e, runs in paired.items():
+            shares = [p["tok_s"] * step / 1e9 / p["read_gb_s"] for p in runs]
+            each = ", ".join(f"{p['tok_s'] * step / 1e9:.1f}/{p['read_gb_s']:.1f}" for p in runs)
+            w(f"  {e:<9} median {statistics.median(shares):.2f} (GB/s read/bandwidth: {each})")
     w("")
     w("decode b1 with one competing busy process (a Python loop on one core), medians:")
     for e, v in busy.items():
