@@ -20,6 +20,7 @@ pub mod checkpoint_writer;
 pub mod cleanup;
 pub mod compare;
 pub mod config;
+pub mod cpu_choice;
 pub mod engine;
 pub mod executor;
 pub mod forward;

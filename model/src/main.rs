@@ -11,15 +11,15 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
-use kernels::cpu_tactic::{CpuChoice, CpuTactic, choose_from_cache, decode_entry_shape};
+use kernels::cpu_tactic::CpuTactic;
 use kernels::formats::NVFP4_BLOCK;
 use kernels::formats::nvfp4::Nvfp4Matrix;
 use kernels::mla::cache::{KvCacheDtype, PAGE_TOKENS};
-use kernels::tactic::ProblemShape;
 use model::backend::{Backend, CpuBackend, TunedCpuBackend};
 use model::checkpoint::{Checkpoint, CheckpointError, WeightPlacement};
 use model::checkpoint_writer::{OutputKind, OwnedTensor, StagedOutput, write_file};
 use model::config::{ConfigError, KvCacheQuant, ModelConfig};
+use model::cpu_choice::CpuTacticArgs;
 use model::executor::{ShmAllReduce, TpAllReduce};
 use model::forward::{ForwardError, LogitRows, Model, SeqInput, forward_bytes};
 use model::generate::{
@@ -130,82 +130,13 @@ enum Command {
     Inspect { path: PathBuf },
 }
 
-/// The CPU kernels' tactic (tile sizes, parallel thresholds, threads): from the tactic cache
-/// of `--tactics FILE` (`autotune --cpu --out FILE`), or by hand.
-#[derive(clap::Args, Clone, Default)]
-struct CpuTacticArgs {
-    /// A CPU kernel tactic id, e.g. `moe_item=64k,dense_min=256k,threads=2` (keys left out keep
-    /// the default's value); overrides the `--tactics` cache's.
-    #[arg(long)]
-    cpu_tactic: Option<CpuTactic>,
-    /// Where the CPU backend reads the weights from: `huge-pages` (a copy on 2 MiB pages,
-    /// faster decode), `mapped` (the files' mapping, no copy) or `auto` (huge pages where the
-    /// kernel offers them and the copy fits in half of the available memory). Other backends
-    /// read the mapping.
-    #[arg(long, value_enum, default_value_t = WeightsArg::Auto)]
-    weights: WeightsArg,
-}
-
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
-enum WeightsArg {
-    #[default]
-    Auto,
-    Mapped,
-    HugePages,
-}
-
-impl CpuTacticArgs {
-    /// Where `checkpoint`'s weights go for `backend`.
-    fn placement(&self, backend: BackendArg, checkpoint: &Checkpoint) -> WeightPlacement {
-        match (backend, self.weights) {
-            (BackendArg::Cpu, WeightsArg::Auto) => WeightPlacement::auto(checkpoint.file_bytes()),
-            (BackendArg::Cpu, WeightsArg::HugePages) => WeightPlacement::HugePages,
-            _ => WeightPlacement::Mapped,
-        }
+/// Where `checkpoint`'s weights go for `backend`: the CPU backend's choice, the mapping for
+/// the others.
+fn placement(cpu: &CpuTacticArgs, backend: BackendArg, checkpoint: &Checkpoint) -> WeightPlacement {
+    match backend {
+        BackendArg::Cpu => cpu.placement(checkpoint),
+        _ => WeightPlacement::Mapped,
     }
-}
-
-impl CpuTacticArgs {
-    /// The CPU tactic this process runs `config`'s model with, from `--cpu-tactic`, else the
-    /// cache at `tactics` (missing, corrupt, stale, or without a CPU entry: the default, and
-    /// the line says why), else the default; logs it in one line unless `quiet` (the launcher
-    /// of ranks, or a rank other than 0).
-    fn choose(&self, tactics: Option<&Path>, config: &ModelConfig, quiet: bool) -> CpuTactic {
-        let choice = match (&self.cpu_tactic, tactics) {
-            (Some(t), _) => CpuChoice {
-                tactic: *t,
-                description: format!("tactic cpu: {t} (--cpu-tactic)"),
-                warning: None,
-            },
-            (None, Some(path)) => choose_from_cache(path, &decode_shape(config)),
-            (None, None) => CpuChoice::default_choice(),
-        };
-        if !quiet {
-            match &choice.warning {
-                // The cache's warning (missing, corrupt, or a GPU cache) is printed once, by
-                // the GPU families' log of the same file: here only why the default is used.
-                Some(w) => eprintln!(
-                    "tactic cpu: {} (default; {})",
-                    choice.tactic,
-                    w.trim_start_matches("warning: ")
-                        .trim_end_matches("; using the heuristic defaults")
-                        .trim_end_matches("; using the default CPU tactic")
-                ),
-                None => eprintln!("{}", choice.description),
-            }
-        }
-        choice.tactic
-    }
-}
-
-/// The shape `autotune --cpu` files a model's decode entry under.
-fn decode_shape(c: &ModelConfig) -> ProblemShape {
-    decode_entry_shape(
-        c.hidden_size,
-        c.moe_intermediate_size,
-        c.n_routed_experts,
-        c.num_experts_per_tok,
-    )
 }
 
 /// Tensor parallelism: N rank processes on CPU with the shared-memory all-reduce.
@@ -1220,7 +1151,7 @@ fn run(args: RunArgs) -> Result<()> {
         }
     }
     let (checkpoint, mut model) = load(&dir, args.tp.shard(), |c| {
-        args.cpu.placement(args.device.backend, c)
+        placement(&args.cpu, args.device.backend, c)
     })?;
     if args.ignore_eos {
         model.config.eos_token_ids.clear();
@@ -1347,7 +1278,7 @@ fn logits(args: LogitsArgs) -> Result<()> {
     // Load (and shard) before joining the collective, so a model that cannot be split fails
     // alone instead of leaving its peers waiting.
     let (checkpoint, model) = load(dir, args.tp.shard(), |c| {
-        args.cpu.placement(args.device.backend, c)
+        placement(&args.cpu, args.device.backend, c)
     })?;
     let kv_dtype = resolve_kv_dtype(args.kv_dtype, &checkpoint);
     let logits = if args.device.backend == BackendArg::Cpu {

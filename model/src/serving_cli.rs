@@ -11,6 +11,7 @@ use anyhow::{Context, Result, bail};
 use kernels::mla::cache::KvCacheDtype;
 use serde_json::{Map, Value, json};
 
+use crate::cpu_choice::CpuTacticArgs;
 use crate::generator::cache_base;
 use crate::server::api::{ChatRequest, SamplingRequest, ToolChoice};
 use crate::server::runtime::{Delta, OutputMode, Runtime, checkpoint_name, drive_choice};
@@ -129,6 +130,12 @@ pub struct EngineArgs {
     /// Compute backend (the CPU today).
     #[arg(long, value_enum, default_value = "cpu")]
     pub backend: BackendArg,
+    #[command(flatten)]
+    pub cpu: CpuTacticArgs,
+    /// The tuning lab's tactic cache (`autotune --cpu --out FILE`): the CPU tactic of this
+    /// model's decode entry.
+    #[arg(long)]
+    pub tactics: Option<PathBuf>,
 }
 
 impl EngineArgs {
@@ -145,6 +152,8 @@ impl EngineArgs {
                 ServeKvDtype::Bf16 => Some(KvCacheDtype::Bf16),
                 ServeKvDtype::Fp8 => Some(KvCacheDtype::Fp8E4m3),
             },
+            cpu: self.cpu.clone(),
+            tactics: self.tactics.clone(),
         })
     }
 }

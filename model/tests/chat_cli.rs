@@ -108,3 +108,48 @@ fn tokenize_prints_the_ids_python_tiktoken_gives() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("tiktoken.model"));
 }
+
+#[test]
+fn chat_takes_the_cpu_tactic_and_the_weights_placement_from_its_flags() {
+    let cache = tempfile::tempdir().unwrap();
+    let out = model(cache.path())
+        .args(["chat", "--temperature", "0", "--no-thinking"])
+        .args(["--prompt", "What is 7 + 5?"])
+        .args(["--cpu-tactic", "threads=1", "--weights", "mapped"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(stdout.contains("12"), "{stdout}");
+    let tactic = stderr
+        .lines()
+        .find(|l| l.starts_with("tactic cpu: "))
+        .unwrap_or_else(|| panic!("the tactic is logged: {stderr}"));
+    assert!(
+        tactic.contains("threads=1") && tactic.ends_with("(--cpu-tactic)"),
+        "{tactic}"
+    );
+    // Read from the files' mapping: no copy on huge pages.
+    assert!(!stderr.contains("a copy on 2 MiB pages"), "{stderr}");
+
+    // A tactic cache that does not exist: the default, and the line says why.
+    let missing = cache.path().join("no-such-cache.json");
+    let out = model(cache.path())
+        .args(["chat", "--temperature", "0", "--no-thinking"])
+        .args(["--prompt", "What is 7 + 5?", "--tactics"])
+        .arg(&missing)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let tactic = stderr
+        .lines()
+        .find(|l| l.starts_with("tactic cpu: "))
+        .unwrap_or_else(|| panic!("the tactic is logged: {stderr}"));
+    assert!(tactic.contains("(default; "), "{tactic}");
+}

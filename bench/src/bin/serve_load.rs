@@ -212,6 +212,8 @@ fn main() -> Result<()> {
                 max_waiting,
                 kv_cache_tokens: None,
                 kv_dtype: None,
+                cpu: Default::default(),
+                tactics: None,
             },
             ServeOptions {
                 host: "127.0.0.1".into(),

@@ -12,7 +12,8 @@ use tokio::sync::mpsc;
 
 use crate::backend::{Backend, TunedCpuBackend};
 use crate::chat_template::{ChatTemplate, RenderRequest};
-use crate::checkpoint::{Checkpoint, WeightPlacement};
+use crate::checkpoint::Checkpoint;
+use crate::cpu_choice::CpuTacticArgs;
 use crate::engine::{
     EngineConfig, EngineHandle, EngineRequest, FinishReason, SubmitError, TokenEvent, start_engine,
 };
@@ -36,6 +37,10 @@ pub struct RuntimeOptions {
     pub kv_cache_tokens: Option<usize>,
     /// Default: what the checkpoint asks for (`kv_cache_quant_algo`), else BF16.
     pub kv_dtype: Option<KvCacheDtype>,
+    /// The CPU kernels' tactic and where the weights are read from.
+    pub cpu: CpuTacticArgs,
+    /// The tactic cache the CPU tactic comes from unless `cpu` names one.
+    pub tactics: Option<PathBuf>,
 }
 
 pub struct Runtime {
@@ -83,20 +88,20 @@ impl Runtime {
                 stop_ids.push(id);
             }
         }
-        // As `model run` on the CPU: the weights on huge pages where they fit, and the tuned
-        // backend (its pool's threads wait for a step's work awake, and a step runs on fewer
-        // threads while other processes keep the cores busy).
-        if let Some(copied) =
-            checkpoint.place_weights_timed(WeightPlacement::auto(checkpoint.file_bytes()))
-        {
+        // As `model run` on the CPU: the weights where `--weights` says (by default on huge
+        // pages where they fit), and the tuned backend under the chosen tactic (its pool's
+        // threads wait for a step's work awake, and a step runs on fewer threads while other
+        // processes keep the cores busy).
+        let tactic = options
+            .cpu
+            .choose(options.tactics.as_deref(), &config, false);
+        if let Some(copied) = checkpoint.place_weights_timed(options.cpu.placement(&checkpoint)) {
             eprintln!("weights: a copy on 2 MiB pages ({copied})");
         }
         let weights = checkpoint.load_weights()?;
         let model = Model::new(config, weights);
-        let backend: Box<dyn Backend> = Box::new(
-            TunedCpuBackend::new(kernels::cpu_tactic::CpuTactic::DEFAULT)
-                .map_err(anyhow::Error::msg)?,
-        );
+        let backend: Box<dyn Backend> =
+            Box::new(TunedCpuBackend::new(tactic).map_err(anyhow::Error::msg)?);
         let engine = start_engine(
             model,
             backend,
