@@ -23,15 +23,18 @@
 //! - AVX-512 (32 registers): 1 row × 1 token (decode at batch 1, where the weights are the
 //!   traffic) with the four sets in one pass: one sequential stream per task, which the
 //!   hardware prefetcher follows best (measured on weights on 2 MiB pages: `lm_head`'s
-//!   32768 × 1024 at 30–33 GB/s against 24–25 with 4-row tiles, decode 1.03×); 4 rows × up
-//!   to 4 tokens with one pass per set (16 accumulators; the tile's rows stay in L1 between
-//!   passes).
+//!   32768 × 1024 at 30–33 GB/s against 24–25 with 4-row tiles, decode 1.03×); 1 row × 2–4
+//!   tokens (decode batches) also in one pass (16 accumulators at four tokens): each row
+//!   streams once and is widened once (measured on Zen 5: batch-4 decode 1.18×, `lm_head` at
+//!   four tokens 24 → 37.5 GB/s, against 4 × 4 tiles with one pass per set); 4 rows × 4
+//!   tokens (prefill, and a prefill's last tokens) with one pass per set (16 accumulators;
+//!   the tile's rows stay in L1 between passes).
 //! - AVX2 (16 registers, a set is two `ymm`): 1 × 1 in one pass (8 accumulators); 2 × 2 with
 //!   one pass per set (8 accumulators) for two tokens; 1 × 3 and 1 × 4 with one pass per set
 //!   (6 and 8 accumulators) for more: each row is widened once for four tokens, where two 2 × 2
 //!   token tiles widened and read it twice (measured: batch-4 decode 1.28×, lm_head at 4
 //!   tokens 2.07× GFLOP/s).
-//! - Portable: as AVX-512.
+//! - Portable: 4 rows × up to 4 tokens.
 
 use half::bf16;
 
@@ -47,6 +50,9 @@ const STEP: usize = LANES * SETS;
 pub const MAX_TILE_ROWS: usize = 4;
 /// Most tokens one kernel call takes.
 pub const MAX_TILE_TOKENS: usize = 4;
+/// Most (row, token) pairs an AVX-512 tile keeps all four sets of in registers, streaming its
+/// rows once: 16 accumulators, plus the tokens' activations and a widened row.
+const ONE_PASS_PAIRS: usize = 4;
 
 /// The tile (weight rows, tokens) `isa` uses when `tokens` tokens are left.
 pub fn tile(isa: Isa, tokens: usize) -> (usize, usize) {
@@ -54,10 +60,18 @@ pub fn tile(isa: Isa, tokens: usize) -> (usize, usize) {
         Isa::Avx2Fma if tokens == 1 => (1, 1),
         Isa::Avx2Fma if tokens == 2 => (2, 2),
         Isa::Avx2Fma => (1, tokens.min(MAX_TILE_TOKENS)),
-        Isa::Avx512 if tokens == 1 => (1, 1),
+        Isa::Avx512 if tokens <= ONE_PASS_PAIRS => (1, tokens),
         Isa::Scalar if tokens == 1 => (MAX_TILE_ROWS, 1),
         Isa::Avx512 | Isa::Scalar => (MAX_TILE_ROWS, tokens.min(MAX_TILE_TOKENS)),
     }
+}
+
+/// Whether `isa`'s kernels take a tile of `rows × tokens` ([`tile`] is the shape they are
+/// best at for a number of tokens; a caller may still pass a full-height tile of fewer
+/// tokens, e.g. the last tokens of a prefill).
+pub fn takes(isa: Isa, rows: usize, tokens: usize) -> bool {
+    let fits = (1..=MAX_TILE_ROWS).contains(&rows) && (1..=MAX_TILE_TOKENS).contains(&tokens);
+    fits && (isa != Isa::Avx2Fma || rows == 1 || (rows == 2 && tokens <= 2))
 }
 
 /// Operands of one tile: `rows` weight rows of `cols` BF16 at `w` (row stride `cols`), `tokens`
@@ -72,16 +86,14 @@ pub struct Tile<'a> {
     pub tokens: usize,
 }
 
-/// Computes one tile with `isa`, which must be supported by this CPU and whose [`tile`] must
-/// allow `rows × tokens`.
+/// Computes one tile with `isa`, which must be supported by this CPU and [`takes`] the tile.
 ///
 /// # Panics
 /// If the tile is larger than `isa` takes, the slices are too short, or `isa` is unsupported.
 pub fn compute_tile(isa: Isa, t: Tile<'_>, out: &mut [f32], out_row_stride: usize) {
-    let (max_rows, max_tokens) = tile(isa, t.tokens);
     assert!(
-        (1..=max_rows).contains(&t.rows) && (1..=max_tokens).contains(&t.tokens),
-        "bf16 tile {}x{} exceeds {isa:?}'s {max_rows}x{max_tokens}",
+        takes(isa, t.rows, t.tokens),
+        "{isa:?} takes no bf16 tile of {}x{}",
         t.rows,
         t.tokens
     );
@@ -116,7 +128,7 @@ pub fn compute_tile(isa: Isa, t: Tile<'_>, out: &mut [f32], out_row_stride: usiz
         // SAFETY: the CPU supports the ISA (asserted above) and the slices cover the tile.
         Isa::Avx512 => unsafe { dispatch!(tile_avx512) },
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above; AVX2 takes 1 × 1–4 and 2 × 2 only (asserted above).
+        // SAFETY: as above; AVX2 takes 1 × 1–4 and 2 × 1–2 only (asserted above).
         Isa::Avx2Fma => unsafe {
             match (t.rows, t.tokens) {
                 (1, 1) => tile_avx2_one(t, out),
@@ -272,13 +284,15 @@ unsafe fn tile_avx512<const R: usize, const T: usize>(
     let cols = t.cols;
     let full = cols / STEP * STEP;
     let (x, w) = (t.x.as_ptr(), t.w.as_ptr());
-    // [set][r][k]. With one token all four sets fit in registers (4 × R) and the row streams
-    // once; with more, each set is its own pass over the tile's rows (R × T registers; the
-    // rows stay in L1 between passes), each set's sums the same as in one pass.
-    // Written before it is read (with more than one token, by each set's pass) rather than
-    // zeroed first: at 4 × 4 the array is 4 KB, and its memset was 3 % of a prefill (perf).
+    // [set][r][k]. A tile of at most ONE_PASS_PAIRS (row, token) pairs keeps all four sets
+    // in registers (4 × R × T) and its rows stream once; a larger one makes each set its own
+    // pass over the tile's rows (R × T registers; the rows stay in L1 between passes), each
+    // set's sums the same as in one pass.
+    // Written before it is read (in a larger tile, by each set's pass) rather than zeroed
+    // first: at 4 × 4 the array is 4 KB, and its memset was 3 % of a prefill (perf).
+    let one_pass = R * T <= ONE_PASS_PAIRS;
     let mut sets = std::mem::MaybeUninit::<[[[__m512; T]; R]; SETS]>::uninit();
-    if T == 1 {
+    if one_pass {
         sets.write([[[_mm512_setzero_ps(); T]; R]; SETS]);
     }
     macro_rules! widen_at {
@@ -291,18 +305,22 @@ unsafe fn tile_avx512<const R: usize, const T: usize>(
             }
         };
     }
-    if T == 1 {
+    if one_pass {
         let mut i = 0;
         while i < full {
             prefetch_next_tile::<R>(w, cols, i);
             for set in 0..SETS {
                 let e0 = i + set * LANES;
-                // SAFETY: the token's elements e0..e0+16 are inside `x`.
-                let xs = unsafe { _mm512_loadu_ps(x.add(e0)) };
-                // SAFETY: initialized above (one token).
+                // SAFETY: every token's elements e0..e0+16 are inside `x`.
+                let xs: [__m512; T] =
+                    std::array::from_fn(|k| unsafe { _mm512_loadu_ps(x.add(k * cols + e0)) });
+                // SAFETY: initialized above (one pass).
                 let sets = unsafe { sets.assume_init_mut() };
                 for r in 0..R {
-                    sets[set][r][0] = _mm512_fmadd_ps(xs, widen_at!(r, e0), sets[set][r][0]);
+                    let wv = widen_at!(r, e0);
+                    for k in 0..T {
+                        sets[set][r][k] = _mm512_fmadd_ps(xs[k], wv, sets[set][r][k]);
+                    }
                 }
             }
             i += STEP;
@@ -338,8 +356,8 @@ unsafe fn tile_avx512<const R: usize, const T: usize>(
             };
         }
     }
-    // SAFETY: with one token the sets were zeroed and accumulated above; with more, every
-    // set was written by its pass.
+    // SAFETY: in one pass the sets were zeroed and accumulated above; otherwise every set
+    // was written by its pass.
     let sets = unsafe { sets.assume_init() };
     for r in 0..R {
         for k in 0..T {
@@ -599,7 +617,7 @@ mod tests {
     }
 
     #[test]
-    #[should_panic(expected = "exceeds")]
+    #[should_panic(expected = "takes no bf16 tile of 5x1")]
     fn a_tile_larger_than_the_isa_takes_is_refused() {
         let (x, w) = operands(5, 1, 16, 0);
         let mut out = vec![0.0; 5];
