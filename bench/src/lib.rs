@@ -70,7 +70,7 @@ pub fn process_cpu_seconds() -> f64 {
 
 /// Best-of-`passes` copy (read + written bytes per second) and read-only bandwidth, in GB/s,
 /// over buffers of [`COPY_BYTES`]: the better of 4 KiB and 2 MiB pages for each
-/// ([`bandwidth_on`]), the most this machine's memory gives a plain loop.
+/// ([`bandwidth_on`]), the most this machine's memory gives a loop of the widest loads.
 pub fn bandwidth(passes: usize) -> (f64, f64) {
     let small = bandwidth_on(Pages::Small, COPY_BYTES, passes);
     let huge = bandwidth_on(Pages::Huge, COPY_BYTES, passes);
@@ -130,16 +130,7 @@ pub fn bandwidth_on(pages: Pages, bytes: usize, passes: usize) -> (f64, f64) {
         let start = Instant::now();
         let sum: u64 = src
             .par_chunks(chunk)
-            .map(|c| {
-                // Eight independent lanes so the sum is not latency-bound.
-                let mut acc = [0u64; 8];
-                for w in c.chunks_exact(8) {
-                    for k in 0..8 {
-                        acc[k] = acc[k].wrapping_add(w[k]);
-                    }
-                }
-                acc.iter().fold(0u64, |a, &b| a.wrapping_add(b))
-            })
+            .map(read_sum)
             .reduce(|| 0, u64::wrapping_add);
         read = read.min(start.elapsed().as_secs_f64());
         black_box(sum);
@@ -148,6 +139,94 @@ pub fn bandwidth_on(pages: Pages, bytes: usize, passes: usize) -> (f64, f64) {
         2.0 * (n * 8) as f64 / copy / 1e9,
         (n * 8) as f64 / read / 1e9,
     )
+}
+
+/// The wrapping sum of `words`, read with the widest vectors this CPU has: a plain loop
+/// (eight independent `u64` lanes, which the baseline target compiles to SSE2) read 12 %
+/// less than 64-byte loads on an AVX-512 machine (measured on Zen 5: 68 against 77 GB/s),
+/// and the kernels it is compared with use the widest loads.
+fn read_sum(words: &[u64]) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F (just checked).
+            return unsafe { wide::sum_avx512(words) };
+        }
+        if is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU supports AVX2 (just checked).
+            return unsafe { wide::sum_avx2(words) };
+        }
+    }
+    sum_lanes(words)
+}
+
+/// Eight independent lanes so that the sum is not latency-bound.
+fn sum_lanes(words: &[u64]) -> u64 {
+    let mut acc = [0u64; 8];
+    let whole = words.chunks_exact(8);
+    let tail = whole.remainder();
+    for w in whole {
+        for k in 0..8 {
+            acc[k] = acc[k].wrapping_add(w[k]);
+        }
+    }
+    acc.iter().chain(tail).fold(0u64, |a, &b| a.wrapping_add(b))
+}
+
+#[cfg(target_arch = "x86_64")]
+mod wide {
+    use std::arch::x86_64::*;
+
+    /// Words per iteration: four vectors, independent sums.
+    const AVX512_WORDS: usize = 32;
+    const AVX2_WORDS: usize = 16;
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn sum_avx512(words: &[u64]) -> u64 {
+        let whole = words.len() / AVX512_WORDS * AVX512_WORDS;
+        let p = words.as_ptr();
+        let mut acc = [_mm512_setzero_si512(); 4];
+        let mut i = 0;
+        while i < whole {
+            for (k, a) in acc.iter_mut().enumerate() {
+                // SAFETY: i + 8k + 8 <= whole <= words.len().
+                let v = unsafe { _mm512_loadu_si512(p.add(i + 8 * k).cast()) };
+                *a = _mm512_add_epi64(*a, v);
+            }
+            i += AVX512_WORDS;
+        }
+        let s = _mm512_add_epi64(
+            _mm512_add_epi64(acc[0], acc[1]),
+            _mm512_add_epi64(acc[2], acc[3]),
+        );
+        (_mm512_reduce_add_epi64(s) as u64).wrapping_add(super::sum_lanes(&words[whole..]))
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn sum_avx2(words: &[u64]) -> u64 {
+        let whole = words.len() / AVX2_WORDS * AVX2_WORDS;
+        let p = words.as_ptr();
+        let mut acc = [_mm256_setzero_si256(); 4];
+        let mut i = 0;
+        while i < whole {
+            for (k, a) in acc.iter_mut().enumerate() {
+                // SAFETY: i + 4k + 4 <= whole <= words.len().
+                let v = unsafe { _mm256_loadu_si256(p.add(i + 4 * k).cast()) };
+                *a = _mm256_add_epi64(*a, v);
+            }
+            i += AVX2_WORDS;
+        }
+        let s = _mm256_add_epi64(
+            _mm256_add_epi64(acc[0], acc[1]),
+            _mm256_add_epi64(acc[2], acc[3]),
+        );
+        let mut lanes = [0u64; 4];
+        // SAFETY: `lanes` is 32 bytes.
+        unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), s) };
+        lanes
+            .iter()
+            .fold(super::sum_lanes(&words[whole..]), |a, &b| a.wrapping_add(b))
+    }
 }
 
 /// The 1-minute load average, to tell a quiet machine from a shared one.
@@ -190,4 +269,27 @@ pub fn utc_date() -> String {
         rem / 3600,
         rem % 3600 / 60
     )
+}
+
+#[cfg(test)]
+mod read_sum_tests {
+    #[test]
+    fn every_width_sums_every_word_once() {
+        // Lengths around each loop's step leave tails of every size.
+        for len in [0usize, 1, 7, 8, 15, 16, 17, 31, 32, 33, 100, 1000] {
+            let words: Vec<u64> = (0..len as u64).map(|i| (i << 40) ^ (i * 7919)).collect();
+            let want = words.iter().fold(0u64, |a, &b| a.wrapping_add(b));
+            assert_eq!(super::sum_lanes(&words), want, "lanes, {len} words");
+            assert_eq!(super::read_sum(&words), want, "widest, {len} words");
+            #[cfg(target_arch = "x86_64")]
+            if is_x86_feature_detected!("avx2") {
+                // SAFETY: AVX2 is present.
+                assert_eq!(
+                    unsafe { super::wide::sum_avx2(&words) },
+                    want,
+                    "avx2, {len} words"
+                );
+            }
+        }
+    }
 }
