@@ -245,15 +245,26 @@ fn register_tiles(
     first_row: usize,
     chunk: &mut [f32],
 ) {
-    if tokens == 1 {
-        let w = &data[first_row * cols..(first_row + chunk.len()) * cols];
-        bf16_tile::compute_rows_one_token(isa, x, w, cols, chunk);
-        return;
-    }
     let task_rows = chunk.len() / tokens;
     let mut t0 = 0;
     while t0 < tokens {
         let (tile_rows, tile_tokens) = bf16_tile::tile(isa, tokens - t0);
+        if tile_rows == 1 {
+            bf16_tile::compute_one_row_tiles(
+                isa,
+                bf16_tile::Tile {
+                    x: &x[t0 * cols..(t0 + tile_tokens) * cols],
+                    w: &data[first_row * cols..(first_row + task_rows) * cols],
+                    cols,
+                    rows: task_rows,
+                    tokens: tile_tokens,
+                },
+                &mut chunk[t0..],
+                tokens,
+            );
+            t0 += tile_tokens;
+            continue;
+        }
         let mut r = 0;
         while r < task_rows {
             let n = tile_rows.min(task_rows - r);
