@@ -249,39 +249,22 @@ fn register_tiles(
     let mut t0 = 0;
     while t0 < tokens {
         let (tile_rows, tile_tokens) = bf16_tile::tile(isa, tokens - t0);
+        // Rows first_row + r.. (n of them) against this token tile.
+        let tile = |r: usize, n: usize| bf16_tile::Tile {
+            x: &x[t0 * cols..(t0 + tile_tokens) * cols],
+            w: &data[(first_row + r) * cols..(first_row + r + n) * cols],
+            cols,
+            rows: n,
+            tokens: tile_tokens,
+        };
         if tile_rows == 1 {
-            bf16_tile::compute_one_row_tiles(
-                isa,
-                bf16_tile::Tile {
-                    x: &x[t0 * cols..(t0 + tile_tokens) * cols],
-                    w: &data[first_row * cols..(first_row + task_rows) * cols],
-                    cols,
-                    rows: task_rows,
-                    tokens: tile_tokens,
-                },
-                &mut chunk[t0..],
-                tokens,
-            );
-            t0 += tile_tokens;
-            continue;
-        }
-        let mut r = 0;
-        while r < task_rows {
-            let n = tile_rows.min(task_rows - r);
-            let row = first_row + r;
-            bf16_tile::compute_tile(
-                isa,
-                bf16_tile::Tile {
-                    x: &x[t0 * cols..(t0 + tile_tokens) * cols],
-                    w: &data[row * cols..(row + n) * cols],
-                    cols,
-                    rows: n,
-                    tokens: tile_tokens,
-                },
-                &mut chunk[r * tokens + t0..],
-                tokens,
-            );
-            r += n;
+            let rows = tile(0, task_rows);
+            bf16_tile::compute_one_row_tiles(isa, rows, &mut chunk[t0..], tokens);
+        } else {
+            for r in (0..task_rows).step_by(tile_rows) {
+                let n = tile_rows.min(task_rows - r);
+                bf16_tile::compute_tile(isa, tile(r, n), &mut chunk[r * tokens + t0..], tokens);
+            }
         }
         t0 += tile_tokens;
     }
