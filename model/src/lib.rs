@@ -7,6 +7,7 @@
 //! - [`sampler`], [`generate`]: the decode loop.
 //! - [`generator`], [`quantize`], [`plan`]: checkpoint generation, NVFP4 quantization, memory
 //!   planning.
+//! - [`heap`]: freed activations kept for the next step, not faulted back in.
 //! - [`input`], [`cleanup`], [`checkpoint_writer`]: checks on what enters, and writers that
 //!   never destroy their input nor leave half-written output behind.
 //! - [`tokenizer`], [`chat_template`], [`tool_declaration`], [`parsers`]: text in and out (Kimi's
@@ -26,6 +27,7 @@ pub mod executor;
 pub mod forward;
 pub mod generate;
 pub mod generator;
+pub mod heap;
 pub mod input;
 pub mod nvfp4_file;
 pub mod op_profile;

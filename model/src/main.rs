@@ -815,6 +815,7 @@ fn main() -> ExitCode {
         // SAFETY: setting a signal disposition before any thread exists.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     }
+    model::heap::keep_freed_activations();
     std::panic::set_hook(Box::new(|info| {
         eprintln!("Error: internal failure (a bug, please report it): {info}");
     }));
