@@ -1138,6 +1138,15 @@ mod x86 {
             let ms = ((1u32 << (bytes / 8)) - 1) as u16;
             let p = row_packed.map(|p| p.wrapping_add(full * GROUP_BYTES));
             let s = row_scales.map(|s| s.wrapping_add(full * GROUP_BLOCKS));
+            // The tail's lines PREFETCH_BYTES ahead: the full groups' prefetches cover two
+            // lines of each row per group, which misses every third line of a 384-column row.
+            for p in &p {
+                let ahead = p.wrapping_add(PREFETCH_BYTES);
+                _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+                if bytes > 64 {
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64).cast());
+                }
+            }
             // SAFETY: the masks cover the row's last `bytes` packed bytes and `bytes / 8`
             // scales, which lie within `w`; masked-out elements are not accessed.
             let (p0, p1, sc) = unsafe {
