@@ -252,9 +252,9 @@ def main():
             return llama_batched(batched_b, gguf, t, DECODE_PROMPT, n, b)
         return hf(bf16, t, DECODE_PROMPT, b, n)["decode_tok_s"]
 
-    # Each batch-1 decode beside the read bandwidth measured just before it: on a VM whose
-    # bandwidth drifts (38-70 GB/s within minutes on a shared host), the best round's figure
-    # and a decode measured at another moment can be far apart.
+    # Each batch-1 decode beside the read bandwidth measured just before and just after it
+    # (their mean): on a VM whose bandwidth drifts (38-83 GB/s within minutes on a shared
+    # host), the best round's figure and a decode measured at another moment can be far apart.
     paired = {}
 
     def read_gb_s():
@@ -269,7 +269,10 @@ def main():
                 v = measure(e, row)
                 samples[row][e].append(v)
                 if before:
-                    paired.setdefault(e, []).append({"tok_s": v, "read_gb_s": before})
+                    after = read_gb_s()
+                    paired.setdefault(e, []).append({
+                        "tok_s": v, "read_gb_s": (before + after) / 2,
+                        "read_gb_s_before": before, "read_gb_s_after": after})
                 log(f"round {r + 1}/{a.rounds} {row:<12} {e:<9} {v:8.1f} tok/s")
         # The bandwidth in every round, beside the engines: the best is the machine's.
         bandwidths.append(json.loads(run([peer_bin, "bandwidth"]).strip().splitlines()[-1]))
@@ -427,8 +430,9 @@ def table(d):
               f"{gbs / bw:.2f} of the read bandwidth (goal >= 0.8)")
     paired = d.get("decode_b1_beside_bandwidth", {})
     if paired:
-        w("each decode b1 run against the read bandwidth measured just before it (the machine's")
-        w("bandwidth drifts; the figures above divide the median run by the best round):")
+        w("each decode b1 run against the mean of the read bandwidth measured just before and just")
+        w("after it (the machine's bandwidth drifts; the figures above divide the median run by the")
+        w("best round):")
         for e, runs in paired.items():
             shares = [p["tok_s"] * step / 1e9 / p["read_gb_s"] for p in runs]
             each = ", ".join(f"{p['tok_s'] * step / 1e9:.1f}/{p['read_gb_s']:.1f}" for p in runs)

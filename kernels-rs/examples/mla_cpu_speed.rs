@@ -4,7 +4,7 @@
 //! - at decode (one query row, short contexts): the fixed cost per call and the cost per
 //!   cached key, on one thread and on the whole pool (best of 200, µs).
 //!
-//! `cargo run --release -p kernels --example mla_cpu_speed`
+//! `cargo run --release -p kernels --example mla_cpu_speed [-- --decode]`
 
 use std::time::Instant;
 
@@ -101,7 +101,12 @@ fn main() {
         "{:<6} {:>5} {:>6} {:>6} {:>11} {:>11} {:>8}",
         "dtype", "batch", "ctx", "heads", "ref ms", "fast ms", "speedup"
     );
+    // `--decode`: only the decode table (for profiling its fixed cost).
+    let long_contexts = !std::env::args().any(|a| a == "--decode");
     for dtype in [KvCacheDtype::Bf16, KvCacheDtype::Fp8E4m3] {
+        if !long_contexts {
+            break;
+        }
         for (batch, context, heads) in [(1, 8192, 8), (1, 65536, 8), (16, 2048, 8), (4, 4096, 64)] {
             let case = Case::new(dtype, batch, context, heads);
             let reference = 1e3
