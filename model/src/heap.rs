@@ -6,6 +6,12 @@
 //! at a time, zeroed by the kernel: 16,500 page faults and about 10 ms of a 128-token prefill's
 //! 160 ms (measured, AVX2). llama.cpp sidesteps this with one compute buffer planned ahead; we
 //! keep freed blocks in the heap instead, where the next step's allocations find them.
+//!
+//! The step runs on a pool thread, and glibc gives each thread an arena of its own whose heaps
+//! are at most 64 MiB; a heap left empty is unmapped whatever the trim threshold. A 512-token
+//! prefill's activations outgrow one such heap, and its next step faulted 43,000 pages back in.
+//! So every thread shares the main arena, which grows without that bound (small blocks still
+//! come from each thread's cache, without the arena's lock).
 
 /// Blocks up to this size come from the heap, not from their own `mmap` (glibc's largest
 /// allowed threshold on 64-bit targets).
@@ -14,9 +20,13 @@ pub const HEAP_BLOCK_MAX_BYTES: usize = 32 << 20;
 /// Freed memory at the heap's top that stays mapped before glibc gives any back.
 pub const RETAINED_FREE_BYTES: usize = 1 << 30;
 
-/// Makes freed activations stay in the heap for the next step (see the module's text). Returns
-/// whether the allocator took the settings; elsewhere than glibc it has no such knobs and this
-/// returns `false`.
+/// Arenas the process's threads share: the main one only (see the module's text).
+pub const ARENAS: usize = 1;
+
+/// Makes freed activations stay in the heap for the next step (see the module's text). Call it
+/// before any other thread exists: a thread that has allocated keeps its arena. Returns whether
+/// the allocator took the settings; elsewhere than glibc it has no such knobs and this returns
+/// `false`.
 pub fn keep_freed_activations() -> bool {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
@@ -24,6 +34,7 @@ pub fn keep_freed_activations() -> bool {
         unsafe {
             libc::mallopt(libc::M_MMAP_THRESHOLD, HEAP_BLOCK_MAX_BYTES as libc::c_int) == 1
                 && libc::mallopt(libc::M_TRIM_THRESHOLD, RETAINED_FREE_BYTES as libc::c_int) == 1
+                && libc::mallopt(libc::M_ARENA_MAX, ARENAS as libc::c_int) == 1
         }
     }
     #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
@@ -82,6 +93,48 @@ mod tests {
         assert!(
             fewest_faults < pages / 8,
             "{fewest_faults} page faults re-allocating {pages} freed pages: the heap gave them back"
+        );
+    }
+
+    /// Set in the child process of [`a_pool_thread_reuses_freed_activations_beyond_one_arena_heap`].
+    const CHILD: &str = "KIMI_HEAP_TEST_CHILD";
+
+    #[test]
+    fn a_pool_thread_reuses_freed_activations_beyond_one_arena_heap() {
+        // The arenas are fixed once threads have allocated, and a test binary's threads have:
+        // the check runs in a child process of this test binary, this test alone.
+        if std::env::var_os(CHILD).is_none() {
+            let name = "heap::tests::a_pool_thread_reuses_freed_activations_beyond_one_arena_heap";
+            let out = std::process::Command::new(std::env::current_exe().expect("test binary"))
+                .args([name, "--exact", "--nocapture", "--test-threads=1"])
+                .env(CHILD, "1")
+                .output()
+                .expect("the test binary runs");
+            let text = String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success() && text.contains("1 passed"), "{text}");
+            return;
+        }
+        assert!(keep_freed_activations());
+        // 80 MiB live at once: more than one 64 MiB arena heap holds.
+        let (blocks, bytes) = (5, 16 << 20);
+        let pages = (blocks * bytes / 4096) as i64;
+        let fewest_faults = std::thread::spawn(move || {
+            one_layer(blocks, bytes);
+            (0..2)
+                .map(|_| {
+                    let before = thread_minor_faults();
+                    one_layer(blocks, bytes);
+                    thread_minor_faults() - before
+                })
+                .min()
+                .unwrap()
+        })
+        .join()
+        .unwrap();
+        assert!(
+            fewest_faults < pages / 8,
+            "{fewest_faults} page faults re-allocating {pages} freed pages on a new thread"
         );
     }
 }

@@ -70,7 +70,11 @@ pub fn matmul_transposed_tuned(
         products_by_row(tactic, x, tokens, w, out);
         return;
     }
-    let mut transposed = vec![0.0f32; rows * tokens];
+    // Kept per thread: at decode the heads of a per-head product ask for it at once on every
+    // thread, and allocating it made them queue on the allocator's lock.
+    let mut transposed = TRANSPOSED.take();
+    transposed.clear();
+    transposed.resize(rows * tokens, 0.0);
     products_by_row(tactic, x, tokens, w, &mut transposed);
     // Back to `[tokens, rows]`, a block of tokens per task: each weight row's values for the
     // block are contiguous in `transposed`, and the block's output rows fill line by line
@@ -91,7 +95,18 @@ pub fn matmul_transposed_tuned(
             .enumerate()
             .for_each(scatter);
     }
+    if transposed.len() * size_of::<f32>() <= KEEP_TRANSPOSED_BYTES {
+        TRANSPOSED.set(transposed);
+    }
 }
+
+thread_local! {
+    /// [`matmul_transposed_tuned`]'s `[rows, tokens]` products, reused across its calls.
+    static TRANSPOSED: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// The largest products buffer a thread keeps for its next call (a few tokens' worth).
+const KEEP_TRANSPOSED_BYTES: usize = 1 << 20;
 
 /// `out = x · wᵀ` (`[tokens, rows]`) for many tokens (prefill): each task of
 /// [`dense_rows_per_task`](CpuTactic::dense_rows_per_task) weight rows widens them once into an

@@ -21,10 +21,11 @@ use crate::moe_gemm::cpu_simd::Isa;
 const TILE: usize = MLA_TILE;
 
 /// One chunk's unnormalized result: `acc[h] = Σ_t exp(s_t - m[h]) c_t`, `l[h] = Σ_t exp(s_t - m[h])`.
-struct Partial {
+struct Partial<'a> {
     m: Vec<f32>,
     l: Vec<f32>,
-    acc: Vec<f32>,
+    /// Its part of the call's one accumulator buffer (see [`mla_attention_compiled_for`]).
+    acc: &'a mut [f32],
 }
 
 /// Computes `out[row, h] = Σ_t softmax_t(score) · c_t` and the log-sum-exp of the scaled scores,
@@ -139,9 +140,28 @@ pub fn mla_attention_compiled_for(
     // zmm (or two ymm) per step instead of four SSE registers, with the same bits.
     assert!(isa.is_supported(), "{isa:?} is not supported by this CPU");
     let head_range = |g: usize| g * heads_per_task..((g + 1) * heads_per_task).min(h);
-    let partials: Vec<(usize, Vec<(usize, Partial)>)> = tasks
+    // Every task's accumulators (its block's rows × its heads × L) in one buffer kept by the
+    // calling thread between calls, each task zeroing its part: allocated inside the tasks,
+    // they made the pool's threads queue on the allocator's lock.
+    let task_floats = |&(b, _, g, _, _): &(usize, usize, usize, usize, usize)| {
+        blocks[b].len() * head_range(g).len() * l
+    };
+    let mut acc_buffer = ACC_BUFFER.take();
+    let needed = tasks.iter().map(task_floats).sum();
+    if acc_buffer.len() < needed {
+        acc_buffer.resize(needed, 0.0);
+    }
+    let mut acc_spaces: Vec<&mut [f32]> = Vec::with_capacity(tasks.len());
+    let mut rest = &mut acc_buffer[..needed];
+    for task in &tasks {
+        let (space, tail) = rest.split_at_mut(task_floats(task));
+        acc_spaces.push(space);
+        rest = tail;
+    }
+    let partials: Vec<(usize, Vec<(usize, Partial<'_>)>)> = tasks
         .par_iter()
-        .map(|&(b, longest, g, start, end)| {
+        .zip(acc_spaces)
+        .map(|(&(b, longest, g, start, end), acc_space)| {
             let heads = head_range(g);
             // The block's rows that reach into this chunk, and how many of its keys each takes.
             let queries: Vec<(usize, BlockRow<'_>)> = blocks[b]
@@ -170,18 +190,19 @@ pub fn mla_attention_compiled_for(
             let parts = match isa {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: the CPU supports the ISA (asserted above).
-                Isa::Avx512 => unsafe { attend_block_avx512(args) },
+                Isa::Avx512 => unsafe { attend_block_avx512(args, acc_space) },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: as above.
-                Isa::Avx2Fma => unsafe { attend_block_avx2(args) },
-                _ => attend_block(args),
+                Isa::Avx2Fma => unsafe { attend_block_avx2(args, acc_space) },
+                _ => attend_block(args, acc_space),
             };
             (g, queries.iter().map(|(row, _)| *row).zip(parts).collect())
         })
         .collect();
 
     // Merge each row's chunks per head group (a row's chunks come in order).
-    let mut by_row: Vec<Vec<Vec<&Partial>>> = (0..rows).map(|_| vec![Vec::new(); groups]).collect();
+    let mut by_row: Vec<Vec<Vec<&Partial<'_>>>> =
+        (0..rows).map(|_| vec![Vec::new(); groups]).collect();
     for (g, parts) in &partials {
         for (row, p) in parts {
             by_row[*row][*g].push(p);
@@ -202,7 +223,20 @@ pub fn mla_attention_compiled_for(
                 );
             }
         });
+    drop(by_row);
+    drop(partials);
+    if acc_buffer.len() * size_of::<f32>() <= KEEP_ACC_BYTES {
+        ACC_BUFFER.set(acc_buffer);
+    }
     Ok(())
+}
+
+/// The largest accumulator buffer a thread keeps for its next call (a long prefill's is freed).
+const KEEP_ACC_BYTES: usize = 32 << 20;
+
+thread_local! {
+    /// [`mla_attention_compiled_for`]'s accumulator buffer, reused across its calls.
+    static ACC_BUFFER: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
 /// Rows of one sequence a task attends together.
@@ -237,20 +271,21 @@ struct BlockArgs<'a> {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
-fn attend_block_avx512(args: BlockArgs<'_>) -> Vec<Partial> {
-    attend_block(args)
+fn attend_block_avx512<'a>(args: BlockArgs<'_>, acc_space: &'a mut [f32]) -> Vec<Partial<'a>> {
+    attend_block(args, acc_space)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn attend_block_avx2(args: BlockArgs<'_>) -> Vec<Partial> {
-    attend_block(args)
+fn attend_block_avx2<'a>(args: BlockArgs<'_>, acc_space: &'a mut [f32]) -> Vec<Partial<'a>> {
+    attend_block(args, acc_space)
 }
 
 /// Online-softmax attention of every row of a block, all its heads, over `slots`: each tile
-/// of keys is read from the cache once and used by every row that reaches it.
+/// of keys is read from the cache once and used by every row that reaches it. `acc_space`
+/// holds at least `rows × heads × L` floats, the rows' accumulators.
 #[inline(always)]
-fn attend_block(args: BlockArgs<'_>) -> Vec<Partial> {
+fn attend_block<'a>(args: BlockArgs<'_>, acc_space: &'a mut [f32]) -> Vec<Partial<'a>> {
     let BlockArgs {
         cache,
         layer,
@@ -262,17 +297,37 @@ fn attend_block(args: BlockArgs<'_>) -> Vec<Partial> {
     } = args;
     let shape = cache.shape();
     let (l, r) = (shape.latent_dim, shape.rope_dim);
-    let mut latent = vec![0.0f32; TILE * l];
-    let mut rope = vec![0.0f32; TILE * r];
-    let mut parts: Vec<Partial> = rows
+    // The tile buffers, kept per thread: every slot read overwrites the rows it uses, and a
+    // 72 KB allocation per task made the pool's threads queue on the allocator's lock.
+    let mut tile_buffers = TILE_BUFFERS.take();
+    let tile_keys = TILE.min(slots.len());
+    let (latent, rope) = &mut tile_buffers;
+    for (buffer, len) in [(&mut *latent, tile_keys * l), (&mut *rope, tile_keys * r)] {
+        if buffer.len() < len {
+            buffer.resize(len, 0.0);
+        }
+    }
+    let (latent, rope) = (&mut latent[..tile_keys * l], &mut rope[..tile_keys * r]);
+    acc_space.fill(0.0);
+    let mut space = acc_space;
+    let mut parts: Vec<Partial<'a>> = rows
         .iter()
-        .map(|_| Partial {
-            m: vec![f32::NEG_INFINITY; heads],
-            l: vec![0.0; heads],
-            acc: vec![0.0; heads * l],
+        .map(|_| {
+            let (acc, rest) = std::mem::take(&mut space).split_at_mut(heads * l);
+            space = rest;
+            // Not `vec![0.0; n]`: glibc's calloc, which that becomes, skips the per-thread
+            // cache and takes the arena's lock.
+            let mut sums = Vec::with_capacity(heads);
+            sums.resize(heads, 0.0);
+            Partial {
+                m: vec![f32::NEG_INFINITY; heads],
+                l: sums,
+                acc,
+            }
         })
         .collect();
-    let mut scores = vec![[0.0f32; TILE]; heads];
+    let mut scores = Vec::with_capacity(heads);
+    scores.resize(heads, [0.0f32; TILE]);
     for (t, tile) in slots.chunks(TILE).enumerate() {
         let t0 = t * TILE;
         for (i, &slot) in tile.iter().enumerate() {
@@ -336,12 +391,20 @@ fn attend_block(args: BlockArgs<'_>) -> Vec<Partial> {
             }
         }
     }
+    TILE_BUFFERS.set(tile_buffers);
     parts
+}
+
+thread_local! {
+    /// [`attend_block`]'s dequantized tile (latents, RoPE parts), reused across its calls.
+    static TILE_BUFFERS: std::cell::Cell<(Vec<f32>, Vec<f32>)> = const {
+        std::cell::Cell::new((Vec::new(), Vec::new()))
+    };
 }
 
 /// Exact merge of chunk results: with `M = max m_i` and `L = Σ l_i e^{m_i - M}`,
 /// `out = Σ acc_i e^{m_i - M} / L` and `lse = M + ln L` — the same numbers one chunk would give.
-fn merge(parts: &[&Partial], heads: usize, l: usize, out: &mut [f32], lse: &mut [f32]) {
+fn merge(parts: &[&Partial<'_>], heads: usize, l: usize, out: &mut [f32], lse: &mut [f32]) {
     for head in 0..heads {
         let m = parts
             .iter()
