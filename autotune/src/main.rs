@@ -131,6 +131,8 @@ fn main() -> ExitCode {
         // SAFETY: first thing in main, before any other thread exists.
         unsafe { std::env::set_var("CUDA_DEVICE_MAX_CONNECTIONS", "32") };
     }
+    // The CPU tactics are timed on the model's steps, with the heap as `model run` keeps it.
+    model::heap::keep_freed_activations();
     match run() {
         Ok(code) => code,
         Err(e) => {

@@ -123,6 +123,8 @@ fn run_once(o: &Options, checkpoint: &Path, tactics: Option<&Path>) -> Result<(f
 }
 
 fn main() -> Result<()> {
+    // As `model run` does: its steps' freed activations stay in the heap.
+    model::heap::keep_freed_activations();
     let o = options()?;
     let mut models: Vec<(&str, PathBuf)> = Vec::new();
     if o.only.as_deref() != Some("mini") {

@@ -123,6 +123,8 @@ fn options() -> Result<Options> {
 }
 
 fn main() -> Result<()> {
+    // As `model run` does: its steps' freed activations stay in the heap.
+    model::heap::keep_freed_activations();
     let o = options()?;
     let dir = match &o.checkpoint {
         Some(dir) => dir.clone(),
