@@ -465,11 +465,17 @@ impl Model {
             }
         }
 
-        for (row, &(seq, pos)) in kv.chunks_exact_mut(latent + rope_dim).zip(rows) {
+        // Each row normed (its latent, in place) and rotated (its RoPE part), the rows of a
+        // prefill in parallel; then written to the cache in order.
+        for_rows(&mut kv, latent + rope_dim, |r, row| {
             let (c_part, pe_part) = row.split_at_mut(latent);
             let normed = rms_norm(c_part, &w.kv_a_norm, c.rms_norm_eps);
-            self.rope.apply(pe_part, pos);
-            cache.write(layer, seq, pos, &normed, pe_part)?;
+            c_part.copy_from_slice(&normed);
+            self.rope.apply(pe_part, rows[r].1);
+        });
+        for (row, &(seq, pos)) in kv.chunks_exact(latent + rope_dim).zip(rows) {
+            let (c_part, pe_part) = row.split_at(latent);
+            cache.write(layer, seq, pos, c_part, pe_part)?;
         }
 
         // Absorb W_UK into the query, per head: q_abs[:, h] = q_nope[:, h] · W_UK[h], a
@@ -487,28 +493,25 @@ impl Model {
         // [heads, n, P] in, [heads, n, L] out.
         let mut q_nope = vec![0.0f32; heads * n * nope];
         let mut q_pe = vec![0.0f32; n * heads * rope_dim];
-        for r in 0..n {
-            for head in 0..heads {
-                let q_head = &q[(r * heads + head) * qk..(r * heads + head + 1) * qk];
-                q_nope[(head * n + r) * nope..(head * n + r + 1) * nope]
-                    .copy_from_slice(&q_head[..nope]);
-                let pe =
-                    &mut q_pe[(r * heads + head) * rope_dim..(r * heads + head + 1) * rope_dim];
-                pe.copy_from_slice(&q_head[nope..]);
-                self.rope.apply(pe, rows[r].1);
+        for_rows(&mut q_nope, n * nope, |head, block| {
+            for (r, dst) in block.chunks_exact_mut(nope).enumerate() {
+                dst.copy_from_slice(&q[(r * heads + head) * qk..][..nope]);
             }
-        }
+        });
+        for_rows(&mut q_pe, heads * rope_dim, |r, pe_row| {
+            for (head, pe) in pe_row.chunks_exact_mut(rope_dim).enumerate() {
+                pe.copy_from_slice(&q[(r * heads + head) * qk + nope..][..rope_dim]);
+            }
+            self.rope.apply_heads(pe_row, rope_dim, rows[r].1);
+        });
         let mut absorbed = vec![0.0f32; heads * n * latent];
         backend.matmul_per_head(&q_nope, n, &uk_heads, &mut absorbed);
         let mut q_abs = vec![0.0f32; n * heads * latent];
-        for head in 0..heads {
-            for r in 0..n {
-                q_abs[(r * heads + head) * latent..(r * heads + head + 1) * latent]
-                    .copy_from_slice(
-                        &absorbed[(head * n + r) * latent..(head * n + r + 1) * latent],
-                    );
+        for_rows(&mut q_abs, heads * latent, |r, row| {
+            for (head, dst) in row.chunks_exact_mut(latent).enumerate() {
+                dst.copy_from_slice(&absorbed[(head * n + r) * latent..][..latent]);
             }
-        }
+        });
 
         let queries: Vec<AttentionQuery> = rows
             .iter()
@@ -546,22 +549,19 @@ impl Model {
             })
             .collect();
         let mut latent_rows = vec![0.0f32; heads * n * latent];
-        for head in 0..heads {
-            for r in 0..n {
-                latent_rows[(head * n + r) * latent..(head * n + r + 1) * latent].copy_from_slice(
-                    &o_latent[(r * heads + head) * latent..(r * heads + head + 1) * latent],
-                );
+        for_rows(&mut latent_rows, n * latent, |head, block| {
+            for (r, dst) in block.chunks_exact_mut(latent).enumerate() {
+                dst.copy_from_slice(&o_latent[(r * heads + head) * latent..][..latent]);
             }
-        }
+        });
         let mut head_v = vec![0.0f32; heads * n * v_dim];
         backend.matmul_per_head(&latent_rows, n, &uv_heads, &mut head_v);
         let mut o = vec![0.0f32; n * heads * v_dim];
-        for head in 0..heads {
-            for r in 0..n {
-                o[(r * heads + head) * v_dim..(r * heads + head + 1) * v_dim]
-                    .copy_from_slice(&head_v[(head * n + r) * v_dim..(head * n + r + 1) * v_dim]);
+        for_rows(&mut o, heads * v_dim, |r, row| {
+            for (head, dst) in row.chunks_exact_mut(v_dim).enumerate() {
+                dst.copy_from_slice(&head_v[(head * n + r) * v_dim..][..v_dim]);
             }
-        }
+        });
         let mut out = vec![0.0f32; n * c.hidden_size];
         backend.matmul(&o, n, w.o.view(), &mut out);
         Ok(out)
@@ -614,46 +614,66 @@ impl Model {
 /// weights are the chosen experts' unbiased scores, normalized, times `routed_scaling_factor`.
 /// Ties go to the lower expert index, so the choice is deterministic.
 pub fn route(logits: &[f32], bias: &[f32], c: &ModelConfig) -> Routing {
+    use rayon::prelude::*;
     let experts = c.n_routed_experts;
-    let k = c.num_experts_per_tok;
-    let per_group = experts / c.n_group;
-    let mut routing = Routing {
-        top_k: k,
-        experts: Vec::new(),
-        weights: Vec::new(),
+    let rows = logits.len() / experts.max(1);
+    // Each row's choice alone: a prefill's rows in parallel.
+    let chosen: Vec<(Vec<usize>, Vec<f32>)> = if rows >= NORM_PARALLEL_ROWS {
+        logits
+            .par_chunks_exact(experts)
+            .with_min_len(NORM_PARALLEL_ROWS / 4)
+            .map(|row| route_row(row, bias, c))
+            .collect()
+    } else {
+        logits
+            .chunks_exact(experts)
+            .map(|row| route_row(row, bias, c))
+            .collect()
     };
-    for row in logits.chunks_exact(experts) {
-        let scores: Vec<f32> = row.iter().map(|&l| 1.0 / (1.0 + (-l).exp())).collect();
-        let mut choice: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
-        if c.n_group > 1 {
-            let group_scores: Vec<f32> = choice
-                .chunks_exact(per_group)
-                .map(|g| {
-                    let mut sorted = g.to_vec();
-                    sorted.sort_by(|a, b| b.total_cmp(a));
-                    sorted.iter().take(2).sum()
-                })
-                .collect();
-            let kept = top_indices(&group_scores, c.topk_group);
-            for (g, chunk) in choice.chunks_exact_mut(per_group).enumerate() {
-                if !kept.contains(&g) {
-                    chunk.fill(f32::NEG_INFINITY);
-                }
-            }
-        }
-        let chosen = top_indices(&choice, k);
-        let mut weights: Vec<f32> = chosen.iter().map(|&e| scores[e]).collect();
-        if c.norm_topk_prob {
-            let sum: f32 = weights.iter().sum::<f32>() + 1e-20;
-            weights.iter_mut().for_each(|w| *w /= sum);
-        }
-        weights
-            .iter_mut()
-            .for_each(|w| *w *= c.routed_scaling_factor as f32);
-        routing.experts.extend(chosen.iter().map(|&e| e as u32));
+    let mut routing = Routing {
+        top_k: c.num_experts_per_tok,
+        experts: Vec::with_capacity(rows * c.num_experts_per_tok),
+        weights: Vec::with_capacity(rows * c.num_experts_per_tok),
+    };
+    for (experts, weights) in chosen {
+        routing.experts.extend(experts.iter().map(|&e| e as u32));
         routing.weights.extend(weights);
     }
     routing
+}
+
+/// One row's experts (best first) and their weights; see [`route`].
+fn route_row(row: &[f32], bias: &[f32], c: &ModelConfig) -> (Vec<usize>, Vec<f32>) {
+    let k = c.num_experts_per_tok;
+    let per_group = c.n_routed_experts / c.n_group;
+    let scores: Vec<f32> = row.iter().map(|&l| 1.0 / (1.0 + (-l).exp())).collect();
+    let mut choice: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
+    if c.n_group > 1 {
+        let group_scores: Vec<f32> = choice
+            .chunks_exact(per_group)
+            .map(|g| {
+                let mut sorted = g.to_vec();
+                sorted.sort_by(|a, b| b.total_cmp(a));
+                sorted.iter().take(2).sum()
+            })
+            .collect();
+        let kept = top_indices(&group_scores, c.topk_group);
+        for (g, chunk) in choice.chunks_exact_mut(per_group).enumerate() {
+            if !kept.contains(&g) {
+                chunk.fill(f32::NEG_INFINITY);
+            }
+        }
+    }
+    let chosen = top_indices(&choice, k);
+    let mut weights: Vec<f32> = chosen.iter().map(|&e| scores[e]).collect();
+    if c.norm_topk_prob {
+        let sum: f32 = weights.iter().sum::<f32>() + 1e-20;
+        weights.iter_mut().for_each(|w| *w /= sum);
+    }
+    weights
+        .iter_mut()
+        .for_each(|w| *w *= c.routed_scaling_factor as f32);
+    (chosen, weights)
 }
 
 /// Indices of the `k` largest values, largest first, ties to the lower index.
@@ -685,9 +705,12 @@ fn mlp_down(
     up: &[f32],
     n: usize,
 ) -> Vec<f32> {
-    for (g, u) in gate.iter_mut().zip(up) {
-        *g = silu(*g) * u;
-    }
+    let inter = w.down.cols;
+    for_rows(&mut gate, inter, |r, row| {
+        for (g, u) in row.iter_mut().zip(&up[r * inter..(r + 1) * inter]) {
+            *g = silu(*g) * u;
+        }
+    });
     let mut out = vec![0.0f32; n * w.down.rows];
     backend.matmul(&gate, n, w.down.view(), &mut out);
     out
@@ -741,8 +764,30 @@ fn rms_norm_rows(x: &[f32], dim: usize, weight: &[f32], eps: f64) -> Vec<f32> {
 const NORM_PARALLEL_ROWS: usize = 32;
 
 fn add_in_place(x: &mut [f32], y: &[f32]) {
-    for (a, b) in x.iter_mut().zip(y) {
-        *a += b;
+    let width = 1 << 12;
+    for_rows(x, width, |i, block| {
+        for (a, b) in block.iter_mut().zip(&y[i * width..]) {
+            *a += b;
+        }
+    });
+}
+
+/// `f(i, row)` for every `width`-wide row `i` of `values` (the last one may be shorter), in
+/// parallel from [`NORM_PARALLEL_ROWS`] rows (a prefill's), in order below (a decode step's
+/// few rows are less work than waking a thread). Each row is the same computation either way.
+fn for_rows(values: &mut [f32], width: usize, f: impl Fn(usize, &mut [f32]) + Sync + Send) {
+    use rayon::prelude::*;
+    let width = width.max(1);
+    if values.len() / width >= NORM_PARALLEL_ROWS {
+        values
+            .par_chunks_mut(width)
+            .enumerate()
+            .with_min_len(NORM_PARALLEL_ROWS / 4)
+            .for_each(|(i, row)| f(i, row));
+    } else {
+        for (i, row) in values.chunks_mut(width).enumerate() {
+            f(i, row);
+        }
     }
 }
 

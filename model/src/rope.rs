@@ -81,15 +81,34 @@ impl Rope {
     /// Rotates `x` (`qk_rope_head_dim` values, pairs `(2i, 2i+1)`) for position `pos`, in place.
     #[inline]
     pub fn apply(&self, x: &mut [f32], pos: usize) {
-        for (pair, &freq) in x.chunks_exact_mut(2).zip(&self.inv_freq) {
+        self.apply_heads(x, x.len().max(1), pos);
+    }
+
+    /// [`Rope::apply`] to each `width`-value head of `x`, all at position `pos`: the angles'
+    /// cosines and sines are computed once for all heads (the same values, so the same bits).
+    pub fn apply_heads(&self, x: &mut [f32], width: usize, pos: usize) {
+        let pairs = (width / 2).min(self.inv_freq.len());
+        let mut rotation = [(0.0f32, 0.0f32); 64];
+        let mut heap_rotation = Vec::new();
+        let rotation: &mut [(f32, f32)] = if pairs <= rotation.len() {
+            &mut rotation[..pairs]
+        } else {
+            heap_rotation.resize(pairs, (0.0, 0.0));
+            &mut heap_rotation
+        };
+        for (r, &freq) in rotation.iter_mut().zip(&self.inv_freq) {
             let angle = pos as f32 * freq;
-            let (cos, sin) = (
+            *r = (
                 angle.cos() * self.attention_factor,
                 angle.sin() * self.attention_factor,
             );
-            let (a, b) = (pair[0], pair[1]);
-            pair[0] = a * cos - b * sin;
-            pair[1] = b * cos + a * sin;
+        }
+        for head in x.chunks_mut(width) {
+            for (pair, &(cos, sin)) in head.chunks_exact_mut(2).zip(rotation.iter()) {
+                let (a, b) = (pair[0], pair[1]);
+                pair[0] = a * cos - b * sin;
+                pair[1] = b * cos + a * sin;
+            }
         }
     }
 }
@@ -127,6 +146,28 @@ mod tests {
         };
         assert!((dot(&at(&q, 5), &at(&q, 5)) - dot(&q, &q)).abs() < 1e-3);
         assert!((dot(&at(&q, 10), &at(&k, 7)) - dot(&at(&q, 103), &at(&k, 100))).abs() < 1e-3);
+    }
+
+    #[test]
+    fn heads_rotated_together_get_the_bits_of_each_alone() {
+        let rope = Rope::new(&config(None));
+        let heads: Vec<f32> = (0..3 * 64).map(|i| (i as f32 * 0.37).cos() * 3.0).collect();
+        for pos in [0, 1, 17, 4095, 100_000] {
+            let mut together = heads.clone();
+            rope.apply_heads(&mut together, 64, pos);
+            let mut alone = heads.clone();
+            for head in alone.chunks_exact_mut(64) {
+                rope.apply(head, pos);
+            }
+            assert_eq!(
+                together.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                alone.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "position {pos}"
+            );
+            if pos > 0 {
+                assert_ne!(together, heads, "position {pos} rotated nothing");
+            }
+        }
     }
 
     #[test]
