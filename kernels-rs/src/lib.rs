@@ -33,4 +33,5 @@ pub mod layers;
 pub mod matrix;
 pub mod mla;
 pub mod moe_gemm;
+mod scratch;
 pub mod tactic;

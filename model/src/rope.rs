@@ -88,26 +88,18 @@ impl Rope {
     /// cosines and sines are computed once for all heads (the same values, so the same bits).
     pub fn apply_heads(&self, x: &mut [f32], width: usize, pos: usize) {
         let pairs = (width / 2).min(self.inv_freq.len());
-        let mut rotation = [(0.0f32, 0.0f32); 64];
-        let mut heap_rotation = Vec::new();
-        let rotation: &mut [(f32, f32)] = if pairs <= rotation.len() {
-            &mut rotation[..pairs]
-        } else {
-            heap_rotation.resize(pairs, (0.0, 0.0));
-            &mut heap_rotation
-        };
-        for (r, &freq) in rotation.iter_mut().zip(&self.inv_freq) {
+        for (i, &freq) in self.inv_freq[..pairs].iter().enumerate() {
             let angle = pos as f32 * freq;
-            *r = (
+            let (cos, sin) = (
                 angle.cos() * self.attention_factor,
                 angle.sin() * self.attention_factor,
             );
-        }
-        for head in x.chunks_mut(width) {
-            for (pair, &(cos, sin)) in head.chunks_exact_mut(2).zip(rotation.iter()) {
-                let (a, b) = (pair[0], pair[1]);
-                pair[0] = a * cos - b * sin;
-                pair[1] = b * cos + a * sin;
+            for head in x.chunks_mut(width) {
+                if let Some(pair) = head.get_mut(2 * i..2 * i + 2) {
+                    let (a, b) = (pair[0], pair[1]);
+                    pair[0] = a * cos - b * sin;
+                    pair[1] = b * cos + a * sin;
+                }
             }
         }
     }

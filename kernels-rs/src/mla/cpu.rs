@@ -16,6 +16,7 @@ use super::cache::{CacheError, PagedLatentCache};
 use super::reference::MlaProblem;
 use crate::cpu_tactic::{CpuTactic, MLA_TILE};
 use crate::moe_gemm::cpu_simd::Isa;
+use crate::scratch::sized;
 
 /// Tokens dequantized together and reused by every head.
 const TILE: usize = MLA_TILE;
@@ -147,12 +148,8 @@ pub fn mla_attention_compiled_for(
         blocks[b].len() * head_range(g).len() * l
     };
     let mut acc_buffer = ACC_BUFFER.take();
-    let needed = tasks.iter().map(task_floats).sum();
-    if acc_buffer.len() < needed {
-        acc_buffer.resize(needed, 0.0);
-    }
     let mut acc_spaces: Vec<&mut [f32]> = Vec::with_capacity(tasks.len());
-    let mut rest = &mut acc_buffer[..needed];
+    let mut rest = sized(&mut acc_buffer, tasks.iter().map(task_floats).sum());
     for task in &tasks {
         let (space, tail) = rest.split_at_mut(task_floats(task));
         acc_spaces.push(space);
@@ -302,12 +299,7 @@ fn attend_block<'a>(args: BlockArgs<'_>, acc_space: &'a mut [f32]) -> Vec<Partia
     let mut tile_buffers = TILE_BUFFERS.take();
     let tile_keys = TILE.min(slots.len());
     let (latent, rope) = &mut tile_buffers;
-    for (buffer, len) in [(&mut *latent, tile_keys * l), (&mut *rope, tile_keys * r)] {
-        if buffer.len() < len {
-            buffer.resize(len, 0.0);
-        }
-    }
-    let (latent, rope) = (&mut latent[..tile_keys * l], &mut rope[..tile_keys * r]);
+    let (latent, rope) = (sized(latent, tile_keys * l), sized(rope, tile_keys * r));
     acc_space.fill(0.0);
     let mut space = acc_space;
     let mut parts: Vec<Partial<'a>> = rows

@@ -42,6 +42,7 @@ use super::reference::{ExpertInputAmax, ExpertView, Routing, silu};
 use crate::cpu_tactic::{CpuTactic, MoeDot};
 use crate::dense::dot;
 use crate::matrix::MatrixView;
+use crate::scratch::sized;
 
 /// Per-call buffers, kept per thread between calls: a fresh multi-megabyte allocation is fresh
 /// pages, whose first-touch faults and zeroing cost as much as streaming a good part of the
@@ -97,14 +98,6 @@ const KEEP_SCRATCH_BYTES: usize = 64 << 20;
 thread_local! {
     /// Taken out for the duration of a call (so a nested call would just allocate).
     static SCRATCH: Cell<Scratch> = Cell::default();
-}
-
-/// The first `n` elements of `v`, growing it if needed.
-fn sized<T: Clone + Default>(v: &mut Vec<T>, n: usize) -> &mut [T] {
-    if v.len() < n {
-        v.resize(n, T::default());
-    }
-    &mut v[..n]
 }
 
 /// The activations of one expert's rows as a kernel reads them.
