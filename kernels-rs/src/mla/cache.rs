@@ -19,7 +19,7 @@
 use half::bf16;
 use thiserror::Error;
 
-use crate::formats::e4m3::{E4M3_MAX, Overflow, e4m3_to_f32, f32_to_e4m3};
+use crate::formats::e4m3::{E4M3_MAX, Overflow, e4m3_to_f32_arith, f32_to_e4m3};
 use crate::formats::widen_bf16;
 
 /// Tokens per cache page.
@@ -473,7 +473,7 @@ impl PagedLatentCache {
             } => {
                 let scale = scales[slot];
                 for (dst, &code) in latent.iter_mut().zip(&codes[slot * l..(slot + 1) * l]) {
-                    *dst = e4m3_to_f32(code) * scale;
+                    *dst = e4m3_to_f32_arith(code) * scale;
                 }
                 for (dst, &src) in rope.iter_mut().zip(&rope_store[slot * r..(slot + 1) * r]) {
                     *dst = widen_bf16(src);
