@@ -31,6 +31,21 @@ struct Partial<'a> {
     acc: &'a mut [f32],
 }
 
+impl<'a> Partial<'a> {
+    /// The empty result of `heads` heads over `acc` (zeroed by the caller).
+    fn empty(heads: usize, acc: &'a mut [f32]) -> Self {
+        // Not `vec![0.0; n]`: glibc's calloc, which that becomes, skips the per-thread cache
+        // and takes the arena's lock.
+        let mut sums = Vec::with_capacity(heads);
+        sums.resize(heads, 0.0);
+        Self {
+            m: vec![f32::NEG_INFINITY; heads],
+            l: sums,
+            acc,
+        }
+    }
+}
+
 /// Computes `out[row, h] = Σ_t softmax_t(score) · c_t` and the log-sum-exp of the scaled scores,
 /// like the reference, in one pass with split-KV parallelism.
 pub fn mla_attention(
@@ -323,15 +338,7 @@ fn attend_block<'a>(args: BlockArgs<'_>, acc_space: &'a mut [f32]) -> Vec<Partia
         .map(|_| {
             let (acc, rest) = std::mem::take(&mut space).split_at_mut(heads * l);
             space = rest;
-            // Not `vec![0.0; n]`: glibc's calloc, which that becomes, skips the per-thread
-            // cache and takes the arena's lock.
-            let mut sums = Vec::with_capacity(heads);
-            sums.resize(heads, 0.0);
-            Partial {
-                m: vec![f32::NEG_INFINITY; heads],
-                l: sums,
-                acc,
-            }
+            Partial::empty(heads, acc)
         })
         .collect();
     let mut scores = Vec::with_capacity(heads);
@@ -358,27 +365,8 @@ fn attend_block<'a>(args: BlockArgs<'_>, acc_space: &'a mut [f32]) -> Vec<Partia
                 let h1 = (h0 + 1).min(heads - 1);
                 let qa = [h0, h1].map(|h| &row.q_abs[h * l..(h + 1) * l]);
                 let qp = [h0, h1].map(|h| &row.q_pe[h * r..(h + 1) * r]);
-                // Four keys at a time: each key's sum in `dot`'s order.
-                let mut i = 0;
-                while i + DOT_KEYS <= n {
-                    let latents = std::array::from_fn(|k| &latent[(i + k) * l..(i + k + 1) * l]);
-                    let ropes = std::array::from_fn(|k| &rope[(i + k) * r..(i + k + 1) * r]);
-                    let (d_latent, d_rope) =
-                        (dots_with(isa, qa, latents), dots_with(isa, qp, ropes));
-                    for (j, h) in [h0, h1].into_iter().enumerate() {
-                        for k in 0..DOT_KEYS {
-                            scores[h][i + k] = (d_latent[j][k] + d_rope[j][k]) * scale;
-                        }
-                    }
-                    i += DOT_KEYS;
-                }
-                for i in i..n {
-                    for (j, h) in [h0, h1].into_iter().enumerate() {
-                        scores[h][i] = (dot(qa[j], &latent[i * l..(i + 1) * l])
-                            + dot(qp[j], &rope[i * r..(i + 1) * r]))
-                            * scale;
-                    }
-                }
+                let key = |i: usize| (&latent[i * l..(i + 1) * l], &rope[i * r..(i + 1) * r]);
+                [scores[h0], scores[h1]] = pair_scores(isa, qa, qp, key, n, scale);
             }
             for (head, scores) in scores.iter().enumerate().take(heads) {
                 let scores = &scores[..n];
@@ -391,6 +379,42 @@ fn attend_block<'a>(args: BlockArgs<'_>, acc_space: &'a mut [f32]) -> Vec<Partia
     }
     TILE_BUFFERS.set(tile_buffers);
     parts
+}
+
+/// The scaled scores of a tile's first `n` keys (`key(i)`: key `i`'s latent and RoPE parts)
+/// for a pair of heads (`qa`, `qp`: their queries; one head twice for a last odd head), four
+/// keys at a time, each key's sum in `dot`'s order: each key's vectors are loaded once for
+/// both heads, and eight accumulator chains overlap instead of four. A score is the same
+/// function of its head and key in any grouping (the same bits).
+#[inline(always)]
+fn pair_scores<'k, E: KeyElement + 'k>(
+    isa: Isa,
+    qa: [&[f32]; DOT_HEADS],
+    qp: [&[f32]; DOT_HEADS],
+    key: impl Fn(usize) -> (&'k [E], &'k [E]),
+    n: usize,
+    scale: f32,
+) -> [[f32; TILE]; DOT_HEADS] {
+    let mut scores = [[0.0f32; TILE]; DOT_HEADS];
+    let mut i = 0;
+    while i + DOT_KEYS <= n {
+        let keys: [(&[E], &[E]); DOT_KEYS] = std::array::from_fn(|k| key(i + k));
+        let d_latent = dots_with(isa, qa, keys.map(|k| k.0));
+        let d_rope = dots_with(isa, qp, keys.map(|k| k.1));
+        for j in 0..DOT_HEADS {
+            for k in 0..DOT_KEYS {
+                scores[j][i + k] = (d_latent[j][k] + d_rope[j][k]) * scale;
+            }
+        }
+        i += DOT_KEYS;
+    }
+    for i in i..n {
+        let (latent, rope) = key(i);
+        for (scores, (qa, qp)) in scores.iter_mut().zip(qa.iter().zip(qp)) {
+            scores[i] = (dot(qa, latent) + dot(qp, rope)) * scale;
+        }
+    }
+    scores
 }
 
 /// One tile's step of a head's online softmax: its running maximum `m` and sum `l` take in
@@ -426,29 +450,13 @@ fn attend_row_in_place<'a>(
     values: &[half::bf16],
     acc_space: &'a mut [f32],
 ) -> Vec<Partial<'a>> {
-    let BlockArgs {
-        cache,
-        slots,
-        rows,
-        heads,
-        scale,
-        isa,
-        ..
-    } = args;
-    let shape = cache.shape();
+    let (heads, scale, isa) = (args.heads, args.scale, args.isa);
+    let shape = args.cache.shape();
     let (l, r) = (shape.latent_dim, shape.rope_dim);
-    let row = &rows[0].1;
+    let row = &args.rows[0].1;
     acc_space.fill(0.0);
-    let (acc, _) = acc_space.split_at_mut(heads * l);
-    // Not `vec![0.0; n]`: see attend_block.
-    let mut sums = Vec::with_capacity(heads);
-    sums.resize(heads, 0.0);
-    let mut part = Partial {
-        m: vec![f32::NEG_INFINITY; heads],
-        l: sums,
-        acc,
-    };
-    for (t, tile) in slots.chunks(TILE).enumerate() {
+    let mut part = Partial::empty(heads, &mut acc_space[..heads * l]);
+    for (t, tile) in args.slots.chunks(TILE).enumerate() {
         let t0 = t * TILE;
         if row.keys <= t0 {
             break;
@@ -465,23 +473,7 @@ fn attend_row_in_place<'a>(
             let h1 = h0 + pair - 1;
             let qa = [h0, h1].map(|h| &row.q_abs[h * l..(h + 1) * l]);
             let qp = [h0, h1].map(|h| &row.q_pe[h * r..(h + 1) * r]);
-            let mut scores = [[0.0f32; TILE]; DOT_HEADS];
-            let mut i = 0;
-            while i + DOT_KEYS <= n {
-                let d_latent = dots_with(isa, qa, std::array::from_fn(|k| latents[i + k]));
-                let d_rope = dots_with(isa, qp, std::array::from_fn(|k| ropes[i + k]));
-                for j in 0..DOT_HEADS {
-                    for k in 0..DOT_KEYS {
-                        scores[j][i + k] = (d_latent[j][k] + d_rope[j][k]) * scale;
-                    }
-                }
-                i += DOT_KEYS;
-            }
-            for i in i..n {
-                for j in 0..DOT_HEADS {
-                    scores[j][i] = (dot(qa[j], latents[i]) + dot(qp[j], ropes[i])) * scale;
-                }
-            }
+            let scores = pair_scores(isa, qa, qp, |i| (latents[i], ropes[i]), n, scale);
             let mut probs = [[0.0f32; TILE]; DOT_HEADS];
             let mut alpha = [0.0f32; DOT_HEADS];
             for j in 0..pair {
@@ -550,54 +542,51 @@ pub fn dot<E: KeyElement>(a: &[f32], b: &[E]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
+/// `$body`, an expression of the arguments, compiled for `$isa`: for AVX-512 or AVX2 and FMA
+/// by functions with those target features (generic over `[$generics]`), plainly otherwise.
+/// The loops are plain Rust; compiled for the CPU's ISA they run a zmm (or two ymm) per step.
+macro_rules! compiled_for {
+    ($isa:expr, [$($generics:tt)*] ($($arg:ident: $ty:ty),*) -> $ret:ty, $body:expr) => {{
+        #[cfg(target_arch = "x86_64")]
+        {
+            #[target_feature(enable = "avx512f,avx512bw")]
+            #[inline(never)]
+            fn avx512<$($generics)*>($($arg: $ty),*) -> $ret {
+                $body
+            }
+            #[target_feature(enable = "avx2,fma")]
+            #[inline(never)]
+            fn avx2<$($generics)*>($($arg: $ty),*) -> $ret {
+                $body
+            }
+            match $isa {
+                // SAFETY: the caller checked that the CPU supports `isa`.
+                Isa::Avx512 => return unsafe { avx512($($arg),*) },
+                // SAFETY: as above.
+                Isa::Avx2Fma => return unsafe { avx2($($arg),*) },
+                Isa::Scalar => {}
+            }
+        }
+        $body
+    }};
+}
+
 /// [`dots`] compiled for `isa`.
 fn dots_with<E: KeyElement>(isa: Isa, a: [&[f32]; DOT_HEADS], b: [&[E]; DOT_KEYS]) -> HeadKeyDots {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx512f,avx512bw")]
-        #[inline(never)]
-        fn avx512<E: KeyElement>(a: [&[f32]; DOT_HEADS], b: [&[E]; DOT_KEYS]) -> HeadKeyDots {
-            dots(a, b)
-        }
-        #[target_feature(enable = "avx2,fma")]
-        #[inline(never)]
-        fn avx2<E: KeyElement>(a: [&[f32]; DOT_HEADS], b: [&[E]; DOT_KEYS]) -> HeadKeyDots {
-            dots(a, b)
-        }
-        match isa {
-            // SAFETY: the caller checked that the CPU supports `isa`.
-            Isa::Avx512 => return unsafe { avx512(a, b) },
-            // SAFETY: as above.
-            Isa::Avx2Fma => return unsafe { avx2(a, b) },
-            Isa::Scalar => {}
-        }
-    }
-    dots(a, b)
+    compiled_for!(
+        isa,
+        [E: KeyElement] (a: [&[f32]; DOT_HEADS], b: [&[E]; DOT_KEYS]) -> HeadKeyDots,
+        dots(a, b)
+    )
 }
 
 /// [`accumulate_tile`] compiled for `isa`.
 fn accumulate_tile_with(isa: Isa, acc: &mut [f32], alpha: f32, probs: &[f32], latent: &[f32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx512f,avx512bw")]
-        #[inline(never)]
-        fn avx512(acc: &mut [f32], alpha: f32, probs: &[f32], latent: &[f32]) {
-            accumulate_tile(acc, alpha, probs, latent)
-        }
-        #[target_feature(enable = "avx2,fma")]
-        #[inline(never)]
-        fn avx2(acc: &mut [f32], alpha: f32, probs: &[f32], latent: &[f32]) {
-            accumulate_tile(acc, alpha, probs, latent)
-        }
-        match isa {
-            // SAFETY: the caller checked that the CPU supports `isa`.
-            Isa::Avx512 => return unsafe { avx512(acc, alpha, probs, latent) },
-            // SAFETY: as above.
-            Isa::Avx2Fma => return unsafe { avx2(acc, alpha, probs, latent) },
-            Isa::Scalar => {}
-        }
-    }
-    accumulate_tile(acc, alpha, probs, latent)
+    compiled_for!(
+        isa,
+        [] (acc: &mut [f32], alpha: f32, probs: &[f32], latent: &[f32]) -> (),
+        accumulate_tile(acc, alpha, probs, latent)
+    )
 }
 
 /// [`accumulate_widened`] compiled for `isa`.
@@ -608,37 +597,16 @@ fn accumulate_widened_with<const H: usize>(
     probs: [&[f32]; H],
     latent: &[&[half::bf16]],
 ) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx512f,avx512bw")]
-        #[inline(never)]
-        fn avx512<const H: usize>(
+    compiled_for!(
+        isa,
+        [const H: usize] (
             acc: [&mut [f32]; H],
             alpha: [f32; H],
             probs: [&[f32]; H],
-            latent: &[&[half::bf16]],
-        ) {
-            accumulate_widened(acc, alpha, probs, latent)
-        }
-        #[target_feature(enable = "avx2,fma")]
-        #[inline(never)]
-        fn avx2<const H: usize>(
-            acc: [&mut [f32]; H],
-            alpha: [f32; H],
-            probs: [&[f32]; H],
-            latent: &[&[half::bf16]],
-        ) {
-            accumulate_widened(acc, alpha, probs, latent)
-        }
-        match isa {
-            // SAFETY: the caller checked that the CPU supports `isa`.
-            Isa::Avx512 => return unsafe { avx512(acc, alpha, probs, latent) },
-            // SAFETY: as above.
-            Isa::Avx2Fma => return unsafe { avx2(acc, alpha, probs, latent) },
-            Isa::Scalar => {}
-        }
-    }
-    accumulate_widened(acc, alpha, probs, latent)
+            latent: &[&[half::bf16]]
+        ) -> (),
+        accumulate_widened(acc, alpha, probs, latent)
+    )
 }
 
 /// [`accumulate_tile`] of `H ≤ 2` heads over keys read in place from a BF16 cache (the same
@@ -1059,6 +1027,16 @@ mod tests {
         }
     }
 
+    /// The bits of the outputs and log-sum-exps of `problem` under the default tactic.
+    fn attended_bits(isa: Isa, cache: &PagedLatentCache, problem: &MlaProblem<'_>) -> Vec<u32> {
+        let rows = problem.queries.len() * problem.heads;
+        let l = cache.shape().latent_dim;
+        let (mut o, mut lse) = (vec![0.0; rows * l], vec![0.0; rows]);
+        mla_attention_compiled_for(isa, &CpuTactic::DEFAULT, cache, problem, &mut o, &mut lse)
+            .unwrap();
+        o.into_iter().chain(lse).map(f32::to_bits).collect()
+    }
+
     /// Decode tasks of one row and at most two heads read a BF16 cache in place
     /// ([`attend_row_in_place`]); an F32 cache of the same values goes through the dequantized
     /// tile. Every head count (pairs and a last single head), context (whole tiles, partial
@@ -1095,20 +1073,7 @@ mod tests {
                         .num_threads(threads)
                         .build()
                         .unwrap();
-                    let run = |cache: &PagedLatentCache| {
-                        let (mut o, mut lse) = (vec![0.0; heads * 80], vec![0.0; heads]);
-                        let tactic = CpuTactic::DEFAULT;
-                        pool.install(|| {
-                            mla_attention_compiled_for(
-                                isa, &tactic, cache, &problem, &mut o, &mut lse,
-                            )
-                        })
-                        .unwrap();
-                        o.into_iter()
-                            .chain(lse)
-                            .map(f32::to_bits)
-                            .collect::<Vec<_>>()
-                    };
+                    let run = |cache| pool.install(|| attended_bits(isa, cache, &problem));
                     assert!(
                         run(&bf16) == run(&f32_cache),
                         "{len} keys, {heads} heads, {isa:?}, {threads} threads: in place \
@@ -1139,22 +1104,7 @@ mod tests {
                 q_pe: &q_pe,
                 softmax_scale: 0.3,
             };
-            let run = |isa| {
-                let (mut o, mut lse) = (vec![0.0; rows * heads * 48], vec![0.0; rows * heads]);
-                mla_attention_compiled_for(
-                    isa,
-                    &CpuTactic::DEFAULT,
-                    &cache,
-                    &problem,
-                    &mut o,
-                    &mut lse,
-                )
-                .unwrap();
-                o.into_iter()
-                    .chain(lse)
-                    .map(f32::to_bits)
-                    .collect::<Vec<_>>()
-            };
+            let run = |isa| attended_bits(isa, &cache, &problem);
             let want = run(Isa::Scalar);
             for isa in Isa::all_supported() {
                 assert!(
