@@ -7,6 +7,7 @@ use rayon::prelude::*;
 use crate::cpu_tactic::CpuTactic;
 use crate::matrix::MatrixView;
 use crate::moe_gemm::cpu_simd::Isa;
+use crate::scratch::sized;
 
 pub mod bf16_panel;
 pub mod bf16_tile;
@@ -72,10 +73,9 @@ pub fn matmul_transposed_tuned(
     }
     // Kept per thread: at decode the heads of a per-head product ask for it at once on every
     // thread, and allocating it made them queue on the allocator's lock.
-    let mut transposed = TRANSPOSED.take();
-    transposed.clear();
-    transposed.resize(rows * tokens, 0.0);
-    products_by_row(tactic, x, tokens, w, &mut transposed);
+    let mut buffer = TRANSPOSED.take();
+    let transposed = sized(&mut buffer, rows * tokens);
+    products_by_row(tactic, x, tokens, w, transposed);
     // Back to `[tokens, rows]`, a block of tokens per task: each weight row's values for the
     // block are contiguous in `transposed`, and the block's output rows fill line by line
     // (element by element over all tokens, a prefill's transpose was a twentieth of it).
@@ -95,8 +95,8 @@ pub fn matmul_transposed_tuned(
             .enumerate()
             .for_each(scatter);
     }
-    if transposed.len() * size_of::<f32>() <= KEEP_TRANSPOSED_BYTES {
-        TRANSPOSED.set(transposed);
+    if buffer.len() * size_of::<f32>() <= KEEP_TRANSPOSED_BYTES {
+        TRANSPOSED.set(buffer);
     }
 }
 

@@ -468,27 +468,23 @@ fn attend_row_in_place<'a>(
         for (i, &slot) in tile[..n].iter().enumerate() {
             (latents[i], ropes[i]) = values[slot * (l + r)..(slot + 1) * (l + r)].split_at(l);
         }
-        for h0 in (0..heads).step_by(DOT_HEADS) {
-            let pair = (heads - h0).min(DOT_HEADS);
-            let h1 = h0 + pair - 1;
-            let qa = [h0, h1].map(|h| &row.q_abs[h * l..(h + 1) * l]);
-            let qp = [h0, h1].map(|h| &row.q_pe[h * r..(h + 1) * r]);
-            let scores = pair_scores(isa, qa, qp, |i| (latents[i], ropes[i]), n, scale);
-            let mut probs = [[0.0f32; TILE]; DOT_HEADS];
-            let mut alpha = [0.0f32; DOT_HEADS];
-            for j in 0..pair {
-                let (m, sum) = (&mut part.m[h0 + j], &mut part.l[h0 + j]);
-                alpha[j] = softmax_tile(m, sum, &scores[j][..n], &mut probs[j]);
-            }
-            let acc = &mut part.acc[h0 * l..(h0 + pair) * l];
-            if pair == DOT_HEADS {
-                let (first, second) = acc.split_at_mut(l);
-                let probs = [&probs[0][..n], &probs[1][..n]];
-                accumulate_widened_with(isa, [first, second], alpha, probs, &latents[..n]);
-            } else {
-                let probs = [&probs[0][..n]];
-                accumulate_widened_with(isa, [acc], [alpha[0]], probs, &latents[..n]);
-            }
+        // The task's one or two heads (a single head is scored as a pair of itself).
+        let qa = [0, heads - 1].map(|h| &row.q_abs[h * l..(h + 1) * l]);
+        let qp = [0, heads - 1].map(|h| &row.q_pe[h * r..(h + 1) * r]);
+        let scores = pair_scores(isa, qa, qp, |i| (latents[i], ropes[i]), n, scale);
+        let mut probs = [[0.0f32; TILE]; DOT_HEADS];
+        let mut alpha = [0.0f32; DOT_HEADS];
+        for j in 0..heads {
+            let (m, sum) = (&mut part.m[j], &mut part.l[j]);
+            alpha[j] = softmax_tile(m, sum, &scores[j][..n], &mut probs[j]);
+        }
+        if heads == DOT_HEADS {
+            let (first, second) = part.acc.split_at_mut(l);
+            let probs = [&probs[0][..n], &probs[1][..n]];
+            accumulate_widened_with(isa, [first, second], alpha, probs, &latents[..n]);
+        } else {
+            let probs = [&probs[0][..n]];
+            accumulate_widened_with(isa, [&mut *part.acc], [alpha[0]], probs, &latents[..n]);
         }
     }
     vec![part]
