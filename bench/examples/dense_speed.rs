@@ -1,18 +1,35 @@
-//! Speed of the dense BF16 product at decode shapes (one token), against the read bandwidth,
-//! with the weights on 2 MiB pages as `model run` reads them (`--weights auto`) and a weight
-//! set larger than the last-level cache rotated through, so every call streams from DRAM.
+//! Speed of the dense BF16 product at decode shapes (one token) under both prefetch reaches
+//! ([`PrefetchReach`]), against the read bandwidth measured in the same round: the weights on
+//! 2 MiB pages as `model run` reads them (`--weights auto`), a weight set larger than the
+//! last-level cache rotated through so every call streams from DRAM. The reaches alternate
+//! within each round, so a drift of the machine's bandwidth (which moves between ~40 and
+//! ~80 GB/s within minutes on a shared VM) falls on both; the summary is the median over the
+//! rounds of the far/near ratio, and of each reach's share of the round's read bandwidth.
 //!
 //! ```sh
-//! cargo run --release -p bench --example dense_speed
+//! cargo run --release -p bench --example dense_speed [-- ROUNDS]
 //! ```
 use half::bf16;
 use kernels::dense::matmul_transposed;
 use kernels::matrix::MatrixView;
+use kernels::moe_gemm::cpu_simd::PrefetchReach;
 use std::time::Instant;
 
+/// Bytes of weights the calls rotate through: far beyond any last-level cache.
+const ROTATED_BYTES: usize = 512 << 20;
+/// Calls per shape, reach and round; the fastest counts.
+const CALLS: usize = 12;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 fn main() {
-    let (_, read) = bench::bandwidth(5);
-    for (rows, cols) in [
+    let rounds: usize = std::env::args()
+        .nth(1)
+        .map_or(8, |s| s.parse().expect("a number of rounds"));
+    let shapes = [
         (32768usize, 1024usize),
         (2816, 1024),
         (1024, 2816),
@@ -20,41 +37,69 @@ fn main() {
         (1536, 384),
         (576, 1024),
         (512, 128),
-    ] {
-        let sets = (512usize << 20) / (rows * cols * 2) + 1;
-        let bytes = sets * rows * cols * 2;
-        let mut map = memmap2::MmapMut::map_anon(bytes).expect("anonymous memory");
-        #[cfg(target_os = "linux")]
-        let _ = map.advise(memmap2::Advice::HugePage);
-        // SAFETY: the mapping is page-aligned and holds `bytes / 2` BF16 values.
-        let all: &mut [bf16] =
-            unsafe { std::slice::from_raw_parts_mut(map.as_mut_ptr().cast(), bytes / 2) };
-        for (i, v) in all.iter_mut().enumerate() {
-            *v = bf16::from_f32((i % 7) as f32 * 0.1);
-        }
-        let x = vec![0.5f32; cols];
-        let mut out = vec![0.0f32; rows];
-        let mut best = f64::MAX;
-        for it in 0..60 {
-            let set = &all[(it % sets) * rows * cols..][..rows * cols];
-            let start = Instant::now();
-            matmul_transposed(
-                &x,
-                1,
-                MatrixView::Bf16 {
-                    rows,
-                    cols,
-                    data: set,
-                },
-                &mut out,
+    ];
+    let mut map = memmap2::MmapMut::map_anon(ROTATED_BYTES).expect("anonymous memory");
+    #[cfg(target_os = "linux")]
+    let _ = map.advise(memmap2::Advice::HugePage);
+    // SAFETY: the mapping is page-aligned and holds `ROTATED_BYTES / 2` BF16 values.
+    let all: &mut [bf16] =
+        unsafe { std::slice::from_raw_parts_mut(map.as_mut_ptr().cast(), ROTATED_BYTES / 2) };
+    for (i, v) in all.iter_mut().enumerate() {
+        *v = bf16::from_f32((i % 7) as f32 * 0.1);
+    }
+    let all = &*all;
+    let reaches = [PrefetchReach::Near, PrefetchReach::Far];
+    // [shape][reach]: GB/s over the round's read bandwidth.
+    let mut shares = vec![[Vec::new(), Vec::new()]; shapes.len()];
+    let mut far_over_near = vec![Vec::new(); shapes.len()];
+    let mut call = 0usize;
+    for round in 0..rounds {
+        let (_, read) = bench::bandwidth_on(bench::Pages::Huge, bench::COPY_BYTES, 3);
+        println!("round {round}: read bandwidth {read:.1} GB/s");
+        for (s, &(rows, cols)) in shapes.iter().enumerate() {
+            let sets = all.len() / (rows * cols);
+            let x = vec![0.5f32; cols];
+            let mut out = vec![0.0f32; rows];
+            let mut gbs = [0.0f64; 2];
+            for (k, reach) in reaches.iter().enumerate() {
+                reach.set();
+                let mut best = f64::MAX;
+                for _ in 0..CALLS {
+                    let set = &all[(call % sets) * rows * cols..][..rows * cols];
+                    call += 1;
+                    let start = Instant::now();
+                    matmul_transposed(
+                        &x,
+                        1,
+                        MatrixView::Bf16 {
+                            rows,
+                            cols,
+                            data: set,
+                        },
+                        &mut out,
+                    );
+                    best = best.min(start.elapsed().as_secs_f64());
+                }
+                gbs[k] = (rows * cols * 2) as f64 / best / 1e9;
+                shares[s][k].push(gbs[k] / read);
+            }
+            far_over_near[s].push(gbs[1] / gbs[0]);
+            println!(
+                "  {rows}x{cols}: near {:.1} GB/s ({:.2} of read), far {:.1} GB/s ({:.2})",
+                gbs[0],
+                gbs[0] / read,
+                gbs[1],
+                gbs[1] / read
             );
-            best = best.min(start.elapsed().as_secs_f64());
         }
-        let gbs = (rows * cols * 2) as f64 / best / 1e9;
+    }
+    println!("medians over {rounds} rounds:");
+    for (s, &(rows, cols)) in shapes.iter().enumerate() {
         println!(
-            "{rows}x{cols}: {:.3} ms, {gbs:.1} GB/s, {:.2} of read {read:.1}",
-            best * 1e3,
-            gbs / read
+            "  {rows}x{cols}: far/near {:.3}; of read: near {:.2}, far {:.2}",
+            median(far_over_near[s].clone()),
+            median(shares[s][0].clone()),
+            median(shares[s][1].clone())
         );
     }
 }

@@ -16,7 +16,7 @@ use kernels::moe_gemm::cpu_simd::{Isa, interleave_blocks, nvfp4_rows_dots};
 
 fn main() {
     let reps = 40;
-    for (rows, cols) in [(1024, 7168), (7168, 256)] {
+    for (rows, cols) in [(1024, 7168), (7168, 256), (4096, 1024), (8192, 384)] {
         let packed: Vec<u8> = (0..rows * cols / 2)
             .map(|i| (i * 7919 % 251) as u8)
             .collect();

@@ -38,7 +38,7 @@
 
 use half::bf16;
 
-use crate::moe_gemm::cpu_simd::Isa;
+use crate::moe_gemm::cpu_simd::{Isa, PrefetchReach};
 
 /// Lanes of a set (one `zmm` of f32).
 pub const LANES: usize = 16;
@@ -299,6 +299,7 @@ unsafe fn tile_avx512<const R: usize, const T: usize>(
     let cols = t.cols;
     let full = cols / STEP * STEP;
     let (x, w) = (t.x.as_ptr(), t.w.as_ptr());
+    let ahead = one_row_prefetch_elements(cols);
     // [set][r][k]. A tile of at most ONE_PASS_PAIRS (row, token) pairs keeps all four sets
     // in registers (4 × R × T) and its rows stream once; a larger one makes each set its own
     // pass over the tile's rows (R × T registers; the rows stay in L1 between passes), each
@@ -323,7 +324,7 @@ unsafe fn tile_avx512<const R: usize, const T: usize>(
     if one_pass {
         let mut i = 0;
         while i < full {
-            prefetch_next_tile::<R>(w, cols, i);
+            prefetch_next_tile::<R>(w, cols, ahead, i);
             for set in 0..SETS {
                 let e0 = i + set * LANES;
                 // SAFETY: every token's elements e0..e0+16 are inside `x`.
@@ -346,7 +347,7 @@ unsafe fn tile_avx512<const R: usize, const T: usize>(
             let mut i = 0;
             while i < full {
                 if set == 0 {
-                    prefetch_next_tile::<R>(w, cols, i);
+                    prefetch_next_tile::<R>(w, cols, ahead, i);
                 }
                 let e0 = i + set * LANES;
                 let mut widened = [_mm512_setzero_ps(); R];
@@ -393,35 +394,53 @@ unsafe fn tile_avx512<const R: usize, const T: usize>(
 }
 
 /// How far ahead (in elements, 4 KB of BF16) a one-row tile of rows shorter than
-/// [`PREFETCH_OWN_ROW_COLS`] prefetches at least: the next row's position was 256 bytes ahead
-/// for the 128-column rows of W_UKᵀ, less than the memory latency covers. Measured with
-/// `model run --profile-ops` (`mini`, 2 vCPUs, weights on huge pages, Xeon): 2 KB took the
-/// per-head W_UK product 55 → 46 µs, the 1536 × 384 q_b 52 → 49 µs, the shared expert's
-/// 1024 × 384 down 38.5 → 36 µs, and 4 KB was no better there; on a Zen 5 EPYC 4 KB beat
-/// 2 KB by 1.03–1.04× for 384-column rows and 1.12–1.14× for 128- and 512-column ones
-/// (`examples/dense_speed`, 15 interleaved rounds, medians of per-round ratios).
+/// [`PREFETCH_OWN_ROW_COLS`] prefetches at least, under [`PrefetchReach::Near`]: the
+/// next row's position was 256 bytes ahead for the 128-column rows of W_UKᵀ, less than the
+/// memory latency covers. Measured with `model run --profile-ops` (`mini`, 2 vCPUs, weights on
+/// huge pages, Xeon): 2 KB took the per-head W_UK product 55 → 46 µs, the 1536 × 384 q_b
+/// 52 → 49 µs, the shared expert's 1024 × 384 down 38.5 → 36 µs, and 4 KB was no better there.
 const PREFETCH_MIN_ELEMENTS: usize = 2048;
 
-/// Rows this long prefetch the next row's position, one row ahead: 4–8 KB ahead in 1024-column
-/// rows lost 10–35 % in `lm_head` on the Xeon (neutral, 0.96–1.0×, on the Zen 5).
+/// Rows this long prefetch the next row's position, one row ahead, under
+/// [`PrefetchReach::Near`]: 4–8 KB ahead in 1024-column rows lost 10–35 % in `lm_head` on the Xeon.
 const PREFETCH_OWN_ROW_COLS: usize = 1024;
+
+/// How far ahead (in elements, 8 KB of BF16) a one-row tile prefetches at least under
+/// [`PrefetchReach::Far`] (AMD's default): one 1024-column row (2 KB) ahead kept `lm_head` below the read
+/// bandwidth once the machine gave more than ~60 GB/s. Measured on a Zen 5 EPYC (2 vCPUs,
+/// 32768 × 1024 on 2 MiB pages, interleaved with a summing loop in the same rounds): in the
+/// rounds of 64–70 GB/s, 8 KB ahead read 1.07–1.17× faster than 2 KB with AVX-512 and
+/// 1.11–1.27× with the AVX2 kernel (whose twice as many instructions per byte leave the loads
+/// further behind); in rounds of 36–50 GB/s all distances read at the bandwidth.
+const FAR_PREFETCH_ELEMENTS: usize = 4096;
+
+/// Elements ahead that a one-row tile of `cols`-element rows prefetches: at least the next
+/// row's position (the next rows follow, one stream), and further where the rows are short
+/// or the reach is far ([`PrefetchReach`]).
+fn one_row_prefetch_elements(cols: usize) -> usize {
+    if PrefetchReach::current() == PrefetchReach::Far {
+        cols.max(FAR_PREFETCH_ELEMENTS)
+    } else if cols >= PREFETCH_OWN_ROW_COLS {
+        cols
+    } else {
+        cols.max(PREFETCH_MIN_ELEMENTS)
+    }
+}
 
 /// Asks for the lines the next tile of `R` rows reads at element `i` (one 64-element step is
 /// two 64-byte lines of a BF16 row): to the hardware prefetcher each tile is `R` new
 /// streams, and a tile of short rows ends before it has ramped up on them. A one-row tile
-/// (one stream: the next rows follow) asks one row ahead, and at least
-/// [`PREFETCH_MIN_ELEMENTS`] ahead where the rows are short.
+/// (one stream: the next rows follow) asks `one_row_ahead` elements ahead
+/// ([`one_row_prefetch_elements`]).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn prefetch_next_tile<const R: usize>(w: *const bf16, cols: usize, i: usize) {
+fn prefetch_next_tile<const R: usize>(w: *const bf16, cols: usize, one_row_ahead: usize, i: usize) {
     use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
     for r in 0..R {
         // A prefetch never faults; `wrapping_add` keeps the address arithmetic defined past
         // the end of the weights.
-        let distance = if R == 1 && cols >= PREFETCH_OWN_ROW_COLS {
-            cols
-        } else if R == 1 {
-            cols.max(PREFETCH_MIN_ELEMENTS)
+        let distance = if R == 1 {
+            one_row_ahead
         } else {
             (R + r) * cols
         };
@@ -453,10 +472,11 @@ unsafe fn tile_avx2_one(t: Tile<'_>, out: &mut [f32]) {
     let cols = t.cols;
     let full = cols / STEP * STEP;
     let (x, w) = (t.x.as_ptr(), t.w.as_ptr());
+    let ahead = one_row_prefetch_elements(cols);
     let mut acc = [[_mm256_setzero_ps(); 2]; SETS];
     let mut i = 0;
     while i < full {
-        prefetch_next_tile::<1>(w, cols, i);
+        prefetch_next_tile::<1>(w, cols, ahead, i);
         for (set, a) in acc.iter_mut().enumerate() {
             for (half, ah) in a.iter_mut().enumerate() {
                 let e = i + set * LANES + 8 * half;
@@ -495,6 +515,7 @@ unsafe fn tile_avx2_sets<const R: usize, const T: usize>(
     let cols = t.cols;
     let full = cols / STEP * STEP;
     let (x, w) = (t.x.as_ptr(), t.w.as_ptr());
+    let ahead = one_row_prefetch_elements(cols);
     // [set][r][k][half]
     let mut sets = [[[[_mm256_setzero_ps(); 2]; T]; R]; SETS];
     for set in 0..SETS {
@@ -502,7 +523,7 @@ unsafe fn tile_avx2_sets<const R: usize, const T: usize>(
         let mut i = 0;
         while i < full {
             if set == 0 {
-                prefetch_next_tile::<R>(w, cols, i);
+                prefetch_next_tile::<R>(w, cols, ahead, i);
             }
             for half in 0..2 {
                 let e = i + set * LANES + 8 * half;

@@ -508,6 +508,20 @@ mod x86 {
     /// Rows ahead that the one-row AVX2 kernels prefetch (measured on Zen 3; sixteen was no
     /// faster there with AVX2 forced on an AVX-512 machine).
     const AVX2_PREFETCH_ROWS: usize = 4;
+    /// Packed bytes ahead that the one-row AVX2 kernels prefetch at least under
+    /// [`PrefetchReach::Far`](crate::moe_gemm::cpu_simd::PrefetchReach) (AMD's default), as far
+    /// as the VNNI kernel reaches.
+    const AVX2_FAR_PREFETCH_BYTES: usize = PREFETCH_BYTES;
+
+    /// Packed bytes ahead of the current group that the one-row AVX2 kernels prefetch.
+    fn avx2_prefetch_bytes(cols: usize) -> usize {
+        use crate::moe_gemm::cpu_simd::PrefetchReach;
+        let rows = AVX2_PREFETCH_ROWS * cols / 2;
+        match PrefetchReach::current() {
+            PrefetchReach::Far => rows.max(AVX2_FAR_PREFETCH_BYTES),
+            PrefetchReach::Near => rows,
+        }
+    }
 
     /// The last, partial group of row `r` of a ragged `w` (whole groups: `full`), copied
     /// zero-padded so that the kernels read `GROUP_BYTES` packed bytes and `GROUP_BLOCKS`
@@ -1436,6 +1450,7 @@ mod x86 {
                 w.block_scales.as_ptr().add(r * blocks),
             )
         };
+        let ahead_bytes = avx2_prefetch_bytes(cols);
         let mut acc = [[_mm256_setzero_ps(); 2]; N];
         for g in 0..groups {
             // SAFETY: as in vnni_rows4; a half tail is read in place for its first half only,
@@ -1449,7 +1464,7 @@ mod x86 {
                 } else {
                     (tail.0.as_ptr(), tail.1.as_ptr())
                 };
-                let ahead = packed.wrapping_add(AVX2_PREFETCH_ROWS * cols / 2);
+                let ahead = packed.wrapping_add(ahead_bytes);
                 _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
                 _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64).cast());
                 let halves = if g < full || !half_tail { 2 } else { 1 };

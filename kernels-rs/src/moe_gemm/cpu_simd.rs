@@ -53,6 +53,101 @@ pub const MAX_GROUP: usize = 8;
 /// (`avx512`, `avx2` or `scalar`); unset, the best one the CPU supports is used.
 pub const ISA_ENV: &str = "KIMI_CPU_ISA";
 
+/// The environment variable that forces how far ahead the streaming kernels prefetch
+/// (`near` or `far`, [`PrefetchReach`]); unset, the CPU's vendor decides.
+pub const PREFETCH_ENV: &str = "KIMI_CPU_PREFETCH";
+
+/// How far ahead of their loads the kernels that stream weight rows at decode ask for lines.
+/// Far pays on AMD cores and lost on an Intel Xeon (see the dense one-row tiles,
+/// [`bf16_tile`](crate::dense::bf16_tile)), so the default follows the vendor;
+/// [`PREFETCH_ENV`] or [`PrefetchReach::set`] (benchmarks comparing both in one process)
+/// override it. Results are the same bits either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PrefetchReach {
+    /// The distances measured on the Xeon: about one row, at least 4 KB for short rows.
+    Near,
+    /// At least 8 KB ahead.
+    Far,
+}
+
+/// 0 until first asked, then 1 + the reach's index.
+static PREFETCH_REACH: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+impl PrefetchReach {
+    /// The reach the kernels use now.
+    pub fn current() -> Self {
+        use std::sync::atomic::Ordering::Relaxed;
+        match PREFETCH_REACH.load(Relaxed) {
+            1 => Self::Near,
+            2 => Self::Far,
+            _ => {
+                let reach = Self::detect();
+                reach.set();
+                reach
+            }
+        }
+    }
+
+    /// Makes every kernel of this process use `self` from now on.
+    pub fn set(self) {
+        let code = match self {
+            Self::Near => 1,
+            Self::Far => 2,
+        };
+        PREFETCH_REACH.store(code, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Near => "near",
+            Self::Far => "far",
+        }
+    }
+
+    /// The reach [`PREFETCH_ENV`] names (case and surrounding spaces ignored).
+    pub fn from_name(name: &str) -> Option<Self> {
+        [Self::Near, Self::Far]
+            .into_iter()
+            .find(|r| r.name() == name.trim().to_ascii_lowercase())
+    }
+
+    /// [`PREFETCH_ENV`], else far on AMD CPUs and near elsewhere. An unknown name is reported
+    /// once on stderr and the vendor's default is used.
+    fn detect() -> Self {
+        let vendor_default = if is_amd() { Self::Far } else { Self::Near };
+        let Some(name) = std::env::var_os(PREFETCH_ENV) else {
+            return vendor_default;
+        };
+        let name = name.to_string_lossy();
+        match Self::from_name(&name) {
+            Some(reach) => reach,
+            None => {
+                eprintln!(
+                    "warning: {PREFETCH_ENV}={name} is not one of near, far; using {}",
+                    vendor_default.name()
+                );
+                vendor_default
+            }
+        }
+    }
+}
+
+/// Whether this CPU's vendor string is AMD's.
+fn is_amd() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // CPUID leaf 0: the vendor string in EBX, EDX, ECX.
+        let id = std::arch::x86_64::__cpuid(0);
+        let vendor: Vec<u8> = [id.ebx, id.edx, id.ecx]
+            .iter()
+            .flat_map(|r| r.to_le_bytes())
+            .collect();
+        vendor == b"AuthenticAMD"
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 /// The instruction set a kernel is compiled for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Isa {
@@ -812,6 +907,16 @@ mod x86 {
 mod tests {
     use super::*;
     use crate::formats::nvfp4::Nvfp4Matrix;
+
+    #[test]
+    fn prefetch_reaches_parse_from_their_names_only() {
+        for reach in [PrefetchReach::Near, PrefetchReach::Far] {
+            assert_eq!(PrefetchReach::from_name(reach.name()), Some(reach));
+        }
+        assert_eq!(PrefetchReach::from_name(" FAR\n"), Some(PrefetchReach::Far));
+        assert_eq!(PrefetchReach::from_name("farther"), None);
+        assert_eq!(PrefetchReach::from_name(""), None);
+    }
 
     #[cfg(target_arch = "x86_64")]
     #[test]
