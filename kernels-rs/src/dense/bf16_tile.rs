@@ -101,24 +101,24 @@ pub fn compute_tile(isa: Isa, t: Tile<'_>, out: &mut [f32], out_row_stride: usiz
     assert!(out.len() > (t.rows - 1) * out_row_stride + t.tokens - 1);
     assert!(isa.is_supported(), "{isa:?} is not supported by this CPU");
     macro_rules! dispatch {
-        ($kernel:ident) => {
+        ($kernel:ident $(, $extra:expr)*) => {
             match (t.rows, t.tokens) {
-                (1, 1) => $kernel::<1, 1>(t, out, out_row_stride),
-                (1, 2) => $kernel::<1, 2>(t, out, out_row_stride),
-                (1, 3) => $kernel::<1, 3>(t, out, out_row_stride),
-                (1, 4) => $kernel::<1, 4>(t, out, out_row_stride),
-                (2, 1) => $kernel::<2, 1>(t, out, out_row_stride),
-                (2, 2) => $kernel::<2, 2>(t, out, out_row_stride),
-                (2, 3) => $kernel::<2, 3>(t, out, out_row_stride),
-                (2, 4) => $kernel::<2, 4>(t, out, out_row_stride),
-                (3, 1) => $kernel::<3, 1>(t, out, out_row_stride),
-                (3, 2) => $kernel::<3, 2>(t, out, out_row_stride),
-                (3, 3) => $kernel::<3, 3>(t, out, out_row_stride),
-                (3, 4) => $kernel::<3, 4>(t, out, out_row_stride),
-                (4, 1) => $kernel::<4, 1>(t, out, out_row_stride),
-                (4, 2) => $kernel::<4, 2>(t, out, out_row_stride),
-                (4, 3) => $kernel::<4, 3>(t, out, out_row_stride),
-                (4, 4) => $kernel::<4, 4>(t, out, out_row_stride),
+                (1, 1) => $kernel::<1, 1>(t, out, out_row_stride $(, $extra)*),
+                (1, 2) => $kernel::<1, 2>(t, out, out_row_stride $(, $extra)*),
+                (1, 3) => $kernel::<1, 3>(t, out, out_row_stride $(, $extra)*),
+                (1, 4) => $kernel::<1, 4>(t, out, out_row_stride $(, $extra)*),
+                (2, 1) => $kernel::<2, 1>(t, out, out_row_stride $(, $extra)*),
+                (2, 2) => $kernel::<2, 2>(t, out, out_row_stride $(, $extra)*),
+                (2, 3) => $kernel::<2, 3>(t, out, out_row_stride $(, $extra)*),
+                (2, 4) => $kernel::<2, 4>(t, out, out_row_stride $(, $extra)*),
+                (3, 1) => $kernel::<3, 1>(t, out, out_row_stride $(, $extra)*),
+                (3, 2) => $kernel::<3, 2>(t, out, out_row_stride $(, $extra)*),
+                (3, 3) => $kernel::<3, 3>(t, out, out_row_stride $(, $extra)*),
+                (3, 4) => $kernel::<3, 4>(t, out, out_row_stride $(, $extra)*),
+                (4, 1) => $kernel::<4, 1>(t, out, out_row_stride $(, $extra)*),
+                (4, 2) => $kernel::<4, 2>(t, out, out_row_stride $(, $extra)*),
+                (4, 3) => $kernel::<4, 3>(t, out, out_row_stride $(, $extra)*),
+                (4, 4) => $kernel::<4, 4>(t, out, out_row_stride $(, $extra)*),
                 _ => unreachable!("checked above"),
             }
         };
@@ -126,17 +126,18 @@ pub fn compute_tile(isa: Isa, t: Tile<'_>, out: &mut [f32], out_row_stride: usiz
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the CPU supports the ISA (asserted above) and the slices cover the tile.
-        Isa::Avx512 => unsafe { dispatch!(tile_avx512) },
+        Isa::Avx512 => unsafe { dispatch!(tile_avx512, one_row_prefetch_elements(t.cols)) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above; AVX2 takes 1 × 1–4 and 2 × 1–2 only (asserted above).
         Isa::Avx2Fma => unsafe {
+            let a = one_row_prefetch_elements(t.cols);
             match (t.rows, t.tokens) {
-                (1, 1) => tile_avx2_one(t, out),
-                (1, 2) => tile_avx2_sets::<1, 2>(t, out, out_row_stride),
-                (1, 3) => tile_avx2_sets::<1, 3>(t, out, out_row_stride),
-                (1, 4) => tile_avx2_sets::<1, 4>(t, out, out_row_stride),
-                (2, 1) => tile_avx2_sets::<2, 1>(t, out, out_row_stride),
-                (2, 2) => tile_avx2_sets::<2, 2>(t, out, out_row_stride),
+                (1, 1) => tile_avx2_one(t, out, a),
+                (1, 2) => tile_avx2_sets::<1, 2>(t, out, out_row_stride, a),
+                (1, 3) => tile_avx2_sets::<1, 3>(t, out, out_row_stride, a),
+                (1, 4) => tile_avx2_sets::<1, 4>(t, out, out_row_stride, a),
+                (2, 1) => tile_avx2_sets::<2, 1>(t, out, out_row_stride, a),
+                (2, 2) => tile_avx2_sets::<2, 2>(t, out, out_row_stride, a),
                 _ => unreachable!("checked above"),
             }
         },
@@ -201,14 +202,14 @@ fn each_row(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn rows_avx2(t: Tile<'_>, out: &mut [f32], out_row_stride: usize) {
-    let s = out_row_stride;
+    let (s, a) = (out_row_stride, one_row_prefetch_elements(t.cols));
     // SAFETY: as this function's: every row and output lies within the slices.
     unsafe {
         match t.tokens {
-            1 => each_row(t, out, s, |row, o| tile_avx2_one(row, o)),
-            2 => each_row(t, out, s, |row, o| tile_avx2_sets::<1, 2>(row, o, s)),
-            3 => each_row(t, out, s, |row, o| tile_avx2_sets::<1, 3>(row, o, s)),
-            4 => each_row(t, out, s, |row, o| tile_avx2_sets::<1, 4>(row, o, s)),
+            1 => each_row(t, out, s, |row, o| tile_avx2_one(row, o, a)),
+            2 => each_row(t, out, s, |row, o| tile_avx2_sets::<1, 2>(row, o, s, a)),
+            3 => each_row(t, out, s, |row, o| tile_avx2_sets::<1, 3>(row, o, s, a)),
+            4 => each_row(t, out, s, |row, o| tile_avx2_sets::<1, 4>(row, o, s, a)),
             n => unreachable!("{n} tokens (checked by the caller)"),
         }
     }
@@ -217,14 +218,14 @@ unsafe fn rows_avx2(t: Tile<'_>, out: &mut [f32], out_row_stride: usize) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn rows_avx512(t: Tile<'_>, out: &mut [f32], out_row_stride: usize) {
-    let s = out_row_stride;
+    let (s, a) = (out_row_stride, one_row_prefetch_elements(t.cols));
     // SAFETY: as this function's: every row and output lies within the slices.
     unsafe {
         match t.tokens {
-            1 => each_row(t, out, s, |row, o| tile_avx512::<1, 1>(row, o, s)),
-            2 => each_row(t, out, s, |row, o| tile_avx512::<1, 2>(row, o, s)),
-            3 => each_row(t, out, s, |row, o| tile_avx512::<1, 3>(row, o, s)),
-            4 => each_row(t, out, s, |row, o| tile_avx512::<1, 4>(row, o, s)),
+            1 => each_row(t, out, s, |row, o| tile_avx512::<1, 1>(row, o, s, a)),
+            2 => each_row(t, out, s, |row, o| tile_avx512::<1, 2>(row, o, s, a)),
+            3 => each_row(t, out, s, |row, o| tile_avx512::<1, 3>(row, o, s, a)),
+            4 => each_row(t, out, s, |row, o| tile_avx512::<1, 4>(row, o, s, a)),
             n => unreachable!("{n} tokens (checked by the caller)"),
         }
     }
@@ -294,12 +295,12 @@ unsafe fn tile_avx512<const R: usize, const T: usize>(
     t: Tile<'_>,
     out: &mut [f32],
     out_row_stride: usize,
+    ahead: usize,
 ) {
     use std::arch::x86_64::*;
     let cols = t.cols;
     let full = cols / STEP * STEP;
     let (x, w) = (t.x.as_ptr(), t.w.as_ptr());
-    let ahead = one_row_prefetch_elements(cols);
     // [set][r][k]. A tile of at most ONE_PASS_PAIRS (row, token) pairs keeps all four sets
     // in registers (4 × R × T) and its rows stream once; a larger one makes each set its own
     // pass over the tile's rows (R × T registers; the rows stay in L1 between passes), each
@@ -467,12 +468,11 @@ fn reduce8_avx(s8: std::arch::x86_64::__m256) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn tile_avx2_one(t: Tile<'_>, out: &mut [f32]) {
+unsafe fn tile_avx2_one(t: Tile<'_>, out: &mut [f32], ahead: usize) {
     use std::arch::x86_64::*;
     let cols = t.cols;
     let full = cols / STEP * STEP;
     let (x, w) = (t.x.as_ptr(), t.w.as_ptr());
-    let ahead = one_row_prefetch_elements(cols);
     let mut acc = [[_mm256_setzero_ps(); 2]; SETS];
     let mut i = 0;
     while i < full {
@@ -510,12 +510,12 @@ unsafe fn tile_avx2_sets<const R: usize, const T: usize>(
     t: Tile<'_>,
     out: &mut [f32],
     out_row_stride: usize,
+    ahead: usize,
 ) {
     use std::arch::x86_64::*;
     let cols = t.cols;
     let full = cols / STEP * STEP;
     let (x, w) = (t.x.as_ptr(), t.w.as_ptr());
-    let ahead = one_row_prefetch_elements(cols);
     // [set][r][k][half]
     let mut sets = [[[[_mm256_setzero_ps(); 2]; T]; R]; SETS];
     for set in 0..SETS {
