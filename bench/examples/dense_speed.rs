@@ -5,6 +5,9 @@
 //! within each round, so a drift of the machine's bandwidth (which moves between ~40 and
 //! ~80 GB/s within minutes on a shared VM) falls on both; the summary is the median over the
 //! rounds of the far/near ratio, and of each reach's share of the round's read bandwidth.
+//! Each call comes from outside the rayon pool and wakes it, so the products of about a MB
+//! (1536 × 384, 576 × 1024) read well below the bandwidth here for that wake-up alone; in
+//! `model run` a step's calls come from a pool thread whose helpers spin.
 //!
 //! ```sh
 //! cargo run --release -p bench --example dense_speed [-- ROUNDS]
