@@ -403,12 +403,13 @@ unsafe fn tile_avx512<const R: usize, const T: usize>(
 const PREFETCH_MIN_ELEMENTS: usize = 2048;
 
 /// Rows this long prefetch the next row's position, one row ahead, under
-/// [`PrefetchReach::Near`]: 4–8 KB ahead in 1024-column rows lost 10–35 % in `lm_head` on the Xeon.
+/// [`PrefetchReach::Near`]: 4–8 KB ahead in 1024-column rows lost 10–35 % in `lm_head` on the
+/// Xeon.
 const PREFETCH_OWN_ROW_COLS: usize = 1024;
 
 /// How far ahead (in elements, 8 KB of BF16) a one-row tile prefetches at least under
-/// [`PrefetchReach::Far`] (AMD's default): one 1024-column row (2 KB) ahead kept `lm_head` below the read
-/// bandwidth once the machine gave more than ~60 GB/s. Measured on a Zen 5 EPYC (2 vCPUs,
+/// [`PrefetchReach::Far`] (AMD's default): one 1024-column row (2 KB) ahead kept `lm_head`
+/// below the read bandwidth once the machine gave more than ~60 GB/s. Measured on a Zen 5 EPYC (2 vCPUs,
 /// 32768 × 1024 on 2 MiB pages, interleaved with a summing loop in the same rounds): in the
 /// rounds of 64–70 GB/s, 8 KB ahead read 1.07–1.17× faster than 2 KB with AVX-512 and
 /// 1.11–1.27× with the AVX2 kernel (whose twice as many instructions per byte leave the loads

@@ -1196,14 +1196,15 @@ mod x86 {
         out: &mut [f32],
         stride: usize,
     ) {
+        let ahead = avx2_prefetch_bytes(w.cols);
         for (j, r) in rows.enumerate() {
             // SAFETY: forwarded from this function's contract.
             let v = unsafe {
                 match g {
-                    1 => avx2_row::<1>(w, r, x),
-                    2 => avx2_row::<2>(w, r, x),
-                    3 => avx2_row::<3>(w, r, x),
-                    4 => avx2_row::<4>(w, r, x),
+                    1 => avx2_row::<1>(w, r, x, ahead),
+                    2 => avx2_row::<2>(w, r, x, ahead),
+                    3 => avx2_row::<3>(w, r, x, ahead),
+                    4 => avx2_row::<4>(w, r, x, ahead),
                     _ => unreachable!("group of {g}"),
                 }
             };
@@ -1416,13 +1417,19 @@ mod x86 {
     }
 
     /// One weight row against `N ≤ 4` tokens, a group as two halves of 8 blocks; lane `j` of
-    /// half `h` is lane `8h + j` of the AVX-512 kernel, so the sums are the same.
+    /// half `h` is lane `8h + j` of the AVX-512 kernel, so the sums are the same. Each group
+    /// prefetches `ahead_bytes` ahead ([`avx2_prefetch_bytes`], looked up once per call).
     ///
     /// # Safety
     /// As for [`rows_avx2`], with `N` tokens.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn avx2_row<const N: usize>(w: &Nvfp4View<'_>, r: usize, x: &IntActs<'_>) -> [f32; 4] {
+    unsafe fn avx2_row<const N: usize>(
+        w: &Nvfp4View<'_>,
+        r: usize,
+        x: &IntActs<'_>,
+        ahead_bytes: usize,
+    ) -> [f32; 4] {
         let cols = w.cols;
         let groups = padded_blocks(cols) / GROUP_BLOCKS;
         let (pc, pb) = (padded_cols(cols), padded_blocks(cols));
@@ -1450,7 +1457,6 @@ mod x86 {
                 w.block_scales.as_ptr().add(r * blocks),
             )
         };
-        let ahead_bytes = avx2_prefetch_bytes(cols);
         let mut acc = [[_mm256_setzero_ps(); 2]; N];
         for g in 0..groups {
             // SAFETY: as in vnni_rows4; a half tail is read in place for its first half only,
