@@ -1,12 +1,17 @@
 //! Speed of the routed experts at decode shapes (the `mini` preset's 64 experts of 384 × 1024,
 //! top-8, one token), inside a step as `model run` runs it (`TunedCpuBackend::run_step`: the
-//! pool's other threads waiting awake), on 2 MiB pages, rotating through more expert weights
-//! than the last-level cache holds, so every call streams from DRAM. Each expert's tensors lie
-//! together as in a checkpoint. Prints µs per call and the rate the routed experts' bytes were
-//! read at, against the machine's read bandwidth.
+//! pool's other threads waiting awake), on 2 MiB pages. Each expert's tensors lie together as
+//! in a checkpoint. Every round measures, side by side:
+//! - the read bandwidth;
+//! - cold calls, rotating through more expert weights than the last-level cache holds, so that
+//!   every call streams from DRAM: µs per call and the rate the routed bytes were read at;
+//! - hot calls over a set of experts that stays in the last-level cache: the arithmetic alone;
+//! - how much of the arithmetic hid under the memory traffic (`overlap`: 1 when a cold call
+//!   takes only the longer of the hot time and the bytes' time at the read bandwidth, 0 when it
+//!   takes their sum).
 //!
 //! ```sh
-//! cargo run --release -p bench --example moe_decode_speed [-- HIDDEN INTER EXPERTS TOP_K]
+//! cargo run --release -p bench --example moe_decode_speed [-- HIDDEN INTER EXPERTS TOP_K ROUNDS]
 //! ```
 use std::time::Instant;
 
@@ -23,7 +28,7 @@ fn main() {
             .map_or(default, |s| s.parse().expect("a number"))
     };
     let (hidden, inter, experts, top_k) = (arg(1, 1024), arg(2, 384), arg(3, 64), arg(4, 8));
-    let (_, read) = bench::bandwidth(3);
+    let rounds = arg(5, 6);
     let matrix_bytes = |rows: usize, cols: usize| rows * cols / 2 + rows * cols / 16;
     let expert_bytes = 2 * matrix_bytes(inter, hidden) + matrix_bytes(hidden, inter);
     let layers = (768usize << 20) / (experts * expert_bytes) + 1;
@@ -74,40 +79,66 @@ fn main() {
     let x: Vec<f32> = (0..hidden)
         .map(|i| ((i * 7919) % 199) as f32 / 99.0 - 1.0)
         .collect();
-    let mut out = vec![0.0f32; hidden];
     let tactic = CpuTactic::default();
     let backend = TunedCpuBackend::new(tactic).expect("the default tactic");
     let routed_bytes = top_k * (3 * matrix_bytes(inter, hidden));
-    for round in 0..3 {
-        let calls = layers * 20;
+    // The hot set: the first layer's experts that fit in half of a 32 MB last-level cache
+    // (at least top-k of them), called over and over so that they stay cached: the same
+    // calls without DRAM, what the kernels' arithmetic alone costs.
+    let hot_experts = ((16usize << 20) / expert_bytes).clamp(top_k, experts);
+    let time_calls = |calls: usize,
+                      layer_of: &(dyn Fn(usize) -> usize + Sync),
+                      expert_of: &(dyn Fn(usize, usize) -> u32 + Sync)| {
         let mut time = 0.0;
+        let mut out = vec![0.0f32; hidden];
         backend.run_step(&mut || {
             let start = Instant::now();
             for c in 0..calls {
                 let routing = Routing {
                     top_k,
-                    experts: (0..top_k)
-                        .map(|k| ((c * 13 + k * 7) % experts) as u32)
-                        .collect(),
+                    experts: (0..top_k).map(|k| expert_of(c, k)).collect(),
                     weights: vec![1.0 / top_k as f32; top_k],
                 };
                 backend.moe(
                     &x,
                     hidden,
                     &routing,
-                    &layer_views[c % layers],
+                    &layer_views[layer_of(c)],
                     &mut out,
                     None,
                 );
             }
             time = start.elapsed().as_secs_f64() / calls as f64;
         });
-        let gbs = routed_bytes as f64 / time / 1e9;
+        time
+    };
+    let mut overlaps = Vec::new();
+    for round in 0..rounds {
+        let (_, read) = bench::bandwidth(2);
+        let cold = time_calls(layers * 20, &|c| c % layers, &|c, k| {
+            ((c * 13 + k * 7) % experts) as u32
+        });
+        let hot = time_calls(200, &|_| 0, &|c, k| ((c * 5 + k) % hot_experts) as u32);
+        // The time the routed bytes take at the read bandwidth of this round.
+        let memory = routed_bytes as f64 / (read * 1e9);
+        // 1: the arithmetic hides entirely under the memory traffic (cold = the longer of
+        // the two); 0: none of it does (cold = their sum).
+        let overlap = 1.0 - (cold - hot.max(memory)) / hot.min(memory);
+        overlaps.push(overlap);
+        let gbs = routed_bytes as f64 / cold / 1e9;
         println!(
-            "round {round}: {:.1} µs per call, routed experts {:.2} MB at {gbs:.1} GB/s, {:.2} of read {read:.1}",
-            time * 1e6,
+            "round {round}: read {read:.1} GB/s; cold {:.1} µs per call ({:.2} MB at {gbs:.1} GB/s, {:.2} of read); \
+             hot {:.1} µs; memory alone {:.1} µs; overlap {overlap:.2}",
+            cold * 1e6,
             routed_bytes as f64 / 1e6,
-            gbs / read
+            gbs / read,
+            hot * 1e6,
+            memory * 1e6,
         );
     }
+    overlaps.sort_by(f64::total_cmp);
+    println!(
+        "median overlap of arithmetic and memory: {:.2}",
+        overlaps[overlaps.len() / 2]
+    );
 }

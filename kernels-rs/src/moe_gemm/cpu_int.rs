@@ -505,6 +505,8 @@ mod x86 {
     /// routed experts at decode 1.10–1.13× faster (`examples/moe_decode_speed`, 12
     /// interleaved rounds, medians of per-round ratios; 2–6 KB and 10–16 KB were no better).
     const PREFETCH_BYTES: usize = 8192;
+    /// The shortest rows [`rows_vnni`] reads one at a time for one token.
+    const ONE_ROW_MIN_COLS: usize = 1024;
     /// Rows ahead that the one-row AVX2 kernels prefetch (measured on Zen 3; sixteen was no
     /// faster there with AVX2 forced on an AVX-512 machine).
     const AVX2_PREFETCH_ROWS: usize = 4;
@@ -590,6 +592,22 @@ mod x86 {
         // SAFETY: `out` holds 4 floats.
         unsafe { _mm_storeu_ps(out.as_mut_ptr(), s) };
         out
+    }
+
+    /// `Σ v` in the tree of [`super::reduce16`], as [`reduce4`] sums each of its four.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn reduce1(v: __m512) -> f32 {
+        let y = _mm256_add_ps(
+            _mm512_castps512_ps256(v),
+            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)),
+        );
+        let h = _mm256_hadd_ps(y, y);
+        let h = _mm256_hadd_ps(h, h);
+        _mm_cvtss_f32(_mm_add_ss(
+            _mm256_castps256_ps128(h),
+            _mm256_extractf128_ps(h, 1),
+        ))
     }
 
     /// What the vector quantizers' unchecked loads and stores of group `g` rely on: 256
@@ -1014,8 +1032,21 @@ mod x86 {
         std::array::from_fn(|e| w[low_bits_swapped(e)])
     }
 
-    /// The AVX-512 VNNI tile loop: weight rows four at a time (a last partial four repeats
-    /// its final row and drops the copies).
+    /// The AVX-512 VNNI tile loop. One token (decode) against rows of at least
+    /// [`ONE_ROW_MIN_COLS`] takes them one at a time ([`vnni_row`]); otherwise four at a time
+    /// ([`vnni_rows4`]; a last partial four repeats its final row and drops the copies).
+    ///
+    /// Why one row at a time at decode: the four-row kernel reads four rows side by side,
+    /// jumping between them every 128 bytes, and the CPU's own prefetchers follow that poorly
+    /// (without the software prefetch it ran at 0.45× on Zen 5). Row by row, the reads are one
+    /// ascending stream and more of the arithmetic hides under it, although the arithmetic
+    /// alone costs more (the activations are loaded once per row instead of once per four).
+    /// Rows of a few hundred columns keep the four-row kernel: four of them span less than a
+    /// KB, and their arithmetic, half of it on a partial group, is what limits them. Routed
+    /// experts at decode on Zen 5 (`examples/moe_decode_speed`, 24 rounds alternating
+    /// in one process, cold, median share of the read bandwidth): four rows 0.66, one row
+    /// everywhere 0.75, one row from 1024 columns (this) 0.79. Every row's sums are the same
+    /// operations in the same order either way (the same bits).
     ///
     /// # Safety
     /// AVX-512F/BW/VL/VNNI; `rows` within `w`, `x` holds `g ≤ 4` quantized rows of `w.cols`,
@@ -1030,6 +1061,13 @@ mod x86 {
         out: &mut [f32],
         stride: usize,
     ) {
+        if g == 1 && w.cols >= ONE_ROW_MIN_COLS {
+            for (out, r) in out.iter_mut().zip(rows) {
+                // SAFETY: forwarded from this function's contract.
+                *out = unsafe { vnni_row(w, r, x) } * row_scale;
+            }
+            return;
+        }
         let mut r = rows.start;
         while r < rows.end {
             let four = std::array::from_fn(|i| (r + i).min(rows.end - 1));
@@ -1054,6 +1092,189 @@ mod x86 {
         }
     }
 
+    /// What the VNNI kernels decode weights with: the `2·e2m1` table, the nibble mask, and the
+    /// permutations that put bytes 0–3 (`even`) and 4–7 (`odd`) of block `j` of a 128-byte
+    /// group into 32-bit lane `j`.
+    #[derive(Clone, Copy)]
+    struct VnniDecoder {
+        table: __m512i,
+        nibble: __m512i,
+        even: __m512i,
+        odd: __m512i,
+    }
+
+    impl VnniDecoder {
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+        fn new() -> Self {
+            Self {
+                // SAFETY: WEIGHT_TABLE holds 16 bytes.
+                table: _mm512_broadcast_i32x4(unsafe {
+                    _mm_loadu_si128(WEIGHT_TABLE.as_ptr().cast())
+                }),
+                nibble: _mm512_set1_epi8(0x0F),
+                even: _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
+                odd: _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31),
+            }
+        }
+
+        /// A row's group of 128 packed bytes (`p0`, `p1`: its two halves) as `2·e2m1` bytes
+        /// in four vectors, lane `j` of each holding four elements of block `j` in the order
+        /// of the activations' codes ([`code_position`](super::code_position)).
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+        fn weights(self, p0: __m512i, p1: __m512i) -> [__m512i; 4] {
+            let q0 = _mm512_permutex2var_epi32(p0, self.even, p1);
+            let q1 = _mm512_permutex2var_epi32(p0, self.odd, p1);
+            let q0h = _mm512_srli_epi16::<4>(q0);
+            let q1h = _mm512_srli_epi16::<4>(q1);
+            let code = |q| _mm512_shuffle_epi8(self.table, _mm512_and_si512(q, self.nibble));
+            [code(q0), code(q0h), code(q1), code(q1h)]
+        }
+    }
+
+    /// Where the VNNI kernels read a group's activations: `x`'s codes, corrections and scales,
+    /// and the padded length of one token's row of each.
+    #[derive(Clone, Copy)]
+    struct ActRows {
+        codes: *const i8,
+        corr: *const i32,
+        scales: *const f32,
+        padded_cols: usize,
+        padded_blocks: usize,
+    }
+
+    impl ActRows {
+        fn new(x: &IntActs<'_>) -> Self {
+            Self {
+                codes: x.codes.as_ptr(),
+                corr: x.corr.as_ptr(),
+                scales: x.scales.as_ptr(),
+                padded_cols: padded_cols(x.cols),
+                padded_blocks: padded_blocks(x.cols),
+            }
+        }
+    }
+
+    /// `acc` plus group `g`'s block products: lane `j` gets block `j`'s exact integer dot of
+    /// the weights `wv` against token `t` (with its correction), converted to f32, times the
+    /// weight block scale `sw` and the activation block scale.
+    ///
+    /// # Safety
+    /// As for [`rows_vnni`]: `x` holds token `t`'s padded row, and `g` is one of its groups.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn accumulate_group(
+        acc: __m512,
+        wv: &[__m512i; 4],
+        sw: __m512,
+        x: ActRows,
+        t: usize,
+        g: usize,
+    ) -> __m512 {
+        let lane = t * x.padded_blocks + g * GROUP_BLOCKS;
+        // SAFETY: token t's padded row holds group g's 256 codes, 16 corrections and 16 scales.
+        unsafe {
+            let xt = x.codes.add(t * x.padded_cols + g * GROUP_ELEMENTS);
+            let mut d = _mm512_loadu_si512(x.corr.add(lane).cast());
+            d = _mm512_dpbusd_epi32(d, wv[0], _mm512_loadu_si512(xt.cast()));
+            d = _mm512_dpbusd_epi32(d, wv[1], _mm512_loadu_si512(xt.add(64).cast()));
+            d = _mm512_dpbusd_epi32(d, wv[2], _mm512_loadu_si512(xt.add(128).cast()));
+            d = _mm512_dpbusd_epi32(d, wv[3], _mm512_loadu_si512(xt.add(192).cast()));
+            let s = _mm512_mul_ps(sw, _mm512_loadu_ps(x.scales.add(lane)));
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc)
+        }
+    }
+
+    /// Prefetches the lines [`PREFETCH_BYTES`] past a row's group `g` at `p` (its packed
+    /// bytes; `lines` of them: two for a whole group) and, every fourth group, the line an
+    /// eighth of that past its scales at `s` (never faults, even past the matrix).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    fn prefetch_group(p: *const u8, s: *const u8, g: usize, lines: usize) {
+        let ahead = p.wrapping_add(PREFETCH_BYTES);
+        _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+        if lines > 1 {
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64).cast());
+        }
+        if g.is_multiple_of(4) {
+            let ahead = s.wrapping_add(PREFETCH_BYTES / (NVFP4_BLOCK / 2));
+            _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+        }
+    }
+
+    /// The masks that read a row's last, partial group in place: its packed bytes (`m0`,
+    /// `m1`: the two 64-byte halves) and its scales (`ms`), for a row of `blocks` blocks of
+    /// which `full` whole groups come first; and how many packed bytes that group holds.
+    /// Masked-out bytes load as zero and are never touched, so nothing past the row is read;
+    /// zero codes and zero scales add nothing, as the zero-padded activations' correction is
+    /// zero.
+    fn tail_masks(blocks: usize, full: usize) -> (u64, u64, u16, usize) {
+        let bytes = (blocks - full * GROUP_BLOCKS) * NVFP4_BLOCK / 2;
+        let low = |n: usize| if n >= 64 { u64::MAX } else { (1u64 << n) - 1 };
+        let ms = ((1u32 << (bytes / 8)) - 1) as u16;
+        (low(bytes), low(bytes.saturating_sub(64)), ms, bytes)
+    }
+
+    /// One weight row against one token: `Σ_b dot · sw · sa` of row `r` (before the row
+    /// scale), in the operations and order of [`vnni_rows4`]'s sums (the same bits).
+    ///
+    /// # Safety
+    /// As for [`rows_vnni`], with one token and `r < w.rows`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn vnni_row(w: &Nvfp4View<'_>, r: usize, x: &IntActs<'_>) -> f32 {
+        let cols = w.cols;
+        let (decoder, acts) = (VnniDecoder::new(), ActRows::new(x));
+        let blocks = cols / NVFP4_BLOCK;
+        let full = blocks / GROUP_BLOCKS;
+        // SAFETY: r lies within w (the caller's contract), so these are in bounds.
+        let (packed, scales) = unsafe {
+            (
+                w.packed.as_ptr().add(r * cols / 2),
+                w.block_scales.as_ptr().add(r * blocks),
+            )
+        };
+        let mut acc = _mm512_setzero_ps();
+        for g in 0..full {
+            let (p, s) = (
+                packed.wrapping_add(g * GROUP_BYTES),
+                scales.wrapping_add(g * GROUP_BLOCKS),
+            );
+            prefetch_group(p, s, g, 2);
+            // SAFETY: group g < full of row r: 128 packed bytes and 16 scales in `w`; token 0
+            // of x holds group g.
+            unsafe {
+                let wv = decoder.weights(
+                    _mm512_loadu_si512(p.cast()),
+                    _mm512_loadu_si512(p.add(64).cast()),
+                );
+                acc = accumulate_group(acc, &wv, e4m3x16(_mm_loadu_si128(s.cast())), acts, 0, g);
+            }
+        }
+        if full * GROUP_BLOCKS < blocks {
+            let (m0, m1, ms, bytes) = tail_masks(blocks, full);
+            let (p, s) = (
+                packed.wrapping_add(full * GROUP_BYTES),
+                scales.wrapping_add(full * GROUP_BLOCKS),
+            );
+            // The tail's packed lines only: its scales are the ones the last whole group's
+            // prefetch (or the row before's) covered.
+            prefetch_group(p, s, 1, bytes.div_ceil(64));
+            // SAFETY: the masks cover the row's last `bytes` packed bytes and `bytes / 8`
+            // scales, which lie within `w`; masked-out elements are not accessed.
+            unsafe {
+                let wv = decoder.weights(
+                    _mm512_maskz_loadu_epi8(m0, p.cast()),
+                    _mm512_maskz_loadu_epi8(m1, p.wrapping_add(64).cast()),
+                );
+                let sw = e4m3x16(_mm_maskz_loadu_epi8(ms, s.cast()));
+                acc = accumulate_group(acc, &wv, sw, acts, 0, full);
+            }
+        }
+        reduce1(acc)
+    }
+
     /// Four weight rows against `N ≤ 4` tokens: `out[t][i] = Σ_b dot · sw · sa` of row
     /// `rows[i]` (before the row scale).
     ///
@@ -1067,15 +1288,7 @@ mod x86 {
         x: &IntActs<'_>,
     ) -> [[f32; 4]; 4] {
         let cols = w.cols;
-        let groups = padded_blocks(cols) / GROUP_BLOCKS;
-        let (pc, pb) = (padded_cols(cols), padded_blocks(cols));
-        // SAFETY: WEIGHT_TABLE holds 16 bytes.
-        let table =
-            _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(WEIGHT_TABLE.as_ptr().cast()) });
-        let nibble = _mm512_set1_epi8(0x0F);
-        let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-        let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-        let (codes, corr, sa) = (x.codes.as_ptr(), x.corr.as_ptr(), x.scales.as_ptr());
+        let (decoder, acts) = (VnniDecoder::new(), ActRows::new(x));
         let blocks = cols / NVFP4_BLOCK;
         let full = blocks / GROUP_BLOCKS;
         // SAFETY: every row lies within w (the caller's contract), so these are in bounds.
@@ -1086,48 +1299,19 @@ mod x86 {
         // so that the accumulator index is a constant and all 16 stay in registers.
         macro_rules! row_group {
             ($i:literal, $p0:expr, $p1:expr, $scales:expr, $g:expr) => {{
-                let (p0, p1, scales, g): (__m512i, __m512i, __m128i, usize) =
-                    ($p0, $p1, $scales, $g);
-                // SAFETY: x holds N padded rows of `groups` groups, and g < groups.
-                unsafe {
-                    // Lane j: bytes 0–3 (q0) and 4–7 (q1) of block j.
-                    let q0 = _mm512_permutex2var_epi32(p0, even, p1);
-                    let q1 = _mm512_permutex2var_epi32(p0, odd, p1);
-                    let q0h = _mm512_srli_epi16::<4>(q0);
-                    let q1h = _mm512_srli_epi16::<4>(q1);
-                    let wv = [
-                        _mm512_shuffle_epi8(table, _mm512_and_si512(q0, nibble)),
-                        _mm512_shuffle_epi8(table, _mm512_and_si512(q0h, nibble)),
-                        _mm512_shuffle_epi8(table, _mm512_and_si512(q1, nibble)),
-                        _mm512_shuffle_epi8(table, _mm512_and_si512(q1h, nibble)),
-                    ];
-                    let sw = e4m3x16(scales);
-                    for (t, acc) in acc.iter_mut().enumerate() {
-                        let xt = codes.add(t * pc + g * GROUP_ELEMENTS);
-                        let lane = t * pb + g * GROUP_BLOCKS;
-                        let mut d = _mm512_loadu_si512(corr.add(lane).cast());
-                        d = _mm512_dpbusd_epi32(d, wv[0], _mm512_loadu_si512(xt.cast()));
-                        d = _mm512_dpbusd_epi32(d, wv[1], _mm512_loadu_si512(xt.add(64).cast()));
-                        d = _mm512_dpbusd_epi32(d, wv[2], _mm512_loadu_si512(xt.add(128).cast()));
-                        d = _mm512_dpbusd_epi32(d, wv[3], _mm512_loadu_si512(xt.add(192).cast()));
-                        let s = _mm512_mul_ps(sw, _mm512_loadu_ps(sa.add(lane)));
-                        acc[$i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[$i]);
-                    }
+                let wv = decoder.weights($p0, $p1);
+                let sw = e4m3x16($scales);
+                for (t, acc) in acc.iter_mut().enumerate() {
+                    // SAFETY: x holds N padded rows, and $g is one of their groups.
+                    acc[$i] = unsafe { accumulate_group(acc[$i], &wv, sw, acts, t, $g) };
                 }
             }};
         }
         for g in 0..full {
             let p = row_packed.map(|p| p.wrapping_add(g * GROUP_BYTES));
             let s = row_scales.map(|s| s.wrapping_add(g * GROUP_BLOCKS));
-            // Prefetch PREFETCH_BYTES ahead (never faults, even past the matrix).
-            for (p, s) in p.iter().zip(&s) {
-                let ahead = p.wrapping_add(PREFETCH_BYTES);
-                _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64).cast());
-                if g % 4 == 0 {
-                    let ahead = s.wrapping_add(PREFETCH_BYTES / (NVFP4_BLOCK / 2));
-                    _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
-                }
+            for (&p, &s) in p.iter().zip(&s) {
+                prefetch_group(p, s, g, 2);
             }
             // SAFETY: group g < full of every row: 128 packed bytes and 16 scales in `w`.
             let (p0, p1, sc) = unsafe {
@@ -1142,24 +1326,14 @@ mod x86 {
             row_group!(2, p0[2], p1[2], sc[2], g);
             row_group!(3, p0[3], p1[3], sc[3], g);
         }
-        if full < groups {
-            // The last, partial group read in place by masked loads (masked-out bytes are
-            // zero and never touched, so nothing past the row is read): zero codes and zero
-            // scales add nothing, as the zero-padded activations' correction is zero.
-            let bytes = (blocks - full * GROUP_BLOCKS) * NVFP4_BLOCK / 2;
-            let low = |n: usize| if n >= 64 { u64::MAX } else { (1u64 << n) - 1 };
-            let (m0, m1) = (low(bytes), low(bytes.saturating_sub(64)));
-            let ms = ((1u32 << (bytes / 8)) - 1) as u16;
+        if full * GROUP_BLOCKS < blocks {
+            let (m0, m1, ms, bytes) = tail_masks(blocks, full);
             let p = row_packed.map(|p| p.wrapping_add(full * GROUP_BYTES));
             let s = row_scales.map(|s| s.wrapping_add(full * GROUP_BLOCKS));
-            // The tail's lines PREFETCH_BYTES ahead: the full groups' prefetches cover two
-            // lines of each row per group, which misses every third line of a 384-column row.
-            for p in &p {
-                let ahead = p.wrapping_add(PREFETCH_BYTES);
-                _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
-                if bytes > 64 {
-                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64).cast());
-                }
+            // The tail's lines too: the whole groups' prefetches cover two lines of each row
+            // per group, which misses every third line of a 384-column row.
+            for (&p, &s) in p.iter().zip(&s) {
+                prefetch_group(p, s, 1, bytes.div_ceil(64));
             }
             // SAFETY: the masks cover the row's last `bytes` packed bytes and `bytes / 8`
             // scales, which lie within `w`; masked-out elements are not accessed.
