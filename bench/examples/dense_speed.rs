@@ -12,6 +12,7 @@
 //! ```sh
 //! cargo run --release -p bench --example dense_speed [-- ROUNDS]
 //! ```
+use bench::cpu_tactics::median_spread;
 use half::bf16;
 use kernels::dense::matmul_transposed;
 use kernels::matrix::MatrixView;
@@ -22,11 +23,6 @@ use std::time::Instant;
 const ROTATED_BYTES: usize = 512 << 20;
 /// Calls per shape, reach and round; the fastest counts.
 const CALLS: usize = 12;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
 
 fn main() {
     let rounds: usize = std::env::args()
@@ -100,9 +96,9 @@ fn main() {
     for (s, &(rows, cols)) in shapes.iter().enumerate() {
         println!(
             "  {rows}x{cols}: far/near {:.3}; of read: near {:.2}, far {:.2}",
-            median(far_over_near[s].clone()),
-            median(shares[s][0].clone()),
-            median(shares[s][1].clone())
+            median_spread(&mut far_over_near[s]).0,
+            median_spread(&mut shares[s][0]).0,
+            median_spread(&mut shares[s][1]).0
         );
     }
 }

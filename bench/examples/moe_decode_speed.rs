@@ -136,9 +136,8 @@ fn main() {
             memory * 1e6,
         );
     }
-    overlaps.sort_by(f64::total_cmp);
     println!(
         "median overlap of arithmetic and memory: {:.2}",
-        overlaps[overlaps.len() / 2]
+        bench::cpu_tactics::median_spread(&mut overlaps).0
     );
 }

@@ -1062,9 +1062,10 @@ mod x86 {
         stride: usize,
     ) {
         if g == 1 && w.cols >= ONE_ROW_MIN_COLS {
+            let (decoder, acts) = (VnniDecoder::new(), ActRows::new(x));
             for (out, r) in out.iter_mut().zip(rows) {
                 // SAFETY: forwarded from this function's contract.
-                *out = unsafe { vnni_row(w, r, x) } * row_scale;
+                *out = unsafe { vnni_row(w, r, decoder, acts) } * row_scale;
             }
             return;
         }
@@ -1220,12 +1221,11 @@ mod x86 {
     /// scale), in the operations and order of [`vnni_rows4`]'s sums (the same bits).
     ///
     /// # Safety
-    /// As for [`rows_vnni`], with one token and `r < w.rows`.
+    /// As for [`rows_vnni`], with one token (`acts`) and `r < w.rows`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn vnni_row(w: &Nvfp4View<'_>, r: usize, x: &IntActs<'_>) -> f32 {
+    unsafe fn vnni_row(w: &Nvfp4View<'_>, r: usize, decoder: VnniDecoder, acts: ActRows) -> f32 {
         let cols = w.cols;
-        let (decoder, acts) = (VnniDecoder::new(), ActRows::new(x));
         let blocks = cols / NVFP4_BLOCK;
         let full = blocks / GROUP_BLOCKS;
         // SAFETY: r lies within w (the caller's contract), so these are in bounds.
