@@ -603,6 +603,9 @@ impl ByExpert<'_> {
             &self.x[t * hidden..(t + 1) * hidden]
         });
         let (gate, up) = (sized(gate, n * inter), sized(up, n * inter));
+        for m in [&ex.gate, &ex.up, &ex.down] {
+            prime(m);
+        }
         tile_dots(isa, &ex.gate, 0..inter, xe, n, gate, inter);
         tile_dots(isa, &ex.up, 0..inter, xe, n, up, inter);
         for (g, &u) in gate.iter_mut().zip(up.iter()) {
@@ -614,6 +617,33 @@ impl ByExpert<'_> {
         });
         tile_dots(isa, &ex.down, 0..hidden, acts, n, y, hidden);
     }
+}
+
+/// Bytes at the start of each of an expert's NVFP4 matrices (and an eighth of it of their
+/// scales) that a decode task prefetches before its first product.
+const PRIME_BYTES: usize = 4096;
+
+/// Prefetches the first [`PRIME_BYTES`] of `w`'s packed bytes and its first scales: the
+/// kernels prefetch 8 KB ahead of where they read, so a matrix's first lines would otherwise
+/// arrive one demand miss at a time, and an expert's three matrices lie apart in the
+/// checkpoint. The up and down projections' lines arrive while the gate projection runs.
+/// Routed experts at decode (`model run`, `mini`, Zen 5, 2 threads, primed and unprimed calls
+/// alternating in one process): 0.982–0.986 of the unprimed call time (medians, 7 of 7
+/// runs); 8 KB was no better than 4 KB.
+fn prime(w: &MatrixView<'_>) {
+    #[cfg(target_arch = "x86_64")]
+    if let MatrixView::Nvfp4(v) = w {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        let lines = |bytes: &[u8], len: usize| {
+            for off in (0..len.min(bytes.len())).step_by(64) {
+                // SAFETY: a prefetch never faults; the address lies inside `bytes`.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(bytes.as_ptr().add(off).cast()) };
+            }
+        };
+        lines(v.packed, PRIME_BYTES);
+        lines(v.block_scales, PRIME_BYTES / 8);
+    }
+    let _ = w;
 }
 
 /// Rows one task of the quantization and combine phases takes at least: a row is about a
