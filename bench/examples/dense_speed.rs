@@ -1,10 +1,11 @@
-//! Speed of the dense BF16 product at decode shapes (one token) under both prefetch reaches
-//! ([`PrefetchReach`]), against the read bandwidth measured in the same round: the weights on
+//! Speed of the dense BF16 product at decode shapes (one token) under each prefetch reach
+//! ([`PrefetchReach`]: near, far, off), against the read bandwidth measured in the same round: the weights on
 //! 2 MiB pages as `model run` reads them (`--weights auto`), a weight set larger than the
 //! last-level cache rotated through so every call streams from DRAM. The reaches alternate
 //! within each round, so a drift of the machine's bandwidth (which moves between ~40 and
-//! ~80 GB/s within minutes on a shared VM) falls on both; the summary is the median over the
-//! rounds of the far/near ratio, and of each reach's share of the round's read bandwidth.
+//! ~80 GB/s within minutes on a shared VM) falls on all; the summary is the median over the
+//! rounds of each reach's time over near's, and of each reach's share of the round's read
+//! bandwidth.
 //! Each call comes from outside the rayon pool and wakes it, so the products of about a MB
 //! (1536 × 384, 576 × 1024) read well below the bandwidth here for that wake-up alone; in
 //! `model run` a step's calls come from a pool thread whose helpers spin.
@@ -47,10 +48,11 @@ fn main() {
         *v = bf16::from_f32((i % 7) as f32 * 0.1);
     }
     let all = &*all;
-    let reaches = [PrefetchReach::Near, PrefetchReach::Far];
+    let reaches = [PrefetchReach::Near, PrefetchReach::Far, PrefetchReach::Off];
     // [shape][reach]: GB/s over the round's read bandwidth.
-    let mut shares = vec![[Vec::new(), Vec::new()]; shapes.len()];
-    let mut far_over_near = vec![Vec::new(); shapes.len()];
+    let mut shares = vec![[const { Vec::new() }; 3]; shapes.len()];
+    // [shape][reach]: near's GB/s over the reach's (its time over near's).
+    let mut over_near = vec![[const { Vec::new() }; 3]; shapes.len()];
     let mut call = 0usize;
     for round in 0..rounds {
         let (_, read) = bench::bandwidth_on(bench::Pages::Huge, bench::COPY_BYTES, 3);
@@ -59,7 +61,7 @@ fn main() {
             let sets = all.len() / (rows * cols);
             let x = vec![0.5f32; cols];
             let mut out = vec![0.0f32; rows];
-            let mut gbs = [0.0f64; 2];
+            let mut gbs = [0.0f64; 3];
             for (k, reach) in reaches.iter().enumerate() {
                 reach.set();
                 let mut best = f64::MAX;
@@ -82,23 +84,26 @@ fn main() {
                 gbs[k] = (rows * cols * 2) as f64 / best / 1e9;
                 shares[s][k].push(gbs[k] / read);
             }
-            far_over_near[s].push(gbs[1] / gbs[0]);
-            println!(
-                "  {rows}x{cols}: near {:.1} GB/s ({:.2} of read), far {:.1} GB/s ({:.2})",
-                gbs[0],
-                gbs[0] / read,
-                gbs[1],
-                gbs[1] / read
-            );
+            let mut line = format!("  {rows}x{cols}:");
+            for (k, reach) in reaches.iter().enumerate() {
+                over_near[s][k].push(gbs[0] / gbs[k]);
+                let (name, g) = (reach.name(), gbs[k]);
+                line += &format!(" {name} {g:.1} GB/s ({:.2} of read)", g / read);
+            }
+            println!("{line}");
         }
     }
     println!("medians over {rounds} rounds:");
     for (s, &(rows, cols)) in shapes.iter().enumerate() {
-        println!(
-            "  {rows}x{cols}: far/near {:.3}; of read: near {:.2}, far {:.2}",
-            median_spread(&mut far_over_near[s]).0,
-            median_spread(&mut shares[s][0]).0,
-            median_spread(&mut shares[s][1]).0
-        );
+        let mut line = format!("  {rows}x{cols}:");
+        for (k, reach) in reaches.iter().enumerate() {
+            let time = median_spread(&mut over_near[s][k]).0;
+            let share = median_spread(&mut shares[s][k]).0;
+            line += &format!(
+                " {} {time:.3} of near's time, {share:.2} of read;",
+                reach.name()
+            );
+        }
+        println!("{}", line.trim_end_matches(';'));
     }
 }

@@ -511,8 +511,9 @@ mod x86 {
     /// faster there with AVX2 forced on an AVX-512 machine).
     const AVX2_PREFETCH_ROWS: usize = 4;
     /// Packed bytes ahead that the one-row AVX2 kernels prefetch at least under
-    /// [`PrefetchReach::Far`](crate::moe_gemm::cpu_simd::PrefetchReach) (AMD's default), as far
-    /// as the VNNI kernel reaches.
+    /// [`PrefetchReach::Far`](crate::moe_gemm::cpu_simd::PrefetchReach) and `Off` (AMD's
+    /// defaults; `Off` leaves only the dense BF16 rows to the hardware), as far as the VNNI
+    /// kernel reaches.
     const AVX2_FAR_PREFETCH_BYTES: usize = PREFETCH_BYTES;
 
     /// Packed bytes ahead of the current group that the one-row AVX2 kernels prefetch.
@@ -520,7 +521,7 @@ mod x86 {
         use crate::moe_gemm::cpu_simd::PrefetchReach;
         let rows = AVX2_PREFETCH_ROWS * cols / 2;
         match PrefetchReach::current() {
-            PrefetchReach::Far => rows.max(AVX2_FAR_PREFETCH_BYTES),
+            PrefetchReach::Far | PrefetchReach::Off => rows.max(AVX2_FAR_PREFETCH_BYTES),
             PrefetchReach::Near => rows,
         }
     }

@@ -59,8 +59,9 @@ pub const PREFETCH_ENV: &str = "KIMI_CPU_PREFETCH";
 
 /// How far ahead of their loads the kernels that stream weight rows at decode ask for lines.
 /// Far pays on AMD cores and lost on an Intel Xeon (see the dense one-row tiles,
-/// [`bf16_tile`](crate::dense::bf16_tile)), so the default follows the vendor;
-/// [`PREFETCH_ENV`] or [`PrefetchReach::set`] (benchmarks comparing both in one process)
+/// [`bf16_tile`](crate::dense::bf16_tile)); on Zen 4 the dense rows read fastest with no
+/// software prefetch at all. So the default follows the vendor and the core;
+/// [`PREFETCH_ENV`] or [`PrefetchReach::set`] (benchmarks comparing them in one process)
 /// override it. Results are the same bits either way.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum PrefetchReach {
@@ -68,6 +69,14 @@ pub enum PrefetchReach {
     Near,
     /// At least 8 KB ahead.
     Far,
+    /// No software prefetch in the dense BF16 one-row tiles of one token: the hardware
+    /// prefetcher alone streams them. Tiles of more tokens and the NVFP4 kernels, whose
+    /// arithmetic leaves their loads behind, keep Far's distances. Zen 4's default: decode steps alternating in one `model run`
+    /// (`mini`, 2 vCPUs of a Zen 4 EPYC, weights on 2 MiB pages) took 0.92 of Far's time
+    /// with AVX-512 (Far 8.19 ms, Off 7.52 ms, medians of 200 steps each) and 0.99 with
+    /// the AVX2 kernels (twice the instructions per byte, so less bound by the loads);
+    /// without the NVFP4 kernels' prefetch too it was 0.5-1 % slower again.
+    Off,
 }
 
 /// 0 until first asked, then 1 + the reach's index.
@@ -80,6 +89,7 @@ impl PrefetchReach {
         match PREFETCH_REACH.load(Relaxed) {
             1 => Self::Near,
             2 => Self::Far,
+            3 => Self::Off,
             _ => {
                 let reach = Self::detect();
                 reach.set();
@@ -93,6 +103,7 @@ impl PrefetchReach {
         let code = match self {
             Self::Near => 1,
             Self::Far => 2,
+            Self::Off => 3,
         };
         PREFETCH_REACH.store(code, std::sync::atomic::Ordering::Relaxed);
     }
@@ -101,20 +112,27 @@ impl PrefetchReach {
         match self {
             Self::Near => "near",
             Self::Far => "far",
+            Self::Off => "off",
         }
     }
 
     /// The reach [`PREFETCH_ENV`] names (case and surrounding spaces ignored).
     pub fn from_name(name: &str) -> Option<Self> {
-        [Self::Near, Self::Far]
+        [Self::Near, Self::Far, Self::Off]
             .into_iter()
             .find(|r| r.name() == name.trim().to_ascii_lowercase())
     }
 
-    /// [`PREFETCH_ENV`], else far on AMD CPUs and near elsewhere. An unknown name is reported
-    /// once on stderr and the vendor's default is used.
+    /// [`PREFETCH_ENV`], else off on Zen 4, far on other AMD CPUs and near elsewhere. An
+    /// unknown name is reported once on stderr and the vendor's default is used.
     fn detect() -> Self {
-        let vendor_default = if is_amd() { Self::Far } else { Self::Near };
+        let vendor_default = if is_zen4() {
+            Self::Off
+        } else if is_amd() {
+            Self::Far
+        } else {
+            Self::Near
+        };
         let Some(name) = std::env::var_os(PREFETCH_ENV) else {
             return vendor_default;
         };
@@ -123,13 +141,37 @@ impl PrefetchReach {
             Some(reach) => reach,
             None => {
                 eprintln!(
-                    "warning: {PREFETCH_ENV}={name} is not one of near, far; using {}",
+                    "warning: {PREFETCH_ENV}={name} is not one of near, far, off; using {}",
                     vendor_default.name()
                 );
                 vendor_default
             }
         }
     }
+}
+
+/// Whether this CPU is an AMD Zen 4: family 19h, models 10h–1Fh (Genoa), 60h–7Fh and
+/// A0h–AFh (Zen 3 shares the family with the other models).
+fn is_zen4() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if !is_amd() {
+            return false;
+        }
+        // CPUID leaf 1, EAX: base family in bits 8–11 (0xF adds the extended family in bits
+        // 20–27), model in bits 4–7 with the extended model in bits 16–19 above it.
+        let eax = std::arch::x86_64::__cpuid(1).eax;
+        let base_family = (eax >> 8) & 0xF;
+        let family = if base_family == 0xF {
+            base_family + ((eax >> 20) & 0xFF)
+        } else {
+            base_family
+        };
+        let model = ((eax >> 12) & 0xF0) | ((eax >> 4) & 0xF);
+        family == 0x19 && matches!(model, 0x10..=0x1F | 0x60..=0x7F | 0xA0..=0xAF)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// Whether this CPU's vendor string is AMD's.
@@ -910,7 +952,7 @@ mod tests {
 
     #[test]
     fn prefetch_reaches_parse_from_their_names_only() {
-        for reach in [PrefetchReach::Near, PrefetchReach::Far] {
+        for reach in [PrefetchReach::Near, PrefetchReach::Far, PrefetchReach::Off] {
             assert_eq!(PrefetchReach::from_name(reach.name()), Some(reach));
         }
         assert_eq!(PrefetchReach::from_name(" FAR\n"), Some(PrefetchReach::Far));
