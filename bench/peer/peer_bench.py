@@ -329,10 +329,19 @@ def main():
 
 
 def cpu_model():
+    """The model name with the CPUID family and model: a hypervisor may show only "AMD EPYC",
+    and Zen 3, 4 and 5 differ in what pays (family 19h is Zen 3 and 4, 1Ah Zen 5)."""
+    fields = {}
     for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+        if not line.strip():
+            break
+    name = fields.get("model name") or platform.processor()
+    family, model = fields.get("cpu family"), fields.get("model")
+    if family and model and family.isdigit() and model.isdigit():
+        name += f" (family {int(family):x}h, model {int(model):x}h)"
+    return name
 
 
 def isa():

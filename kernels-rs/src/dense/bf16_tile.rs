@@ -607,6 +607,27 @@ mod tests {
         s
     }
 
+    /// Runs `kernel` on a `rows × tokens` tile of `cols` (operands from `seed`) into rows of
+    /// `stride` outputs, and checks them ([`check_outputs`]).
+    fn run_and_check(
+        isa: Isa,
+        (rows, tokens, cols, seed): (usize, usize, usize, usize),
+        stride: usize,
+        kernel: impl Fn(Isa, Tile<'_>, &mut [f32], usize),
+    ) -> Result<(), proptest::test_runner::TestCaseError> {
+        let (x, w) = operands(rows, tokens, cols, seed);
+        let t = Tile {
+            x: &x,
+            w: &w,
+            cols,
+            rows,
+            tokens,
+        };
+        let mut out = vec![f32::NAN; rows * stride];
+        kernel(isa, t, &mut out, stride);
+        check_outputs(isa, t, &out, stride)
+    }
+
     /// Checks `out` (rows at `stride`) against `t`: every (row, token) the canonical order's
     /// bits, within f32 rounding of an f64 sum, and the rest of each row untouched (NaN).
     fn check_outputs(
@@ -661,12 +682,7 @@ mod tests {
         ) {
             for isa in Isa::all_supported() {
                 for rows in (1..=MAX_TILE_ROWS).filter(|&rows| takes(isa, rows, tokens)) {
-                    let (x, w) = operands(rows, tokens, cols, seed);
-                    let t = Tile { x: &x, w: &w, cols, rows, tokens };
-                    let stride = tokens + 3;
-                    let mut out = vec![f32::NAN; rows * stride];
-                    compute_tile(isa, t, &mut out, stride);
-                    check_outputs(isa, t, &out, stride)?;
+                    run_and_check(isa, (rows, tokens, cols, seed), tokens + 3, compute_tile)?;
                 }
             }
         }
@@ -688,12 +704,8 @@ mod tests {
             for reach in [PrefetchReach::Near, PrefetchReach::Far, PrefetchReach::Off] {
                 reach.set();
                 for isa in Isa::all_supported() {
-                    let (x, w) = operands(rows, tokens, cols, seed);
-                    let t = Tile { x: &x, w: &w, cols, rows, tokens };
-                    let stride = tokens + 2;
-                    let mut out = vec![f32::NAN; rows * stride];
-                    compute_one_row_tiles(isa, t, &mut out, stride);
-                    check_outputs(isa, t, &out, stride)?;
+                    let shape = (rows, tokens, cols, seed);
+                    run_and_check(isa, shape, tokens + 2, compute_one_row_tiles)?;
                 }
             }
             before.set();
