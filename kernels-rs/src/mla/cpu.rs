@@ -788,7 +788,8 @@ fn dots<E: KeyElement>(isa: Isa, a: [&[f32]; DOT_HEADS], b: [&[E]; DOT_KEYS]) ->
 fn lane_sums(isa: Isa, acc: &[[f32; 16]; 8]) -> [f32; 8] {
     #[cfg(target_arch = "x86_64")]
     if isa != Isa::Scalar {
-        // SAFETY: every vector ISA includes AVX (the caller checked the CPU supports `isa`).
+        // SAFETY: every vector ISA includes AVX2 and FMA (AVX-512F implies them; the caller
+        // checked the CPU supports `isa`).
         return unsafe { lane_sums_avx(acc) };
     }
     let _ = isa;
@@ -801,10 +802,10 @@ fn lane_sums(isa: Isa, acc: &[[f32; 16]; 8]) -> [f32; 8] {
     sums
 }
 
-/// [`lane_sums`] by an 8 × 8 transpose of each half of the lanes: `s += column i` for
-/// `i = 0..16`.
+/// [`lane_sums`] by an 8 × 8 transpose of each half of the lanes
+/// ([`transpose8`](crate::moe_gemm::cpu_int::transpose8)): `s += column i` for `i = 0..16`.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx")]
+#[target_feature(enable = "avx2,fma")]
 #[inline]
 fn lane_sums_avx(acc: &[[f32; 16]; 8]) -> [f32; 8] {
     use std::arch::x86_64::*;
@@ -813,39 +814,8 @@ fn lane_sums_avx(acc: &[[f32; 16]; 8]) -> [f32; 8] {
         // SAFETY: each accumulator holds 16 floats; this reads 8 of them from 8 · half.
         let r: [__m256; 8] =
             std::array::from_fn(|j| unsafe { _mm256_loadu_ps(acc[j].as_ptr().add(8 * half)) });
-        let t = [
-            _mm256_unpacklo_ps(r[0], r[1]),
-            _mm256_unpackhi_ps(r[0], r[1]),
-            _mm256_unpacklo_ps(r[2], r[3]),
-            _mm256_unpackhi_ps(r[2], r[3]),
-            _mm256_unpacklo_ps(r[4], r[5]),
-            _mm256_unpackhi_ps(r[4], r[5]),
-            _mm256_unpacklo_ps(r[6], r[7]),
-            _mm256_unpackhi_ps(r[6], r[7]),
-        ];
-        // u[c]: lane c of rows 0–3 (low 128 bits) and lane c + 4 (high), then rows 4–7.
-        let u = [
-            _mm256_shuffle_ps::<0x44>(t[0], t[2]),
-            _mm256_shuffle_ps::<0xEE>(t[0], t[2]),
-            _mm256_shuffle_ps::<0x44>(t[1], t[3]),
-            _mm256_shuffle_ps::<0xEE>(t[1], t[3]),
-            _mm256_shuffle_ps::<0x44>(t[4], t[6]),
-            _mm256_shuffle_ps::<0xEE>(t[4], t[6]),
-            _mm256_shuffle_ps::<0x44>(t[5], t[7]),
-            _mm256_shuffle_ps::<0xEE>(t[5], t[7]),
-        ];
-        let columns = [
-            _mm256_permute2f128_ps::<0x20>(u[0], u[4]),
-            _mm256_permute2f128_ps::<0x20>(u[1], u[5]),
-            _mm256_permute2f128_ps::<0x20>(u[2], u[6]),
-            _mm256_permute2f128_ps::<0x20>(u[3], u[7]),
-            _mm256_permute2f128_ps::<0x31>(u[0], u[4]),
-            _mm256_permute2f128_ps::<0x31>(u[1], u[5]),
-            _mm256_permute2f128_ps::<0x31>(u[2], u[6]),
-            _mm256_permute2f128_ps::<0x31>(u[3], u[7]),
-        ];
-        for c in columns {
-            s = _mm256_add_ps(s, c);
+        for column in crate::moe_gemm::cpu_int::transpose8(r) {
+            s = _mm256_add_ps(s, column);
         }
     }
     let mut out = [0.0f32; 8];

@@ -486,6 +486,9 @@ fn row_scalar(w: &Nvfp4View<'_>, r: usize, x: &IntActs<'_>, t: usize) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
+pub(crate) use x86::transpose8;
+
+#[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
     use std::ops::Range;
@@ -885,7 +888,7 @@ mod x86 {
     /// The 8 × 8 transpose: vector `e` of the result holds element `e` of every input vector.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
+    pub(crate) fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
         let t: [__m256; 8] = std::array::from_fn(|i| {
             let (a, b) = (r[2 * (i / 2)], r[2 * (i / 2) + 1]);
             if i % 2 == 0 {

@@ -71,8 +71,9 @@ pub enum PrefetchReach {
     Far,
     /// No software prefetch in the dense BF16 one-row tiles of one token: the hardware
     /// prefetcher alone streams them. Tiles of more tokens and the NVFP4 kernels, whose
-    /// arithmetic leaves their loads behind, keep Far's distances. Zen 4's default: decode steps alternating in one `model run`
-    /// (`mini`, 2 vCPUs of a Zen 4 EPYC, weights on 2 MiB pages) took 0.92 of Far's time
+    /// arithmetic leaves their loads behind, keep Far's distances. Zen 4's default: decode
+    /// steps alternating in one `model run` (`mini`, 2 vCPUs of a Zen 4 EPYC, weights on
+    /// 2 MiB pages) took 0.92 of Far's time
     /// with AVX-512 (Far 8.19 ms, Off 7.52 ms, medians of 200 steps each) and 0.99 with
     /// the AVX2 kernels (twice the instructions per byte, so less bound by the loads);
     /// without the NVFP4 kernels' prefetch too it was 0.5-1 % slower again.
