@@ -14,7 +14,6 @@
 //! cargo run --release -p bench --example dense_speed [-- ROUNDS]
 //! ```
 use bench::cpu_tactics::median_spread;
-use half::bf16;
 use kernels::dense::matmul_transposed;
 use kernels::matrix::MatrixView;
 use kernels::moe_gemm::cpu_simd::PrefetchReach;
@@ -38,16 +37,8 @@ fn main() {
         (576, 1024),
         (512, 128),
     ];
-    let mut map = memmap2::MmapMut::map_anon(ROTATED_BYTES).expect("anonymous memory");
-    #[cfg(target_os = "linux")]
-    let _ = map.advise(memmap2::Advice::HugePage);
-    // SAFETY: the mapping is page-aligned and holds `ROTATED_BYTES / 2` BF16 values.
-    let all: &mut [bf16] =
-        unsafe { std::slice::from_raw_parts_mut(map.as_mut_ptr().cast(), ROTATED_BYTES / 2) };
-    for (i, v) in all.iter_mut().enumerate() {
-        *v = bf16::from_f32((i % 7) as f32 * 0.1);
-    }
-    let all = &*all;
+    let weights = bench::RotatedBf16::new(ROTATED_BYTES);
+    let all = weights.values();
     let reaches = [PrefetchReach::Near, PrefetchReach::Far, PrefetchReach::Off];
     // [shape][reach]: GB/s over the round's read bandwidth.
     let mut shares = vec![[const { Vec::new() }; 3]; shapes.len()];

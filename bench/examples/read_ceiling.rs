@@ -39,16 +39,8 @@ fn main() {
     let rounds: usize = std::env::args()
         .nth(1)
         .map_or(6, |s| s.parse().expect("a number of rounds"));
-    let mut map = memmap2::MmapMut::map_anon(ROTATED_BYTES).expect("anonymous memory");
-    #[cfg(target_os = "linux")]
-    let _ = map.advise(memmap2::Advice::HugePage);
-    // SAFETY: the mapping is page-aligned and holds `ROTATED_BYTES / 2` BF16 values.
-    let all: &mut [bf16] =
-        unsafe { std::slice::from_raw_parts_mut(map.as_mut_ptr().cast(), ROTATED_BYTES / 2) };
-    for (i, v) in all.iter_mut().enumerate() {
-        *v = bf16::from_f32((i % 7) as f32 * 0.1);
-    }
-    let all = &*all;
+    let weights = bench::RotatedBf16::new(ROTATED_BYTES);
+    let all = weights.values();
     let mut call = 0usize;
     let mut next = |rows: usize, cols: usize| {
         let sets = all.len() / (rows * cols);
@@ -64,16 +56,7 @@ fn main() {
         for _ in 0..CALLS {
             let w = next(rows, cols);
             let start = Instant::now();
-            matmul_transposed(
-                &x,
-                1,
-                MatrixView::Bf16 {
-                    rows,
-                    cols,
-                    data: w,
-                },
-                &mut out,
-            );
+            one_token_product(&x, w, &mut out);
             kernel = kernel.min(start.elapsed().as_secs_f64());
             let w = next(rows, cols);
             let start = Instant::now();
@@ -104,23 +87,14 @@ fn main() {
                 let w = next(rows, cols);
                 let (first, second) = w.split_at(w.len() / 2);
                 let start = Instant::now();
-                let pull = |half| (warm != Some(Warm::Cold)).then_some(half);
+                let pull = |half| matches!(warm, Some(Warm::T0 | Warm::T1)).then_some(half);
                 let warm_with = warm.unwrap_or(Warm::Cold);
                 black_box(rayon::join(
                     || arithmetic(pull(first), warm_with),
                     || arithmetic(pull(second), warm_with),
                 ));
                 if warm.is_some() {
-                    matmul_transposed(
-                        &x,
-                        1,
-                        MatrixView::Bf16 {
-                            rows,
-                            cols,
-                            data: w,
-                        },
-                        &mut out,
-                    );
+                    one_token_product(&x, w, &mut out);
                 }
                 best[k] = best[k].min(start.elapsed().as_secs_f64() * 1e6);
             }
@@ -133,6 +107,21 @@ fn main() {
             t1 - alone
         );
     }
+}
+
+/// `out = x · wᵀ` for one token, `w` of `out.len()` rows of `x.len()` columns.
+fn one_token_product(x: &[f32], w: &[bf16], out: &mut [f32]) {
+    let (rows, cols) = (out.len(), x.len());
+    matmul_transposed(
+        x,
+        1,
+        MatrixView::Bf16 {
+            rows,
+            cols,
+            data: w,
+        },
+        out,
+    );
 }
 
 /// The wrapping sum of `w`'s bytes read as `u64` words, eight independent lanes (the loads

@@ -77,6 +77,34 @@ pub fn bandwidth(passes: usize) -> (f64, f64) {
     (small.0.max(huge.0), small.1.max(huge.1))
 }
 
+/// BF16 weights on 2 MiB pages (as `model run --weights auto` holds them), `bytes` of them, far
+/// beyond any last-level cache when a benchmark rotates its calls through them: every call
+/// then streams from DRAM. Filled with small values, so products stay finite.
+pub struct RotatedBf16 {
+    map: memmap2::MmapMut,
+}
+
+impl RotatedBf16 {
+    pub fn new(bytes: usize) -> Self {
+        let map = memmap2::MmapMut::map_anon(bytes).expect("anonymous memory");
+        #[cfg(target_os = "linux")]
+        let _ = map.advise(memmap2::Advice::HugePage);
+        let mut weights = Self { map };
+        // SAFETY: the mapping is page-aligned and holds `bytes / 2` BF16 values.
+        let all: &mut [half::bf16] =
+            unsafe { std::slice::from_raw_parts_mut(weights.map.as_mut_ptr().cast(), bytes / 2) };
+        for (i, v) in all.iter_mut().enumerate() {
+            *v = half::bf16::from_f32((i % 7) as f32 * 0.1);
+        }
+        weights
+    }
+
+    pub fn values(&self) -> &[half::bf16] {
+        // SAFETY: as in `new`.
+        unsafe { std::slice::from_raw_parts(self.map.as_ptr().cast(), self.map.len() / 2) }
+    }
+}
+
 /// The page size of a bandwidth measurement's buffers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Pages {
