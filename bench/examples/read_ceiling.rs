@@ -28,9 +28,9 @@ const TASK_ROWS: usize = 64;
 /// Iterations of the stand-in arithmetic per thread (about 55 µs on a Zen 4 EPYC).
 const ARITHMETIC_ITERATIONS: usize = 12_000;
 
-#[derive(Clone, Copy, PartialEq)]
-enum Warm {
-    Cold,
+/// Which cache level the arithmetic prefetches the product's weights into.
+#[derive(Clone, Copy)]
+enum Hint {
     T0,
     T1,
 }
@@ -80,20 +80,22 @@ fn main() {
     for round in 0..rounds {
         let mut best = [f64::MAX; 4];
         for _ in 0..CALLS {
-            for (k, warm) in [None, Some(Warm::Cold), Some(Warm::T0), Some(Warm::T1)]
-                .into_iter()
-                .enumerate()
-            {
+            // (the product after the arithmetic, what the arithmetic prefetches)
+            let variants = [
+                (false, None),
+                (true, None),
+                (true, Some(Hint::T0)),
+                (true, Some(Hint::T1)),
+            ];
+            for (k, (product, hint)) in variants.into_iter().enumerate() {
                 let w = next(rows, cols);
                 let (first, second) = w.split_at(w.len() / 2);
                 let start = Instant::now();
-                let pull = |half| matches!(warm, Some(Warm::T0 | Warm::T1)).then_some(half);
-                let warm_with = warm.unwrap_or(Warm::Cold);
                 black_box(rayon::join(
-                    || arithmetic(pull(first), warm_with),
-                    || arithmetic(pull(second), warm_with),
+                    || arithmetic(hint.map(|h| (first, h))),
+                    || arithmetic(hint.map(|h| (second, h))),
                 ));
-                if warm.is_some() {
+                if product {
                     one_token_product(&x, w, &mut out);
                 }
                 best[k] = best[k].min(start.elapsed().as_secs_f64() * 1e6);
@@ -124,26 +126,20 @@ fn one_token_product(x: &[f32], w: &[bf16], out: &mut [f32]) {
     );
 }
 
-/// The wrapping sum of `w`'s bytes read as `u64` words, eight independent lanes (the loads
-/// alone, as the bandwidth loop's).
+/// The wrapping sum of `w`'s bytes read as `u64` words by the read-bandwidth loop's own sum
+/// ([`bench::read_sum`]): the loads alone.
 fn sum_words(w: &[bf16]) -> u64 {
     // SAFETY: every bit pattern is a valid u64; the unaligned ends are summed apart.
     let (head, words, tail) = unsafe { w.align_to::<u64>() };
-    let mut acc = [0u64; 8];
-    for chunk in words.chunks_exact(8) {
-        for (a, &v) in acc.iter_mut().zip(chunk) {
-            *a = a.wrapping_add(v);
-        }
-    }
     let ends = head.iter().chain(tail).map(|b| u64::from(b.to_bits()));
-    acc.into_iter().chain(ends).fold(0, u64::wrapping_add)
+    ends.fold(bench::read_sum(words), u64::wrapping_add)
 }
 
 /// A dependent multiply-add chain per lane for [`ARITHMETIC_ITERATIONS`] steps; with `warm`,
-/// one prefetch of its next line spread evenly over the steps.
-fn arithmetic(warm: Option<&[bf16]>, hint: Warm) -> f32 {
+/// prefetches of its lines under its hint, spread evenly over the steps.
+fn arithmetic(warm: Option<(&[bf16], Hint)>) -> f32 {
     let mut a = [1.0f32; 16];
-    let lines = warm.map_or(0, |w| w.len() * 2 / 64);
+    let lines = warm.map_or(0, |(w, _)| w.len() * 2 / 64);
     let every = ARITHMETIC_ITERATIONS
         .checked_div(lines)
         .unwrap_or(usize::MAX)
@@ -154,7 +150,7 @@ fn arithmetic(warm: Option<&[bf16]>, hint: Warm) -> f32 {
             *v = *v * 0.999_9 + 0.000_1;
         }
         black_box(&mut a);
-        if let Some(w) = warm
+        if let Some((w, hint)) = warm
             && i % every == 0
             && line < lines
         {
@@ -165,15 +161,15 @@ fn arithmetic(warm: Option<&[bf16]>, hint: Warm) -> f32 {
     a.iter().sum()
 }
 
-fn prefetch(p: *const u8, hint: Warm) {
+fn prefetch(p: *const u8, hint: Hint) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T1, _mm_prefetch};
         // SAFETY: prefetching any address is allowed.
         unsafe {
             match hint {
-                Warm::T1 => _mm_prefetch::<_MM_HINT_T1>(p.cast()),
-                _ => _mm_prefetch::<_MM_HINT_T0>(p.cast()),
+                Hint::T0 => _mm_prefetch::<_MM_HINT_T0>(p.cast()),
+                Hint::T1 => _mm_prefetch::<_MM_HINT_T1>(p.cast()),
             }
         }
     }

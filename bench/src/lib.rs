@@ -173,7 +173,7 @@ pub fn bandwidth_on(pages: Pages, bytes: usize, passes: usize) -> (f64, f64) {
 /// (eight independent `u64` lanes, which the baseline target compiles to SSE2) read 12 %
 /// less than 64-byte loads on an AVX-512 machine (measured on Zen 5: 68 against 77 GB/s),
 /// and the kernels it is compared with use the widest loads.
-fn read_sum(words: &[u64]) -> u64 {
+pub fn read_sum(words: &[u64]) -> u64 {
     #[cfg(target_arch = "x86_64")]
     {
         if is_x86_feature_detected!("avx512f") {
