@@ -1,5 +1,5 @@
 //! Speed of the dense BF16 product at decode shapes (one token) under each prefetch reach
-//! ([`PrefetchReach`]: near, far, off), against the read bandwidth measured in the same round: the weights on
+//! ([`PrefetchReach`]: near, far, off, far-l2), against the read bandwidth measured in the same round: the weights on
 //! 2 MiB pages as `model run` reads them (`--weights auto`), a weight set larger than the
 //! last-level cache rotated through so every call streams from DRAM. The reaches alternate
 //! within each round, so a drift of the machine's bandwidth (which moves between ~40 and
@@ -39,11 +39,11 @@ fn main() {
     ];
     let weights = bench::RotatedBf16::new(ROTATED_BYTES);
     let all = weights.values();
-    let reaches = [PrefetchReach::Near, PrefetchReach::Far, PrefetchReach::Off];
+    let reaches = PrefetchReach::ALL;
     // [shape][reach]: GB/s over the round's read bandwidth.
-    let mut shares = vec![[const { Vec::new() }; 3]; shapes.len()];
+    let mut shares = vec![[const { Vec::new() }; PrefetchReach::ALL.len()]; shapes.len()];
     // [shape][reach]: near's GB/s over the reach's (its time over near's).
-    let mut over_near = vec![[const { Vec::new() }; 3]; shapes.len()];
+    let mut over_near = vec![[const { Vec::new() }; PrefetchReach::ALL.len()]; shapes.len()];
     let mut call = 0usize;
     for round in 0..rounds {
         let (_, read) = bench::bandwidth_on(bench::Pages::Huge, bench::COPY_BYTES, 3);
@@ -52,7 +52,7 @@ fn main() {
             let sets = all.len() / (rows * cols);
             let x = vec![0.5f32; cols];
             let mut out = vec![0.0f32; rows];
-            let mut gbs = [0.0f64; 3];
+            let mut gbs = [0.0f64; PrefetchReach::ALL.len()];
             for (k, reach) in reaches.iter().enumerate() {
                 reach.set();
                 let mut best = f64::MAX;

@@ -4,7 +4,8 @@
 //! in a checkpoint. Every round measures, side by side:
 //! - the read bandwidth;
 //! - cold calls, rotating through more expert weights than the last-level cache holds, so that
-//!   every call streams from DRAM: µs per call and the rate the routed bytes were read at;
+//!   every call streams from DRAM: µs per call and the rate the routed bytes were read at, under
+//!   each prefetch reach ([`PrefetchReach`], in an order rotating with the round);
 //! - hot calls over a set of experts that stays in the last-level cache: the arithmetic alone;
 //! - how much of the arithmetic hid under the memory traffic (`overlap`: 1 when a cold call
 //!   takes only the longer of the hot time and the bytes' time at the read bandwidth, 0 when it
@@ -18,6 +19,7 @@ use std::time::Instant;
 use kernels::cpu_tactic::CpuTactic;
 use kernels::formats::nvfp4::Nvfp4View;
 use kernels::matrix::MatrixView;
+use kernels::moe_gemm::cpu_simd::PrefetchReach;
 use kernels::moe_gemm::reference::{ExpertView, Routing};
 use model::backend::{Backend, TunedCpuBackend};
 
@@ -113,11 +115,27 @@ fn main() {
         time
     };
     let mut overlaps = Vec::new();
+    let default_reach = PrefetchReach::current();
+    // [reach]: the cold call's time over the default reach's, per round.
+    let mut over_default = vec![Vec::new(); PrefetchReach::ALL.len()];
     for round in 0..rounds {
         let (_, read) = bench::bandwidth(2);
-        let cold = time_calls(layers * 20, &|c| c % layers, &|c, k| {
-            ((c * 13 + k * 7) % experts) as u32
-        });
+        // Cold calls under every prefetch reach, in an order that rotates with the round; the
+        // default reach's time is the round's cold time.
+        let mut cold_by_reach = [0.0f64; PrefetchReach::ALL.len()];
+        for i in 0..PrefetchReach::ALL.len() {
+            let k = (i + round) % PrefetchReach::ALL.len();
+            PrefetchReach::ALL[k].set();
+            cold_by_reach[k] = time_calls(layers * 20, &|c| c % layers, &|c, k| {
+                ((c * 13 + k * 7) % experts) as u32
+            });
+        }
+        default_reach.set();
+        let default_index = PrefetchReach::ALL.iter().position(|&r| r == default_reach);
+        let cold = cold_by_reach[default_index.expect("a reach of ALL")];
+        for (ratios, t) in over_default.iter_mut().zip(cold_by_reach) {
+            ratios.push(t / cold);
+        }
         let hot = time_calls(200, &|_| 0, &|c, k| ((c * 5 + k) % hot_experts) as u32);
         // The time the routed bytes take at the read bandwidth of this round.
         let memory = routed_bytes as f64 / (read * 1e9);
@@ -135,7 +153,24 @@ fn main() {
             hot * 1e6,
             memory * 1e6,
         );
+        let mut line = String::from("  cold µs per call by prefetch reach:");
+        for (reach, t) in PrefetchReach::ALL.iter().zip(cold_by_reach) {
+            line += &format!(" {} {:.1}", reach.name(), t * 1e6);
+        }
+        println!("{line}");
     }
+    let mut line = format!(
+        "median over the rounds of each reach's cold time over the default's ({}):",
+        default_reach.name()
+    );
+    for (reach, ratios) in PrefetchReach::ALL.iter().zip(&mut over_default) {
+        line += &format!(
+            " {} {:.3}",
+            reach.name(),
+            bench::cpu_tactics::median_spread(ratios).0
+        );
+    }
+    println!("{line}");
     println!(
         "median overlap of arithmetic and memory: {:.2}",
         bench::cpu_tactics::median_spread(&mut overlaps).0

@@ -38,7 +38,7 @@
 
 use half::bf16;
 
-use crate::moe_gemm::cpu_simd::{Isa, PrefetchReach};
+use crate::moe_gemm::cpu_simd::{Isa, PrefetchHint, PrefetchReach};
 
 /// Lanes of a set (one `zmm` of f32).
 pub const LANES: usize = 16;
@@ -126,13 +126,11 @@ pub fn compute_tile(isa: Isa, t: Tile<'_>, out: &mut [f32], out_row_stride: usiz
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the CPU supports the ISA (asserted above) and the slices cover the tile.
-        Isa::Avx512 => unsafe {
-            dispatch!(tile_avx512, one_row_prefetch_elements(t.cols, t.tokens))
-        },
+        Isa::Avx512 => unsafe { dispatch!(tile_avx512, one_row_prefetch(isa, t.cols, t.tokens)) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above; AVX2 takes 1 × 1–4 and 2 × 1–2 only (asserted above).
         Isa::Avx2Fma => unsafe {
-            let a = one_row_prefetch_elements(t.cols, t.tokens);
+            let a = one_row_prefetch(isa, t.cols, t.tokens);
             match (t.rows, t.tokens) {
                 (1, 1) => tile_avx2_one(t, out, a),
                 (1, 2) => tile_avx2_sets::<1, 2>(t, out, out_row_stride, a),
@@ -204,7 +202,10 @@ fn each_row(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn rows_avx2(t: Tile<'_>, out: &mut [f32], out_row_stride: usize) {
-    let (s, a) = (out_row_stride, one_row_prefetch_elements(t.cols, t.tokens));
+    let (s, a) = (
+        out_row_stride,
+        one_row_prefetch(Isa::Avx2Fma, t.cols, t.tokens),
+    );
     // SAFETY: as this function's: every row and output lies within the slices.
     unsafe {
         match t.tokens {
@@ -220,7 +221,10 @@ unsafe fn rows_avx2(t: Tile<'_>, out: &mut [f32], out_row_stride: usize) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn rows_avx512(t: Tile<'_>, out: &mut [f32], out_row_stride: usize) {
-    let (s, a) = (out_row_stride, one_row_prefetch_elements(t.cols, t.tokens));
+    let (s, a) = (
+        out_row_stride,
+        one_row_prefetch(Isa::Avx512, t.cols, t.tokens),
+    );
     // SAFETY: as this function's: every row and output lies within the slices.
     unsafe {
         match t.tokens {
@@ -297,7 +301,7 @@ unsafe fn tile_avx512<const R: usize, const T: usize>(
     t: Tile<'_>,
     out: &mut [f32],
     out_row_stride: usize,
-    ahead: usize,
+    ahead: RowPrefetch,
 ) {
     use std::arch::x86_64::*;
     let cols = t.cols;
@@ -418,49 +422,67 @@ const PREFETCH_OWN_ROW_COLS: usize = 1024;
 /// further behind); in rounds of 36–50 GB/s all distances read at the bandwidth.
 const FAR_PREFETCH_ELEMENTS: usize = 4096;
 
-/// Elements ahead that a one-row tile of `cols`-element rows and `tokens` tokens prefetches:
-/// at least the next row's position (the next rows follow, one stream), and further where the
-/// rows are short or the reach is far ([`PrefetchReach`]). Under [`PrefetchReach::Off`], 0
-/// (no software prefetch) for one token and Far's distance for more. On Zen 4 the prefetches
-/// themselves held a one-token stream back: summing 32768 × 1024 BF16 rows on 2 threads read
-/// 1.12–1.44× faster without them, in each of six rounds alternating with 8 KB ahead. Two to
-/// four tokens' arithmetic leaves the loads behind, and there they still pay: batch-4 decode
-/// steps took 1.10× as long without them (AVX2: 1.05×).
-fn one_row_prefetch_elements(cols: usize, tokens: usize) -> usize {
-    match PrefetchReach::current() {
+/// What a one-row tile prefetches as it streams its row: how far ahead, and into which cache.
+#[derive(Clone, Copy, Debug)]
+struct RowPrefetch {
+    /// Elements ahead of the one being read; 0 asks for nothing.
+    elements: usize,
+    hint: PrefetchHint,
+}
+
+/// What a one-row tile of `isa`, `cols`-element rows and `tokens` tokens prefetches (under
+/// the current reach as `isa` follows it, [`PrefetchReach::for_isa`]): at least the
+/// next row's position (the next rows follow, one stream), and further where the rows are
+/// short or the reach is far ([`PrefetchReach`]), into the reach's cache
+/// ([`PrefetchReach::hint`]). Under [`PrefetchReach::Off`], nothing for one token and Far's
+/// distance for more. On Zen 4 Far's prefetches into L1 themselves held a one-token stream
+/// back: summing 32768 × 1024 BF16 rows on 2 threads read 1.12–1.44× faster without them,
+/// in each of six rounds alternating with 8 KB ahead; the same distance into L2 only reads
+/// faster still (`FarL2`). Two to four tokens' arithmetic leaves the loads behind, and there
+/// they still pay: batch-4 decode steps took 1.10× as long without them (AVX2: 1.05×).
+fn one_row_prefetch(isa: Isa, cols: usize, tokens: usize) -> RowPrefetch {
+    let reach = PrefetchReach::current().for_isa(isa);
+    let elements = match reach {
         PrefetchReach::Off if tokens == 1 => 0,
-        PrefetchReach::Far | PrefetchReach::Off => cols.max(FAR_PREFETCH_ELEMENTS),
+        PrefetchReach::Far | PrefetchReach::Off | PrefetchReach::FarL2 => {
+            cols.max(FAR_PREFETCH_ELEMENTS)
+        }
         PrefetchReach::Near if cols >= PREFETCH_OWN_ROW_COLS => cols,
         PrefetchReach::Near => cols.max(PREFETCH_MIN_ELEMENTS),
+    };
+    RowPrefetch {
+        elements,
+        hint: reach.hint(),
     }
 }
 
 /// Asks for the lines the next tile of `R` rows reads at element `i` (one 64-element step is
 /// two 64-byte lines of a BF16 row): to the hardware prefetcher each tile is `R` new
-/// streams, and a tile of short rows ends before it has ramped up on them. A one-row tile
-/// (one stream: the next rows follow) asks `one_row_ahead` elements ahead
-/// ([`one_row_prefetch_elements`]), or nothing when that is 0.
+/// streams, and a tile of short rows ends before it has ramped up on them; those lines are
+/// read as soon as the tile is, so they go to L1. A one-row tile (one stream: the next rows
+/// follow) asks as [`one_row_prefetch`] says, or nothing when that is 0 elements ahead.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn prefetch_next_tile<const R: usize>(w: *const bf16, cols: usize, one_row_ahead: usize, i: usize) {
-    use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-    if R == 1 && one_row_ahead == 0 {
+fn prefetch_next_tile<const R: usize>(w: *const bf16, cols: usize, one_row: RowPrefetch, i: usize) {
+    if R == 1 && one_row.elements == 0 {
         return;
     }
+    let hint = if R == 1 {
+        one_row.hint
+    } else {
+        PrefetchHint::L1
+    };
     for r in 0..R {
         // A prefetch never faults; `wrapping_add` keeps the address arithmetic defined past
         // the end of the weights.
         let distance = if R == 1 {
-            one_row_ahead
+            one_row.elements
         } else {
             (R + r) * cols
         };
         let ahead = w.wrapping_add(distance + i);
-        // SAFETY: prefetching any address is allowed.
-        unsafe {
-            _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(32) as *const i8);
-        }
+        hint.line(ahead);
+        hint.line(ahead.wrapping_add(32));
     }
 }
 
@@ -478,7 +500,7 @@ fn reduce8_avx(s8: std::arch::x86_64::__m256) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn tile_avx2_one(t: Tile<'_>, out: &mut [f32], ahead: usize) {
+unsafe fn tile_avx2_one(t: Tile<'_>, out: &mut [f32], ahead: RowPrefetch) {
     use std::arch::x86_64::*;
     let cols = t.cols;
     let full = cols / STEP * STEP;
@@ -520,7 +542,7 @@ unsafe fn tile_avx2_sets<const R: usize, const T: usize>(
     t: Tile<'_>,
     out: &mut [f32],
     out_row_stride: usize,
-    ahead: usize,
+    ahead: RowPrefetch,
 ) {
     use std::arch::x86_64::*;
     let cols = t.cols;
@@ -701,7 +723,7 @@ mod tests {
             tokens in 1usize..=4,
         ) {
             let before = PrefetchReach::current();
-            for reach in [PrefetchReach::Near, PrefetchReach::Far, PrefetchReach::Off] {
+            for reach in PrefetchReach::ALL {
                 reach.set();
                 for isa in Isa::all_supported() {
                     let shape = (rows, tokens, cols, seed);

@@ -496,6 +496,7 @@ mod x86 {
     use super::{GROUP_BLOCKS, GROUP_BYTES, GROUP_ELEMENTS, IntActs, WEIGHT_TABLE};
     use super::{padded_blocks, padded_cols};
     use crate::formats::nvfp4::{NVFP4_BLOCK, Nvfp4View};
+    use crate::moe_gemm::cpu_simd::{Isa, PrefetchHint, PrefetchReach};
 
     /// 2¹²⁰: an E4M3 code's bits shifted into an f32's exponent and mantissa fields give the
     /// value times 2⁻¹²⁰, exactly, subnormal codes included (as in `cpu_simd`).
@@ -521,10 +522,11 @@ mod x86 {
 
     /// Packed bytes ahead of the current group that the one-row AVX2 kernels prefetch.
     fn avx2_prefetch_bytes(cols: usize) -> usize {
-        use crate::moe_gemm::cpu_simd::PrefetchReach;
         let rows = AVX2_PREFETCH_ROWS * cols / 2;
-        match PrefetchReach::current() {
-            PrefetchReach::Far | PrefetchReach::Off => rows.max(AVX2_FAR_PREFETCH_BYTES),
+        match PrefetchReach::current().for_isa(Isa::Avx2Fma) {
+            PrefetchReach::Far | PrefetchReach::Off | PrefetchReach::FarL2 => {
+                rows.max(AVX2_FAR_PREFETCH_BYTES)
+            }
             PrefetchReach::Near => rows,
         }
     }
@@ -1065,11 +1067,12 @@ mod x86 {
         out: &mut [f32],
         stride: usize,
     ) {
+        let hint = PrefetchReach::current().hint();
         if g == 1 && w.cols >= ONE_ROW_MIN_COLS {
             let (decoder, acts) = (VnniDecoder::new(), ActRows::new(x));
             for (out, r) in out.iter_mut().zip(rows) {
                 // SAFETY: forwarded from this function's contract.
-                *out = unsafe { vnni_row(w, r, decoder, acts) } * row_scale;
+                *out = unsafe { vnni_row(w, r, decoder, acts, hint) } * row_scale;
             }
             return;
         }
@@ -1079,10 +1082,10 @@ mod x86 {
             // SAFETY: forwarded from this function's contract.
             let v = unsafe {
                 match g {
-                    1 => vnni_rows4::<1>(w, four, x),
-                    2 => vnni_rows4::<2>(w, four, x),
-                    3 => vnni_rows4::<3>(w, four, x),
-                    4 => vnni_rows4::<4>(w, four, x),
+                    1 => vnni_rows4::<1>(w, four, x, hint),
+                    2 => vnni_rows4::<2>(w, four, x, hint),
+                    3 => vnni_rows4::<3>(w, four, x, hint),
+                    4 => vnni_rows4::<4>(w, four, x, hint),
                     _ => unreachable!("group of {g}"),
                 }
             };
@@ -1191,20 +1194,19 @@ mod x86 {
         }
     }
 
-    /// Prefetches the lines [`PREFETCH_BYTES`] past a row's group `g` at `p` (its packed
-    /// bytes; `lines` of them: two for a whole group) and, every fourth group, the line an
-    /// eighth of that past its scales at `s` (never faults, even past the matrix).
+    /// Prefetches into `hint`'s cache the lines [`PREFETCH_BYTES`] past a row's group `g` at
+    /// `p` (its packed bytes; `lines` of them: two for a whole group) and, every fourth group,
+    /// the line an eighth of that past its scales at `s` (never faults, even past the matrix).
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    fn prefetch_group(p: *const u8, s: *const u8, g: usize, lines: usize) {
+    fn prefetch_group(p: *const u8, s: *const u8, g: usize, lines: usize, hint: PrefetchHint) {
         let ahead = p.wrapping_add(PREFETCH_BYTES);
-        _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+        hint.line(ahead);
         if lines > 1 {
-            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64).cast());
+            hint.line(ahead.wrapping_add(64));
         }
         if g.is_multiple_of(4) {
-            let ahead = s.wrapping_add(PREFETCH_BYTES / (NVFP4_BLOCK / 2));
-            _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+            hint.line(s.wrapping_add(PREFETCH_BYTES / (NVFP4_BLOCK / 2)));
         }
     }
 
@@ -1228,7 +1230,13 @@ mod x86 {
     /// As for [`rows_vnni`], with one token (`acts`) and `r < w.rows`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn vnni_row(w: &Nvfp4View<'_>, r: usize, decoder: VnniDecoder, acts: ActRows) -> f32 {
+    unsafe fn vnni_row(
+        w: &Nvfp4View<'_>,
+        r: usize,
+        decoder: VnniDecoder,
+        acts: ActRows,
+        hint: PrefetchHint,
+    ) -> f32 {
         let cols = w.cols;
         let blocks = cols / NVFP4_BLOCK;
         let full = blocks / GROUP_BLOCKS;
@@ -1245,7 +1253,7 @@ mod x86 {
                 packed.wrapping_add(g * GROUP_BYTES),
                 scales.wrapping_add(g * GROUP_BLOCKS),
             );
-            prefetch_group(p, s, g, 2);
+            prefetch_group(p, s, g, 2, hint);
             // SAFETY: group g < full of row r: 128 packed bytes and 16 scales in `w`; token 0
             // of x holds group g.
             unsafe {
@@ -1264,7 +1272,7 @@ mod x86 {
             );
             // The tail's packed lines only: its scales are the ones the last whole group's
             // prefetch (or the row before's) covered.
-            prefetch_group(p, s, 1, bytes.div_ceil(64));
+            prefetch_group(p, s, 1, bytes.div_ceil(64), hint);
             // SAFETY: the masks cover the row's last `bytes` packed bytes and `bytes / 8`
             // scales, which lie within `w`; masked-out elements are not accessed.
             unsafe {
@@ -1290,6 +1298,7 @@ mod x86 {
         w: &Nvfp4View<'_>,
         rows: [usize; 4],
         x: &IntActs<'_>,
+        hint: PrefetchHint,
     ) -> [[f32; 4]; 4] {
         let cols = w.cols;
         let (decoder, acts) = (VnniDecoder::new(), ActRows::new(x));
@@ -1315,7 +1324,7 @@ mod x86 {
             let p = row_packed.map(|p| p.wrapping_add(g * GROUP_BYTES));
             let s = row_scales.map(|s| s.wrapping_add(g * GROUP_BLOCKS));
             for (&p, &s) in p.iter().zip(&s) {
-                prefetch_group(p, s, g, 2);
+                prefetch_group(p, s, g, 2, hint);
             }
             // SAFETY: group g < full of every row: 128 packed bytes and 16 scales in `w`.
             let (p0, p1, sc) = unsafe {
@@ -1337,7 +1346,7 @@ mod x86 {
             // The tail's lines too: the whole groups' prefetches cover two lines of each row
             // per group, which misses every third line of a 384-column row.
             for (&p, &s) in p.iter().zip(&s) {
-                prefetch_group(p, s, 1, bytes.div_ceil(64));
+                prefetch_group(p, s, 1, bytes.div_ceil(64), hint);
             }
             // SAFETY: the masks cover the row's last `bytes` packed bytes and `bytes / 8`
             // scales, which lie within `w`; masked-out elements are not accessed.
@@ -1375,14 +1384,15 @@ mod x86 {
         stride: usize,
     ) {
         let ahead = avx2_prefetch_bytes(w.cols);
+        let hint = PrefetchReach::current().for_isa(Isa::Avx2Fma).hint();
         for (j, r) in rows.enumerate() {
             // SAFETY: forwarded from this function's contract.
             let v = unsafe {
                 match g {
-                    1 => avx2_row::<1>(w, r, x, ahead),
-                    2 => avx2_row::<2>(w, r, x, ahead),
-                    3 => avx2_row::<3>(w, r, x, ahead),
-                    4 => avx2_row::<4>(w, r, x, ahead),
+                    1 => avx2_row::<1>(w, r, x, ahead, hint),
+                    2 => avx2_row::<2>(w, r, x, ahead, hint),
+                    3 => avx2_row::<3>(w, r, x, ahead, hint),
+                    4 => avx2_row::<4>(w, r, x, ahead, hint),
                     _ => unreachable!("group of {g}"),
                 }
             };
@@ -1596,7 +1606,8 @@ mod x86 {
 
     /// One weight row against `N ≤ 4` tokens, a group as two halves of 8 blocks; lane `j` of
     /// half `h` is lane `8h + j` of the AVX-512 kernel, so the sums are the same. Each group
-    /// prefetches `ahead_bytes` ahead ([`avx2_prefetch_bytes`], looked up once per call).
+    /// prefetches `ahead_bytes` ahead ([`avx2_prefetch_bytes`], looked up once per call) into
+    /// `hint`'s cache.
     ///
     /// # Safety
     /// As for [`rows_avx2`], with `N` tokens.
@@ -1607,6 +1618,7 @@ mod x86 {
         r: usize,
         x: &IntActs<'_>,
         ahead_bytes: usize,
+        hint: PrefetchHint,
     ) -> [f32; 4] {
         let cols = w.cols;
         let groups = padded_blocks(cols) / GROUP_BLOCKS;
@@ -1649,8 +1661,8 @@ mod x86 {
                     (tail.0.as_ptr(), tail.1.as_ptr())
                 };
                 let ahead = packed.wrapping_add(ahead_bytes);
-                _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64).cast());
+                hint.line(ahead);
+                hint.line(ahead.wrapping_add(64));
                 let halves = if g < full || !half_tail { 2 } else { 1 };
                 for h in 0..halves {
                     let wv = decode_half(packed.add(64 * h), table, nibble);

@@ -54,13 +54,14 @@ pub const MAX_GROUP: usize = 8;
 pub const ISA_ENV: &str = "KIMI_CPU_ISA";
 
 /// The environment variable that forces how far ahead the streaming kernels prefetch
-/// (`near` or `far`, [`PrefetchReach`]); unset, the CPU's vendor decides.
+/// (`near`, `far`, `off` or `far-l2`, [`PrefetchReach`]); unset, the CPU's vendor decides.
 pub const PREFETCH_ENV: &str = "KIMI_CPU_PREFETCH";
 
 /// How far ahead of their loads the kernels that stream weight rows at decode ask for lines.
 /// Far pays on AMD cores and lost on an Intel Xeon (see the dense one-row tiles,
-/// [`bf16_tile`](crate::dense::bf16_tile)); on Zen 4 the dense rows read fastest with no
-/// software prefetch at all. So the default follows the vendor and the core;
+/// [`bf16_tile`](crate::dense::bf16_tile)); on Zen 4 the dense rows read faster with no
+/// software prefetch than with Far's, and faster still with Far's distances into L2 only.
+/// So the default follows the vendor and the core;
 /// [`PREFETCH_ENV`] or [`PrefetchReach::set`] (benchmarks comparing them in one process)
 /// override it. Results are the same bits either way.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -71,13 +72,52 @@ pub enum PrefetchReach {
     Far,
     /// No software prefetch in the dense BF16 one-row tiles of one token: the hardware
     /// prefetcher alone streams them. Tiles of more tokens and the NVFP4 kernels, whose
-    /// arithmetic leaves their loads behind, keep Far's distances. Zen 4's default: decode
-    /// steps alternating in one `model run` (`mini`, 2 vCPUs of a Zen 4 EPYC, weights on
-    /// 2 MiB pages) took 0.92 of Far's time
-    /// with AVX-512 (Far 8.19 ms, Off 7.52 ms, medians of 200 steps each) and 0.99 with
-    /// the AVX2 kernels (twice the instructions per byte, so less bound by the loads);
-    /// without the NVFP4 kernels' prefetch too it was 0.5-1 % slower again.
+    /// arithmetic leaves their loads behind, keep Far's distances. Decode steps alternating
+    /// in one `model run` (`mini`, 2 vCPUs of a Zen 4 EPYC, weights on 2 MiB pages) took 0.92
+    /// of Far's time with AVX-512 (Far 8.19 ms, Off 7.52 ms, medians of 200 steps each) and
+    /// 0.99 with the AVX2 kernels (twice the instructions per byte, so less bound by the
+    /// loads); without the NVFP4 kernels' prefetch too it was 0.5-1 % slower again.
     Off,
+    /// Far's distances, but the AVX-512 streaming decode kernels (the dense one-row tiles and
+    /// the VNNI NVFP4 kernels) prefetch into L2 only ([`PrefetchHint::L2`]): the lines still
+    /// arrive ahead, without holding L1's miss buffers, which the demand loads and L1's own
+    /// prefetcher then have to themselves. The AVX2 kernels follow `Off` under it
+    /// ([`PrefetchReach::for_isa`]). Zen 4's default: on 2 vCPUs of a Zen 4 EPYC the
+    /// one-token BF16 products took 0.73–0.79 of Off's time at 1024–32768 rows of 1024 or
+    /// 2816 columns in rounds that were mostly at 54–62 GB/s (`examples/dense_speed`),
+    /// `lm_head` then reading 0.88–0.97 of the read bandwidth where Off read 0.62–0.75, and
+    /// whole decode steps 0.91 of Off's time (`examples/decode_prefetch`; every figure in
+    /// `bench/results/zen4-prefetch-l2.txt`).
+    FarL2,
+}
+
+/// The cache level a kernel's software prefetch fills.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PrefetchHint {
+    /// `prefetcht0`: every level, L1 included.
+    L1,
+    /// `prefetcht1`: L2 and below, not L1.
+    L2,
+}
+
+impl PrefetchHint {
+    /// Asks for the cache line holding `p` (a prefetch never faults, whatever the address).
+    #[inline(always)]
+    pub fn line<T>(self, p: *const T) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T1, _mm_prefetch};
+            // SAFETY: SSE is part of x86_64's baseline, and a prefetch reads nothing.
+            unsafe {
+                match self {
+                    Self::L1 => _mm_prefetch::<_MM_HINT_T0>(p.cast()),
+                    Self::L2 => _mm_prefetch::<_MM_HINT_T1>(p.cast()),
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (self, p);
+    }
 }
 
 /// 0 until first asked, then 1 + the reach's index.
@@ -91,6 +131,7 @@ impl PrefetchReach {
             1 => Self::Near,
             2 => Self::Far,
             3 => Self::Off,
+            4 => Self::FarL2,
             _ => {
                 let reach = Self::detect();
                 reach.set();
@@ -105,6 +146,7 @@ impl PrefetchReach {
             Self::Near => 1,
             Self::Far => 2,
             Self::Off => 3,
+            Self::FarL2 => 4,
         };
         PREFETCH_REACH.store(code, std::sync::atomic::Ordering::Relaxed);
     }
@@ -114,21 +156,45 @@ impl PrefetchReach {
             Self::Near => "near",
             Self::Far => "far",
             Self::Off => "off",
+            Self::FarL2 => "far-l2",
+        }
+    }
+
+    /// Every reach, in the order of their names in [`PREFETCH_ENV`]'s warning.
+    pub const ALL: [Self; 4] = [Self::Near, Self::Far, Self::Off, Self::FarL2];
+
+    /// The reach the kernels of `isa` follow under this one: far-l2 is a setting of the
+    /// AVX-512 kernels, and under it the others follow off. With the AVX2 kernels forced on
+    /// Zen 4 (twice the instructions per byte, so their loads are less far behind) whole
+    /// decode steps under far-l2 took 1.08× as long as under off (`examples/decode_prefetch`,
+    /// 8 rounds alternating in one process), where with AVX-512 off took 1.10× far-l2's.
+    pub fn for_isa(self, isa: Isa) -> Self {
+        match self {
+            Self::FarL2 if isa != Isa::Avx512 => Self::Off,
+            reach => reach,
+        }
+    }
+
+    /// The cache level the streaming decode kernels prefetch into under this reach.
+    pub fn hint(self) -> PrefetchHint {
+        match self {
+            Self::FarL2 => PrefetchHint::L2,
+            Self::Near | Self::Far | Self::Off => PrefetchHint::L1,
         }
     }
 
     /// The reach [`PREFETCH_ENV`] names (case and surrounding spaces ignored).
     pub fn from_name(name: &str) -> Option<Self> {
-        [Self::Near, Self::Far, Self::Off]
+        Self::ALL
             .into_iter()
             .find(|r| r.name() == name.trim().to_ascii_lowercase())
     }
 
-    /// [`PREFETCH_ENV`], else off on Zen 4, far on other AMD CPUs and near elsewhere. An
+    /// [`PREFETCH_ENV`], else far-l2 on Zen 4, far on other AMD CPUs and near elsewhere. An
     /// unknown name is reported once on stderr and the vendor's default is used.
     fn detect() -> Self {
         let vendor_default = if is_zen4() {
-            Self::Off
+            Self::FarL2
         } else if is_amd() {
             Self::Far
         } else {
@@ -142,7 +208,7 @@ impl PrefetchReach {
             Some(reach) => reach,
             None => {
                 eprintln!(
-                    "warning: {PREFETCH_ENV}={name} is not one of near, far, off; using {}",
+                    "warning: {PREFETCH_ENV}={name} is not one of near, far, off, far-l2; using {}",
                     vendor_default.name()
                 );
                 vendor_default
@@ -953,9 +1019,13 @@ mod tests {
 
     #[test]
     fn prefetch_reaches_parse_from_their_names_only() {
-        for reach in [PrefetchReach::Near, PrefetchReach::Far, PrefetchReach::Off] {
+        for reach in PrefetchReach::ALL {
             assert_eq!(PrefetchReach::from_name(reach.name()), Some(reach));
         }
+        assert_eq!(
+            PrefetchReach::from_name("Far-L2"),
+            Some(PrefetchReach::FarL2)
+        );
         assert_eq!(PrefetchReach::from_name(" FAR\n"), Some(PrefetchReach::Far));
         assert_eq!(PrefetchReach::from_name("farther"), None);
         assert_eq!(PrefetchReach::from_name(""), None);
