@@ -1,14 +1,14 @@
 //! Whole decode steps of a model under each prefetch reach ([`PrefetchReach`]), alternating
 //! step by step in one process: the machine's bandwidth drifts between runs (on a shared VM
 //! by ±12 % between processes, and between ~33 and ~55 GB/s within minutes), so only steps
-//! taken side by side compare reaches. Batch 1 after a random prompt, the weights where
-//! `model run` reads them (`--weights auto`), the backend `model run` uses (`TunedCpuBackend`,
-//! default tactic). Every round measures the read bandwidth, then takes a block of steps per
+//! taken side by side compare reaches. Batch 1 (or `--batch N` sequences) after random
+//! prompts, the weights where `model run` reads them (`--weights auto`), the backend
+//! `model run` uses (`TunedCpuBackend`, default tactic). Every round measures the read bandwidth, then takes a block of steps per
 //! reach, in an order rotating with the round; the report is each reach's median step time
 //! and, per round, its time over the default reach's, with the medians of those ratios.
 //!
 //! ```sh
-//! cargo run --release -p bench --example decode_prefetch [-- --checkpoint DIR --rounds N --steps N]
+//! cargo run --release -p bench --example decode_prefetch [-- --checkpoint DIR --rounds N --steps N --batch N]
 //! ```
 use std::path::PathBuf;
 use std::time::Instant;
@@ -29,6 +29,8 @@ struct Options {
     /// Steps per reach and round.
     steps: usize,
     prompt: usize,
+    /// Sequences decoded together.
+    batch: usize,
 }
 
 fn options() -> Result<Options> {
@@ -37,6 +39,7 @@ fn options() -> Result<Options> {
         rounds: 8,
         steps: 24,
         prompt: 128,
+        batch: 1,
     };
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -46,14 +49,15 @@ fn options() -> Result<Options> {
             "--rounds" => o.rounds = value()?.parse()?,
             "--steps" => o.steps = value()?.parse()?,
             "--prompt" => o.prompt = value()?.parse()?,
+            "--batch" => o.batch = value()?.parse()?,
             other => anyhow::bail!(
-                "unknown option {other} (--checkpoint DIR, --rounds N, --steps N, --prompt N)"
+                "unknown option {other} (--checkpoint DIR, --rounds N, --steps N, --prompt N, --batch N)"
             ),
         }
     }
     anyhow::ensure!(
-        o.rounds > 0 && o.steps > 0,
-        "--rounds and --steps must be positive"
+        o.rounds > 0 && o.steps > 0 && o.batch > 0,
+        "--rounds, --steps and --batch must be positive"
     );
     Ok(o)
 }
@@ -75,23 +79,27 @@ fn main() -> Result<()> {
     let default_reach = PrefetchReach::current();
     let reaches = PrefetchReach::ALL;
     let total_steps = o.rounds * o.steps * reaches.len();
-    let mut cache = model.new_cache(KvCacheDtype::Bf16, o.prompt + total_steps + 1);
-    let seq = cache.add_sequence();
-    let prompt = random_tokens(o.prompt, model.config.vocab_size, 1);
-    let logits = model.forward(
-        &backend,
-        &mut cache,
-        &[SeqInput {
+    let mut cache = model.new_cache(KvCacheDtype::Bf16, o.batch * (o.prompt + total_steps + 1));
+    let seqs: Vec<_> = (0..o.batch).map(|_| cache.add_sequence()).collect();
+    let prompts: Vec<Vec<u32>> = (0..o.batch)
+        .map(|b| random_tokens(o.prompt, model.config.vocab_size, 1 + b as u64))
+        .collect();
+    let inputs: Vec<SeqInput<'_>> = seqs
+        .iter()
+        .zip(&prompts)
+        .map(|(&seq, prompt)| SeqInput {
             seq,
-            tokens: &prompt,
-        }],
-        LogitRows::Last,
-        None,
-    )?;
-    let mut token = model::sampler::argmax(logits.row(0));
+            tokens: prompt,
+        })
+        .collect();
+    let logits = model.forward(&backend, &mut cache, &inputs, LogitRows::Last, None)?;
+    let mut tokens: Vec<[u32; 1]> = (0..o.batch)
+        .map(|b| [model::sampler::argmax(logits.row(b))])
+        .collect();
     println!(
-        "{} (batch 1, prompt {}), {} rounds of {} steps per reach; default reach {}",
+        "{} (batch {}, prompt {}), {} rounds of {} steps per reach; default reach {}",
         dir.display(),
+        o.batch,
         o.prompt,
         o.rounds,
         o.steps,
@@ -109,17 +117,15 @@ fn main() -> Result<()> {
             let mut times = Vec::with_capacity(o.steps);
             for _ in 0..o.steps {
                 let start = Instant::now();
-                let logits = model.forward(
-                    &backend,
-                    &mut cache,
-                    &[SeqInput {
-                        seq,
-                        tokens: &[token],
-                    }],
-                    LogitRows::Last,
-                    None,
-                )?;
-                token = model::sampler::argmax(logits.row(0));
+                let inputs: Vec<SeqInput<'_>> = seqs
+                    .iter()
+                    .zip(&tokens)
+                    .map(|(&seq, token)| SeqInput { seq, tokens: token })
+                    .collect();
+                let logits = model.forward(&backend, &mut cache, &inputs, LogitRows::Last, None)?;
+                for (b, token) in tokens.iter_mut().enumerate() {
+                    token[0] = model::sampler::argmax(logits.row(b));
+                }
                 times.push(start.elapsed().as_secs_f64());
             }
             step_times[k].extend_from_slice(&times);
