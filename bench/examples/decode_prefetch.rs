@@ -15,73 +15,48 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use bench::cpu_tactics::median_spread;
+use clap::Parser;
 use kernels::cpu_tactic::CpuTactic;
-use kernels::mla::cache::KvCacheDtype;
+use kernels::mla::cache::{KvCacheDtype, PAGE_TOKENS};
 use kernels::moe_gemm::cpu_simd::PrefetchReach;
 use model::backend::TunedCpuBackend;
-use model::checkpoint::{Checkpoint, WeightPlacement};
-use model::forward::{LogitRows, Model, SeqInput};
+use model::forward::{LogitRows, SeqInput};
 use model::quantize::random_tokens;
 
+/// Whole decode steps under each prefetch reach, alternating in one process.
+#[derive(Parser)]
 struct Options {
+    /// The checkpoint directory (default: `model run`'s default `mini` model).
+    #[arg(long)]
     checkpoint: Option<PathBuf>,
-    rounds: usize,
+    /// Rounds, each a block of steps per reach.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
+    rounds: u32,
     /// Steps per reach and round.
-    steps: usize,
+    #[arg(long, default_value_t = 24, value_parser = clap::value_parser!(u32).range(1..))]
+    steps: u32,
+    /// Prompt tokens per sequence before the decode steps.
+    #[arg(long, default_value_t = 128)]
     prompt: usize,
     /// Sequences decoded together.
-    batch: usize,
-}
-
-fn options() -> Result<Options> {
-    let mut o = Options {
-        checkpoint: None,
-        rounds: 8,
-        steps: 24,
-        prompt: 128,
-        batch: 1,
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        let mut value = || args.next().with_context(|| format!("{arg} needs a value"));
-        match arg.as_str() {
-            "--checkpoint" => o.checkpoint = Some(PathBuf::from(value()?)),
-            "--rounds" => o.rounds = value()?.parse()?,
-            "--steps" => o.steps = value()?.parse()?,
-            "--prompt" => o.prompt = value()?.parse()?,
-            "--batch" => o.batch = value()?.parse()?,
-            other => anyhow::bail!(
-                "unknown option {other} (--checkpoint DIR, --rounds N, --steps N, --prompt N, --batch N)"
-            ),
-        }
-    }
-    anyhow::ensure!(
-        o.rounds > 0 && o.steps > 0 && o.batch > 0,
-        "--rounds, --steps and --batch must be positive"
-    );
-    Ok(o)
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    batch: u32,
 }
 
 fn main() -> Result<()> {
     model::heap::keep_freed_activations();
-    let o = options()?;
-    let dir = match &o.checkpoint {
-        Some(dir) => dir.clone(),
-        None => model::generator::default_checkpoint(None)?,
-    };
-    let mut checkpoint = Checkpoint::open(&dir)?;
-    checkpoint.place_weights(WeightPlacement::auto(checkpoint.file_bytes()));
-    let model = Model::new(
-        checkpoint.model_config().clone(),
-        checkpoint.load_weights()?,
-    );
+    let o = Options::parse();
+    let (rounds, steps, batch) = (o.rounds as usize, o.steps as usize, o.batch as usize);
+    let (dir, model) = bench::load_model_as_run(o.checkpoint.as_deref())?;
     let backend = TunedCpuBackend::new(CpuTactic::default()).map_err(anyhow::Error::msg)?;
     let default_reach = PrefetchReach::current();
     let reaches = PrefetchReach::ALL;
-    let total_steps = o.rounds * o.steps * reaches.len();
-    let mut cache = model.new_cache(KvCacheDtype::Bf16, o.batch * (o.prompt + total_steps + 1));
-    let seqs: Vec<_> = (0..o.batch).map(|_| cache.add_sequence()).collect();
-    let prompts: Vec<Vec<u32>> = (0..o.batch)
+    let total_steps = rounds * steps * reaches.len();
+    // Each sequence's tokens fill whole pages of its own.
+    let per_sequence = (o.prompt + total_steps + 1).next_multiple_of(PAGE_TOKENS);
+    let mut cache = model.new_cache(KvCacheDtype::Bf16, batch * per_sequence);
+    let seqs: Vec<_> = (0..batch).map(|_| cache.add_sequence()).collect();
+    let prompts: Vec<Vec<u32>> = (0..batch)
         .map(|b| random_tokens(o.prompt, model.config.vocab_size, 1 + b as u64))
         .collect();
     let inputs: Vec<SeqInput<'_>> = seqs
@@ -93,29 +68,29 @@ fn main() -> Result<()> {
         })
         .collect();
     let logits = model.forward(&backend, &mut cache, &inputs, LogitRows::Last, None)?;
-    let mut tokens: Vec<[u32; 1]> = (0..o.batch)
+    let mut tokens: Vec<[u32; 1]> = (0..batch)
         .map(|b| [model::sampler::argmax(logits.row(b))])
         .collect();
     println!(
         "{} (batch {}, prompt {}), {} rounds of {} steps per reach; default reach {}",
         dir.display(),
-        o.batch,
+        batch,
         o.prompt,
-        o.rounds,
-        o.steps,
+        rounds,
+        steps,
         default_reach.name()
     );
     // [reach]: every step's seconds; the per-round median over the default's.
     let mut step_times = vec![Vec::new(); reaches.len()];
     let mut over_default = vec![Vec::new(); reaches.len()];
-    for round in 0..o.rounds {
+    for round in 0..rounds {
         let (_, read) = bench::bandwidth(2);
         let mut round_medians = vec![0.0; reaches.len()];
         for i in 0..reaches.len() {
             let k = (i + round) % reaches.len();
             reaches[k].set();
-            let mut times = Vec::with_capacity(o.steps);
-            for _ in 0..o.steps {
+            let mut times = Vec::with_capacity(steps);
+            for _ in 0..steps {
                 let start = Instant::now();
                 let inputs: Vec<SeqInput<'_>> = seqs
                     .iter()

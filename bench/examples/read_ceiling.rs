@@ -15,6 +15,7 @@
 use half::bf16;
 use kernels::dense::matmul_transposed;
 use kernels::matrix::MatrixView;
+use kernels::moe_gemm::cpu_simd::PrefetchHint;
 use rayon::prelude::*;
 use std::hint::black_box;
 use std::time::Instant;
@@ -27,13 +28,6 @@ const CALLS: usize = 10;
 const TASK_ROWS: usize = 64;
 /// Iterations of the stand-in arithmetic per thread (about 55 µs on a Zen 4 EPYC).
 const ARITHMETIC_ITERATIONS: usize = 12_000;
-
-/// Which cache level the arithmetic prefetches the product's weights into.
-#[derive(Clone, Copy)]
-enum Hint {
-    T0,
-    T1,
-}
 
 fn main() {
     let rounds: usize = std::env::args()
@@ -84,8 +78,8 @@ fn main() {
             let variants = [
                 (false, None),
                 (true, None),
-                (true, Some(Hint::T0)),
-                (true, Some(Hint::T1)),
+                (true, Some(PrefetchHint::L1)),
+                (true, Some(PrefetchHint::L2)),
             ];
             for (k, (product, hint)) in variants.into_iter().enumerate() {
                 let w = next(rows, cols);
@@ -137,7 +131,7 @@ fn sum_words(w: &[bf16]) -> u64 {
 
 /// A dependent multiply-add chain per lane for [`ARITHMETIC_ITERATIONS`] steps; with `warm`,
 /// prefetches of its lines under its hint, spread evenly over the steps.
-fn arithmetic(warm: Option<(&[bf16], Hint)>) -> f32 {
+fn arithmetic(warm: Option<(&[bf16], PrefetchHint)>) -> f32 {
     let mut a = [1.0f32; 16];
     let lines = warm.map_or(0, |(w, _)| w.len() * 2 / 64);
     let every = ARITHMETIC_ITERATIONS
@@ -154,25 +148,9 @@ fn arithmetic(warm: Option<(&[bf16], Hint)>) -> f32 {
             && i % every == 0
             && line < lines
         {
-            prefetch(w.as_ptr().cast::<u8>().wrapping_add(line * 64), hint);
+            hint.line(w.as_ptr().cast::<u8>().wrapping_add(line * 64));
             line += 1;
         }
     }
     a.iter().sum()
-}
-
-fn prefetch(p: *const u8, hint: Hint) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T1, _mm_prefetch};
-        // SAFETY: prefetching any address is allowed.
-        unsafe {
-            match hint {
-                Hint::T0 => _mm_prefetch::<_MM_HINT_T0>(p.cast()),
-                Hint::T1 => _mm_prefetch::<_MM_HINT_T1>(p.cast()),
-            }
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (p, hint);
 }

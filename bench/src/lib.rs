@@ -299,6 +299,27 @@ pub fn utc_date() -> String {
     )
 }
 
+/// The model in the checkpoint at `dir` (the default `mini` model of `model run` if `None`,
+/// generated on first use) with its weights where `model run` reads them (`--weights auto`),
+/// so that a benchmark times what a run does; and the directory it came from.
+pub fn load_model_as_run(
+    dir: Option<&std::path::Path>,
+) -> anyhow::Result<(std::path::PathBuf, model::forward::Model)> {
+    let dir = match dir {
+        Some(dir) => dir.to_path_buf(),
+        None => model::generator::default_checkpoint(None)?,
+    };
+    let mut checkpoint = model::checkpoint::Checkpoint::open(&dir)?;
+    checkpoint.place_weights(model::checkpoint::WeightPlacement::auto(
+        checkpoint.file_bytes(),
+    ));
+    let model = model::forward::Model::new(
+        checkpoint.model_config().clone(),
+        checkpoint.load_weights()?,
+    );
+    Ok((dir, model))
+}
+
 #[cfg(test)]
 mod read_sum_tests {
     #[test]

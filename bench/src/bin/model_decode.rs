@@ -24,9 +24,7 @@ use kernels::mla::cache::{CacheError, KvCacheDtype, PagedLatentCache};
 use kernels::mla::reference::MlaProblem;
 use kernels::moe_gemm::reference::{ExpertInputAmax, ExpertView, Routing};
 use model::backend::{Backend, CpuBackend};
-use model::checkpoint::{Checkpoint, WeightPlacement};
-use model::forward::{LogitRows, Model, SeqInput};
-use model::generator::default_checkpoint;
+use model::forward::{LogitRows, SeqInput};
 use model::quantize::random_tokens;
 
 /// The CPU backend, counting the bytes each operation must read.
@@ -126,17 +124,7 @@ fn main() -> Result<()> {
     // As `model run` does: its steps' freed activations stay in the heap.
     model::heap::keep_freed_activations();
     let o = options()?;
-    let dir = match &o.checkpoint {
-        Some(dir) => dir.clone(),
-        None => default_checkpoint(None)?,
-    };
-    let mut checkpoint = Checkpoint::open(&dir)?;
-    // Where `model run` reads them (`--weights auto`).
-    checkpoint.place_weights(WeightPlacement::auto(checkpoint.file_bytes()));
-    let model = Model::new(
-        checkpoint.model_config().clone(),
-        checkpoint.load_weights()?,
-    );
+    let (dir, model) = bench::load_model_as_run(o.checkpoint.as_deref())?;
     let c = &model.config;
     let load_start = load_average();
     let (copy, read) = bandwidth(15);
