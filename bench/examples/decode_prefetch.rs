@@ -3,9 +3,10 @@
 //! by ±12 % between processes, and between ~33 and ~55 GB/s within minutes), so only steps
 //! taken side by side compare reaches. Batch 1 (or `--batch N` sequences) after random
 //! prompts, the weights where `model run` reads them (`--weights auto`), the backend
-//! `model run` uses (`TunedCpuBackend`, default tactic). Every round measures the read bandwidth, then takes a block of steps per
-//! reach, in an order rotating with the round; the report is each reach's median step time
-//! and, per round, its time over the default reach's, with the medians of those ratios.
+//! `model run` uses (`TunedCpuBackend`, default tactic). Every round measures the read
+//! bandwidth, then takes a block of steps per reach, in an order rotating with the round; the
+//! report is each reach's median step time and, per round, its time over the default
+//! reach's, with the medians of those ratios.
 //!
 //! ```sh
 //! cargo run --release -p bench --example decode_prefetch [-- --checkpoint DIR --rounds N --steps N --batch N]
@@ -13,7 +14,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use bench::cpu_tactics::median_spread;
 use clap::Parser;
 use kernels::cpu_tactic::CpuTactic;
@@ -106,8 +107,7 @@ fn main() -> Result<()> {
             step_times[k].extend_from_slice(&times);
             round_medians[k] = median_spread(&mut times).0;
         }
-        let default_index = reaches.iter().position(|&r| r == default_reach);
-        let base = round_medians[default_index.context("the default reach is one of ALL")?];
+        let base = round_medians[default_reach.index()];
         let mut line = format!("round {round}: read {read:.1} GB/s; median step ms:");
         for (k, reach) in reaches.iter().enumerate() {
             over_default[k].push(round_medians[k] / base);

@@ -1,7 +1,8 @@
 //! Speed of the dense BF16 product at decode shapes (one token) under each prefetch reach
-//! ([`PrefetchReach`]: near, far, off, far-l2), against the read bandwidth measured in the same round: the weights on
-//! 2 MiB pages as `model run` reads them (`--weights auto`), a weight set larger than the
-//! last-level cache rotated through so every call streams from DRAM. The reaches alternate
+//! ([`PrefetchReach`]: near, far, off, far-l2), against the read bandwidth measured in the
+//! same round: the weights on 2 MiB pages as `model run` reads them (`--weights auto`), a
+//! weight set larger than the last-level cache rotated through so every call streams from
+//! DRAM. The reaches alternate
 //! within each round, so a drift of the machine's bandwidth (which moves between ~40 and
 //! ~80 GB/s within minutes on a shared VM) falls on all; the summary is the median over the
 //! rounds of each reach's time over near's, and of each reach's share of the round's read

@@ -131,8 +131,7 @@ fn main() {
             });
         }
         default_reach.set();
-        let default_index = PrefetchReach::ALL.iter().position(|&r| r == default_reach);
-        let cold = cold_by_reach[default_index.expect("a reach of ALL")];
+        let cold = cold_by_reach[default_reach.index()];
         for (ratios, t) in over_default.iter_mut().zip(cold_by_reach) {
             ratios.push(t / cold);
         }

@@ -128,26 +128,18 @@ impl PrefetchReach {
     pub fn current() -> Self {
         use std::sync::atomic::Ordering::Relaxed;
         match PREFETCH_REACH.load(Relaxed) {
-            1 => Self::Near,
-            2 => Self::Far,
-            3 => Self::Off,
-            4 => Self::FarL2,
-            _ => {
+            0 => {
                 let reach = Self::detect();
                 reach.set();
                 reach
             }
+            code => Self::ALL[usize::from(code) - 1],
         }
     }
 
     /// Makes every kernel of this process use `self` from now on.
     pub fn set(self) {
-        let code = match self {
-            Self::Near => 1,
-            Self::Far => 2,
-            Self::Off => 3,
-            Self::FarL2 => 4,
-        };
+        let code = self.index() as u8 + 1;
         PREFETCH_REACH.store(code, std::sync::atomic::Ordering::Relaxed);
     }
 
@@ -160,8 +152,18 @@ impl PrefetchReach {
         }
     }
 
-    /// Every reach, in the order of their names in [`PREFETCH_ENV`]'s warning.
+    /// Every reach.
     pub const ALL: [Self; 4] = [Self::Near, Self::Far, Self::Off, Self::FarL2];
+
+    /// Where `self` lies in [`Self::ALL`].
+    pub fn index(self) -> usize {
+        match self {
+            Self::Near => 0,
+            Self::Far => 1,
+            Self::Off => 2,
+            Self::FarL2 => 3,
+        }
+    }
 
     /// The reach the kernels of `isa` follow under this one: far-l2 is a setting of the
     /// AVX-512 kernels, and under it the others follow off. With the AVX2 kernels forced on
@@ -207,8 +209,10 @@ impl PrefetchReach {
         match Self::from_name(&name) {
             Some(reach) => reach,
             None => {
+                let names: Vec<&str> = Self::ALL.iter().map(|r| r.name()).collect();
                 eprintln!(
-                    "warning: {PREFETCH_ENV}={name} is not one of near, far, off, far-l2; using {}",
+                    "warning: {PREFETCH_ENV}={name} is not one of {}; using {}",
+                    names.join(", "),
                     vendor_default.name()
                 );
                 vendor_default
