@@ -563,6 +563,32 @@ mod x86 {
         _mm512_mask_blend_ps(nan, v, _mm512_set1_ps(f32::NAN))
     }
 
+    /// What [`e4m3x16_scaled`]'s values are short of the codes' by: 2⁸.
+    const E4M3_AS_F16_SHORTFALL: f32 = 256.0;
+
+    /// 16 E4M3 codes as f32 times 2⁻⁸ ([`E4M3_AS_F16_SHORTFALL`]), exactly, NaN codes
+    /// included, in 7 instructions (most of them 128- or 256-bit) where [`e4m3x16`] takes 9 at
+    /// 512 bits: the weight scales of the VNNI kernels, one decode per 128 packed bytes.
+    ///
+    /// A code sign-extended to 16 bits and shifted left by 7 holds its sign in bits 15 and 14
+    /// above its exponent and mantissa (bits 13–7); with bit 14 cleared it is the f16 whose
+    /// exponent and mantissa fields are the code's, which is the code's value times
+    /// 2^(7 − 15), subnormals included (both formats scale their subnormal mantissas by their
+    /// smallest exponent). f16 has no NaN there, so NaN codes (`S.1111.111`) are blended in.
+    /// Scaled by 2⁻⁸ every product and sum of the kernels is the canonical one scaled by 2⁻⁸
+    /// (a power of two, no subnormal: the smallest `|sw · sa|` becomes 2⁻²⁶), so they multiply
+    /// by 2⁸ with the row scale and give the same bits.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    fn e4m3x16_scaled(codes: __m128i) -> __m512 {
+        let shifted = _mm256_slli_epi16::<7>(_mm256_cvtepi8_epi16(codes));
+        let half = _mm256_and_si256(shifted, _mm256_set1_epi16(0xBFFF_u16 as i16));
+        let v = _mm512_cvtph_ps(half);
+        let magnitude = _mm_and_si128(codes, _mm_set1_epi8(0x7F));
+        let nan = _mm_cmpeq_epi8_mask(magnitude, _mm_set1_epi8(0x7F));
+        _mm512_mask_blend_ps(nan, v, _mm512_set1_ps(f32::NAN))
+    }
+
     /// [`e4m3x16`] for AVX2, 8 codes (the low 8 bytes of `codes`).
     #[inline]
     #[target_feature(enable = "avx2,fma")]
@@ -923,6 +949,37 @@ mod x86 {
 
     #[cfg(test)]
     #[test]
+    fn the_scaled_e4m3_decode_is_every_code_over_256() {
+        if !is_x86_feature_detected!("avx512bw") || !is_x86_feature_detected!("avx512vl") {
+            println!("skipped: no AVX-512 BW/VL on this CPU");
+            return;
+        }
+        for first in (0..=255u8).step_by(16) {
+            let codes: [u8; 16] = std::array::from_fn(|i| first + i as u8);
+            let mut got = [0.0f32; 16];
+            // SAFETY: AVX-512 F/BW/VL checked above; 16 bytes in, 16 floats out.
+            unsafe {
+                let v = e4m3x16_scaled(_mm_loadu_si128(codes.as_ptr().cast()));
+                _mm512_storeu_ps(got.as_mut_ptr(), v);
+            }
+            for (&code, &g) in codes.iter().zip(&got) {
+                let want = super::e4m3_to_f32(code);
+                if want.is_nan() {
+                    assert!(g.is_nan(), "code {code:#04x}: {g}");
+                } else {
+                    let g = g * E4M3_AS_F16_SHORTFALL;
+                    assert_eq!(
+                        g.to_bits(),
+                        want.to_bits(),
+                        "code {code:#04x}: {g} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[cfg(test)]
+    #[test]
     fn transpose8_transposes() {
         if !is_x86_feature_detected!("avx2") || !is_x86_feature_detected!("fma") {
             println!("skipped: no AVX2 on this CPU");
@@ -1068,6 +1125,8 @@ mod x86 {
         stride: usize,
     ) {
         let hint = PrefetchReach::current().hint();
+        // The kernels' sums are short of the canonical ones by exactly this factor.
+        let row_scale = row_scale * E4M3_AS_F16_SHORTFALL;
         if g == 1 && w.cols >= ONE_ROW_MIN_COLS {
             let (decoder, acts) = (VnniDecoder::new(), ActRows::new(x));
             for (out, r) in out.iter_mut().zip(rows) {
@@ -1261,7 +1320,14 @@ mod x86 {
                     _mm512_loadu_si512(p.cast()),
                     _mm512_loadu_si512(p.add(64).cast()),
                 );
-                acc = accumulate_group(acc, &wv, e4m3x16(_mm_loadu_si128(s.cast())), acts, 0, g);
+                acc = accumulate_group(
+                    acc,
+                    &wv,
+                    e4m3x16_scaled(_mm_loadu_si128(s.cast())),
+                    acts,
+                    0,
+                    g,
+                );
             }
         }
         if full * GROUP_BLOCKS < blocks {
@@ -1280,7 +1346,7 @@ mod x86 {
                     _mm512_maskz_loadu_epi8(m0, p.cast()),
                     _mm512_maskz_loadu_epi8(m1, p.wrapping_add(64).cast()),
                 );
-                let sw = e4m3x16(_mm_maskz_loadu_epi8(ms, s.cast()));
+                let sw = e4m3x16_scaled(_mm_maskz_loadu_epi8(ms, s.cast()));
                 acc = accumulate_group(acc, &wv, sw, acts, 0, full);
             }
         }
@@ -1313,7 +1379,7 @@ mod x86 {
         macro_rules! row_group {
             ($i:literal, $p0:expr, $p1:expr, $scales:expr, $g:expr) => {{
                 let wv = decoder.weights($p0, $p1);
-                let sw = e4m3x16($scales);
+                let sw = e4m3x16_scaled($scales);
                 for (t, acc) in acc.iter_mut().enumerate() {
                     // SAFETY: x holds N padded rows, and $g is one of their groups.
                     acc[$i] = unsafe { accumulate_group(acc[$i], &wv, sw, acts, t, $g) };
