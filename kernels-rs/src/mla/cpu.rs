@@ -143,13 +143,26 @@ pub fn mla_attention_compiled_for(
     // Too few chunks for the tasks wanted (decode: one row, a context shorter than the minimum
     // chunk): the heads are cut into groups too. A head's sums do not depend on its group.
     // Decode rows (blocks of one row) over a BF16 cache, where the pool has threads to share
-    // them: a pair of heads per task, whose keys are read in place (`attend_row_in_place`)
-    // at any context: 1.23x at 1,500 keys on 2 threads. On one thread the widening it repeats
-    // per pair costs more than it saves, and one task takes all heads from a dequantized tile.
+    // them: heads in groups of pairs whose keys are read in place (`attend_row_in_place`) at
+    // any context (a pair per task: 1.23x at 1,500 keys on 2 threads). The groups are the
+    // widest that still give the tactic's tasks: a task reads its chunk's keys from memory
+    // once for all its heads, the pairs after the first from L1, where a pair per task made
+    // each key cross the caches once per pair. Whole decode steps of `mini` on Zen 4 (2
+    // threads, alternating in one process, median of per-round ratios of the step time to a
+    // pair per task): this rule 0.951 at 2,048-2,140 keys (groups of 8); fixed groups of 4
+    // 0.946 at 1,024-1,300 keys and 1.004 at 128-512, fixed groups of 8 0.924 at 3,000-3,300
+    // but 1.035 at 128-512 (one task: one thread idle). On one thread the widening the
+    // in-place reads repeat per pair costs more than they save, and one task takes all heads
+    // from a dequantized tile.
     let one_row_blocks = blocks.iter().all(|b| b.len() == 1);
     let bf16 = matches!(cache.raw_layer(problem.layer), RawLayer::Bf16 { .. });
-    let heads_per_task = if one_row_blocks && bf16 && rayon::current_num_threads() > 1 {
-        DOT_HEADS.min(h)
+    let in_place = one_row_blocks && bf16 && rayon::current_num_threads() > 1;
+    let heads_per_task = if in_place {
+        let mut width = DOT_HEADS;
+        while width * 2 <= h && chunks.len() * h.div_ceil(width * 2) >= want_tasks {
+            width *= 2;
+        }
+        width.min(h)
     } else if chunks.len() >= want_tasks {
         h
     } else {
@@ -208,6 +221,7 @@ pub fn mla_attention_compiled_for(
                 heads: heads.len(),
                 scale: problem.softmax_scale,
                 isa,
+                in_place,
             };
             let parts = match isa {
                 #[cfg(target_arch = "x86_64")]
@@ -289,6 +303,8 @@ struct BlockArgs<'a> {
     /// The ISA of the inner loops, which run as functions of their own: inlined into the
     /// block's loop nest, the compiler left the latent accumulation scalar.
     isa: Isa,
+    /// A decode row's task over a BF16 cache whatever its heads: read the keys in place.
+    in_place: bool,
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -316,9 +332,10 @@ fn attend_block<'a>(args: BlockArgs<'_>, acc_space: &'a mut [f32]) -> Vec<Partia
         heads,
         scale,
         isa,
+        in_place,
     } = args;
     if rows.len() == 1
-        && heads <= DOT_HEADS
+        && (in_place || heads <= DOT_HEADS)
         && let RawLayer::Bf16 { values } = cache.raw_layer(layer)
     {
         return attend_row_in_place(args, values, acc_space);
@@ -479,11 +496,11 @@ fn exp_nonpositive(x: f32) -> f32 {
     }
 }
 
-/// [`attend_block`] of one row and at most [`DOT_HEADS`] heads over a BF16 cache (a decode
-/// task; the call cuts a decode's heads into pairs): each key is used once, so it is read
-/// where it lies in the cache and widened in registers, once for both heads, instead of
-/// copied into an f32 tile first (the copy's writes and re-reads were a third of the call).
-/// The sums are the same bits.
+/// [`attend_block`] of one row over a BF16 cache (a decode task: the call cuts a decode's
+/// heads into groups of pairs): each key is used once per pair, so it is read where it lies
+/// in the cache and widened in registers, once for both heads of a pair, instead of copied
+/// into an f32 tile first (the copy's writes and re-reads were a third of the call). The
+/// sums are the same bits.
 // Not inlined into attend_block: its loops kept apart from the tile path's, whose decode
 // calls measured 8% slower with them inlined; the inner loops are compiled for the ISA
 // through their own wrappers.
@@ -511,23 +528,29 @@ fn attend_row_in_place<'a>(
         for (i, &slot) in tile[..n].iter().enumerate() {
             (latents[i], ropes[i]) = values[slot * (l + r)..(slot + 1) * (l + r)].split_at(l);
         }
-        // The task's one or two heads (a single head is scored as a pair of itself).
-        let qa = [0, heads - 1].map(|h| &row.q_abs[h * l..(h + 1) * l]);
-        let qp = [0, heads - 1].map(|h| &row.q_pe[h * r..(h + 1) * r]);
-        let scores = pair_scores(isa, qa, qp, |i| (latents[i], ropes[i]), n, scale);
-        let mut probs = [[0.0f32; TILE]; DOT_HEADS];
-        let mut alpha = [0.0f32; DOT_HEADS];
-        for j in 0..heads {
-            let (m, sum) = (&mut part.m[j], &mut part.l[j]);
-            alpha[j] = softmax_tile(isa, m, sum, &scores[j][..n], &mut probs[j]);
-        }
-        if heads == DOT_HEADS {
-            let (first, second) = part.acc.split_at_mut(l);
-            let probs = [&probs[0][..n], &probs[1][..n]];
-            accumulate_widened_with(isa, [first, second], alpha, probs, &latents[..n]);
-        } else {
-            let probs = [&probs[0][..n]];
-            accumulate_widened_with(isa, [&mut *part.acc], [alpha[0]], probs, &latents[..n]);
+        // Each pair of the task's heads in turn (a last single head is scored as a pair of
+        // itself), the tile's keys still in L1 for every pair after the first.
+        for h0 in (0..heads).step_by(DOT_HEADS) {
+            let pair = DOT_HEADS.min(heads - h0);
+            let h1 = h0 + pair - 1;
+            let qa = [h0, h1].map(|h| &row.q_abs[h * l..(h + 1) * l]);
+            let qp = [h0, h1].map(|h| &row.q_pe[h * r..(h + 1) * r]);
+            let scores = pair_scores(isa, qa, qp, |i| (latents[i], ropes[i]), n, scale);
+            let mut probs = [[0.0f32; TILE]; DOT_HEADS];
+            let mut alpha = [0.0f32; DOT_HEADS];
+            for j in 0..pair {
+                let (m, sum) = (&mut part.m[h0 + j], &mut part.l[h0 + j]);
+                alpha[j] = softmax_tile(isa, m, sum, &scores[j][..n], &mut probs[j]);
+            }
+            let acc = &mut part.acc[h0 * l..(h0 + pair) * l];
+            if pair == DOT_HEADS {
+                let (first, second) = acc.split_at_mut(l);
+                let probs = [&probs[0][..n], &probs[1][..n]];
+                accumulate_widened_with(isa, [first, second], alpha, probs, &latents[..n]);
+            } else {
+                let probs = [&probs[0][..n]];
+                accumulate_widened_with(isa, [acc], [alpha[0]], probs, &latents[..n]);
+            }
         }
     }
     vec![part]
