@@ -15,7 +15,8 @@ git-ignored folder bench/peer/work and is skipped when its output is already the
    and `llama-batched-bench` (batch 4), HF transformers float32 via `peer_model.py hf`;
 6. measures the machine's read bandwidth (bench's `peer-llamacpp bandwidth`: the best of
    passes summing a 512 MiB buffer on every thread, on 4 KiB and on 2 MiB pages, the better
-   of the two) and decode at batch 1 with one competing busy process;
+   of the two; and the mean over a second of such passes, the bandwidth sustained), before
+   and after every batch-1 decode, and decode at batch 1 with one competing busy process;
 7. writes bench/results/peer-llamacpp.{txt,json} and the chart peer-llamacpp.svg (plotters,
    `peer-llamacpp chart`).
 
@@ -257,22 +258,27 @@ def main():
     # host), the best round's figure and a decode measured at another moment can be far apart.
     paired = {}
 
-    def read_gb_s():
-        return json.loads(run([peer_bin, "bandwidth"]).strip().splitlines()[-1])["read_gb_s"]
+    def read_bandwidth():
+        return json.loads(run([peer_bin, "bandwidth"]).strip().splitlines()[-1])
 
     for r in range(a.rounds):
         # Rotating the order spreads drift in the machine's load over all three engines.
         order = engines[r % len(engines):] + engines[:r % len(engines)]
         for row in rows:
             for e in order:
-                before = read_gb_s() if row == "decode-b1" and e != "hf" else None
+                before = read_bandwidth() if row == "decode-b1" and e != "hf" else None
                 v = measure(e, row)
                 samples[row][e].append(v)
                 if before:
-                    after = read_gb_s()
+                    after = read_bandwidth()
+                    best = (before["read_gb_s"], after["read_gb_s"])
+                    sustained = (before["read_sustained_gb_s"], after["read_sustained_gb_s"])
                     paired.setdefault(e, []).append({
-                        "tok_s": v, "read_gb_s": (before + after) / 2,
-                        "read_gb_s_before": before, "read_gb_s_after": after})
+                        "tok_s": v, "read_gb_s": sum(best) / 2,
+                        "read_gb_s_before": best[0], "read_gb_s_after": best[1],
+                        "read_sustained_gb_s": sum(sustained) / 2,
+                        "read_sustained_gb_s_before": sustained[0],
+                        "read_sustained_gb_s_after": sustained[1]})
                 log(f"round {r + 1}/{a.rounds} {row:<12} {e:<9} {v:8.1f} tok/s")
         # The bandwidth in every round, beside the engines: the best is the machine's.
         bandwidths.append(json.loads(run([peer_bin, "bandwidth"]).strip().splitlines()[-1]))
@@ -311,6 +317,7 @@ def main():
         "copy_bandwidth_gb_s": bw["copy_gb_s"],
         "decode_step_bytes": step["step_bytes"],
         "decode_b1_beside_bandwidth": paired,
+        "sustained_window_ms": bandwidths[-1].get("sustained_window_ms"),
         "checkpoint_bytes": {k: step[k] for k in ("dense_bytes", "routed_expert_bytes",
                                                   "embedding_bytes")},
         "gguf_bytes": gguf.stat().st_size,
@@ -446,6 +453,19 @@ def table(d):
             shares = [p["tok_s"] * step / 1e9 / p["read_gb_s"] for p in runs]
             each = ", ".join(f"{p['tok_s'] * step / 1e9:.1f}/{p['read_gb_s']:.1f}" for p in runs)
             w(f"  {e:<9} median {statistics.median(shares):.2f} (GB/s read/bandwidth: {each})")
+        sustained = {e: runs for e, runs in paired.items()
+                     if all("read_sustained_gb_s" in p for p in runs)}
+        if sustained:
+            window = d.get("sustained_window_ms", 1000)
+            w("the same runs against the read bandwidth sustained just before and just after each")
+            w(f"(their mean; each {window} ms of back-to-back passes summing a 512 MiB buffer on 2 MiB")
+            w("pages on every thread, all bytes over all time: the best pass above catches the host's")
+            w("short fast stretches, which a fifth-of-a-second decode mostly misses):")
+            for e, runs in sustained.items():
+                shares = [p["tok_s"] * step / 1e9 / p["read_sustained_gb_s"] for p in runs]
+                each = ", ".join(f"{p['tok_s'] * step / 1e9:.1f}/{p['read_sustained_gb_s']:.1f}"
+                                 for p in runs)
+                w(f"  {e:<9} median {statistics.median(shares):.2f} (GB/s read/sustained: {each})")
     w("")
     w("decode b1 with one competing busy process (a Python loop on one core), medians:")
     for e, v in busy.items():

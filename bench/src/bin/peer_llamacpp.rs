@@ -1,8 +1,10 @@
 //! The Rust half of the peer benchmark against llama.cpp (`bench/peer/run.sh` runs it):
 //!
-//! - `peer-llamacpp bandwidth [--mib N]`: the machine's read and copy bandwidth on every
-//!   thread (best of 10 passes over 512 MiB, or N MiB), on 4 KiB and on 2 MiB pages, and the
-//!   better of the two as `read_gb_s`/`copy_gb_s`, as one JSON line;
+//! - `peer-llamacpp bandwidth [--mib N] [--window-ms M]`: the machine's read and copy
+//!   bandwidth on every thread (best of 10 passes over 512 MiB, or N MiB), on 4 KiB and on
+//!   2 MiB pages, and the better of the two as `read_gb_s`/`copy_gb_s`; and the read bandwidth
+//!   sustained over M ms (1000) of back-to-back passes on 2 MiB pages as
+//!   `read_sustained_gb_s` ([`bench::sustained_read`]), as one JSON line;
 //! - `peer-llamacpp chart --json bench/results/peer-llamacpp.json --out FILE.svg`: the
 //!   measured medians as grouped bars, one group per row (prefill 128/512, decode b1/b4),
 //!   one bar per engine, tok/s on a log axis.
@@ -21,21 +23,28 @@ const ENGINES: [(&str, &str); 3] = [
 /// The table's rows, in the order the chart draws them.
 const ROWS: [&str; 4] = ["prefill-128", "prefill-512", "decode-b1", "decode-b4"];
 const BANDWIDTH_PASSES: usize = 10;
+/// How long `bandwidth` sustains its read by default: longer than a batch-1 decode run of the
+/// peer benchmark (32 tokens, about 0.2 s), short enough to run before and after each.
+const SUSTAINED_WINDOW_MS: usize = 1000;
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("bandwidth") => {
-            let mib = match args.iter().position(|a| a == "--mib") {
+            let number = |flag: &str, default: usize| match args.iter().position(|a| a == flag) {
                 Some(i) => args
                     .get(i + 1)
                     .and_then(|v| v.parse::<usize>().ok())
                     .filter(|&v| v > 0)
-                    .context("--mib needs a positive whole number of MiB")?,
-                None => bench::COPY_BYTES >> 20,
+                    .with_context(|| format!("{flag} needs a positive whole number")),
+                None => Ok(default),
             };
+            let mib = number("--mib", bench::COPY_BYTES >> 20)?;
+            let window_ms = number("--window-ms", SUSTAINED_WINDOW_MS)?;
             let small = bench::bandwidth_on(bench::Pages::Small, mib << 20, BANDWIDTH_PASSES);
             let huge = bench::bandwidth_on(bench::Pages::Huge, mib << 20, BANDWIDTH_PASSES);
+            let window = std::time::Duration::from_millis(window_ms as u64);
+            let sustained = bench::sustained_read(bench::Pages::Huge, mib << 20, window);
             println!(
                 "{}",
                 serde_json::json!({
@@ -43,6 +52,8 @@ fn main() -> Result<()> {
                     "copy_gb_s": small.0.max(huge.0),
                     "read_4k_pages_gb_s": small.1,
                     "read_2m_pages_gb_s": huge.1,
+                    "read_sustained_gb_s": sustained,
+                    "sustained_window_ms": window_ms,
                     "buffer_mib": mib,
                     "threads": rayon::current_num_threads(),
                 })
@@ -59,7 +70,9 @@ fn main() -> Result<()> {
             };
             chart(&value("--json")?, &value("--out")?)
         }
-        _ => bail!("usage: peer-llamacpp bandwidth [--mib N] | chart --json FILE --out FILE.svg"),
+        _ => bail!(
+            "usage: peer-llamacpp bandwidth [--mib N] [--window-ms M] | chart --json FILE --out FILE.svg"
+        ),
     }
 }
 
