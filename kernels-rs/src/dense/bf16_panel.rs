@@ -30,12 +30,12 @@
 //! 4 tokens of 16 lanes (what the tests hold the AVX2 kernel to).
 //!
 //! AVX-512 keeps the register tiles ([`has_panel_kernel`]): its 4 × 4 tiles hold a whole set
-//! per register, so they widen each weight vector once per set, not once per lane half. An
-//! AVX-512 panel kernel (a set per pass, the same bits) was tried on 2 vCPUs of an Ice Lake
-//! Xeon (`examples/dense_prefill_speed`, best of 15, interleaved with the register tiles):
-//! 4 rows × 4 tokens read 0.67–0.95× of the register tiles at 128 and 512 tokens, 4 × 6
-//! 0.76–1.16× (1024 × 1024 and 1024 × 2816 faster, 576 and 2816 rows slower), and both
-//! 0.3–0.75× below 16 tokens, so it was not kept (`bench/results/xeon-prefill-panel.txt`).
+//! per register. An AVX-512 panel kernel (a set per pass, the same bits) was tried on 2 vCPUs
+//! of an Ice Lake Xeon (`examples/dense_prefill_speed`, best of 15, interleaved with the
+//! register tiles): 4 rows × 4 tokens ran at 0.67–0.95× of the register tiles' speed at 128
+//! and 512 tokens, 4 × 6 at 0.76–1.16× (1024 × 1024 and 1024 × 2816 faster, 576 and 2816
+//! rows slower), and at 16 tokens or fewer 0.28–0.75×, so it was not kept
+//! (`bench/results/xeon-prefill-panel.txt`).
 
 use half::bf16;
 
