@@ -1133,6 +1133,51 @@ mod tests {
     }
 
     #[test]
+    fn prefill_rows_match_the_reference() {
+        let shape = LatentCacheShape {
+            layers: 1,
+            latent_dim: 64,
+            rope_dim: 16,
+        };
+        for dtype in [KvCacheDtype::F32, KvCacheDtype::Bf16, KvCacheDtype::Fp8E4m3] {
+            let (cache, seqs) = filled_cache(shape, dtype, 0, &[45]);
+            let queries: Vec<AttentionQuery> = (1..=45)
+                .map(|context| AttentionQuery {
+                    seq: seqs[0].seq,
+                    context,
+                })
+                .collect();
+            let (heads, rows) = (4, queries.len());
+            let (q_abs, q_pe) = hashed_queries(rows, heads, 64, 16);
+            let problem = MlaProblem {
+                layer: 0,
+                heads,
+                queries: &queries,
+                q_abs: &q_abs,
+                q_pe: &q_pe,
+                softmax_scale: 0.2,
+            };
+            let (mut o_ref, mut lse_ref) = (vec![0.0; rows * heads * 64], vec![0.0; rows * heads]);
+            let (mut o, mut lse) = (vec![1.0; rows * heads * 64], vec![1.0; rows * heads]);
+            mla_attention_reference(&cache, &problem, &mut o_ref, &mut lse_ref).unwrap();
+            mla_attention(&cache, &problem, &mut o, &mut lse).unwrap();
+            for (i, (a, b)) in o.iter().zip(&o_ref).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                    "{dtype:?} row {}: {a} vs {b}",
+                    i / (heads * 64)
+                );
+            }
+            for (a, b) in lse.iter().zip(&lse_ref) {
+                assert!(
+                    (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                    "{dtype:?} lse: {a} vs {b}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn matches_the_reference_for_every_dtype_batch_and_length() {
         let shape = LatentCacheShape {
             layers: 2,
