@@ -1,8 +1,11 @@
-//! Speed of MLA decode attention (batch 1, the `mini` preset's 8 heads of 512 + 64 over a BF16
-//! cache) at several contexts, on one thread and on the machine's threads: µs per call, ns per
-//! key and the arithmetic rate (a key costs `2 · heads · (2·latent + rope)` flops: its score and
-//! its share of the weighted sum). The cache stays in the last-level cache: this is the
-//! arithmetic, not the memory.
+//! Speed of MLA attention at the `mini` preset's shapes (8 heads of 512 + 64 over a BF16 cache),
+//! on one thread and on the machine's threads:
+//! - decode (batch 1) at several contexts: µs per call, ns per key and the arithmetic rate (a
+//!   key costs `2 · heads · (2·latent + rope)` flops: its score and its share of the weighted
+//!   sum);
+//! - a 512-token prefill's causal attention (every position in one call): ms per call.
+//!
+//! The cache stays in the last-level cache: this is the arithmetic, not the memory.
 //!
 //! ```sh
 //! cargo run --release -p bench --example mla_decode_speed [-- ROUNDS [THREADS,...]]
@@ -14,11 +17,14 @@ use kernels::mla::cache::{KvCacheDtype, LatentCacheShape, PAGE_TOKENS, PagedLate
 use kernels::mla::cpu::mla_attention_tuned;
 use kernels::mla::reference::{AttentionQuery, MlaProblem};
 
+const HEADS: usize = 8;
+const LATENT: usize = 512;
+const ROPE: usize = 64;
+
 fn main() {
     let rounds: usize = std::env::args()
         .nth(1)
         .map_or(5, |s| s.parse().expect("a number"));
-    let (heads, latent, rope) = (8, 512, 64);
     // Thread counts to run (default: one and the machine's cores).
     let threads: Vec<usize> = match std::env::args().nth(2) {
         Some(list) => list
@@ -27,17 +33,51 @@ fn main() {
             .collect(),
         None => vec![1, kernels::cpu_tactic::machine_cores()],
     };
+    let flops_per_key = (2 * HEADS * (2 * LATENT + ROPE)) as f64;
     println!("contexts x threads: us/call (best of {rounds} rounds), ns/key, GFLOP/s");
     for context in [128usize, 256, 512, 1024, 2048] {
-        let shape = LatentCacheShape {
-            layers: 1,
-            latent_dim: latent,
-            rope_dim: rope,
-        };
-        let mut cache =
-            PagedLatentCache::new(shape, KvCacheDtype::Bf16, context.div_ceil(PAGE_TOKENS));
-        let seq = cache.add_sequence();
-        cache.reserve(seq, context).expect("pages reserved");
+        let workload = Workload::new(context, &[context]);
+        let calls = (200_000 / context).max(20);
+        let mut line = format!("{context:>5} keys:");
+        for &n in &threads {
+            let per_call = workload.best_call(n, rounds, calls);
+            let per_key = per_call / context as f64;
+            line += &format!(
+                "  {n}t {:7.1} us {:6.1} ns/key {:5.1} GFLOP/s",
+                per_call * 1e6,
+                per_key * 1e9,
+                flops_per_key / per_key * 1e-9
+            );
+        }
+        println!("{line}");
+    }
+    let tokens = 512usize;
+    let contexts: Vec<usize> = (1..=tokens).collect();
+    let workload = Workload::new(tokens, &contexts);
+    // The (query, key) pairs a causal prefill attends: n(n+1)/2.
+    let flops = (tokens * (tokens + 1) / 2) as f64 * flops_per_key;
+    let mut line = format!("prefill {tokens}:");
+    for &n in &threads {
+        let per_call = workload.best_call(n, rounds, 1);
+        line += &format!(
+            "  {n}t {:8.2} ms {:5.1} GFLOP/s",
+            per_call * 1e3,
+            flops / per_call * 1e-9
+        );
+    }
+    println!("{line}");
+}
+
+/// One sequence of random cache entries and one query row per context.
+struct Workload {
+    cache: PagedLatentCache,
+    queries: Vec<AttentionQuery>,
+    q_abs: Vec<f32>,
+    q_pe: Vec<f32>,
+}
+
+impl Workload {
+    fn new(tokens: usize, contexts: &[usize]) -> Self {
         let mut state = 0x2545_f491_4f6c_dd1du64;
         let mut random = |n: usize| -> Vec<f32> {
             (0..n)
@@ -49,135 +89,65 @@ fn main() {
                 })
                 .collect()
         };
-        for t in 0..context {
-            let (c, k) = (random(latent), random(rope));
+        let shape = LatentCacheShape {
+            layers: 1,
+            latent_dim: LATENT,
+            rope_dim: ROPE,
+        };
+        let mut cache =
+            PagedLatentCache::new(shape, KvCacheDtype::Bf16, tokens.div_ceil(PAGE_TOKENS));
+        let seq = cache.add_sequence();
+        cache.reserve(seq, tokens).expect("pages reserved");
+        for t in 0..tokens {
+            let (c, k) = (random(LATENT), random(ROPE));
             cache.write(0, seq, t, &c, &k).expect("slot reserved");
         }
-        cache.commit(seq, context).expect("written");
-        let queries = [AttentionQuery { seq, context }];
-        let (q_abs, q_pe) = (random(heads * latent), random(heads * rope));
+        cache.commit(seq, tokens).expect("written");
+        let queries: Vec<AttentionQuery> = contexts
+            .iter()
+            .map(|&context| AttentionQuery { seq, context })
+            .collect();
+        let rows = queries.len();
+        let (q_abs, q_pe) = (random(rows * HEADS * LATENT), random(rows * HEADS * ROPE));
+        Self {
+            cache,
+            queries,
+            q_abs,
+            q_pe,
+        }
+    }
+
+    /// Seconds per call on `threads` threads: the best of `rounds` loops of `calls` calls.
+    fn best_call(&self, threads: usize, rounds: usize, calls: usize) -> f64 {
         let problem = MlaProblem {
             layer: 0,
-            heads,
-            queries: &queries,
-            q_abs: &q_abs,
-            q_pe: &q_pe,
+            heads: HEADS,
+            queries: &self.queries,
+            q_abs: &self.q_abs,
+            q_pe: &self.q_pe,
             softmax_scale: 0.1446796,
         };
-        let (mut out, mut lse) = (vec![0.0f32; heads * latent], vec![0.0f32; heads]);
-        let flops_per_key = (2 * heads * (2 * latent + rope)) as f64;
-        let mut line = format!("{context:>5} keys:");
-        for &n in &threads {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(n)
-                .build()
-                .expect("a pool");
-            let tactic = CpuTactic {
-                threads: n,
-                ..CpuTactic::DEFAULT
-            };
-            let calls = (200_000 / context).max(20);
-            let best = pool.install(|| {
-                (0..rounds)
-                    .map(|_| {
-                        let start = Instant::now();
-                        for _ in 0..calls {
-                            mla_attention_tuned(&tactic, &cache, &problem, &mut out, &mut lse)
-                                .expect("valid problem");
-                        }
-                        start.elapsed().as_secs_f64() / calls as f64
-                    })
-                    .fold(f64::INFINITY, f64::min)
-            });
-            let best: f64 = best;
-            let per_key = best / context as f64;
-            line += &format!(
-                "  {n}t {:7.1} us {:6.1} ns/key {:5.1} GFLOP/s",
-                best * 1e6,
-                per_key * 1e9,
-                flops_per_key / per_key * 1e-9
-            );
-        }
-        println!("{line}");
-    }
-    prefill(rounds, &threads, heads, latent, rope);
-}
-
-/// A prefill's causal attention: every position of a 512-token sequence attends its prefix in
-/// one call (rows in blocks that share each cache tile).
-fn prefill(rounds: usize, threads: &[usize], heads: usize, latent: usize, rope: usize) {
-    let tokens = 512usize;
-    let shape = LatentCacheShape {
-        layers: 1,
-        latent_dim: latent,
-        rope_dim: rope,
-    };
-    let mut cache = PagedLatentCache::new(shape, KvCacheDtype::Bf16, tokens.div_ceil(PAGE_TOKENS));
-    let seq = cache.add_sequence();
-    cache.reserve(seq, tokens).expect("pages reserved");
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    let mut random = |n: usize| -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-            })
-            .collect()
-    };
-    for t in 0..tokens {
-        let (c, k) = (random(latent), random(rope));
-        cache.write(0, seq, t, &c, &k).expect("slot reserved");
-    }
-    cache.commit(seq, tokens).expect("written");
-    let queries: Vec<AttentionQuery> = (1..=tokens)
-        .map(|context| AttentionQuery { seq, context })
-        .collect();
-    let (q_abs, q_pe) = (
-        random(tokens * heads * latent),
-        random(tokens * heads * rope),
-    );
-    let problem = MlaProblem {
-        layer: 0,
-        heads,
-        queries: &queries,
-        q_abs: &q_abs,
-        q_pe: &q_pe,
-        softmax_scale: 0.1446796,
-    };
-    let (mut out, mut lse) = (
-        vec![0.0f32; tokens * heads * latent],
-        vec![0.0f32; tokens * heads],
-    );
-    // Pairs of (query, key) a causal prefill attends: n(n+1)/2.
-    let pairs = (tokens * (tokens + 1) / 2) as f64;
-    let flops = pairs * (2 * heads * (2 * latent + rope)) as f64;
-    let mut line = format!("prefill {tokens}:");
-    for &n in threads {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .build()
-            .expect("a pool");
+        let rows = self.queries.len();
+        let (mut out, mut lse) = (
+            vec![0.0f32; rows * HEADS * LATENT],
+            vec![0.0f32; rows * HEADS],
+        );
         let tactic = CpuTactic {
-            threads: n,
+            threads,
             ..CpuTactic::DEFAULT
         };
-        let best: f64 = pool.install(|| {
+        let pool = tactic.build_pool().expect("a pool");
+        pool.install(|| {
             (0..rounds)
                 .map(|_| {
                     let start = Instant::now();
-                    mla_attention_tuned(&tactic, &cache, &problem, &mut out, &mut lse)
-                        .expect("valid problem");
-                    start.elapsed().as_secs_f64()
+                    for _ in 0..calls {
+                        mla_attention_tuned(&tactic, &self.cache, &problem, &mut out, &mut lse)
+                            .expect("valid problem");
+                    }
+                    start.elapsed().as_secs_f64() / calls as f64
                 })
                 .fold(f64::INFINITY, f64::min)
-        });
-        line += &format!(
-            "  {n}t {:8.2} ms {:5.1} GFLOP/s",
-            best * 1e3,
-            flops / best * 1e-9
-        );
+        })
     }
-    println!("{line}");
 }

@@ -1132,6 +1132,46 @@ mod tests {
         (q_abs, q_pe)
     }
 
+    /// The fast path's output and log-sum-exp against the reference's, within 1e-5 relative,
+    /// for `queries` of `heads` heads over `layer` of `cache` (latent 64, RoPE 16).
+    fn assert_matches_reference(
+        what: &str,
+        cache: &PagedLatentCache,
+        layer: usize,
+        queries: &[AttentionQuery],
+        heads: usize,
+    ) {
+        let rows = queries.len();
+        let (q_abs, q_pe) = hashed_queries(rows, heads, 64, 16);
+        let problem = MlaProblem {
+            layer,
+            heads,
+            queries,
+            q_abs: &q_abs,
+            q_pe: &q_pe,
+            softmax_scale: 0.2,
+        };
+        let (mut o_ref, mut lse_ref) = (vec![0.0; rows * heads * 64], vec![0.0; rows * heads]);
+        let (mut o, mut lse) = (vec![1.0; rows * heads * 64], vec![1.0; rows * heads]);
+        mla_attention_reference(cache, &problem, &mut o_ref, &mut lse_ref).unwrap();
+        mla_attention(cache, &problem, &mut o, &mut lse).unwrap();
+        for (i, (a, b)) in o.iter().zip(&o_ref).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                "{what} row {}: {a} vs {b}",
+                i / (heads * 64)
+            );
+        }
+        for (a, b) in lse.iter().zip(&lse_ref) {
+            assert!(
+                (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                "{what} lse: {a} vs {b}"
+            );
+        }
+    }
+
+    /// Every position of a sequence attended in one call (rows in blocks that share each
+    /// cache tile) gives the reference's values.
     #[test]
     fn prefill_rows_match_the_reference() {
         let shape = LatentCacheShape {
@@ -1147,33 +1187,7 @@ mod tests {
                     context,
                 })
                 .collect();
-            let (heads, rows) = (4, queries.len());
-            let (q_abs, q_pe) = hashed_queries(rows, heads, 64, 16);
-            let problem = MlaProblem {
-                layer: 0,
-                heads,
-                queries: &queries,
-                q_abs: &q_abs,
-                q_pe: &q_pe,
-                softmax_scale: 0.2,
-            };
-            let (mut o_ref, mut lse_ref) = (vec![0.0; rows * heads * 64], vec![0.0; rows * heads]);
-            let (mut o, mut lse) = (vec![1.0; rows * heads * 64], vec![1.0; rows * heads]);
-            mla_attention_reference(&cache, &problem, &mut o_ref, &mut lse_ref).unwrap();
-            mla_attention(&cache, &problem, &mut o, &mut lse).unwrap();
-            for (i, (a, b)) in o.iter().zip(&o_ref).enumerate() {
-                assert!(
-                    (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
-                    "{dtype:?} row {}: {a} vs {b}",
-                    i / (heads * 64)
-                );
-            }
-            for (a, b) in lse.iter().zip(&lse_ref) {
-                assert!(
-                    (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
-                    "{dtype:?} lse: {a} vs {b}"
-                );
-            }
+            assert_matches_reference(&format!("{dtype:?}"), &cache, 0, &queries, 4);
         }
     }
 
@@ -1187,32 +1201,7 @@ mod tests {
         let lens = [1usize, 63, 64, 65, 700, 1500];
         for dtype in [KvCacheDtype::F32, KvCacheDtype::Bf16, KvCacheDtype::Fp8E4m3] {
             let (cache, queries) = filled_cache(shape, dtype, 1, &lens);
-            let (heads, rows) = (3, queries.len());
-            let (q_abs, q_pe) = hashed_queries(rows, heads, 64, 16);
-            let problem = MlaProblem {
-                layer: 1,
-                heads,
-                queries: &queries,
-                q_abs: &q_abs,
-                q_pe: &q_pe,
-                softmax_scale: 0.2,
-            };
-            let (mut o_ref, mut lse_ref) = (vec![0.0; rows * heads * 64], vec![0.0; rows * heads]);
-            let (mut o, mut lse) = (vec![1.0; rows * heads * 64], vec![1.0; rows * heads]);
-            mla_attention_reference(&cache, &problem, &mut o_ref, &mut lse_ref).unwrap();
-            mla_attention(&cache, &problem, &mut o, &mut lse).unwrap();
-            for (a, b) in o.iter().zip(&o_ref) {
-                assert!(
-                    (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
-                    "{dtype:?}: {a} vs {b}"
-                );
-            }
-            for (a, b) in lse.iter().zip(&lse_ref) {
-                assert!(
-                    (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
-                    "{dtype:?} lse: {a} vs {b}"
-                );
-            }
+            assert_matches_reference(&format!("{dtype:?}"), &cache, 1, &queries, 3);
         }
     }
 
