@@ -8,7 +8,7 @@
 //! The cache stays in the last-level cache: this is the arithmetic, not the memory.
 //!
 //! ```sh
-//! cargo run --release -p bench --example mla_decode_speed [-- ROUNDS [THREADS,...]]
+//! cargo run --release -p bench --example mla_decode_speed [-- ROUNDS [THREADS,... [CONTEXTS,...]]]
 //! ```
 use std::time::Instant;
 
@@ -33,11 +33,19 @@ fn main() {
             .collect(),
         None => vec![1, kernels::cpu_tactic::machine_cores()],
     };
+    // Decode contexts to run (default: 128 to 2,048 keys).
+    let contexts: Vec<usize> = match std::env::args().nth(3) {
+        Some(list) => list
+            .split(',')
+            .map(|n| n.parse().expect("a number"))
+            .collect(),
+        None => vec![128, 256, 512, 1024, 2048],
+    };
     let flops_per_key = (2 * HEADS * (2 * LATENT + ROPE)) as f64;
     println!("contexts x threads: us/call (best of {rounds} rounds), ns/key, GFLOP/s");
-    for context in [128usize, 256, 512, 1024, 2048] {
+    for &context in &contexts {
         let workload = Workload::new(context, &[context]);
-        let calls = (200_000 / context).max(20);
+        let calls = (200_000 / context).max(200);
         let mut line = format!("{context:>5} keys:");
         for &n in &threads {
             let per_call = workload.best_call(n, rounds, calls);
