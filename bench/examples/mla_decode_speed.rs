@@ -16,6 +16,7 @@ use kernels::cpu_tactic::CpuTactic;
 use kernels::mla::cache::{KvCacheDtype, LatentCacheShape, PAGE_TOKENS, PagedLatentCache};
 use kernels::mla::cpu::mla_attention_tuned;
 use kernels::mla::reference::{AttentionQuery, MlaProblem};
+use kernels::moe_gemm::check::Rng;
 
 const HEADS: usize = 8;
 const LATENT: usize = 512;
@@ -25,22 +26,9 @@ fn main() {
     let rounds: usize = std::env::args()
         .nth(1)
         .map_or(5, |s| s.parse().expect("a number"));
-    // Thread counts to run (default: one and the machine's cores).
-    let threads: Vec<usize> = match std::env::args().nth(2) {
-        Some(list) => list
-            .split(',')
-            .map(|n| n.parse().expect("a number"))
-            .collect(),
-        None => vec![1, kernels::cpu_tactic::machine_cores()],
-    };
-    // Decode contexts to run (default: 128 to 2,048 keys).
-    let contexts: Vec<usize> = match std::env::args().nth(3) {
-        Some(list) => list
-            .split(',')
-            .map(|n| n.parse().expect("a number"))
-            .collect(),
-        None => vec![128, 256, 512, 1024, 2048],
-    };
+    // Thread counts to run (default: one and the machine's cores) and decode contexts.
+    let threads = list_arg(2, vec![1, kernels::cpu_tactic::machine_cores()]);
+    let contexts = list_arg(3, vec![128, 256, 512, 1024, 2048]);
     let flops_per_key = (2 * HEADS * (2 * LATENT + ROPE)) as f64;
     println!("contexts x threads: us/call (best of {rounds} rounds), ns/key, GFLOP/s");
     for &context in &contexts {
@@ -76,6 +64,15 @@ fn main() {
     println!("{line}");
 }
 
+/// Argument `index`, a comma-separated list of numbers, or `default` where it is absent.
+fn list_arg(index: usize, default: Vec<usize>) -> Vec<usize> {
+    std::env::args().nth(index).map_or(default, |list| {
+        list.split(',')
+            .map(|n| n.parse().expect("a number"))
+            .collect()
+    })
+}
+
 /// One sequence of random cache entries and one query row per context.
 struct Workload {
     cache: PagedLatentCache,
@@ -86,17 +83,8 @@ struct Workload {
 
 impl Workload {
     fn new(tokens: usize, contexts: &[usize]) -> Self {
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        let mut random = |n: usize| -> Vec<f32> {
-            (0..n)
-                .map(|_| {
-                    state ^= state << 13;
-                    state ^= state >> 7;
-                    state ^= state << 17;
-                    (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-                })
-                .collect()
-        };
+        let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+        let mut random = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.sym()).collect() };
         let shape = LatentCacheShape {
             layers: 1,
             latent_dim: LATENT,
