@@ -8,6 +8,7 @@ pub mod dense_checks;
 pub mod device_models;
 pub mod layer_checks;
 pub mod moe_goldens;
+pub mod routing;
 
 /// Environment variable naming the `golden/data` folder where the source tree is not (the
 /// GPU bundle carries the goldens beside its binaries).

@@ -6,6 +6,7 @@ use model::backend::CpuBackend;
 use model::forward::{LogitRows, Model, SeqInput};
 use model::sampler::argmax;
 use project_tests::device_models::{GOLDEN_MODELS, cpu_prefill, greedy_on_cpu};
+use project_tests::routing::{LayerRouting, RoutingBackend, hf_routing};
 
 /// `kimi-kernel-dims` has Kimi-K2.5's MLA latent 512, RoPE 64 and 16 heads; the others the
 /// small widths 64 and 16 (see [`GOLDEN_MODELS`]).
@@ -19,6 +20,8 @@ struct Golden {
     /// The first (dense) layer only, with FP32, BF16 and FP8 latent caches.
     dense_only_logits: [Vec<f32>; 3],
     greedy: Vec<u32>,
+    /// HF's expert choices per MoE layer in the W4A4 pass over `tokens`.
+    routing: Vec<LayerRouting>,
 }
 
 fn load(name: &str) -> Golden {
@@ -32,7 +35,6 @@ fn load(name: &str) -> Golden {
             .collect::<Vec<_>>()
     };
     Golden {
-        model,
         tokens: ids("tokens"),
         prefix_len: golden.i64_values("prefix_len").unwrap()[0] as usize,
         logits_w4a4: golden.f32_values("logits_w4a4").unwrap(),
@@ -42,6 +44,12 @@ fn load(name: &str) -> Golden {
                 .unwrap()
         }),
         greedy: ids("greedy_tokens"),
+        routing: hf_routing(
+            &golden,
+            model.config.first_k_dense_replace,
+            model.config.num_hidden_layers,
+        ),
+        model,
     }
 }
 
@@ -298,5 +306,54 @@ fn batched_decode_of_several_sequences_equals_separate_runs() {
         let n = whole.len();
         assert!(relative_l2(batched.row(i), &alone[(n - 2) * v..(n - 1) * v]) < 1e-5);
         assert!(relative_l2(batched_step.row(i), &alone[(n - 1) * v..n * v]) < 1e-5);
+    }
+}
+
+/// Our router picks HF's experts for every token of every MoE layer, with HF's weights. The
+/// prompts were chosen so that no choice is near a tie (the smallest selection gap is 2e-3,
+/// far above rounding), so a different choice is a bug in what feeds the router.
+#[test]
+fn routing_matches_hf_w4a4() {
+    for name in MODELS {
+        let g = load(name);
+        let hf = &g.routing;
+        let backend = RoutingBackend::new(&CpuBackend, g.model.config.first_k_dense_replace);
+        let mut cache = g.model.new_cache(KvCacheDtype::F32, g.tokens.len());
+        let seq = cache.add_sequence();
+        g.model
+            .forward(
+                &backend,
+                &mut cache,
+                &[SeqInput {
+                    seq,
+                    tokens: &g.tokens,
+                }],
+                LogitRows::All,
+                None,
+            )
+            .unwrap();
+        let ours = backend.recorded();
+        assert_eq!(ours.len(), hf.len(), "{name}: MoE calls");
+        for (o, h) in ours.iter().zip(hf) {
+            for (t, (oe, he)) in o.experts.iter().zip(&h.experts).enumerate() {
+                assert_eq!(oe, he, "{name}: layer {} token {t}: experts", h.layer);
+            }
+            let worst = o
+                .weights
+                .concat()
+                .iter()
+                .zip(h.weights.concat())
+                .map(|(a, b)| ((a - b) / b).abs())
+                .fold(0.0f32, f32::max);
+            println!(
+                "{name}: layer {}: same experts, weights within {worst:.1e}",
+                h.layer
+            );
+            assert!(
+                worst <= 1e-4,
+                "{name}: layer {}: weights off by {worst}",
+                h.layer
+            );
+        }
     }
 }
