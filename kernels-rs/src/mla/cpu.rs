@@ -5,7 +5,8 @@
 //! - one pass over the cache with an online softmax (the reference reads and dequantizes every
 //!   token twice);
 //! - each token tile is dequantized once and used by every head (the cache is shared by heads);
-//!   a decode over a BF16 cache instead reads each key where it lies, a pair of heads per task;
+//!   a decode over a BF16 cache instead reads each key where it lies, a group of heads per task
+//!   (two, four or eight) widening each key once for the group;
 //! - split-KV: a request's tokens are cut into chunks processed in parallel, so batch 1 with a
 //!   long context uses every core; chunks are merged exactly through their log-sum-exp;
 //! - inner loops over 16 independent accumulators, which the compiler turns into SIMD (a plain
@@ -161,6 +162,19 @@ pub fn mla_attention_compiled_for(
         let mut width = DOT_HEADS;
         while width * 2 <= h && chunks.len() * h.div_ceil(width * 2) >= want_tasks {
             width *= 2;
+        }
+        // With the AVX-512 group kernels, groups of four heads (where that still leaves a task
+        // per thread) even when the tactic wants more tasks: a quad widens each key once for
+        // four heads, which pays more than the extra tasks balance (decode of 8 heads on 2
+        // threads, calls alternating in one process, median time over pairs: 0.78-0.89 at
+        // 128-256 keys, 0.81-0.85 at 512).
+        if group_kernels(isa) {
+            while width < QUAD_GROUP
+                && width * 2 <= h
+                && chunks.len() * h.div_ceil(width * 2) >= planned_threads
+            {
+                width *= 2;
+            }
         }
         width.min(h)
     } else if chunks.len() >= want_tasks {
@@ -497,10 +511,10 @@ fn exp_nonpositive(x: f32) -> f32 {
 }
 
 /// [`attend_block`] of one row over a BF16 cache (a decode task: the call cuts a decode's
-/// heads into groups of pairs): each key is used once per pair, so it is read where it lies
-/// in the cache and widened in registers, once for both heads of a pair, instead of copied
-/// into an f32 tile first (the copy's writes and re-reads were a third of the call). The
-/// sums are the same bits.
+/// heads into groups): each key is used once per group of heads (eight or four with AVX-512's
+/// group kernels, else a pair), so it is read where it lies in the cache and widened in
+/// registers, once for the group, instead of copied into an f32 tile first (the copy's writes
+/// and re-reads were a third of the call). The sums are the same bits.
 // Not inlined into attend_block: its loops kept apart from the tile path's, whose decode
 // calls measured 8% slower with them inlined; the inner loops are compiled for the ISA
 // through their own wrappers.
@@ -528,10 +542,44 @@ fn attend_row_in_place<'a>(
         for (i, &slot) in tile[..n].iter().enumerate() {
             (latents[i], ropes[i]) = values[slot * (l + r)..(slot + 1) * (l + r)].split_at(l);
         }
-        // Each pair of the task's heads in turn (a last single head is scored as a pair of
-        // itself), the tile's keys still in L1 for every pair after the first.
-        for h0 in (0..heads).step_by(DOT_HEADS) {
-            let pair = DOT_HEADS.min(heads - h0);
+        // The task's heads in groups, the tile's keys still in L1 for every group after the
+        // first: eight or four at a time where the AVX-512 group kernels take them (each key
+        // widened once for the whole group), then pairs (a last single head is scored as a
+        // pair of itself).
+        let mut h0 = 0;
+        while h0 < heads {
+            let left = heads - h0;
+            #[cfg(target_arch = "x86_64")]
+            if group_kernels(isa) && left >= WIDE_GROUP {
+                attend_group_avx512::<WIDE_GROUP, 1>(
+                    row,
+                    &mut part,
+                    h0,
+                    &latents[..n],
+                    &ropes[..n],
+                    l,
+                    r,
+                    scale,
+                );
+                h0 += WIDE_GROUP;
+                continue;
+            }
+            #[cfg(target_arch = "x86_64")]
+            if group_kernels(isa) && left >= QUAD_GROUP {
+                attend_group_avx512::<QUAD_GROUP, 2>(
+                    row,
+                    &mut part,
+                    h0,
+                    &latents[..n],
+                    &ropes[..n],
+                    l,
+                    r,
+                    scale,
+                );
+                h0 += QUAD_GROUP;
+                continue;
+            }
+            let pair = DOT_HEADS.min(left);
             let h1 = h0 + pair - 1;
             let qa = [h0, h1].map(|h| &row.q_abs[h * l..(h + 1) * l]);
             let qp = [h0, h1].map(|h| &row.q_pe[h * r..(h + 1) * r]);
@@ -551,9 +599,205 @@ fn attend_row_in_place<'a>(
                 let probs = [&probs[0][..n]];
                 accumulate_widened_with(isa, [acc], [alpha[0]], probs, &latents[..n]);
             }
+            h0 += pair;
         }
     }
     vec![part]
+}
+
+/// Heads [`attend_group_avx512`] takes at once: eight (each key's latent widened once for all
+/// eight), or four when fewer are left.
+#[cfg(target_arch = "x86_64")]
+const WIDE_GROUP: usize = 8;
+const QUAD_GROUP: usize = 4;
+
+/// Whether a decode task's heads go through [`attend_group_avx512`] four or eight at a time.
+fn group_kernels(isa: Isa) -> bool {
+    cfg!(target_arch = "x86_64") && isa == Isa::Avx512
+}
+
+/// One tile's step of heads `h0..h0 + H` of a decode row over a BF16 cache read in place
+/// (`latents`, `ropes`: the tile's keys), with AVX-512: the scores by [`group_dots_avx512`]
+/// (`K` keys per call, `H · K` = [`GROUP_ACCUMULATORS`]),
+/// the softmax per head, the accumulation by [`accumulate_widened`] for all `H` heads. Each
+/// head's sums are the operations and order of the pair path (the same bits): grouping heads
+/// only shares the widening of each key and lets eight accumulator chains overlap.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+fn attend_group_avx512<const H: usize, const K: usize>(
+    row: &BlockRow<'_>,
+    part: &mut Partial<'_>,
+    h0: usize,
+    latents: &[&[half::bf16]],
+    ropes: &[&[half::bf16]],
+    l: usize,
+    r: usize,
+    scale: f32,
+) {
+    let isa = Isa::Avx512;
+    let n = latents.len();
+    let qa: [&[f32]; H] = std::array::from_fn(|j| &row.q_abs[(h0 + j) * l..(h0 + j + 1) * l]);
+    let qp: [&[f32]; H] = std::array::from_fn(|j| &row.q_pe[(h0 + j) * r..(h0 + j + 1) * r]);
+    const { assert!(H * K == GROUP_ACCUMULATORS) };
+    let mut scores = [[0.0f32; TILE]; H];
+    let mut i = 0;
+    while i + K <= n {
+        let latent: [&[half::bf16]; K] = std::array::from_fn(|k| latents[i + k]);
+        let rope: [&[half::bf16]; K] = std::array::from_fn(|k| ropes[i + k]);
+        // SAFETY: this function runs only where the CPU has AVX-512 (the caller's isa); every
+        // key's latent and RoPE parts are as long as the queries'.
+        let (d_latent, d_rope) =
+            unsafe { (group_dots_avx512(qa, latent), group_dots_avx512(qp, rope)) };
+        for (j, scores) in scores.iter_mut().enumerate() {
+            for k in 0..K {
+                scores[i + k] = (d_latent[j][k] + d_rope[j][k]) * scale;
+            }
+        }
+        i += K;
+    }
+    for i in i..n {
+        for (j, scores) in scores.iter_mut().enumerate() {
+            scores[i] = (dot(qa[j], latents[i]) + dot(qp[j], ropes[i])) * scale;
+        }
+    }
+    let mut probs = [[0.0f32; TILE]; H];
+    let mut alpha = [0.0f32; H];
+    for j in 0..H {
+        let (m, sum) = (&mut part.m[h0 + j], &mut part.l[h0 + j]);
+        alpha[j] = softmax_tile(isa, m, sum, &scores[j][..n], &mut probs[j]);
+    }
+    let mut accs = part.acc[h0 * l..(h0 + H) * l].chunks_exact_mut(l);
+    let acc: [&mut [f32]; H] = std::array::from_fn(|_| accs.next().expect("H heads"));
+    let probs: [&[f32]; H] = std::array::from_fn(|j| &probs[j][..n]);
+    // SAFETY: as above.
+    unsafe { accumulate_group_avx512(acc, alpha, probs, latents) };
+}
+
+/// [`accumulate_widened`] of `H` heads with AVX-512 intrinsics (the same operations in the same
+/// order, so the same bits): the heads' accumulator chunks stay in `2 · H` zmm across the
+/// tile's keys, each key's chunk widened once. Written out because the compiler, given the
+/// generic loops at eight heads, vectorized across the keys with gathers and scatters.
+///
+/// # Safety
+/// The CPU supports AVX-512F/BW.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn accumulate_group_avx512<const H: usize>(
+    acc: [&mut [f32]; H],
+    alpha: [f32; H],
+    probs: [&[f32]; H],
+    latent: &[&[half::bf16]],
+) {
+    use std::arch::x86_64::*;
+    let l = acc[0].len();
+    assert!(acc.iter().all(|a| a.len() == l) && latent.iter().all(|k| k.len() == l));
+    assert!(probs.iter().all(|p| p.len() == latent.len()));
+    let full = l / WIDENED_CHUNK * WIDENED_CHUNK;
+    let mut acc = acc;
+    // Scaled whole first: each element is still scaled once and then takes the keys in order.
+    for (acc, &alpha) in acc.iter_mut().zip(&alpha) {
+        if alpha != 1.0 {
+            acc.iter_mut().for_each(|v| *v *= alpha);
+        }
+    }
+    let widen = |p: *const half::bf16| {
+        // SAFETY: the caller reads 16 values inside a key (e0 + 32 ≤ full ≤ l).
+        let raw = unsafe { _mm256_loadu_si256(p.cast()) };
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)))
+    };
+    let mut e0 = 0;
+    while e0 < full {
+        // SAFETY: e0 + 32 ≤ full ≤ l, the length of every accumulator.
+        let mut a: [[__m512; 2]; H] = std::array::from_fn(|j| unsafe {
+            let p = acc[j].as_ptr().add(e0);
+            [_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))]
+        });
+        for (i, key) in latent.iter().enumerate() {
+            let k = key.as_ptr().wrapping_add(e0);
+            let (w0, w1) = (widen(k), widen(k.wrapping_add(16)));
+            for (a, probs) in a.iter_mut().zip(&probs) {
+                // SAFETY: i < latent.len() = probs.len() (asserted).
+                let p = _mm512_set1_ps(unsafe { *probs.get_unchecked(i) });
+                a[0] = _mm512_add_ps(a[0], _mm512_mul_ps(p, w0));
+                a[1] = _mm512_add_ps(a[1], _mm512_mul_ps(p, w1));
+            }
+        }
+        for (a, acc) in a.iter().zip(acc.iter_mut()) {
+            // SAFETY: as for the loads.
+            unsafe {
+                let p = acc.as_mut_ptr().add(e0);
+                _mm512_storeu_ps(p, a[0]);
+                _mm512_storeu_ps(p.add(16), a[1]);
+            }
+        }
+        e0 += WIDENED_CHUNK;
+    }
+    for (acc, probs) in acc.iter_mut().zip(&probs) {
+        for (&p, key) in probs.iter().zip(latent) {
+            for (d, s) in acc[full..].iter_mut().zip(&key[full..]) {
+                *d += p * s.widen();
+            }
+        }
+    }
+}
+
+/// Accumulators of [`group_dots_avx512`]: heads × keys.
+#[cfg(target_arch = "x86_64")]
+const GROUP_ACCUMULATORS: usize = 8;
+
+/// `dot(a[j], b[k])` for `H` heads and `K` keys (`H · K` = [`GROUP_ACCUMULATORS`]), each in
+/// [`dot`]'s order (the same bits): 16 lanes per head and key, every key's 16 elements widened
+/// once for all heads, products and sums unfused, then [`lane_sums`] and the tail.
+///
+/// # Safety
+/// The CPU supports AVX-512F/BW; every `a[j]` and `b[k]` is as long as `a[0]`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn group_dots_avx512<const H: usize, const K: usize>(
+    a: [&[f32]; H],
+    b: [&[half::bf16]; K],
+) -> [[f32; K]; H] {
+    use std::arch::x86_64::*;
+    const { assert!(H * K == GROUP_ACCUMULATORS) };
+    let len = a[0].len();
+    assert!(a.iter().all(|a| a.len() == len) && b.iter().all(|b| b.len() == len));
+    let full = len / 16 * 16;
+    let mut acc = [[_mm512_setzero_ps(); K]; H];
+    let mut c = 0;
+    while c < full {
+        let mut wide = [_mm512_setzero_ps(); K];
+        for (w, b) in wide.iter_mut().zip(b) {
+            // SAFETY: c + 16 ≤ full ≤ b.len(): 16 BF16 values.
+            let raw = unsafe { _mm256_loadu_si256(b.as_ptr().add(c).cast()) };
+            *w = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)));
+        }
+        for (acc, a) in acc.iter_mut().zip(&a) {
+            // SAFETY: c + 16 ≤ full ≤ a.len().
+            let x = unsafe { _mm512_loadu_ps(a.as_ptr().add(c)) };
+            for (v, w) in acc.iter_mut().zip(&wide) {
+                *v = _mm512_add_ps(*v, _mm512_mul_ps(x, *w));
+            }
+        }
+        c += 16;
+    }
+    let mut lanes = [[0.0f32; 16]; GROUP_ACCUMULATORS];
+    for (lanes, acc) in lanes.iter_mut().zip(acc.iter().flatten()) {
+        // SAFETY: 16 floats.
+        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), *acc) };
+    }
+    let sums = lane_sums(Isa::Avx512, &lanes);
+    let mut out = [[0.0f32; K]; H];
+    for (j, out) in out.iter_mut().enumerate() {
+        for (k, out) in out.iter_mut().enumerate() {
+            let tail: f32 = a[j][full..]
+                .iter()
+                .zip(&b[k][full..])
+                .map(|(x, y)| x * y.widen())
+                .sum();
+            *out = sums[j * K + k] + tail;
+        }
+    }
+    out
 }
 
 thread_local! {
@@ -684,7 +928,7 @@ fn accumulate_widened_with<const H: usize>(
     )
 }
 
-/// [`accumulate_tile`] of `H ≤ 2` heads over keys read in place from a BF16 cache (the same
+/// [`accumulate_tile`] of `H` heads (up to eight) over keys read in place from a BF16 cache (the same
 /// bits): each key's chunk is widened once for the heads, whose accumulator chunks
 /// ([`WIDENED_CHUNK`] elements each) stay in registers across the tile's keys.
 #[inline(always)]
@@ -731,8 +975,8 @@ fn accumulate_widened<const H: usize>(
     }
 }
 
-/// Elements of each head's accumulator [`accumulate_widened`] keeps in registers (two `zmm`,
-/// four for a pair of heads).
+/// Elements of each head's accumulator [`accumulate_widened`] keeps in registers (two `zmm`
+/// per head).
 const WIDENED_CHUNK: usize = 32;
 
 /// A cached key's element type, widened to `f32` exactly (a score is the same bits from a
@@ -960,50 +1204,62 @@ mod tests {
     /// tasks are wanted; every head's result is the bits of the ungrouped run.
     #[test]
     fn head_groups_give_the_ungrouped_bits() {
-        let shape = LatentCacheShape {
-            layers: 1,
-            latent_dim: 64,
-            rope_dim: 16,
-        };
-        for dtype in [KvCacheDtype::Bf16, KvCacheDtype::Fp8E4m3] {
-            for heads in [1, 3, 8, 16] {
-                let lens = [37usize, 200];
-                let (cache, queries) = filled_cache(shape, dtype, 0, &lens);
-                let rows = lens.len();
-                let (q_abs, q_pe) = hashed_queries(rows, heads, 64, 16);
-                let problem = MlaProblem {
-                    layer: 0,
-                    heads,
-                    queries: &queries,
-                    q_abs: &q_abs,
-                    q_pe: &q_pe,
-                    softmax_scale: 0.2,
-                };
-                let run = |tasks_per_thread: usize| {
-                    let tactic = CpuTactic {
-                        mla_tasks_per_thread: tasks_per_thread,
-                        threads: 2,
-                        ..CpuTactic::DEFAULT
+        // Latent widths with a part-vector tail in the scores (72) and in the accumulation (80);
+        // head counts that give the AVX-512 group kernels eight heads, four, four and a pair,
+        // eight and four.
+        for latent_dim in [64, 72, 80] {
+            let shape = LatentCacheShape {
+                layers: 1,
+                latent_dim,
+                rope_dim: 16,
+            };
+            for dtype in [KvCacheDtype::Bf16, KvCacheDtype::Fp8E4m3] {
+                for heads in [1, 3, 4, 6, 8, 12, 16] {
+                    let lens = [37usize, 200];
+                    let (cache, queries) = filled_cache(shape, dtype, 0, &lens);
+                    let rows = lens.len();
+                    let (q_abs, q_pe) = hashed_queries(rows, heads, latent_dim, 16);
+                    let problem = MlaProblem {
+                        layer: 0,
+                        heads,
+                        queries: &queries,
+                        q_abs: &q_abs,
+                        q_pe: &q_pe,
+                        softmax_scale: 0.2,
                     };
-                    let (mut o, mut lse) = (vec![0.0; rows * heads * 64], vec![0.0; rows * heads]);
-                    tactic
-                        .build_pool()
-                        .unwrap()
-                        .install(|| {
-                            mla_attention_tuned(&tactic, &cache, &problem, &mut o, &mut lse)
-                        })
-                        .unwrap();
-                    (o, lse)
-                };
-                // One task per thread and two rows: no groups. Sixteen: groups of two heads.
-                let (whole, grouped) = (run(1), run(16));
-                for (a, b) in whole
-                    .0
-                    .iter()
-                    .zip(&grouped.0)
-                    .chain(whole.1.iter().zip(&grouped.1))
-                {
-                    assert_eq!(a.to_bits(), b.to_bits(), "{dtype:?}, {heads} heads");
+                    let run = |tasks_per_thread: usize| {
+                        let tactic = CpuTactic {
+                            mla_tasks_per_thread: tasks_per_thread,
+                            threads: 2,
+                            ..CpuTactic::DEFAULT
+                        };
+                        let (mut o, mut lse) = (
+                            vec![0.0; rows * heads * latent_dim],
+                            vec![0.0; rows * heads],
+                        );
+                        tactic
+                            .build_pool()
+                            .unwrap()
+                            .install(|| {
+                                mla_attention_tuned(&tactic, &cache, &problem, &mut o, &mut lse)
+                            })
+                            .unwrap();
+                        (o, lse)
+                    };
+                    // One task per thread and two rows: no groups. Sixteen: groups of two heads.
+                    let (whole, grouped) = (run(1), run(16));
+                    for (a, b) in whole
+                        .0
+                        .iter()
+                        .zip(&grouped.0)
+                        .chain(whole.1.iter().zip(&grouped.1))
+                    {
+                        assert_eq!(
+                            a.to_bits(),
+                            b.to_bits(),
+                            "{dtype:?}, latent {latent_dim}, {heads} heads"
+                        );
+                    }
                 }
             }
         }
