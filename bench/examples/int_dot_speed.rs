@@ -3,8 +3,10 @@
 //! minimum over many repetitions is reported (robust to preemption on a shared machine).
 //!
 //! ```sh
-//! cargo run --release -p bench --example int_dot_speed
+//! cargo run --release -p bench --example int_dot_speed [-- ROWSxCOLS ...]
 //! ```
+//! The default shapes are Kimi's expert and dense shapes (megabytes: the last-level cache);
+//! the `mini` experts' `384x1024` and `1024x384` fit in L2.
 
 use std::time::Instant;
 
@@ -16,7 +18,17 @@ use kernels::moe_gemm::cpu_simd::{Isa, interleave_blocks, nvfp4_rows_dots};
 
 fn main() {
     let reps = 40;
-    for (rows, cols) in [(1024, 7168), (7168, 256), (4096, 1024), (8192, 384)] {
+    let mut shapes: Vec<(usize, usize)> = std::env::args()
+        .skip(1)
+        .map(|s| {
+            let (r, c) = s.split_once('x').expect("a shape ROWSxCOLS");
+            (r.parse().expect("rows"), c.parse().expect("cols"))
+        })
+        .collect();
+    if shapes.is_empty() {
+        shapes = vec![(1024, 7168), (7168, 256), (4096, 1024), (8192, 384)];
+    }
+    for (rows, cols) in shapes {
         let packed: Vec<u8> = (0..rows * cols / 2)
             .map(|i| (i * 7919 % 251) as u8)
             .collect();

@@ -6,6 +6,9 @@
 //! - cold calls, rotating through more expert weights than the last-level cache holds, so that
 //!   every call streams from DRAM: µs per call and the rate the routed bytes were read at, under
 //!   each prefetch reach ([`PrefetchReach`], in an order rotating with the round);
+//! - the same cold routed bytes read by a plain sum, one task per expert as the calls split
+//!   them (each expert's three matrices lie together, one run): what the access pattern and
+//!   the split leave of the read bandwidth before any arithmetic;
 //! - hot calls over a set of experts that stays in the last-level cache: the arithmetic alone;
 //! - how much of the arithmetic hid under the memory traffic (`overlap`: 1 when a cold call
 //!   takes only the longer of the hot time and the bytes' time at the read bandwidth, 0 when it
@@ -114,6 +117,36 @@ fn main() {
         });
         time
     };
+    // The routed experts' bytes of call `c` summed, one rayon task per expert, as `ByExpert`
+    // streams them: the ceiling the access pattern sets.
+    let words: &[u64] = {
+        // SAFETY: u64 has no invalid bit patterns; align_to keeps the middle part aligned.
+        let (head, words, _) = unsafe { bytes.align_to::<u64>() };
+        assert!(head.is_empty(), "huge-page memory is page-aligned");
+        words
+    };
+    let time_sums = |calls: usize| {
+        use rayon::prelude::*;
+        let mut time = 0.0;
+        let expert_words = expert_bytes / 8;
+        backend.run_step(&mut || {
+            let start = Instant::now();
+            for c in 0..calls {
+                let (l, base) = (c % layers, c * 13);
+                let sum: u64 = (0..top_k)
+                    .into_par_iter()
+                    .map(|k| {
+                        let e = l * experts + (base + k * 7) % experts;
+                        bench::read_sum(&words[e * expert_words..(e + 1) * expert_words])
+                    })
+                    .sum();
+                std::hint::black_box(sum);
+            }
+            time = start.elapsed().as_secs_f64() / calls as f64;
+        });
+        time
+    };
+    let mut sum_shares = Vec::new();
     let mut overlaps = Vec::new();
     let default_reach = PrefetchReach::current();
     // [reach]: the cold call's time over the default reach's, per round.
@@ -135,6 +168,7 @@ fn main() {
         for (ratios, t) in over_default.iter_mut().zip(cold_by_reach) {
             ratios.push(t / cold);
         }
+        let summed = time_sums(layers * 20);
         let hot = time_calls(200, &|_| 0, &|c, k| ((c * 5 + k) % hot_experts) as u32);
         // The time the routed bytes take at the read bandwidth of this round.
         let memory = routed_bytes as f64 / (read * 1e9);
@@ -143,12 +177,17 @@ fn main() {
         let overlap = 1.0 - (cold - hot.max(memory)) / hot.min(memory);
         overlaps.push(overlap);
         let gbs = routed_bytes as f64 / cold / 1e9;
+        let sum_gbs = routed_bytes as f64 / summed / 1e9;
+        sum_shares.push(sum_gbs / read);
         println!(
             "round {round}: read {read:.1} GB/s; cold {:.1} µs per call ({:.2} MB at {gbs:.1} GB/s, {:.2} of read); \
-             hot {:.1} µs; memory alone {:.1} µs; overlap {overlap:.2}",
+             plain sum {:.1} µs ({sum_gbs:.1} GB/s, {:.2} of read); hot {:.1} µs; memory alone {:.1} µs; \
+             overlap {overlap:.2}",
             cold * 1e6,
             routed_bytes as f64 / 1e6,
             gbs / read,
+            summed * 1e6,
+            sum_gbs / read,
             hot * 1e6,
             memory * 1e6,
         );
@@ -170,6 +209,10 @@ fn main() {
         );
     }
     println!("{line}");
+    println!(
+        "median share of read of the plain sum over the same routed bytes: {:.2}",
+        bench::cpu_tactics::median_spread(&mut sum_shares).0
+    );
     println!(
         "median overlap of arithmetic and memory: {:.2}",
         bench::cpu_tactics::median_spread(&mut overlaps).0
