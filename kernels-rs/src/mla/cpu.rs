@@ -550,33 +550,22 @@ fn attend_row_in_place<'a>(
         while h0 < heads {
             let left = heads - h0;
             #[cfg(target_arch = "x86_64")]
-            if group_kernels(isa) && left >= WIDE_GROUP {
-                attend_group_avx512::<WIDE_GROUP, 1>(
-                    row,
-                    &mut part,
-                    h0,
-                    &latents[..n],
-                    &ropes[..n],
-                    l,
-                    r,
-                    scale,
-                );
-                h0 += WIDE_GROUP;
-                continue;
-            }
-            #[cfg(target_arch = "x86_64")]
             if group_kernels(isa) && left >= QUAD_GROUP {
-                attend_group_avx512::<QUAD_GROUP, 2>(
+                let (group, attend): (usize, GroupKernel) = if left >= WIDE_GROUP {
+                    (WIDE_GROUP, attend_group_avx512::<WIDE_GROUP, 1>)
+                } else {
+                    (QUAD_GROUP, attend_group_avx512::<QUAD_GROUP, 2>)
+                };
+                attend(
                     row,
                     &mut part,
                     h0,
                     &latents[..n],
                     &ropes[..n],
-                    l,
-                    r,
+                    (l, r),
                     scale,
                 );
-                h0 += QUAD_GROUP;
+                h0 += group;
                 continue;
             }
             let pair = DOT_HEADS.min(left);
@@ -623,15 +612,13 @@ fn group_kernels(isa: Isa) -> bool {
 /// head's sums are the operations and order of the pair path (the same bits): grouping heads
 /// only shares the widening of each key and lets eight accumulator chains overlap.
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
 fn attend_group_avx512<const H: usize, const K: usize>(
     row: &BlockRow<'_>,
     part: &mut Partial<'_>,
     h0: usize,
     latents: &[&[half::bf16]],
     ropes: &[&[half::bf16]],
-    l: usize,
-    r: usize,
+    (l, r): (usize, usize),
     scale: f32,
 ) {
     let isa = Isa::Avx512;
@@ -694,12 +681,7 @@ fn accumulate_group_avx512<const H: usize>(
     assert!(probs.iter().all(|p| p.len() == latent.len()));
     let full = l / WIDENED_CHUNK * WIDENED_CHUNK;
     let mut acc = acc;
-    // Scaled whole first: each element is still scaled once and then takes the keys in order.
-    for (acc, &alpha) in acc.iter_mut().zip(&alpha) {
-        if alpha != 1.0 {
-            acc.iter_mut().for_each(|v| *v *= alpha);
-        }
-    }
+    rescale(&mut acc, alpha);
     let widen = |p: *const half::bf16| {
         // SAFETY: the caller reads 16 values inside a key (e0 + 32 ≤ full ≤ l).
         let raw = unsafe { _mm256_loadu_si256(p.cast()) };
@@ -732,14 +714,21 @@ fn accumulate_group_avx512<const H: usize>(
         }
         e0 += WIDENED_CHUNK;
     }
-    for (acc, probs) in acc.iter_mut().zip(&probs) {
-        for (&p, key) in probs.iter().zip(latent) {
-            for (d, s) in acc[full..].iter_mut().zip(&key[full..]) {
-                *d += p * s.widen();
-            }
-        }
-    }
+    accumulate_past(full, &mut acc, probs, latent);
 }
+
+/// [`attend_group_avx512`] at one group width: `(row, part, h0, latents, ropes, (latent
+/// width, RoPE width), softmax scale)`.
+#[cfg(target_arch = "x86_64")]
+type GroupKernel = fn(
+    &BlockRow<'_>,
+    &mut Partial<'_>,
+    usize,
+    &[&[half::bf16]],
+    &[&[half::bf16]],
+    (usize, usize),
+    f32,
+);
 
 /// Accumulators of [`group_dots_avx512`]: heads × keys.
 #[cfg(target_arch = "x86_64")]
@@ -928,8 +917,37 @@ fn accumulate_widened_with<const H: usize>(
     )
 }
 
-/// [`accumulate_tile`] of `H` heads (up to eight) over keys read in place from a BF16 cache (the same
-/// bits): each key's chunk is widened once for the heads, whose accumulator chunks
+/// Each head's accumulator scaled whole by its `alpha` first (unless 1): each element is still
+/// scaled once and then takes the keys in order.
+#[inline(always)]
+fn rescale<const H: usize>(acc: &mut [&mut [f32]; H], alpha: [f32; H]) {
+    for (acc, &alpha) in acc.iter_mut().zip(&alpha) {
+        if alpha != 1.0 {
+            acc.iter_mut().for_each(|v| *v *= alpha);
+        }
+    }
+}
+
+/// The keys' terms of each head's accumulator elements from `from` on, key by key in order:
+/// the elements past the last whole [`WIDENED_CHUNK`].
+#[inline(always)]
+fn accumulate_past<const H: usize>(
+    from: usize,
+    acc: &mut [&mut [f32]; H],
+    probs: [&[f32]; H],
+    latent: &[&[half::bf16]],
+) {
+    for (acc, probs) in acc.iter_mut().zip(&probs) {
+        for (&p, key) in probs.iter().zip(latent) {
+            for (d, s) in acc[from..].iter_mut().zip(&key[from..]) {
+                *d += p * s.widen();
+            }
+        }
+    }
+}
+
+/// [`accumulate_tile`] of a pair of heads (or one) over keys read in place from a BF16 cache
+/// (the same bits): each key's chunk is widened once for the heads, whose accumulator chunks
 /// ([`WIDENED_CHUNK`] elements each) stay in registers across the tile's keys.
 #[inline(always)]
 fn accumulate_widened<const H: usize>(
@@ -941,12 +959,7 @@ fn accumulate_widened<const H: usize>(
     let l = acc[0].len();
     let full = l / WIDENED_CHUNK * WIDENED_CHUNK;
     let mut acc = acc;
-    // Scaled whole first: each element is still scaled once and then takes the keys in order.
-    for (acc, &alpha) in acc.iter_mut().zip(&alpha) {
-        if alpha != 1.0 {
-            acc.iter_mut().for_each(|v| *v *= alpha);
-        }
-    }
+    rescale(&mut acc, alpha);
     for e0 in (0..full).step_by(WIDENED_CHUNK) {
         let mut a: [[f32; WIDENED_CHUNK]; H] =
             std::array::from_fn(|j| acc[j][e0..e0 + WIDENED_CHUNK].try_into().expect("a chunk"));
@@ -966,13 +979,7 @@ fn accumulate_widened<const H: usize>(
             acc[e0..e0 + WIDENED_CHUNK].copy_from_slice(a);
         }
     }
-    for (acc, probs) in acc.iter_mut().zip(&probs) {
-        for (&p, key) in probs.iter().zip(latent) {
-            for (d, s) in acc[full..].iter_mut().zip(&key[full..]) {
-                *d += p * s.widen();
-            }
-        }
-    }
+    accumulate_past(full, &mut acc, probs, latent);
 }
 
 /// Elements of each head's accumulator [`accumulate_widened`] keeps in registers (two `zmm`
