@@ -90,29 +90,27 @@ impl SummingBackend<'_> {
         }
     }
 
-    /// Sums every run, each cut into tasks of [`TASK_BYTES`], in one parallel call.
-    fn sum_runs(&self, runs: &[&[u8]]) {
+    /// Counts the bytes of `runs`, and records where they lie where asked.
+    fn count(&self, runs: &[&[u8]]) {
         let bytes: usize = runs.iter().map(|r| r.len()).sum();
         self.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
         if let Some(recorded) = &self.runs {
             let mut recorded = recorded.lock().expect("not poisoned");
             recorded.extend(runs.iter().map(|r| (r.as_ptr() as usize, r.len())));
         }
+    }
+
+    /// Counts every run and sums it, each cut into tasks of [`TASK_BYTES`], in one parallel
+    /// call.
+    fn sum_runs(&self, runs: &[&[u8]]) {
+        self.count(runs);
         if !self.sums {
             return;
         }
         let tasks: Vec<&[u8]> = runs.iter().flat_map(|run| run.chunks(TASK_BYTES)).collect();
-        let total: u64 = tasks.par_iter().map(|t| sum_bytes(t)).sum();
+        let total: u64 = tasks.par_iter().map(|t| bench::read_sum_bytes(t)).sum();
         std::hint::black_box(total);
     }
-}
-
-/// A plain wrapping sum of `bytes`, 8 at a time where aligned.
-fn sum_bytes(bytes: &[u8]) -> u64 {
-    // SAFETY: u64 has no invalid bit patterns.
-    let (head, words, tail) = unsafe { bytes.align_to::<u64>() };
-    let edge = head.iter().chain(tail).map(|&b| u64::from(b)).sum::<u64>();
-    bench::read_sum(words).wrapping_add(edge)
 }
 
 impl Backend for SummingBackend<'_> {
@@ -159,36 +157,25 @@ impl Backend for SummingBackend<'_> {
         let mut routed: Vec<usize> = routing.experts.iter().map(|&e| e as usize).collect();
         routed.sort_unstable();
         routed.dedup();
-        let bytes: usize = routed
+        let per_expert: Vec<Vec<&[u8]>> = routed
             .iter()
-            .map(|&e| {
-                let ex = &experts[e];
-                ex.gate.bytes() + ex.up.bytes() + ex.down.bytes()
-            })
-            .sum();
-        self.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
-        if let Some(recorded) = &self.runs {
-            let mut recorded = recorded.lock().expect("not poisoned");
-            for &e in &routed {
-                let ex = &experts[e];
-                let runs = [ex.gate, ex.up, ex.down]
-                    .iter()
-                    .flat_map(Self::runs)
-                    .collect::<Vec<_>>();
-                recorded.extend(runs.iter().map(|r| (r.as_ptr() as usize, r.len())));
-            }
-        }
-        if !self.sums {
-            return;
-        }
-        let total: u64 = routed
-            .par_iter()
             .map(|&e| {
                 let ex = &experts[e];
                 [ex.gate, ex.up, ex.down]
                     .iter()
                     .flat_map(Self::runs)
-                    .map(sum_bytes)
+                    .collect()
+            })
+            .collect();
+        self.count(&per_expert.concat());
+        if !self.sums {
+            return;
+        }
+        let total: u64 = per_expert
+            .par_iter()
+            .map(|runs| {
+                runs.iter()
+                    .map(|r| bench::read_sum_bytes(r))
                     .fold(0u64, u64::wrapping_add)
             })
             .sum();
@@ -290,7 +277,10 @@ fn main() -> Result<()> {
         real.run_step(&mut || {
             for _ in 0..3 {
                 let start = Instant::now();
-                let total: u64 = flat_tasks.par_iter().map(|t| sum_bytes(t)).sum();
+                let total: u64 = flat_tasks
+                    .par_iter()
+                    .map(|t| bench::read_sum_bytes(t))
+                    .sum();
                 std::hint::black_box(total);
                 time = time.min(start.elapsed().as_secs_f64());
             }

@@ -117,27 +117,21 @@ fn main() {
         });
         time
     };
+    // Call `c`'s k-th routed expert in the cold calls (of layer c % layers).
+    let cold_expert = |c: usize, k: usize| ((c * 13 + k * 7) % experts) as u32;
     // The routed experts' bytes of call `c` summed, one rayon task per expert, as `ByExpert`
     // streams them: the ceiling the access pattern sets.
-    let words: &[u64] = {
-        // SAFETY: u64 has no invalid bit patterns; align_to keeps the middle part aligned.
-        let (head, words, _) = unsafe { bytes.align_to::<u64>() };
-        assert!(head.is_empty(), "huge-page memory is page-aligned");
-        words
-    };
     let time_sums = |calls: usize| {
         use rayon::prelude::*;
         let mut time = 0.0;
-        let expert_words = expert_bytes / 8;
         backend.run_step(&mut || {
             let start = Instant::now();
             for c in 0..calls {
-                let (l, base) = (c % layers, c * 13);
                 let sum: u64 = (0..top_k)
                     .into_par_iter()
                     .map(|k| {
-                        let e = l * experts + (base + k * 7) % experts;
-                        bench::read_sum(&words[e * expert_words..(e + 1) * expert_words])
+                        let e = (c % layers) * experts + cold_expert(c, k) as usize;
+                        bench::read_sum_bytes(&bytes[e * expert_bytes..(e + 1) * expert_bytes])
                     })
                     .sum();
                 std::hint::black_box(sum);
@@ -159,9 +153,7 @@ fn main() {
         for i in 0..PrefetchReach::ALL.len() {
             let k = (i + round) % PrefetchReach::ALL.len();
             PrefetchReach::ALL[k].set();
-            cold_by_reach[k] = time_calls(layers * 20, &|c| c % layers, &|c, k| {
-                ((c * 13 + k * 7) % experts) as u32
-            });
+            cold_by_reach[k] = time_calls(layers * 20, &|c| c % layers, &cold_expert);
         }
         default_reach.set();
         let cold = cold_by_reach[default_reach.index()];

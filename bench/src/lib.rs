@@ -212,6 +212,15 @@ pub fn read_sum(words: &[u64]) -> u64 {
     sum_lanes(words)
 }
 
+/// [`read_sum`] of any bytes: the aligned words with the widest vectors, the few bytes before
+/// and after them one at a time (weights in a checkpoint start wherever their tensor does).
+pub fn read_sum_bytes(bytes: &[u8]) -> u64 {
+    // SAFETY: u64 has no invalid bit patterns.
+    let (head, words, tail) = unsafe { bytes.align_to::<u64>() };
+    let edge = head.iter().chain(tail).map(|&b| u64::from(b)).sum::<u64>();
+    read_sum(words).wrapping_add(edge)
+}
+
 /// Eight independent lanes so that the sum is not latency-bound.
 fn sum_lanes(words: &[u64]) -> u64 {
     let mut acc = [0u64; 8];

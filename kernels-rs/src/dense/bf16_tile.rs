@@ -320,12 +320,9 @@ unsafe fn tile_avx512<const R: usize, const T: usize>(
     }
     macro_rules! widen_at {
         ($r:expr, $e0:expr) => {
-            // SAFETY: row r's elements e0..e0+16 are inside `w` (checked by the caller); BF16
-            // widens to f32 by a 16-bit shift.
-            unsafe {
-                let halves = _mm256_loadu_si256(w.add($r * cols + $e0) as *const __m256i);
-                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(halves)))
-            }
+            // SAFETY: row r's elements e0..e0+16 are inside `w` (checked by the caller);
+            // AVX-512F is this function's.
+            unsafe { crate::formats::widen16_bf16(w.add($r * cols + $e0)) }
         };
     }
     if one_pass {

@@ -22,3 +22,17 @@ pub use swizzle::SwizzledScales;
 pub fn widen_bf16(w: half::bf16) -> f32 {
     f32::from_bits(u32::from(w.to_bits()) << 16)
 }
+
+/// [`widen_bf16`] of the 16 values at `p`, in one zmm.
+///
+/// # Safety
+/// The CPU supports AVX-512F; `p` points at 16 readable BF16 values.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub unsafe fn widen16_bf16(p: *const half::bf16) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    let halves = unsafe { _mm256_loadu_si256(p.cast()) };
+    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(halves)))
+}

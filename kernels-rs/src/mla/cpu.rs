@@ -18,6 +18,8 @@ use super::cache::{CacheError, PagedLatentCache, RawLayer};
 use super::reference::MlaProblem;
 use crate::cpu_tactic::{CpuTactic, MLA_TILE};
 use crate::formats::widen_bf16;
+#[cfg(target_arch = "x86_64")]
+use crate::formats::widen16_bf16;
 use crate::moe_gemm::cpu_simd::Isa;
 use crate::scratch::sized;
 
@@ -608,7 +610,7 @@ fn group_kernels(isa: Isa) -> bool {
 /// One tile's step of heads `h0..h0 + H` of a decode row over a BF16 cache read in place
 /// (`latents`, `ropes`: the tile's keys), with AVX-512: the scores by [`group_dots_avx512`]
 /// (`K` keys per call, `H · K` = [`GROUP_ACCUMULATORS`]),
-/// the softmax per head, the accumulation by [`accumulate_widened`] for all `H` heads. Each
+/// the softmax per head, the accumulation by [`accumulate_group_avx512`] for all `H` heads. Each
 /// head's sums are the operations and order of the pair path (the same bits): grouping heads
 /// only shares the widening of each key and lets eight accumulator chains overlap.
 #[cfg(target_arch = "x86_64")]
@@ -625,7 +627,6 @@ fn attend_group_avx512<const H: usize, const K: usize>(
     let n = latents.len();
     let qa: [&[f32]; H] = std::array::from_fn(|j| &row.q_abs[(h0 + j) * l..(h0 + j + 1) * l]);
     let qp: [&[f32]; H] = std::array::from_fn(|j| &row.q_pe[(h0 + j) * r..(h0 + j + 1) * r]);
-    const { assert!(H * K == GROUP_ACCUMULATORS) };
     let mut scores = [[0.0f32; TILE]; H];
     let mut i = 0;
     while i + K <= n {
@@ -682,11 +683,6 @@ fn accumulate_group_avx512<const H: usize>(
     let full = l / WIDENED_CHUNK * WIDENED_CHUNK;
     let mut acc = acc;
     rescale(&mut acc, alpha);
-    let widen = |p: *const half::bf16| {
-        // SAFETY: the caller reads 16 values inside a key (e0 + 32 ≤ full ≤ l).
-        let raw = unsafe { _mm256_loadu_si256(p.cast()) };
-        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)))
-    };
     let mut e0 = 0;
     while e0 < full {
         // SAFETY: e0 + 32 ≤ full ≤ l, the length of every accumulator.
@@ -695,8 +691,12 @@ fn accumulate_group_avx512<const H: usize>(
             [_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))]
         });
         for (i, key) in latent.iter().enumerate() {
-            let k = key.as_ptr().wrapping_add(e0);
-            let (w0, w1) = (widen(k), widen(k.wrapping_add(16)));
+            // SAFETY: 32 values inside the key (e0 + 32 ≤ full ≤ l); AVX-512F is this
+            // function's.
+            let (w0, w1) = unsafe {
+                let k = key.as_ptr().add(e0);
+                (widen16_bf16(k), widen16_bf16(k.add(16)))
+            };
             for (a, probs) in a.iter_mut().zip(&probs) {
                 // SAFETY: i < latent.len() = probs.len() (asserted).
                 let p = _mm512_set1_ps(unsafe { *probs.get_unchecked(i) });
@@ -756,9 +756,8 @@ fn group_dots_avx512<const H: usize, const K: usize>(
     while c < full {
         let mut wide = [_mm512_setzero_ps(); K];
         for (w, b) in wide.iter_mut().zip(b) {
-            // SAFETY: c + 16 ≤ full ≤ b.len(): 16 BF16 values.
-            let raw = unsafe { _mm256_loadu_si256(b.as_ptr().add(c).cast()) };
-            *w = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)));
+            // SAFETY: c + 16 ≤ full ≤ b.len(): 16 BF16 values; AVX-512F is this function's.
+            *w = unsafe { widen16_bf16(b.as_ptr().add(c)) };
         }
         for (acc, a) in acc.iter_mut().zip(&a) {
             // SAFETY: c + 16 ≤ full ≤ a.len().
