@@ -2,7 +2,8 @@
 //! weights: whole decode steps through the real backend, alternating in one process with steps
 //! whose every weight-reading call is replaced by a plain sum of exactly the bytes that call
 //! reads (the same matrices in the same order, one fork and join per call as the kernels,
-//! ~128 KB tasks for the dense products, one task per routed expert), with the attention either
+//! guided claims of at least 128 KB for the dense products, one task per routed expert),
+//! with the attention either
 //! run as it is or skipped. The forward pass around the calls (norms, RoPE, routing, residuals,
 //! sampling) runs as always. So the report splits the real step's distance from the read
 //! bandwidth into:
@@ -56,8 +57,8 @@ struct Options {
     prompt: usize,
 }
 
-/// Bytes one summing task reads at least: the real dense kernels' 64-row tasks of 1024 BF16
-/// columns.
+/// Bytes one summing claim reads at least: the real dense kernels' least claim, 64 rows of
+/// 1024 BF16 columns.
 const TASK_BYTES: usize = 128 << 10;
 
 /// A backend whose weight-reading calls sum the weights' bytes instead of multiplying, on the
@@ -100,16 +101,19 @@ impl SummingBackend<'_> {
         }
     }
 
-    /// Counts every run and sums it, each cut into tasks of [`TASK_BYTES`], in one parallel
-    /// call.
+    /// Counts every run and sums them, one after another, in one parallel call whose threads
+    /// claim guided chunks of at least [`TASK_BYTES`], as the dense products claim their rows.
     fn sum_runs(&self, runs: &[&[u8]]) {
         self.count(runs);
         if !self.sums {
             return;
         }
-        let tasks: Vec<&[u8]> = runs.iter().flat_map(|run| run.chunks(TASK_BYTES)).collect();
-        let total: u64 = tasks.par_iter().map(|t| bench::read_sum_bytes(t)).sum();
-        std::hint::black_box(total);
+        let lens: Vec<usize> = runs.iter().map(|r| r.len()).collect();
+        let total = AtomicU64::new(0);
+        kernels::guided::for_each_block_chunk(&lens, TASK_BYTES, |i, bytes| {
+            total.fetch_add(bench::read_sum_bytes(&runs[i][bytes]), Ordering::Relaxed);
+        });
+        std::hint::black_box(total.into_inner());
     }
 }
 

@@ -55,7 +55,8 @@ pub struct CpuTactic {
     /// Dense BF16 products below this many weight bytes run on the calling thread: waking the
     /// pool costs tens of microseconds, more than reading a few hundred KB takes.
     pub dense_parallel_min_bytes: usize,
-    /// Dense products: weight rows per parallel task.
+    /// Dense products: weight rows per parallel task over more than four tokens; over at most
+    /// four (decode), the fewest rows one guided claim takes ([`guided`](crate::guided)).
     pub dense_rows_per_task: usize,
     /// Dense BF16 products over at least this many tokens widen each task's rows once into
     /// an f32 panel ([`bf16_panel`](crate::dense::bf16_panel); AVX2, where it has a kernel);

@@ -29,6 +29,7 @@ pub mod cuda;
 pub mod dense;
 pub mod device;
 pub mod formats;
+pub mod guided;
 pub mod layers;
 pub mod matrix;
 pub mod mla;

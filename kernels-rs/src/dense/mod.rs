@@ -28,9 +28,11 @@ pub fn matmul_transposed(x: &[f32], tokens: usize, w: MatrixView<'_>, out: &mut 
 /// [`matmul_transposed`] under a tactic: BF16 products below
 /// [`dense_parallel_min_bytes`](CpuTactic::dense_parallel_min_bytes) of weights run on the
 /// calling thread (waking the pool costs tens of microseconds, more than reading a few hundred
-/// KB takes), larger ones in tasks of [`dense_rows_per_task`](CpuTactic::dense_rows_per_task)
-/// weight rows (enough work to amortize scheduling, few enough tasks to balance across cores
-/// for the narrowest layers). Every valid tactic gives bit-identical results.
+/// KB takes). Larger ones over at most four tokens (decode) let the pool's threads claim their
+/// rows in shrinking chunks of at least [`dense_rows_per_task`](CpuTactic::dense_rows_per_task)
+/// rows ([`guided`](crate::guided)), so that the threads end together; over more tokens they
+/// run in tasks of that many rows (each task's rows stay in L2 while its token tiles pass).
+/// Every valid tactic gives bit-identical results.
 ///
 /// # Panics
 /// If shapes disagree or the tactic is invalid.
@@ -221,6 +223,15 @@ fn products_by_row(
                     .chunks_mut(rows_per_task * tokens)
                     .enumerate()
                     .for_each(task);
+            } else if tokens <= bf16_tile::MAX_TILE_TOKENS {
+                let block = RowBlock {
+                    data,
+                    cols,
+                    rows: w.rows(),
+                    x,
+                    out: SharedOut(transposed.as_mut_ptr()),
+                };
+                guided_register_tiles(isa, tokens, rows_per_task, &[block]);
             } else {
                 transposed
                     .par_chunks_mut(rows_per_task * tokens)
@@ -246,6 +257,39 @@ fn products_by_row(
     // Back to `[tokens, rows]`, a block of tokens per task: each weight row's values for the
     // block are contiguous in `transposed`, and the block's output rows fill line by line
     // (element by element over all tokens, a prefill's transpose was a twentieth of it).
+}
+
+/// One BF16 matrix of a product whose rows the pool's threads claim in guided chunks: its
+/// rows, the activations they multiply (`[tokens, cols]`) and where their products go
+/// (`[rows, tokens]`).
+#[derive(Clone, Copy)]
+struct RowBlock<'a> {
+    data: &'a [half::bf16],
+    cols: usize,
+    rows: usize,
+    x: &'a [f32],
+    out: SharedOut,
+}
+
+/// [`register_tiles`] over the rows of every block, one after another, claimed by the pool's
+/// threads in shrinking chunks of at least `min_rows` rows ([`guided`](crate::guided)) instead
+/// of tasks of a fixed size. For at most [`MAX_TILE_TOKENS`](bf16_tile::MAX_TILE_TOKENS)
+/// tokens, where every ISA takes all of them in one token tile: a chunk's rows stream once,
+/// however many there are, so a long chunk does not need to stay in L2. A row's sums do not
+/// depend on its chunk (the same bits).
+fn guided_register_tiles(isa: Isa, tokens: usize, min_rows: usize, blocks: &[RowBlock<'_>]) {
+    debug_assert!(tokens <= bf16_tile::MAX_TILE_TOKENS);
+    let lens: Vec<usize> = blocks.iter().map(|b| b.rows).collect();
+    crate::guided::for_each_block_chunk(&lens, min_rows, |i, rows| {
+        let b = blocks[i];
+        // SAFETY: these rows of block i are this claim's alone (claims are disjoint), so is
+        // their `[rows, tokens]` output, which lies inside the block's output; the caller's
+        // slice outlives the claims.
+        let chunk = unsafe {
+            std::slice::from_raw_parts_mut(b.out.0.add(rows.start * tokens), rows.len() * tokens)
+        };
+        register_tiles(isa, b.x, tokens, b.data, b.cols, rows.start, chunk);
+    });
 }
 
 /// `chunk[r, t] = x[t] · w[first_row + r]` (`[rows, tokens]`) for BF16 rows `data` of `cols`
@@ -288,8 +332,9 @@ fn register_tiles(
 /// `outs[m] = x · ws[m]ᵀ` for several weight matrices that read the same activations (the
 /// query and compressed-KV projections; the router and the shared expert's gate and up),
 /// bit-identical to one [`matmul_transposed_tuned`] each. At one token (decode) the rows of
-/// all of them are the tasks of one parallel call: a product of a few hundred KB is over in
-/// microseconds, and each parallel call ends waiting for the slowest thread.
+/// all of them are claimed in one parallel call (guided chunks, as in
+/// [`matmul_transposed_tuned`]): a product of a few hundred KB is over in microseconds, and
+/// each parallel call ends waiting for the slowest thread.
 ///
 /// # Panics
 /// If shapes disagree or the tactic is invalid.
@@ -317,6 +362,30 @@ pub fn matmul_transposed_many_tuned(
     if let Err(e) = tactic.validate() {
         panic!("{e}");
     }
+    let isa = Isa::detect();
+    let bytes: usize = ws.iter().map(MatrixView::bytes).sum();
+    if bytes >= tactic.dense_parallel_min_bytes {
+        let blocks: Vec<RowBlock<'_>> = ws
+            .iter()
+            .zip(outs.iter_mut())
+            .map(|(w, out)| {
+                let MatrixView::Bf16 { rows, cols, data } = *w else {
+                    unreachable!("checked above")
+                };
+                assert_eq!(x.len(), cols, "matmul_many: x is not [1, {cols}]");
+                assert_eq!(out.len(), rows, "matmul_many: out is not [1, {rows}]");
+                RowBlock {
+                    data,
+                    cols,
+                    rows,
+                    x,
+                    out: SharedOut(out.as_mut_ptr()),
+                }
+            })
+            .collect();
+        guided_register_tiles(isa, 1, tactic.dense_rows_per_task, &blocks);
+        return;
+    }
     let rows_per_task = tactic.dense_rows_per_task;
     let mut tasks = Vec::new();
     for (w, out) in ws.iter().zip(outs.iter_mut()) {
@@ -329,11 +398,9 @@ pub fn matmul_transposed_many_tuned(
             tasks.push((data, cols, task * rows_per_task, chunk));
         }
     }
-    let isa = Isa::detect();
     let run = |(data, cols, first_row, chunk): (&[half::bf16], usize, usize, &mut [f32])| {
         register_tiles(isa, x, 1, data, cols, first_row, chunk);
     };
-    let bytes: usize = ws.iter().map(MatrixView::bytes).sum();
     if bytes < tactic.dense_parallel_min_bytes {
         tasks.into_iter().for_each(run);
     } else {
@@ -342,11 +409,12 @@ pub fn matmul_transposed_many_tuned(
 }
 
 /// `out[h] = x[h] · w[h]ᵀ` for every head `h` of `w`, with `x: [heads, tokens, cols]` and
-/// `out: [heads, tokens, rows]`: the absorbed attention's per-head products (W_UK, W_UV). One
-/// head's weights are too small to be worth splitting across threads (128 KB at Kimi's
-/// dimensions), so the heads are the parallel tasks, unless all of them together are below
-/// [`dense_parallel_min_bytes`](CpuTactic::dense_parallel_min_bytes). Bit-identical to one
-/// [`matmul_transposed_tuned`] per head.
+/// `out: [heads, tokens, rows]`: the absorbed attention's per-head products (W_UK, W_UV),
+/// in parallel unless all heads together are below
+/// [`dense_parallel_min_bytes`](CpuTactic::dense_parallel_min_bytes). At one token the rows
+/// of all heads, one head after another, are claimed in guided chunks as in
+/// [`matmul_transposed_tuned`] (a head's 128 KB at Kimi's dimensions is a chunk or two); over
+/// more tokens each head is a task. Bit-identical to one [`matmul_transposed_tuned`] per head.
 ///
 /// # Panics
 /// If shapes disagree, the heads' shapes differ, or the tactic is invalid.
@@ -378,10 +446,31 @@ pub fn matmul_per_head_tuned(
     if tokens == 0 || rows == 0 {
         return;
     }
+    let total: usize = w.iter().map(MatrixView::bytes).sum();
+    let all_bf16 = w.iter().all(|h| matches!(h, MatrixView::Bf16 { .. }));
+    if tokens == 1 && all_bf16 && total >= tactic.dense_parallel_min_bytes {
+        let blocks: Vec<RowBlock<'_>> = w
+            .iter()
+            .zip(x.chunks_exact(cols).zip(out.chunks_exact_mut(rows)))
+            .map(|(h, (x, out))| {
+                let MatrixView::Bf16 { data, .. } = *h else {
+                    unreachable!("checked above")
+                };
+                RowBlock {
+                    data,
+                    cols,
+                    rows,
+                    x,
+                    out: SharedOut(out.as_mut_ptr()),
+                }
+            })
+            .collect();
+        guided_register_tiles(Isa::detect(), 1, tactic.dense_rows_per_task, &blocks);
+        return;
+    }
     let head = |(h, (x, out)): (usize, (&[f32], &mut [f32]))| {
         matmul_transposed_tuned(tactic, x, tokens, w[h], out);
     };
-    let total: usize = w.iter().map(MatrixView::bytes).sum();
     let pairs = x
         .chunks_exact(tokens * cols)
         .zip(out.chunks_exact_mut(tokens * rows));
@@ -542,6 +631,100 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// Products over at most four tokens whose rows the threads claim in guided chunks (one
+    /// matrix, several, per head) give the bits of the same products on one thread, whatever
+    /// the fewest rows a claim takes.
+    #[test]
+    fn guided_claims_give_the_serial_bits() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .expect("a pool");
+        let cols = 192;
+        let shapes = [301usize, 37, 130];
+        let w: Vec<Vec<bf16>> = shapes
+            .iter()
+            .enumerate()
+            .map(|(m, &rows)| {
+                (0..rows * cols)
+                    .map(|i| bf16::from_f32((((i + 7 * m) * 53 % 97) as f32 - 48.0) / 40.0))
+                    .collect()
+            })
+            .collect();
+        let views: Vec<MatrixView<'_>> = shapes
+            .iter()
+            .zip(&w)
+            .map(|(&rows, data)| MatrixView::Bf16 { rows, cols, data })
+            .collect();
+        let serial = CpuTactic {
+            dense_parallel_min_bytes: 1 << 30,
+            ..CpuTactic::DEFAULT
+        };
+        let same = |got: &[f32], want: &[f32]| {
+            got.len() == want.len()
+                && got
+                    .iter()
+                    .zip(want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits())
+        };
+        for rows_per_task in [1, 7, 64] {
+            let guided = CpuTactic {
+                dense_parallel_min_bytes: 0,
+                dense_rows_per_task: rows_per_task,
+                ..CpuTactic::DEFAULT
+            };
+            for tokens in 1..=4 {
+                let x: Vec<f32> = (0..tokens * cols)
+                    .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0 + 1e-3 * (i % 7) as f32)
+                    .collect();
+                for view in &views {
+                    let mut want = vec![0.0; tokens * view.rows()];
+                    matmul_transposed_tuned(&serial, &x, tokens, *view, &mut want);
+                    let mut got = vec![f32::NAN; want.len()];
+                    pool.install(|| matmul_transposed_tuned(&guided, &x, tokens, *view, &mut got));
+                    assert!(
+                        same(&got, &want),
+                        "{}x{} tokens {tokens} rows {rows_per_task}",
+                        view.rows(),
+                        view.cols()
+                    );
+                }
+            }
+            let x1: Vec<f32> = (0..cols).map(|i| (i as f32 - 96.0) / 50.0).collect();
+            let mut got: Vec<Vec<f32>> = shapes.iter().map(|&r| vec![f32::NAN; r]).collect();
+            let mut outs: Vec<&mut [f32]> = got.iter_mut().map(Vec::as_mut_slice).collect();
+            pool.install(|| matmul_transposed_many_tuned(&guided, &x1, 1, &views, &mut outs));
+            for (view, got) in views.iter().zip(&got) {
+                let mut want = vec![0.0; got.len()];
+                matmul_transposed_tuned(&serial, &x1, 1, *view, &mut want);
+                assert!(
+                    same(got, &want),
+                    "many: {} rows, rows {rows_per_task}",
+                    view.rows()
+                );
+            }
+            // Heads of one shape: the first matrix's rows cut into five heads.
+            let (heads, head_rows) = (5, 60);
+            let head_views: Vec<MatrixView<'_>> = w[0]
+                .chunks_exact(head_rows * cols)
+                .take(heads)
+                .map(|data| MatrixView::Bf16 {
+                    rows: head_rows,
+                    cols,
+                    data,
+                })
+                .collect();
+            let xh: Vec<f32> = (0..heads * cols)
+                .map(|i| ((i * 29 % 89) as f32 - 44.0) / 30.0)
+                .collect();
+            let mut want = vec![0.0; heads * head_rows];
+            matmul_per_head_tuned(&serial, &xh, 1, &head_views, &mut want);
+            let mut got = vec![f32::NAN; want.len()];
+            pool.install(|| matmul_per_head_tuned(&guided, &xh, 1, &head_views, &mut got));
+            assert!(same(&got, &want), "per head, rows {rows_per_task}");
         }
     }
 
