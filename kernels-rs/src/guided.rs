@@ -8,8 +8,9 @@
 //! task's time for the other at every join, and every task restarts the prefetchers on a new
 //! stream. Measured on `mini`'s decode steps (`examples/decode_ceiling`, 2 vCPUs of a Xeon,
 //! variants alternating in one process, medians over the rounds): with each product replaced
-//! by a plain sum of its bytes, the calls took 0.92 of the time of 128 KB tasks with guided
-//! claims of at least 16 KB (8 rounds); the real step with the dense products claimed this
+//! by a plain sum of its bytes, the calls took 0.92-0.94 of the time of 128 KB tasks with
+//! guided claims of at least 16 KB (two runs of 8 rounds); the real step with the dense
+//! products claimed this
 //! way (at least 64 rows) took 0.973 of the step with 64-row tasks (20 rounds; 0.959 and
 //! 0.988 in two runs of 10 rounds at 8 rows).
 
