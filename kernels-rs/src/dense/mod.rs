@@ -271,6 +271,27 @@ struct RowBlock<'a> {
     out: SharedOut,
 }
 
+impl<'a> RowBlock<'a> {
+    /// The rows of `w` against one token's activations `x`, into `out`.
+    ///
+    /// # Panics
+    /// If `w` is not BF16 or the shapes disagree (`what` names the product).
+    fn one_token(w: &MatrixView<'a>, x: &'a [f32], out: &mut [f32], what: &str) -> Self {
+        let MatrixView::Bf16 { rows, cols, data } = *w else {
+            panic!("{what}: a guided product of BF16 matrices got another kind")
+        };
+        assert_eq!(x.len(), cols, "{what}: x is not [1, {cols}]");
+        assert_eq!(out.len(), rows, "{what}: out is not [1, {rows}]");
+        Self {
+            data,
+            cols,
+            rows,
+            x,
+            out: SharedOut(out.as_mut_ptr()),
+        }
+    }
+}
+
 /// [`register_tiles`] over the rows of every block, one after another, claimed by the pool's
 /// threads in shrinking chunks of at least `min_rows` rows ([`guided`](crate::guided)) instead
 /// of tasks of a fixed size. For at most [`MAX_TILE_TOKENS`](bf16_tile::MAX_TILE_TOKENS)
@@ -368,20 +389,7 @@ pub fn matmul_transposed_many_tuned(
         let blocks: Vec<RowBlock<'_>> = ws
             .iter()
             .zip(outs.iter_mut())
-            .map(|(w, out)| {
-                let MatrixView::Bf16 { rows, cols, data } = *w else {
-                    unreachable!("checked above")
-                };
-                assert_eq!(x.len(), cols, "matmul_many: x is not [1, {cols}]");
-                assert_eq!(out.len(), rows, "matmul_many: out is not [1, {rows}]");
-                RowBlock {
-                    data,
-                    cols,
-                    rows,
-                    x,
-                    out: SharedOut(out.as_mut_ptr()),
-                }
-            })
+            .map(|(w, out)| RowBlock::one_token(w, x, out, "matmul_many"))
             .collect();
         guided_register_tiles(isa, 1, tactic.dense_rows_per_task, &blocks);
         return;
@@ -452,18 +460,7 @@ pub fn matmul_per_head_tuned(
         let blocks: Vec<RowBlock<'_>> = w
             .iter()
             .zip(x.chunks_exact(cols).zip(out.chunks_exact_mut(rows)))
-            .map(|(h, (x, out))| {
-                let MatrixView::Bf16 { data, .. } = *h else {
-                    unreachable!("checked above")
-                };
-                RowBlock {
-                    data,
-                    cols,
-                    rows,
-                    x,
-                    out: SharedOut(out.as_mut_ptr()),
-                }
-            })
+            .map(|(h, (x, out))| RowBlock::one_token(h, x, out, "matmul_per_head"))
             .collect();
         guided_register_tiles(Isa::detect(), 1, tactic.dense_rows_per_task, &blocks);
         return;
@@ -586,13 +583,9 @@ mod tests {
         }
     }
 
-    /// Several products of the same activations in one call give each product's bits, at one
-    /// token (one parallel call over all their rows) and at several.
-    #[test]
-    fn many_products_equal_each_alone() {
-        let cols = 192;
-        let shapes = [37usize, 130, 5];
-        let w: Vec<Vec<bf16>> = shapes
+    /// BF16 matrices of `shapes[m]` rows of `cols`, each with values of its own.
+    fn test_weights(shapes: &[usize], cols: usize) -> Vec<Vec<bf16>> {
+        shapes
             .iter()
             .enumerate()
             .map(|(m, &rows)| {
@@ -600,12 +593,25 @@ mod tests {
                     .map(|i| bf16::from_f32((((i + 7 * m) * 53 % 97) as f32 - 48.0) / 40.0))
                     .collect()
             })
-            .collect();
-        let views: Vec<MatrixView<'_>> = shapes
+            .collect()
+    }
+
+    fn bf16_views<'a>(shapes: &[usize], cols: usize, w: &'a [Vec<bf16>]) -> Vec<MatrixView<'a>> {
+        shapes
             .iter()
-            .zip(&w)
+            .zip(w)
             .map(|(&rows, data)| MatrixView::Bf16 { rows, cols, data })
-            .collect();
+            .collect()
+    }
+
+    /// Several products of the same activations in one call give each product's bits, at one
+    /// token (one parallel call over all their rows) and at several.
+    #[test]
+    fn many_products_equal_each_alone() {
+        let cols = 192;
+        let shapes = [37usize, 130, 5];
+        let w = test_weights(&shapes, cols);
+        let views = bf16_views(&shapes, cols, &w);
         for tokens in [1, 3, 9] {
             let x: Vec<f32> = (0..tokens * cols)
                 .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
@@ -645,20 +651,8 @@ mod tests {
             .expect("a pool");
         let cols = 192;
         let shapes = [301usize, 37, 130];
-        let w: Vec<Vec<bf16>> = shapes
-            .iter()
-            .enumerate()
-            .map(|(m, &rows)| {
-                (0..rows * cols)
-                    .map(|i| bf16::from_f32((((i + 7 * m) * 53 % 97) as f32 - 48.0) / 40.0))
-                    .collect()
-            })
-            .collect();
-        let views: Vec<MatrixView<'_>> = shapes
-            .iter()
-            .zip(&w)
-            .map(|(&rows, data)| MatrixView::Bf16 { rows, cols, data })
-            .collect();
+        let w = test_weights(&shapes, cols);
+        let views = bf16_views(&shapes, cols, &w);
         let serial = CpuTactic {
             dense_parallel_min_bytes: 1 << 30,
             ..CpuTactic::DEFAULT
