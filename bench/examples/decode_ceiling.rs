@@ -3,10 +3,9 @@
 //! whose every weight-reading call is replaced by a plain sum of exactly the bytes that call
 //! reads (the same matrices in the same order, one fork and join per call as the kernels,
 //! guided claims of at least 128 KB for the dense products, one task per routed expert),
-//! with the attention either
-//! run as it is or skipped. The forward pass around the calls (norms, RoPE, routing, residuals,
-//! sampling) runs as always. So the report splits the real step's distance from the read
-//! bandwidth into:
+//! with the attention either run as it is or skipped. The forward pass around the calls
+//! (norms, RoPE, routing, residuals, sampling) runs as always. So the report splits the real
+//! step's distance from the read bandwidth into:
 //! - what the call structure itself costs (the sums alone against the read bandwidth: the
 //!   forks and joins of ~70 calls, the restarts of the prefetchers at every matrix);
 //! - what the attention adds, which reads no weights (the sums with the attention);

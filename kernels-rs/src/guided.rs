@@ -10,9 +10,8 @@
 //! variants alternating in one process, medians over the rounds): with each product replaced
 //! by a plain sum of its bytes, the calls took 0.92-0.94 of the time of 128 KB tasks with
 //! guided claims of at least 16 KB (two runs of 8 rounds); the real step with the dense
-//! products claimed this
-//! way (at least 64 rows) took 0.973 of the step with 64-row tasks (20 rounds; 0.959 and
-//! 0.988 in two runs of 10 rounds at 8 rows).
+//! products claimed this way (at least 64 rows) took 0.973 of the step with 64-row tasks (20
+//! rounds; 0.959 and 0.988 in two runs of 10 rounds at 8 rows).
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};

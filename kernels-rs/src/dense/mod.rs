@@ -259,9 +259,9 @@ fn products_by_row(
     // (element by element over all tokens, a prefill's transpose was a twentieth of it).
 }
 
-/// One BF16 matrix of a product whose rows the pool's threads claim in guided chunks: its
-/// rows, the activations they multiply (`[tokens, cols]`) and where their products go
-/// (`[rows, tokens]`).
+/// One BF16 matrix of a product whose rows the pool's threads claim in guided chunks (or one
+/// thread computes, below the parallel threshold): its rows, the activations they multiply
+/// (`[tokens, cols]`) and where their products go (`[rows, tokens]`).
 #[derive(Clone, Copy)]
 struct RowBlock<'a> {
     data: &'a [half::bf16],
@@ -290,6 +290,18 @@ impl<'a> RowBlock<'a> {
             out: SharedOut(out.as_mut_ptr()),
         }
     }
+
+    /// [`register_tiles`] of `rows` of this block, into their part of its output. The caller
+    /// gives each row to one call only, and the block's output outlives the calls.
+    fn products(self, isa: Isa, tokens: usize, rows: std::ops::Range<usize>) {
+        assert!(rows.end <= self.rows);
+        // SAFETY: `rows` lie inside the block, so their `[rows, tokens]` output lies inside
+        // its output; no other call writes these rows (the caller's contract above).
+        let chunk = unsafe {
+            std::slice::from_raw_parts_mut(self.out.0.add(rows.start * tokens), rows.len() * tokens)
+        };
+        register_tiles(isa, self.x, tokens, self.data, self.cols, rows.start, chunk);
+    }
 }
 
 /// [`register_tiles`] over the rows of every block, one after another, claimed by the pool's
@@ -301,15 +313,9 @@ impl<'a> RowBlock<'a> {
 fn guided_register_tiles(isa: Isa, tokens: usize, min_rows: usize, blocks: &[RowBlock<'_>]) {
     debug_assert!(tokens <= bf16_tile::MAX_TILE_TOKENS);
     let lens: Vec<usize> = blocks.iter().map(|b| b.rows).collect();
+    // Claims are disjoint: every row goes to one call.
     crate::guided::for_each_block_chunk(&lens, min_rows, |i, rows| {
-        let b = blocks[i];
-        // SAFETY: these rows of block i are this claim's alone (claims are disjoint), so is
-        // their `[rows, tokens]` output, which lies inside the block's output; the caller's
-        // slice outlives the claims.
-        let chunk = unsafe {
-            std::slice::from_raw_parts_mut(b.out.0.add(rows.start * tokens), rows.len() * tokens)
-        };
-        register_tiles(isa, b.x, tokens, b.data, b.cols, rows.start, chunk);
+        blocks[i].products(isa, tokens, rows)
     });
 }
 
@@ -384,35 +390,18 @@ pub fn matmul_transposed_many_tuned(
         panic!("{e}");
     }
     let isa = Isa::detect();
+    let blocks: Vec<RowBlock<'_>> = ws
+        .iter()
+        .zip(outs.iter_mut())
+        .map(|(w, out)| RowBlock::one_token(w, x, out, "matmul_many"))
+        .collect();
     let bytes: usize = ws.iter().map(MatrixView::bytes).sum();
-    if bytes >= tactic.dense_parallel_min_bytes {
-        let blocks: Vec<RowBlock<'_>> = ws
-            .iter()
-            .zip(outs.iter_mut())
-            .map(|(w, out)| RowBlock::one_token(w, x, out, "matmul_many"))
-            .collect();
-        guided_register_tiles(isa, 1, tactic.dense_rows_per_task, &blocks);
-        return;
-    }
-    let rows_per_task = tactic.dense_rows_per_task;
-    let mut tasks = Vec::new();
-    for (w, out) in ws.iter().zip(outs.iter_mut()) {
-        let MatrixView::Bf16 { rows, cols, data } = *w else {
-            unreachable!("checked above")
-        };
-        assert_eq!(x.len(), cols, "matmul_many: x is not [1, {cols}]");
-        assert_eq!(out.len(), rows, "matmul_many: out is not [1, {rows}]");
-        for (task, chunk) in out.chunks_mut(rows_per_task).enumerate() {
-            tasks.push((data, cols, task * rows_per_task, chunk));
-        }
-    }
-    let run = |(data, cols, first_row, chunk): (&[half::bf16], usize, usize, &mut [f32])| {
-        register_tiles(isa, x, 1, data, cols, first_row, chunk);
-    };
     if bytes < tactic.dense_parallel_min_bytes {
-        tasks.into_iter().for_each(run);
+        for b in &blocks {
+            b.products(isa, 1, 0..b.rows);
+        }
     } else {
-        tasks.into_par_iter().for_each(run);
+        guided_register_tiles(isa, 1, tactic.dense_rows_per_task, &blocks);
     }
 }
 
