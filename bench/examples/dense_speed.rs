@@ -39,18 +39,16 @@ fn main() {
         (512, 128),
     ];
     let weights = bench::RotatedBf16::new(ROTATED_BYTES);
-    let all = weights.values();
+    let mut rotation = weights.rotation();
     let reaches = PrefetchReach::ALL;
     // [shape][reach]: GB/s over the round's read bandwidth.
     let mut shares = vec![[const { Vec::new() }; PrefetchReach::ALL.len()]; shapes.len()];
     // [shape][reach]: near's GB/s over the reach's (its time over near's).
     let mut over_near = vec![[const { Vec::new() }; PrefetchReach::ALL.len()]; shapes.len()];
-    let mut call = 0usize;
     for round in 0..rounds {
         let (_, read) = bench::bandwidth_on(bench::Pages::Huge, bench::COPY_BYTES, 3);
         println!("round {round}: read bandwidth {read:.1} GB/s");
         for (s, &(rows, cols)) in shapes.iter().enumerate() {
-            let sets = all.len() / (rows * cols);
             let x = vec![0.5f32; cols];
             let mut out = vec![0.0f32; rows];
             let mut gbs = [0.0f64; PrefetchReach::ALL.len()];
@@ -58,8 +56,7 @@ fn main() {
                 reach.set();
                 let mut best = f64::MAX;
                 for _ in 0..CALLS {
-                    let set = &all[(call % sets) * rows * cols..][..rows * cols];
-                    call += 1;
+                    let set = rotation.next(rows * cols);
                     let start = Instant::now();
                     matmul_transposed(
                         &x,

@@ -34,13 +34,8 @@ fn main() {
         .nth(1)
         .map_or(6, |s| s.parse().expect("a number of rounds"));
     let weights = bench::RotatedBf16::new(ROTATED_BYTES);
-    let all = weights.values();
-    let mut call = 0usize;
-    let mut next = |rows: usize, cols: usize| {
-        let sets = all.len() / (rows * cols);
-        call += 1;
-        &all[(call % sets) * rows * cols..][..rows * cols]
-    };
+    let mut rotation = weights.rotation();
+    let mut next = |rows: usize, cols: usize| rotation.next(rows * cols);
     println!("1. 32768x1024 BF16, one token: GB/s (share of the round's read bandwidth)");
     let (rows, cols) = (32768, 1024);
     let (x, mut out) = (vec![0.5f32; cols], vec![0.0f32; rows]);

@@ -35,22 +35,16 @@ fn main() {
     let rounds: usize = std::env::args()
         .nth(1)
         .map_or(6, |s| s.parse().expect("a number of rounds"));
-    let weights = bench::RotatedBf16::new(ROTATED_BYTES);
-    let all = weights.values();
-    let mut call = 0usize;
     let (rows, cols) = (32768, 1024);
-    let mut next = || {
-        let sets = all.len() / (rows * cols);
-        call += 1;
-        &all[(call % sets) * rows * cols..][..rows * cols]
-    };
+    let weights = bench::RotatedBf16::new(ROTATED_BYTES);
+    let mut rotation = weights.rotation();
     let (x, mut out) = (vec![0.5f32; cols], vec![0.0f32; rows]);
     for round in 0..rounds {
         let (_, read) = bench::bandwidth_on(bench::Pages::Huge, bench::COPY_BYTES, 3);
         let mut best = vec![f64::MAX; 2 + LEADS.len()];
         for _ in 0..CALLS {
             for (k, best) in best.iter_mut().enumerate() {
-                let w = next();
+                let w = rotation.next(rows * cols);
                 let start = Instant::now();
                 match k {
                     0 => matmul_transposed(&x, 1, view(w, rows, cols), &mut out),

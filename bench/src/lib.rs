@@ -103,6 +103,31 @@ impl RotatedBf16 {
         // SAFETY: as in `new`.
         unsafe { std::slice::from_raw_parts(self.map.as_ptr().cast(), self.map.len() / 2) }
     }
+
+    /// Hands out the weights one call's matrix at a time, each call the next whole matrix of
+    /// the rotation.
+    pub fn rotation(&self) -> Rotation<'_> {
+        Rotation {
+            values: self.values(),
+            call: 0,
+        }
+    }
+}
+
+/// [`RotatedBf16::rotation`]: each call's weights, in turn through the whole buffer.
+pub struct Rotation<'a> {
+    values: &'a [half::bf16],
+    call: usize,
+}
+
+impl<'a> Rotation<'a> {
+    /// The next call's `len` values: the next of the buffer's whole runs of `len`.
+    pub fn next(&mut self, len: usize) -> &'a [half::bf16] {
+        let sets = self.values.len() / len;
+        assert!(sets > 0, "{len} values do not fit the rotated weights");
+        self.call += 1;
+        &self.values[(self.call % sets) * len..][..len]
+    }
 }
 
 /// The page size of a bandwidth measurement's buffers.
