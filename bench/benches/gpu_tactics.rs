@@ -31,10 +31,10 @@ use kernels::mla::MlaSplitTactic;
 use kernels::moe_gemm::MoeGemmTactic;
 use kernels::tactic::timing::{TimedDevice, WithTimedDevice, with_timed_device};
 use kernels::tactic::{KernelFamily, ProblemShape, Tactic};
-use model::generator::Preset;
-use model::tactics::shapes;
+use model::checkpoint::generator::Preset;
+use model::exec::tactics::shapes;
 
-/// Decode batches the sweeps cover (the lab's `autotune` covers all of `model::tactics`).
+/// Decode batches the sweeps cover (the lab's `autotune` covers all of `model::exec::tactics`).
 const SWEEP_BATCHES: [u32; 3] = [1, 8, 64];
 /// MLA: one context length.
 const SWEEP_CONTEXT: u32 = 8192;
@@ -64,8 +64,8 @@ fn sweeps(sm: Sm) -> Vec<FamilySweep> {
     let pick = |family: KernelFamily| -> Vec<ProblemShape> {
         let all = shapes(&cfg, 8, family);
         if family == KernelFamily::MoeGemm {
-            // One MoE shape per batch of model::tactics::BATCHES, in order.
-            return model::tactics::BATCHES
+            // One MoE shape per batch of model::exec::tactics::BATCHES, in order.
+            return model::exec::tactics::BATCHES
                 .iter()
                 .zip(all)
                 .filter(|(b, _)| SWEEP_BATCHES.contains(b))

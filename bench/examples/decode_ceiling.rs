@@ -34,9 +34,9 @@ use kernels::matrix::MatrixView;
 use kernels::mla::cache::{CacheError, KvCacheDtype, PAGE_TOKENS, PagedLatentCache};
 use kernels::mla::reference::MlaProblem;
 use kernels::moe_gemm::reference::{ExpertInputAmax, ExpertView, Routing};
-use model::backend::{Backend, TunedCpuBackend};
-use model::forward::{LogitRows, SeqInput};
-use model::quantize::random_tokens;
+use model::checkpoint::quantize::random_tokens;
+use model::exec::cpu::backend::{Backend, TunedCpuBackend};
+use model::exec::forward::{LogitRows, SeqInput};
 use rayon::prelude::*;
 
 /// Whole decode steps, real and with plain sums in place of the products, alternating.
@@ -207,7 +207,7 @@ impl Backend for SummingBackend<'_> {
 }
 
 fn main() -> Result<()> {
-    model::heap::keep_freed_activations();
+    model::exec::cpu::heap::keep_freed_activations();
     let o = Options::parse();
     let (rounds, steps) = (o.rounds as usize, o.steps as usize);
     let (dir, model) = bench::load_model_as_run(o.checkpoint.as_deref())?;
@@ -244,7 +244,7 @@ fn main() -> Result<()> {
             tokens: &prompt,
         }];
         let logits = model.forward(&real, cache, &inputs, LogitRows::Last, None)?;
-        Ok((seq, [model::sampler::argmax(logits.row(0))]))
+        Ok((seq, [model::exec::sampler::argmax(logits.row(0))]))
     };
     let (mut seq, token) = prefill(&mut cache)?;
     // What a real step reads: the runs the summing backend reads in one step.
@@ -318,7 +318,7 @@ fn main() -> Result<()> {
                 }];
                 let logits = model.forward(backend, &mut cache, &inputs, LogitRows::Last, None)?;
                 if computes {
-                    token = [model::sampler::argmax(logits.row(0))];
+                    token = [model::exec::sampler::argmax(logits.row(0))];
                 }
                 times.push(start.elapsed().as_secs_f64());
             }

@@ -20,9 +20,9 @@ use clap::Parser;
 use kernels::cpu_tactic::CpuTactic;
 use kernels::mla::cache::{KvCacheDtype, PAGE_TOKENS};
 use kernels::moe_gemm::cpu_simd::PrefetchReach;
-use model::backend::TunedCpuBackend;
-use model::forward::{LogitRows, SeqInput};
-use model::quantize::random_tokens;
+use model::checkpoint::quantize::random_tokens;
+use model::exec::cpu::backend::TunedCpuBackend;
+use model::exec::forward::{LogitRows, SeqInput};
 
 /// Whole decode steps under each prefetch reach, alternating in one process.
 #[derive(Parser)]
@@ -45,7 +45,7 @@ struct Options {
 }
 
 fn main() -> Result<()> {
-    model::heap::keep_freed_activations();
+    model::exec::cpu::heap::keep_freed_activations();
     let o = Options::parse();
     let (rounds, steps, batch) = (o.rounds as usize, o.steps as usize, o.batch as usize);
     let (dir, model) = bench::load_model_as_run(o.checkpoint.as_deref())?;
@@ -70,7 +70,7 @@ fn main() -> Result<()> {
         .collect();
     let logits = model.forward(&backend, &mut cache, &inputs, LogitRows::Last, None)?;
     let mut tokens: Vec<[u32; 1]> = (0..batch)
-        .map(|b| [model::sampler::argmax(logits.row(b))])
+        .map(|b| [model::exec::sampler::argmax(logits.row(b))])
         .collect();
     println!(
         "{} (batch {}, prompt {}), {} rounds of {} steps per reach; default reach {}",
@@ -100,7 +100,7 @@ fn main() -> Result<()> {
                     .collect();
                 let logits = model.forward(&backend, &mut cache, &inputs, LogitRows::Last, None)?;
                 for (b, token) in tokens.iter_mut().enumerate() {
-                    token[0] = model::sampler::argmax(logits.row(b));
+                    token[0] = model::exec::sampler::argmax(logits.row(b));
                 }
                 times.push(start.elapsed().as_secs_f64());
             }

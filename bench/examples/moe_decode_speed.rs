@@ -24,7 +24,7 @@ use kernels::formats::nvfp4::Nvfp4View;
 use kernels::matrix::MatrixView;
 use kernels::moe_gemm::cpu_simd::PrefetchReach;
 use kernels::moe_gemm::reference::{ExpertView, Routing};
-use model::backend::{Backend, TunedCpuBackend};
+use model::exec::cpu::backend::{Backend, TunedCpuBackend};
 
 fn main() {
     let arg = |i: usize, default: usize| {
@@ -38,7 +38,8 @@ fn main() {
     let expert_bytes = 2 * matrix_bytes(inter, hidden) + matrix_bytes(hidden, inter);
     let layers = (768usize << 20) / (experts * expert_bytes) + 1;
     let total = layers * experts * expert_bytes;
-    let mut map = model::tensor_file::huge_page_memory(total).expect("anonymous memory");
+    let mut map =
+        model::checkpoint::tensor_file::huge_page_memory(total).expect("anonymous memory");
     for (i, b) in map.iter_mut().enumerate() {
         *b = (i.wrapping_mul(2654435761) >> 13) as u8;
     }

@@ -1,7 +1,7 @@
 """The peer benchmark's model side, in Python.
 
 `make`: a random BF16 DeepSeek-V3 checkpoint with the `mini` preset's dimensions
-(model/src/generator.rs), in the layout of the public DeepSeek-V3 checkpoints: config.json
+(model/src/checkpoint/generator.rs), in the layout of the public DeepSeek-V3 checkpoints: config.json
 (`deepseek_v3`), one model.safetensors, routed experts per expert. `model quantize` turns it
 into our NVFP4 checkpoint; llama.cpp's converter turns that into its GGUF.
 
@@ -21,7 +21,7 @@ import struct
 import time
 from pathlib import Path
 
-# The `mini` preset of model/src/generator.rs, as a plain DeepSeek-V3 text config.
+# The `mini` preset of model/src/checkpoint/generator.rs, as a plain DeepSeek-V3 text config.
 MINI = {
     "architectures": ["DeepseekV3ForCausalLM"],
     "model_type": "deepseek_v3",

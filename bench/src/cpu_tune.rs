@@ -17,13 +17,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use kernels::cpu_tactic::{CpuTactic, CpuTacticSpace};
-use model::backend::TunedCpuBackend;
+use model::arch::config::ModelConfig;
+use model::checkpoint::quantize::random_tokens;
 use model::checkpoint::{Checkpoint, WeightPlacement};
-use model::config::ModelConfig;
-use model::forward::Model;
-use model::generate::{GenerationRequest, generate};
-use model::quantize::random_tokens;
-use model::sampler::SamplingParams;
+use model::exec::cpu::backend::TunedCpuBackend;
+use model::exec::forward::Model;
+use model::exec::generate::{GenerationRequest, generate};
+use model::exec::sampler::SamplingParams;
 
 use crate::cpu_tactics::{Case, Shape, median_spread};
 

@@ -15,27 +15,27 @@ use kernels::cpu_tactic::CpuTactic;
 use kernels::formats::NVFP4_BLOCK;
 use kernels::formats::nvfp4::Nvfp4Matrix;
 use kernels::mla::cache::{KvCacheDtype, PAGE_TOKENS};
-use model::backend::{Backend, CpuBackend, TunedCpuBackend};
+use model::arch::config::{ConfigError, KvCacheQuant, ModelConfig};
+use model::checkpoint::generator::{Preset, default_checkpoint, generate_checkpoint};
+use model::checkpoint::nvfp4_file::{nvfp4_weight_names, read_nvfp4};
+use model::checkpoint::quantize::{quantize_checkpoint, random_tokens};
+use model::checkpoint::tensor_file::{TensorFile, TensorFileError};
+use model::checkpoint::weights::TpShard;
+use model::checkpoint::writer::{OutputKind, OwnedTensor, StagedOutput, write_file};
 use model::checkpoint::{Checkpoint, CheckpointError, WeightPlacement};
-use model::checkpoint_writer::{OutputKind, OwnedTensor, StagedOutput, write_file};
-use model::config::{ConfigError, KvCacheQuant, ModelConfig};
-use model::cpu_choice::CpuTacticArgs;
-use model::executor::{ShmAllReduce, TpAllReduce};
-use model::forward::{ForwardError, LogitRows, Model, SeqInput, forward_bytes};
-use model::generate::{
+use model::cli::serving::{self, ChatArgs, ServeArgs, TokenizeArgs};
+use model::exec::cpu::backend::{Backend, CpuBackend, TunedCpuBackend};
+use model::exec::cpu::choice::CpuTacticArgs;
+use model::exec::cpu::profile::ProfiledBackend;
+use model::exec::device::{ShmAllReduce, TpAllReduce};
+use model::exec::forward::{ForwardError, LogitRows, Model, SeqInput, forward_bytes};
+use model::exec::generate::{
     GenerationRequest, GenerationResult, GenerationTiming, generate, generate_with,
 };
-use model::generator::{Preset, default_checkpoint, generate_checkpoint};
+use model::exec::plan::{PlanRequest, plan};
+use model::exec::sampler::SamplingParams;
+use model::exec::tp::{self, RankFailed, TpCpuBackend};
 use model::input::{InvalidInput, TokenIds, check_memory, largest_fitting};
-use model::nvfp4_file::{nvfp4_weight_names, read_nvfp4};
-use model::op_profile::ProfiledBackend;
-use model::plan::{PlanRequest, plan};
-use model::quantize::{quantize_checkpoint, random_tokens};
-use model::sampler::SamplingParams;
-use model::serving_cli::{self, ChatArgs, ServeArgs, TokenizeArgs};
-use model::tensor_file::{TensorFile, TensorFileError};
-use model::tp::{self, RankFailed, TpCpuBackend};
-use model::weights::TpShard;
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 
@@ -175,7 +175,7 @@ impl DeviceJob for RunOnDevice<'_> {
         dev: D,
         all_reduce: Option<Box<dyn TpAllReduce<D>>>,
     ) -> Result<Self::Output> {
-        let capacity = model::executor::StepCapacity {
+        let capacity = model::exec::device::StepCapacity {
             tokens: self.max_rows,
             logit_rows: self.batch,
         };
@@ -207,15 +207,15 @@ struct LogitsOnDevice<'a> {
 }
 
 impl DeviceJob for LogitsOnDevice<'_> {
-    type Output = model::forward::Logits;
+    type Output = model::exec::forward::Logits;
     fn run<D: kernels::device::Device + 'static>(
         self,
         dev: D,
         all_reduce: Option<Box<dyn TpAllReduce<D>>>,
     ) -> Result<Self::Output> {
-        use model::executor::{StepOutput, StepResult};
+        use model::exec::device::{StepOutput, StepResult};
         let n = self.tokens.len();
-        let capacity = model::executor::StepCapacity {
+        let capacity = model::exec::device::StepCapacity {
             tokens: n,
             logit_rows: n,
         };
@@ -425,7 +425,7 @@ fn open_gpu<J: DeviceJob>(
         .map_err(|e| InvalidInput(format!("--backend cuda: {e}")))?;
     let all_reduce = match group {
         Some(g) => {
-            let joined = model::executor::IpcAllReduce::join(
+            let joined = model::exec::device::IpcAllReduce::join(
                 ordinal,
                 &args.ptx_dir,
                 g.segment,
@@ -468,11 +468,11 @@ fn executor_on<D: kernels::device::Device>(
     model: &Model,
     kv_dtype: KvCacheDtype,
     cache_tokens: usize,
-    capacity: model::executor::StepCapacity,
+    capacity: model::exec::device::StepCapacity,
     quiet: bool,
     (world, dense): (usize, kernels::blas::DenseTactic),
-) -> Result<model::executor::DeviceExecutor<D>> {
-    use model::executor::{DeviceExecutor, ExecutorError, ExecutorTactics};
+) -> Result<model::exec::device::DeviceExecutor<D>> {
+    use model::exec::device::{DeviceExecutor, ExecutorError, ExecutorTactics};
     let refuse = |e: ExecutorError| -> anyhow::Error {
         match e {
             ExecutorError::Unsupported(_) | ExecutorError::Weights(_) => {
@@ -566,7 +566,7 @@ fn parse_sm(s: &str) -> std::result::Result<kernels::arch::Sm, String> {
 fn log_tactics(
     args: &TacticsArgs,
     tp: &TpArgs,
-    config: &model::config::ModelConfig,
+    config: &model::arch::config::ModelConfig,
     tokens: usize,
     context: usize,
     kv: KvCacheDtype,
@@ -574,7 +574,7 @@ fn log_tactics(
     if tp.tp_rank.is_some() || args.tactics.is_none() {
         return;
     }
-    let run = model::tactics::RunShapes {
+    let run = model::exec::tactics::RunShapes {
         sm: args.tactics_sm,
         tp: tp.world() as u32,
         tokens: tokens as u32,
@@ -585,7 +585,7 @@ fn log_tactics(
         "tactics for {} (the GPU executor's kernels; this run computes on the CPU):",
         args.tactics_sm
     );
-    for line in model::tactics::tactic_lines(args.tactics.as_deref(), config, &run) {
+    for line in model::exec::tactics::tactic_lines(args.tactics.as_deref(), config, &run) {
         eprintln!("  {line}");
     }
 }
@@ -702,7 +702,7 @@ struct LaunchListArgs {
 }
 
 fn launch_list_command(args: LaunchListArgs) -> Result<()> {
-    use model::executor::{DryStep, decode_tactics};
+    use model::exec::device::{DryStep, decode_tactics};
     let config = args.preset.model_config();
     if args.rank >= args.tp {
         bail!(InvalidInput(format!(
@@ -815,7 +815,7 @@ fn main() -> ExitCode {
         // SAFETY: setting a signal disposition before any thread exists.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     }
-    model::heap::keep_freed_activations();
+    model::exec::cpu::heap::keep_freed_activations();
     std::panic::set_hook(Box::new(|info| {
         eprintln!("Error: internal failure (a bug, please report it): {info}");
     }));
@@ -878,12 +878,12 @@ fn dispatch(cli: Cli) -> Result<()> {
     // No subcommand: the front door's main job, a question in, reasoning and answer out.
     let command = match cli.command {
         Some(command) => command,
-        None => Command::Chat(serving_cli::demo_chat_args()),
+        None => Command::Chat(serving::demo_chat_args()),
     };
     match command {
-        Command::Chat(args) => serving_cli::run_chat(args),
-        Command::Serve(args) => serving_cli::run_serve(args),
-        Command::Tokenize(args) => serving_cli::run_tokenize(args),
+        Command::Chat(args) => serving::run_chat(args),
+        Command::Serve(args) => serving::run_serve(args),
+        Command::Tokenize(args) => serving::run_tokenize(args),
         Command::Run(args) => run(args),
         Command::Logits(args) => logits(args),
         Command::CompareLogits {
@@ -1340,13 +1340,13 @@ fn compare_logits(
     max_rel_l2: f64,
     as_close_as: Option<&str>,
 ) -> Result<()> {
-    let (b, vocab) = model::compare::read_logits(reference)?;
-    let against = |spec: &str| -> Result<model::compare::LogitsAgreement> {
-        let (a, width) = model::compare::read_logits(spec)?;
+    let (b, vocab) = model::cli::compare::read_logits(reference)?;
+    let against = |spec: &str| -> Result<model::cli::compare::LogitsAgreement> {
+        let (a, width) = model::cli::compare::read_logits(spec)?;
         if width != vocab {
             anyhow::bail!("{spec} has rows of {width}, {reference} of {vocab}");
         }
-        let agreement = model::compare::compare(&a, &b, vocab)?;
+        let agreement = model::cli::compare::compare(&a, &b, vocab)?;
         println!("{spec} vs {reference}: {}", agreement.summary());
         Ok(agreement)
     };

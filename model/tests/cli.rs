@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use model::tensor_file::TensorFile;
+use model::checkpoint::tensor_file::TensorFile;
 
 fn golden_model(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

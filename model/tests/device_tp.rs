@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use model::tensor_file::TensorFile;
+use model::checkpoint::tensor_file::TensorFile;
 
 fn kernel_model() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../golden/data/models/kimi-kernel-dims")

@@ -6,15 +6,15 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use kernels::mla::cache::KvCacheDtype;
-use model::backend::CpuBackend;
 use model::checkpoint::Checkpoint;
-use model::engine::{
+use model::checkpoint::quantize::random_tokens;
+use model::exec::cpu::backend::CpuBackend;
+use model::exec::forward::Model;
+use model::exec::generate::{GenerationRequest, generate};
+use model::exec::sampler::SamplingParams;
+use model::serve::engine::{
     EngineConfig, EngineHandle, EngineRequest, FinishReason, SubmitError, TokenEvent, start_engine,
 };
-use model::forward::Model;
-use model::generate::{GenerationRequest, generate};
-use model::quantize::random_tokens;
-use model::sampler::SamplingParams;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 fn load() -> Model {

@@ -10,11 +10,11 @@
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use model::arch::config::CheckpointConfig;
+use model::arch::rope::Rope;
 use model::checkpoint::parse_index;
-use model::config::CheckpointConfig;
+use model::checkpoint::tensor_file::TensorFile;
 use model::input::parse_token_list;
-use model::rope::Rope;
-use model::tensor_file::TensorFile;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 use safetensors::Dtype;
@@ -474,8 +474,8 @@ fn fuzz_configs() {
         documents.push((read("config.json"), Some(read("hf_quant_config.json"))));
     }
     for preset in [
-        model::generator::Preset::Tiny,
-        model::generator::Preset::KimiK25,
+        model::checkpoint::generator::Preset::Tiny,
+        model::checkpoint::generator::Preset::KimiK25,
     ] {
         documents.push((preset.config_json(), None));
     }

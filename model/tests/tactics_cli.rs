@@ -12,7 +12,7 @@ use kernels::tactic::cache::{
     built_source_hashes,
 };
 use kernels::tactic::{KernelFamily, ProblemShape, Tactic};
-use model::config::CheckpointConfig;
+use model::arch::config::CheckpointConfig;
 
 fn tiny() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../golden/data/models/kimi-tiny")

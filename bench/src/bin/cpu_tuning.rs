@@ -58,8 +58,8 @@ fn options() -> Result<Options> {
             "--print-checkpoint" => {
                 // The folder of `tiny` or `mini` (unpacked or generated if needed), for scripts.
                 let dir = match value()?.as_str() {
-                    "tiny" => model::serving_cli::default_chat_checkpoint(None)?,
-                    "mini" => model::generator::default_checkpoint(None)?,
+                    "tiny" => model::cli::serving::default_chat_checkpoint(None)?,
+                    "mini" => model::checkpoint::generator::default_checkpoint(None)?,
                     other => bail!("--print-checkpoint tiny|mini, not {other}"),
                 };
                 println!("{}", dir.display());
@@ -124,19 +124,19 @@ fn run_once(o: &Options, checkpoint: &Path, tactics: Option<&Path>) -> Result<(f
 
 fn main() -> Result<()> {
     // As `model run` does: its steps' freed activations stay in the heap.
-    model::heap::keep_freed_activations();
+    model::exec::cpu::heap::keep_freed_activations();
     let o = options()?;
     let mut models: Vec<(&str, PathBuf)> = Vec::new();
     if o.only.as_deref() != Some("mini") {
         models.push((
             "kimi-chat-tiny (embedded)",
-            model::serving_cli::default_chat_checkpoint(None)?,
+            model::cli::serving::default_chat_checkpoint(None)?,
         ));
     }
     if o.only.as_deref() != Some("tiny") {
         models.push((
             "mini (generated)",
-            model::generator::default_checkpoint(None)?,
+            model::checkpoint::generator::default_checkpoint(None)?,
         ));
     }
     let mut text = format!(

@@ -23,9 +23,9 @@ use kernels::matrix::MatrixView;
 use kernels::mla::cache::{CacheError, KvCacheDtype, PagedLatentCache};
 use kernels::mla::reference::MlaProblem;
 use kernels::moe_gemm::reference::{ExpertInputAmax, ExpertView, Routing};
-use model::backend::{Backend, CpuBackend};
-use model::forward::{LogitRows, SeqInput};
-use model::quantize::random_tokens;
+use model::checkpoint::quantize::random_tokens;
+use model::exec::cpu::backend::{Backend, CpuBackend};
+use model::exec::forward::{LogitRows, SeqInput};
 
 /// The CPU backend, counting the bytes each operation must read.
 #[derive(Default)]
@@ -122,7 +122,7 @@ fn options() -> Result<Options> {
 
 fn main() -> Result<()> {
     // As `model run` does: its steps' freed activations stay in the heap.
-    model::heap::keep_freed_activations();
+    model::exec::cpu::heap::keep_freed_activations();
     let o = options()?;
     let (dir, model) = bench::load_model_as_run(o.checkpoint.as_deref())?;
     let c = &model.config;
@@ -175,7 +175,7 @@ fn main() -> Result<()> {
             None,
         )?;
         backend.take();
-        let mut token = model::sampler::argmax(logits.row(0));
+        let mut token = model::exec::sampler::argmax(logits.row(0));
         let (mut bytes, mut seconds, mut best) = (0u64, 0f64, f64::MAX);
         for _ in 0..o.steps {
             let start = Instant::now();
@@ -190,7 +190,7 @@ fn main() -> Result<()> {
                 None,
             )?;
             let elapsed = start.elapsed().as_secs_f64();
-            token = model::sampler::argmax(logits.row(0));
+            token = model::exec::sampler::argmax(logits.row(0));
             // The embedding row is read outside the backend.
             bytes += backend.take() + (c.hidden_size * 2) as u64;
             seconds += elapsed;

@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use bench::{cpu_model, load_average, utc_date};
-use model::server::{RuntimeOptions, ServeOptions, serve_until};
-use model::serving_cli::default_chat_checkpoint;
+use model::cli::serving::default_chat_checkpoint;
+use model::serve::{RuntimeOptions, ServeOptions, serve_until};
 use serde_json::{Value, json};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -563,7 +563,7 @@ fn check_ranges(c: &ModelConfig) -> Result<(), String> {
             }
         }
     }
-    if !crate::rope::Rope::new(c).is_finite() {
+    if !crate::arch::rope::Rope::new(c).is_finite() {
         return Err(format!(
             "`rope_theta` {} and `rope_scaling` {:?} give RoPE frequencies or a scale that f32 cannot hold",
             c.rope_theta, c.rope_scaling
@@ -671,7 +671,7 @@ impl ModelConfig {
     }
 
     /// Whether the model splits over `world` tensor-parallel ranks the way
-    /// [`crate::weights::ModelWeights::shard`] splits it: attention heads and every MLP's
+    /// [`crate::checkpoint::weights::ModelWeights::shard`] splits it: attention heads and every MLP's
     /// intermediate dimension evenly, routed experts' in whole NVFP4 blocks.
     pub fn check_tensor_parallel(&self, world: usize) -> Result<(), String> {
         let check = |what: &str, total: usize, align: usize| {

@@ -19,11 +19,11 @@ use kernels::moe_gemm::launch::{
     ExpertWeights as KernelExpert, MoeDeviceWeights, MoeWeightsHost, MoeWeightsShape,
 };
 
-use crate::config::ModelConfig;
-use crate::forward::Model;
-use crate::weights::{
+use crate::arch::config::ModelConfig;
+use crate::checkpoint::weights::{
     Bf16Weight, DenseMlpWeights, ExpertWeights, MlpWeights, MoeWeights, QueryProjection, TpShard,
 };
+use crate::exec::forward::Model;
 
 #[derive(Debug, thiserror::Error)]
 pub enum WeightsError {
@@ -298,7 +298,7 @@ fn pack_experts(prefix: &str, w: &MoeWeights) -> Result<MoeWeightsHost, WeightsE
 
 impl<D: Device> DeviceWeights<D> {
     /// Uploads every weight of `model` (the whole model, or one rank's
-    /// [`ModelWeights::shard`](crate::weights::ModelWeights::shard) of it); `moe_tactic`
+    /// [`ModelWeights::shard`](crate::checkpoint::weights::ModelWeights::shard) of it); `moe_tactic`
     /// decides the experts' scale layout.
     pub fn upload(
         dev: &D,
@@ -337,7 +337,7 @@ impl<D: Device> DeviceWeights<D> {
     }
 
     /// Zeroed allocations of every weight rank `shard.rank` of `shard.world` holds, of the
-    /// shapes an upload of that rank's [`ModelWeights::shard`](crate::weights::ModelWeights::shard)
+    /// shapes an upload of that rank's [`ModelWeights::shard`](crate::checkpoint::weights::ModelWeights::shard)
     /// makes: the executor's footprint and launches without the weights' values (a dry run
     /// of a model too large to hold; on a real device, a step of it computes on zeros).
     pub fn zeroed(

@@ -20,9 +20,9 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::backend::Backend;
-use crate::forward::{LogitRows, Model, SeqInput};
-use crate::sampler::{Sampler, SamplingParams};
+use crate::exec::cpu::backend::Backend;
+use crate::exec::forward::{LogitRows, Model, SeqInput};
+use crate::exec::sampler::{Sampler, SamplingParams};
 
 #[derive(Clone, Copy, Debug)]
 pub struct EngineConfig {

@@ -3,6 +3,13 @@
 //! `language_model.` prefix (Kimi-K2.5) or without it (DeepSeek-V3 family). Shards are
 //! memory-mapped; weights are borrowed from the mappings, never copied.
 
+pub mod generator;
+pub mod nvfp4_file;
+pub mod quantize;
+pub mod tensor_file;
+pub mod weights;
+pub mod writer;
+
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -14,9 +21,9 @@ use safetensors::Dtype;
 use serde::Deserialize;
 use thiserror::Error;
 
-use crate::config::{CheckpointConfig, ConfigError, KvCacheQuant, ModelConfig};
-use crate::tensor_file::{TensorFile, TensorFileError};
-use crate::weights::*;
+use crate::arch::config::{CheckpointConfig, ConfigError, KvCacheQuant, ModelConfig};
+use crate::checkpoint::tensor_file::{TensorFile, TensorFileError};
+use crate::checkpoint::weights::*;
 
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
 /// Prefix of the text model's tensors in Kimi-K2.5 (a multimodal wrapper).

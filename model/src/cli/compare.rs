@@ -6,8 +6,8 @@ use std::path::Path;
 
 use anyhow::{Context, Result, bail};
 
-use crate::sampler::argmax;
-use crate::tensor_file::TensorFile;
+use crate::checkpoint::tensor_file::TensorFile;
+use crate::exec::sampler::argmax;
 
 /// Per-position agreement of a candidate's logits with a reference's.
 #[derive(Clone, Debug, PartialEq)]

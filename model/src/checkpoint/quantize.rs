@@ -14,13 +14,13 @@ use rand_chacha::ChaCha8Rng;
 use safetensors::Dtype;
 use serde_json::{Value, json};
 
-use crate::backend::Backend;
+use crate::arch::config::ModelConfig;
+use crate::checkpoint::weights::{ExpertMatrix, ExpertWeights, MlpWeights};
+use crate::checkpoint::writer::{OutputKind, OwnedTensor, StagedOutput, write_sharded};
 use crate::checkpoint::{Checkpoint, INDEX_FILE};
-use crate::checkpoint_writer::{OutputKind, OwnedTensor, StagedOutput, write_sharded};
-use crate::config::ModelConfig;
-use crate::forward::{Calibration, LogitRows, Model, SeqInput, forward_bytes};
+use crate::exec::cpu::backend::Backend;
+use crate::exec::forward::{Calibration, LogitRows, Model, SeqInput, forward_bytes};
 use crate::input::{InvalidInput, check_memory, largest_fitting};
-use crate::weights::{ExpertMatrix, ExpertWeights, MlpWeights};
 
 /// One expert in the ModelOpt NVFP4 layout.
 pub struct QuantizedExpert {
@@ -261,7 +261,7 @@ pub fn quantize_checkpoint(
     let calibration = calibrate(&model, backend, &tokens)?;
     let quantized = quantize_experts(&model, &calibration)?;
 
-    let mut names: Vec<(&str, &crate::tensor_file::TensorFile)> =
+    let mut names: Vec<(&str, &crate::checkpoint::tensor_file::TensorFile)> =
         checkpoint.tensor_names().collect();
     names.sort_by_key(|(n, _)| *n);
     let mut tensors = Vec::new();

@@ -5,7 +5,7 @@
 use kernels::formats::nvfp4::{NVFP4_BLOCK, Nvfp4Matrix};
 use safetensors::Dtype;
 
-use crate::tensor_file::{TensorFile, TensorFileError};
+use crate::checkpoint::tensor_file::{TensorFile, TensorFileError};
 
 /// Reads the NVFP4 triple whose packed weight is `weight_name` (ending in `weight`), checking
 /// dtypes, shapes and that the global scale is positive and finite.

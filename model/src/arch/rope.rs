@@ -1,7 +1,7 @@
 //! Interleaved RoPE with YaRN frequency scaling, computed as HF transformers' DeepSeek-V3 does
 //! (FP32 inverse frequencies, FP32 angles), so that logits agree with the reference.
 
-use crate::config::{ModelConfig, yarn_mscale};
+use crate::arch::config::{ModelConfig, yarn_mscale};
 
 #[derive(Clone, Debug)]
 pub struct Rope {
@@ -61,7 +61,7 @@ impl Rope {
     }
 
     /// Whether every frequency and the scale are finite and the scale positive (what
-    /// [`crate::config`] requires of the values it accepts).
+    /// [`crate::arch::config`] requires of the values it accepts).
     pub fn is_finite(&self) -> bool {
         self.attention_factor.is_finite()
             && self.attention_factor > 0.0
@@ -108,7 +108,7 @@ impl Rope {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::YarnScaling;
+    use crate::arch::config::YarnScaling;
 
     fn config(yarn: Option<YarnScaling>) -> ModelConfig {
         let text = serde_json::json!({
@@ -117,10 +117,13 @@ mod tests {
             "n_routed_experts": 2, "num_experts_per_tok": 1, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
             "qk_rope_head_dim": 64, "v_head_dim": 8, "max_position_embeddings": 262144, "rope_theta": 50000.0
         });
-        let mut c =
-            crate::config::CheckpointConfig::from_json(std::path::Path::new("c"), &text, None)
-                .unwrap()
-                .model;
+        let mut c = crate::arch::config::CheckpointConfig::from_json(
+            std::path::Path::new("c"),
+            &text,
+            None,
+        )
+        .unwrap()
+        .model;
         c.rope_scaling = yarn;
         c
     }

@@ -11,12 +11,12 @@ use anyhow::{Context, Result, bail};
 use kernels::mla::cache::KvCacheDtype;
 use serde_json::{Map, Value, json};
 
-use crate::cpu_choice::CpuTacticArgs;
-use crate::generator::cache_base;
-use crate::server::api::{ChatRequest, SamplingRequest, ToolChoice};
-use crate::server::runtime::{Delta, OutputMode, Runtime, checkpoint_name, drive_choice};
-use crate::server::{RuntimeOptions, ServeOptions, serve};
-use crate::tokenizer::Tokenizer;
+use crate::checkpoint::generator::cache_base;
+use crate::exec::cpu::choice::CpuTacticArgs;
+use crate::serve::api::{ChatRequest, SamplingRequest, ToolChoice};
+use crate::serve::runtime::{Delta, OutputMode, Runtime, checkpoint_name, drive_choice};
+use crate::serve::{RuntimeOptions, ServeOptions, serve};
+use crate::text::tokenizer::Tokenizer;
 
 /// The question the front door asks when `model` runs without arguments.
 pub const DEMO_QUESTION: &str = "What is the capital of France? Answer in one sentence.";
@@ -25,7 +25,10 @@ macro_rules! chat_model_file {
     ($name:literal) => {
         (
             $name,
-            include_bytes!(concat!("../../golden/data/models/kimi-chat-tiny/", $name)) as &[u8],
+            include_bytes!(concat!(
+                "../../../golden/data/models/kimi-chat-tiny/",
+                $name
+            )) as &[u8],
         )
     };
 }

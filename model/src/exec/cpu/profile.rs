@@ -13,7 +13,7 @@ use kernels::mla::cache::{CacheError, PagedLatentCache};
 use kernels::mla::reference::MlaProblem;
 use kernels::moe_gemm::reference::{ExpertInputAmax, ExpertView, Routing};
 
-use crate::backend::Backend;
+use crate::exec::cpu::backend::Backend;
 
 /// One row of the profile: an operation at one shape, at one number of rows per call.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -289,7 +289,7 @@ impl Backend for ProfiledBackend<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::CpuBackend;
+    use crate::exec::cpu::backend::CpuBackend;
 
     #[test]
     fn calls_are_counted_by_shape_and_rows_with_the_bytes_they_read() {

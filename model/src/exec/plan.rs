@@ -11,9 +11,9 @@
 use kernels::formats::NVFP4_BLOCK;
 use kernels::mla::cache::{KvCacheDtype, LatentCacheShape};
 
-use crate::config::ModelConfig;
-use crate::executor::{WorkspaceShape, max_pages, workspace_bytes};
-use crate::weights::TpShard;
+use crate::arch::config::ModelConfig;
+use crate::checkpoint::weights::TpShard;
+use crate::exec::device::{WorkspaceShape, max_pages, workspace_bytes};
 
 /// The MLA tactics' split cap (`sp64`), which sizes the split workspace.
 pub const PLANNED_MLA_SPLITS: usize = 64;
@@ -199,7 +199,7 @@ impl Plan {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::generator::Preset;
+    use crate::checkpoint::generator::Preset;
 
     fn request(kv_dtype: KvCacheDtype, max_model_len: usize) -> PlanRequest {
         PlanRequest {
@@ -219,7 +219,7 @@ mod tests {
     /// the rank's shapes, on a dry device), the latent cache and the step workspace.
     #[test]
     fn the_kimi_tp8_plan_is_what_a_rank_of_the_executor_allocates() {
-        use crate::executor::{DeviceExecutor, DeviceWeights, ExecutorTactics, StepCapacity};
+        use crate::exec::device::{DeviceExecutor, DeviceWeights, ExecutorTactics, StepCapacity};
         use kernels::arch::Sm;
         use kernels::device::dry::DryDevice;
         let c = Preset::KimiK25.model_config();

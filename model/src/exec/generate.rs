@@ -5,19 +5,19 @@ use std::time::{Duration, Instant};
 
 use kernels::mla::cache::{PagedLatentCache, SeqId};
 
-use crate::backend::Backend;
-use crate::config::ModelConfig;
-use crate::forward::{ForwardError, LogitRows, Model, SeqInput};
-use crate::sampler::{SampleRow, Sampler, SamplingParams, sample_row};
+use crate::arch::config::ModelConfig;
+use crate::exec::cpu::backend::Backend;
+use crate::exec::forward::{ForwardError, LogitRows, Model, SeqInput};
+use crate::exec::sampler::{SampleRow, Sampler, SamplingParams, sample_row};
 
 /// A model with its cache, stepped by the decode loop: the CPU forward pass, or the
-/// device-resident executor (`model::executor`).
+/// device-resident executor (`model::exec::device`).
 pub trait Stepper {
     fn config(&self) -> &ModelConfig;
     fn add_sequence(&mut self) -> SeqId;
     fn free_sequence(&mut self, seq: SeqId) -> Result<(), ForwardError>;
     /// Runs `inputs` (appending them to the cache) and draws one token for the last row of
-    /// each, under `draws[i]` (see [`crate::sampler`]), where the logits are: on a device only
+    /// each, under `draws[i]` (see [`crate::exec::sampler`]), where the logits are: on a device only
     /// the ids cross back.
     fn step_last(
         &mut self,

@@ -17,9 +17,9 @@ use super::{
     CountingDevice, DeviceBytes, DeviceExecutor, DeviceMlp, DeviceTraffic, DeviceWeights,
     DryAllReduce, ExecutorError, ExecutorTactics, LaunchEntry, StepCapacity, StepOutput,
 };
-use crate::config::ModelConfig;
-use crate::forward::{LogitRows, SeqInput};
-use crate::weights::TpShard;
+use crate::arch::config::ModelConfig;
+use crate::checkpoint::weights::TpShard;
+use crate::exec::forward::{LogitRows, SeqInput};
 
 /// Prefill rows per step when filling the cache to the context (the row kernels' grids take
 /// up to 65535 rows).
@@ -86,7 +86,7 @@ pub fn decode_tactics(
     };
     let lookup = cache::load(path, &Expected::for_sm(sm, None));
     let world = world.max(1) as u32;
-    let (active, tokens_per_expert) = crate::tactics::expert_load(config, batch as u32);
+    let (active, tokens_per_expert) = crate::exec::tactics::expert_load(config, batch as u32);
     let moe_shape = ProblemShape::Moe {
         tokens_per_expert,
         active_experts: active,
@@ -381,7 +381,7 @@ impl RecordedStep {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::generator::Preset;
+    use crate::checkpoint::generator::Preset;
 
     fn kimi_tp8_rank0(batch: usize, kv_dtype: KvCacheDtype) -> RecordedStep {
         let config = Preset::KimiK25.model_config();

@@ -10,17 +10,17 @@ use kernels::mla::cache::KvCacheDtype;
 use serde_json::Value;
 use tokio::sync::mpsc;
 
-use crate::backend::{Backend, TunedCpuBackend};
-use crate::chat_template::{ChatTemplate, RenderRequest};
 use crate::checkpoint::Checkpoint;
-use crate::cpu_choice::CpuTacticArgs;
-use crate::engine::{
+use crate::exec::cpu::backend::{Backend, TunedCpuBackend};
+use crate::exec::cpu::choice::CpuTacticArgs;
+use crate::exec::forward::Model;
+use crate::exec::sampler::SamplingParams;
+use crate::serve::engine::{
     EngineConfig, EngineHandle, EngineRequest, FinishReason, SubmitError, TokenEvent, start_engine,
 };
-use crate::forward::Model;
-use crate::parsers::{OutputEvent, OutputParser};
-use crate::sampler::SamplingParams;
-use crate::tokenizer::{StreamDecoder, Tokenizer};
+use crate::text::chat_template::{ChatTemplate, RenderRequest};
+use crate::text::parsers::{OutputEvent, OutputParser};
+use crate::text::tokenizer::{StreamDecoder, Tokenizer};
 
 use super::api::{ApiError, ChatRequest, SamplingRequest, ToolChoice};
 

@@ -9,10 +9,10 @@ use kernels::mla::reference::{AttentionQuery, MlaProblem};
 use kernels::moe_gemm::reference::{ExpertInputAmax, ExpertView, Routing, silu};
 use thiserror::Error;
 
-use crate::backend::Backend;
-use crate::config::ModelConfig;
-use crate::rope::Rope;
-use crate::weights::*;
+use crate::arch::config::ModelConfig;
+use crate::arch::rope::Rope;
+use crate::checkpoint::weights::*;
+use crate::exec::cpu::backend::Backend;
 
 #[derive(Debug, Error)]
 pub enum ForwardError {
@@ -141,7 +141,7 @@ pub type Calibration = Vec<ExpertInputAmax>;
 pub struct Model {
     pub config: ModelConfig,
     pub weights: ModelWeights,
-    /// Round where the device kernels round (`model::executor`): the MLA queries (`q_abs`,
+    /// Round where the device kernels round (`model::exec::device`): the MLA queries (`q_abs`,
     /// `q_pe`) and the routed experts' input to BF16. Off by default (the CPU keeps FP32 as
     /// HF does); on, the CPU pass reproduces the device's numerics up to summation order.
     pub device_roundings: bool,
@@ -803,7 +803,7 @@ mod tests {
             "qk_rope_head_dim": 4, "v_head_dim": 8, "max_position_embeddings": 64,
             "n_group": n_group, "topk_group": topk_group, "routed_scaling_factor": 2.5, "norm_topk_prob": true
         });
-        crate::config::CheckpointConfig::from_json(std::path::Path::new("c"), &text, None)
+        crate::arch::config::CheckpointConfig::from_json(std::path::Path::new("c"), &text, None)
             .unwrap()
             .model
     }

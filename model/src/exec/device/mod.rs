@@ -50,8 +50,8 @@ use kernels::moe_gemm::MoeGemmTactic;
 use kernels::moe_gemm::launch::{MoeDeviceGrouping, MoeDeviceIo, MoeGroupingBounds, MoeKernels};
 use kernels::tactic::{ProblemShape, Tactic};
 
-use crate::config::ModelConfig;
-use crate::forward::{ForwardError, LogitRows, Logits, Model, SeqInput};
+use crate::arch::config::ModelConfig;
+use crate::exec::forward::{ForwardError, LogitRows, Logits, Model, SeqInput};
 
 /// Host→device writes of one step: token ids, positions, cache slots, context lengths, block
 /// tables and the rows that get logits.
@@ -515,7 +515,7 @@ impl<D: Device> DeviceExecutor<D> {
                 vendor_dense: tactics.dense == DenseTactic::CublasLt,
             },
         )?;
-        let rope = crate::rope::Rope::new(&c);
+        let rope = crate::arch::rope::Rope::new(&c);
         let rope_inv_freq = dev.upload(rope.inv_freq())?;
         let router = (c.n_routed_experts > 0).then(|| RouterShape {
             experts: c.n_routed_experts,
@@ -1608,7 +1608,7 @@ impl From<ExecutorError> for ForwardError {
     }
 }
 
-impl<D: Device> crate::generate::Stepper for DeviceExecutor<D> {
+impl<D: Device> crate::exec::generate::Stepper for DeviceExecutor<D> {
     fn config(&self) -> &ModelConfig {
         &self.config
     }

@@ -9,7 +9,7 @@
 
 use std::path::Path;
 
-use crate::config::ModelConfig;
+use crate::arch::config::ModelConfig;
 use kernels::allreduce::tactic::AllReduceTactic;
 use kernels::arch::Sm;
 use kernels::layers::LayersTactic;
@@ -288,7 +288,7 @@ pub fn tactic_lines(path: Option<&Path>, cfg: &ModelConfig, run: &RunShapes) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::generator::Preset;
+    use crate::checkpoint::generator::Preset;
 
     #[test]
     fn kimi_decode_shapes_under_tp8() {

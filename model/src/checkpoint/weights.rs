@@ -9,7 +9,7 @@ use kernels::formats::nvfp4::Nvfp4View;
 use kernels::matrix::MatrixView;
 use kernels::moe_gemm::reference::ExpertView;
 
-use crate::tensor_file::TensorFile;
+use crate::checkpoint::tensor_file::TensorFile;
 
 /// BF16 values, either straight from a mapped shard or owned.
 #[derive(Clone, Debug)]
@@ -49,7 +49,7 @@ pub fn derived_on_huge_pages(
     values: usize,
     fill: impl FnOnce(&mut [bf16]),
 ) -> Option<Arc<memmap2::Mmap>> {
-    let mut map = crate::tensor_file::huge_page_memory(values * 2).ok()?;
+    let mut map = crate::checkpoint::tensor_file::huge_page_memory(values * 2).ok()?;
     // SAFETY: an anonymous mapping is page-aligned and at least `values * 2` bytes long.
     let all: &mut [bf16] =
         unsafe { std::slice::from_raw_parts_mut(map.as_mut_ptr().cast::<bf16>(), values) };
@@ -407,7 +407,7 @@ impl ModelWeights {
     /// the latent projections (`q_a`, `kv_a`) replicated.
     pub fn shard(
         &self,
-        config: &crate::config::ModelConfig,
+        config: &crate::arch::config::ModelConfig,
         shard: TpShard,
     ) -> Result<Self, String> {
         if shard.world == 1 {

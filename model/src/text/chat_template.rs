@@ -15,10 +15,10 @@ use minijinja::{Environment, Error as JinjaError, ErrorKind};
 use serde_json::{Map, Value};
 use thiserror::Error;
 
-use crate::tool_declaration::{deep_sort, encode_tools, write_python_json};
+use crate::text::tool_declaration::{deep_sort, encode_tools, write_python_json};
 
 /// The Kimi-K2.5 chat template (reconstructed; see the file's header).
-pub const KIMI_K25_TEMPLATE: &str = include_str!("../templates/kimi_k25_chat_template.jinja");
+pub const KIMI_K25_TEMPLATE: &str = include_str!("../../templates/kimi_k25_chat_template.jinja");
 pub const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
 
 #[derive(Debug, Error)]
@@ -98,7 +98,7 @@ impl ChatTemplate {
             })?;
             return Self::new(&text, TemplateSource::File(file));
         }
-        let config = dir.join(crate::tokenizer::TOKENIZER_CONFIG_FILE);
+        let config = dir.join(crate::text::tokenizer::TOKENIZER_CONFIG_FILE);
         if config.exists() {
             let load_error = |message: String| TemplateError::Load {
                 path: config.clone(),

@@ -13,16 +13,16 @@ use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 use serde_json::{Value, json};
 
-use crate::backend::Backend;
+use crate::arch::config::{CheckpointConfig, ModelConfig};
 use crate::checkpoint::KIMI_K25_PREFIX;
-use crate::checkpoint_writer::{OutputKind, OwnedTensor, StagedOutput, write_sharded};
-use crate::config::{CheckpointConfig, ModelConfig};
-use crate::forward::Model;
-use crate::input::InvalidInput;
-use crate::quantize::{
+use crate::checkpoint::quantize::{
     calibrate, expert_tensors, hf_quant_config, quantize_experts, random_tokens,
 };
-use crate::weights::*;
+use crate::checkpoint::weights::*;
+use crate::checkpoint::writer::{OutputKind, OwnedTensor, StagedOutput, write_sharded};
+use crate::exec::cpu::backend::Backend;
+use crate::exec::forward::Model;
+use crate::input::InvalidInput;
 
 /// Named model sizes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -416,7 +416,7 @@ pub fn default_checkpoint(cache_dir: Option<std::path::PathBuf>) -> Result<std::
         Preset::Mini,
         stage.path(),
         20261129,
-        &crate::backend::CpuBackend,
+        &crate::exec::cpu::backend::CpuBackend,
     )?;
     std::fs::write(stage.path().join(".complete"), b"")?;
     stage

@@ -7,8 +7,8 @@ use std::path::Path;
 use kernels::cpu_tactic::{CpuChoice, CpuTactic, choose_from_cache, decode_entry_shape};
 use kernels::tactic::ProblemShape;
 
+use crate::arch::config::ModelConfig;
 use crate::checkpoint::{Checkpoint, WeightPlacement};
-use crate::config::ModelConfig;
 
 /// The CPU kernels' tactic (tile sizes, parallel thresholds, threads): from the tactic cache
 /// of `--tactics FILE` (`autotune --cpu --out FILE`), or by hand.

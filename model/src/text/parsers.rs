@@ -12,7 +12,7 @@
 //! [`OutputParser`] is the streaming form, one token at a time; [`parse_output`] runs it over
 //! a whole completion, so both forms split text the same way.
 
-use crate::tokenizer::{StreamDecoder, Tokenizer};
+use crate::text::tokenizer::{StreamDecoder, Tokenizer};
 
 /// The special token ids the parsers act on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -299,7 +299,7 @@ mod tests {
             (22, "<think>"),
             (23, "</think>"),
         ];
-        crate::tokenizer::byte_level_tokenizer(&[], &names)
+        crate::text::tokenizer::byte_level_tokenizer(&[], &names)
     }
 
     #[test]

@@ -23,7 +23,7 @@ use kernels::mla::cache::{CacheError, PagedLatentCache};
 use kernels::mla::reference::MlaProblem;
 use kernels::moe_gemm::reference::{ExpertInputAmax, ExpertView, Routing};
 
-use crate::backend::{Backend, TunedCpuBackend};
+use crate::exec::cpu::backend::{Backend, TunedCpuBackend};
 
 /// The CPU backend of one tensor-parallel rank.
 pub struct TpCpuBackend {

@@ -4,6 +4,7 @@
 //! finish within the grace period, then exit.
 
 pub mod api;
+pub mod engine;
 pub mod runtime;
 
 use std::convert::Infallible;
@@ -411,7 +412,7 @@ async fn completions_inner(state: Shared, body: Bytes) -> Result<Response, ApiEr
 #[allow(clippy::too_many_arguments)]
 fn stream_response(
     state: Shared,
-    receivers: Vec<mpsc::UnboundedReceiver<crate::engine::TokenEvent>>,
+    receivers: Vec<mpsc::UnboundedReceiver<crate::serve::engine::TokenEvent>>,
     mode: OutputMode,
     sampling: SamplingRequest,
     prompt_tokens: usize,

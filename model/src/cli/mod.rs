@@ -1,0 +1,4 @@
+//! The `model` command's subcommands.
+
+pub mod compare;
+pub mod serving;
