@@ -32,7 +32,7 @@ use kernels::tactic::cache::{
     fnv1a64,
 };
 use kernels::tactic::{KernelFamily, ProblemShape};
-use model::config::ModelConfig;
+use model::arch::config::ModelConfig;
 
 /// Options of `autotune --cpu`.
 #[derive(Clone, Debug)]
@@ -74,7 +74,7 @@ impl Progress for Bar {
 pub fn run(o: &CpuOptions) -> Result<TacticCache> {
     let dir = match &o.model {
         Some(dir) => dir.clone(),
-        None => model::serving_cli::default_chat_checkpoint(None)?,
+        None => model::cli::serving::default_chat_checkpoint(None)?,
     };
     let bench = DecodeBench::load(&dir, o.prompt_len, o.new_tokens)
         .with_context(|| format!("loading {}", dir.display()))?;

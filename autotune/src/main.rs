@@ -12,8 +12,8 @@ use clap::{Parser, Subcommand};
 use kernels::arch::Sm;
 use kernels::tactic::KernelFamily;
 use kernels::tactic::timing::{TimedDevice, WithTimedDevice, with_timed_device};
-use model::config::CheckpointConfig;
-use model::generator::Preset;
+use model::arch::config::CheckpointConfig;
+use model::arch::presets::Preset;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -132,7 +132,7 @@ fn main() -> ExitCode {
         unsafe { std::env::set_var("CUDA_DEVICE_MAX_CONNECTIONS", "32") };
     }
     // The CPU tactics are timed on the model's steps, with the heap as `model run` keeps it.
-    model::heap::keep_freed_activations();
+    model::exec::cpu::heap::keep_freed_activations();
     match run() {
         Ok(code) => code,
         Err(e) => {

@@ -1,7 +1,7 @@
 //! The step-time model: predicted decode tok/s of the model on `tp` RTX PRO 6000s over PCIe.
 //!
 //! The launch list of one decode step is the device executor's own, recorded for rank 0 of the
-//! TP group on a dry device (`model::executor::DryStep`: zeroed weights of the rank's shapes,
+//! TP group on a dry device (`model::exec::device::DryStep`: zeroed weights of the rank's shapes,
 //! no kernel runs), with the MoE and MLA tactics chosen here: per layer the norms, the
 //! attention products, RoPE and the cache append, MLA decode + combine, the MoE (router,
 //! grouping, `moe_gate_up` + `moe_down`, the shared expert) or the dense MLP, and two
@@ -31,9 +31,9 @@ use kernels::moe_gemm::MoeGemmTactic;
 use kernels::moe_gemm::launch::MoeGroupingBounds;
 use kernels::tactic::cache::{CacheLookup, Expected, load};
 use kernels::tactic::{KernelFamily, ProblemShape};
-use model::config::ModelConfig;
-use model::executor::{DryStep, ExecutorTactics};
-use model::weights::TpShard;
+use model::arch::config::ModelConfig;
+use model::checkpoint::weights::TpShard;
+use model::exec::device::{DryStep, ExecutorTactics};
 use plotters::prelude::*;
 use serde_json::json;
 
@@ -465,7 +465,7 @@ pub fn write_report(
             "min": "the config's minimum bytes (weights once, the latent cache once) at the data-sheet bandwidth",
             "launch_list": "the recorded launches' bytes read + written at the data-sheet bandwidth",
         },
-        "launch_list": "recorded from the device executor (model::executor::DryStep: rank 0 on a dry device, no kernel ran)",
+        "launch_list": "recorded from the device executor (model::exec::device::DryStep: rank 0 on a dry device, no kernel ran)",
         "vllm_measured_by_others_tok_s": {"first_request": VLLM_FIRST_TOK_S, "steady": VLLM_STEADY_TOK_S},
         "defaults": rows(&defaults),
         "tuned": tuned.as_deref().map(rows),
@@ -589,7 +589,7 @@ fn chart(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use model::generator::Preset;
+    use model::arch::presets::Preset;
 
     #[test]
     fn predicted_steps_are_slower_than_the_roofline_and_count_the_all_reduces() {

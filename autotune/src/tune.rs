@@ -27,7 +27,7 @@ use kernels::tactic::timing::{
     DeviceIdentity, Samples, TimedDevice, WithTimedDevice, with_timed_device,
 };
 use kernels::tactic::{KernelFamily, ProblemShape, Tactic};
-use model::config::ModelConfig;
+use model::arch::config::ModelConfig;
 
 use crate::correct::{self, Goldens};
 use crate::cost::{self, CostParams, Model, Predicted};

@@ -13,7 +13,7 @@ use kernels::arch::Sm;
 use kernels::moe_gemm::MoeGemmTactic;
 use kernels::tactic::cache::{self, Expected, FigureSource, NO_GPU};
 use kernels::tactic::{KernelFamily, Tactic};
-use model::generator::Preset;
+use model::arch::presets::Preset;
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -116,14 +116,14 @@ fn the_sm120_cache_holds_only_checked_tactics_with_predicted_figures_and_full_pr
     let lookup = cache::load(&path, &Expected::for_sm(sm, None));
     assert_eq!(lookup.warning, None);
     let cfg = Preset::KimiK25.model_config();
-    let run = model::tactics::RunShapes {
+    let run = model::exec::tactics::RunShapes {
         sm,
         tp: 8,
         tokens: 1,
         context: 4096,
         fp8_cache: true,
     };
-    let lines = model::tactics::tactic_lines(Some(&path), &cfg, &run);
+    let lines = model::exec::tactics::tactic_lines(Some(&path), &cfg, &run);
     println!("{}", lines.join("\n"));
     let moe = lines.iter().find(|l| l.starts_with("moe_gemm:")).unwrap();
     let e = r

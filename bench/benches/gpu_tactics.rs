@@ -31,7 +31,7 @@ use kernels::mla::MlaSplitTactic;
 use kernels::moe_gemm::MoeGemmTactic;
 use kernels::tactic::timing::{TimedDevice, WithTimedDevice, with_timed_device};
 use kernels::tactic::{KernelFamily, ProblemShape, Tactic};
-use model::checkpoint::generator::Preset;
+use model::arch::presets::Preset;
 use model::exec::tactics::shapes;
 
 /// Decode batches the sweeps cover (the lab's `autotune` covers all of `model::exec::tactics`).

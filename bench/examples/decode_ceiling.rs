@@ -1,5 +1,5 @@
 //! How close a batch-1 decode step can come to the read bandwidth, measured on the model's own
-//! weights: whole decode steps through the real backend, alternating in one process with steps
+//! weights: whole decode steps through the real CPU backend, alternating in one process with steps
 //! whose every weight-reading call is replaced by a plain sum of exactly the bytes that call
 //! reads (the same matrices in the same order, one fork and join per call as the kernels,
 //! guided claims of at least 128 KB for the dense products, one task per routed expert),
@@ -22,6 +22,7 @@
 //! ```sh
 //! cargo run --release -p bench --example decode_ceiling [-- --checkpoint DIR --rounds N --steps N]
 //! ```
+use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -31,12 +32,15 @@ use bench::cpu_tactics::median_spread;
 use clap::Parser;
 use kernels::cpu_tactic::CpuTactic;
 use kernels::matrix::MatrixView;
-use kernels::mla::cache::{CacheError, KvCacheDtype, PAGE_TOKENS, PagedLatentCache};
-use kernels::mla::reference::MlaProblem;
-use kernels::moe_gemm::reference::{ExpertInputAmax, ExpertView, Routing};
-use model::checkpoint::quantize::random_tokens;
-use model::exec::cpu::backend::{Backend, TunedCpuBackend};
-use model::exec::forward::{LogitRows, SeqInput};
+use kernels::mla::cache::{KvCacheDtype, PAGE_TOKENS, PageTables};
+use model::checkpoint::weights::{ExpertWeights, Model};
+use model::exec::cpu::pool::CpuCompute;
+use model::exec::cpu::weights::{CpuHeads, CpuKinds, CpuMatrix, cpu_weights};
+use model::exec::cpu::{CpuOps, CpuOptions};
+use model::exec::ops::{Buf, GraphKey, StepOps, StepResult, StepRows, Sublayer};
+use model::exec::sampler::SampleRow;
+use model::exec::{ExecError, ModelRunner, Runner, SeqInput};
+use model::quantize::random_tokens;
 use rayon::prelude::*;
 
 /// Whole decode steps, real and with plain sums in place of the products, alternating.
@@ -60,10 +64,11 @@ struct Options {
 /// 1024 BF16 columns.
 const TASK_BYTES: usize = 128 << 10;
 
-/// A backend whose weight-reading calls sum the weights' bytes instead of multiplying, on the
-/// real backend's thread pool and step (`run_step`), leaving the outputs at zero.
-struct SummingBackend<'a> {
-    real: &'a TunedCpuBackend,
+/// The CPU backend with every weight-reading operation replaced by a sum of the weights' bytes
+/// (outputs left at zero), on the real backend's thread pool and step; the rest of the step
+/// (norms, RoPE, routing, residuals, sampling) runs as always.
+struct SummingOps {
+    real: CpuOps,
     /// Sum the weights (or only count them).
     sums: bool,
     /// Run the attention for real (it reads no weights) or skip it.
@@ -72,22 +77,39 @@ struct SummingBackend<'a> {
     bytes: AtomicU64,
     /// Where given, every run of weights a call reads, (address, length), in order.
     runs: Option<std::sync::Mutex<Vec<(usize, usize)>>>,
+    /// Per row: the absorbed queries', their RoPE parts' and the attention output's widths.
+    widths: [usize; 3],
 }
 
-impl SummingBackend<'_> {
+/// The byte runs a product over `w` reads: its packed data, and its scales.
+fn view_runs<'w>(w: &MatrixView<'w>) -> Vec<&'w [u8]> {
+    match w {
+        MatrixView::Bf16 { data, .. } => {
+            // SAFETY: bf16 is two plain bytes.
+            vec![unsafe { std::slice::from_raw_parts(data.as_ptr().cast(), data.len() * 2) }]
+        }
+        MatrixView::Nvfp4(v) => vec![v.packed, v.block_scales],
+    }
+}
+
+fn matrix_runs(m: &CpuMatrix) -> Vec<&[u8]> {
+    m.parts.iter().flat_map(|p| view_runs(&p.view())).collect()
+}
+
+fn heads_runs(h: &CpuHeads) -> Vec<&[u8]> {
+    h.views().iter().flat_map(view_runs).collect()
+}
+
+impl SummingOps {
     fn take_bytes(&self) -> u64 {
         self.bytes.swap(0, Ordering::Relaxed)
     }
 
-    /// The byte runs a product over `w` reads: its packed data, and its scales.
-    fn runs<'w>(w: &MatrixView<'w>) -> Vec<&'w [u8]> {
-        match w {
-            MatrixView::Bf16 { data, .. } => {
-                // SAFETY: bf16 is two plain bytes.
-                vec![unsafe { std::slice::from_raw_parts(data.as_ptr().cast(), data.len() * 2) }]
-            }
-            MatrixView::Nvfp4(v) => vec![v.packed, v.block_scales],
-        }
+    /// Sizes `b` to `len` zeros.
+    fn zeros(&mut self, b: Buf, len: usize) {
+        let v = self.real.activation_mut(b);
+        v.clear();
+        v.resize(len, 0.0);
     }
 
     /// Counts the bytes of `runs`, and records where they lie where asked.
@@ -109,100 +131,238 @@ impl SummingBackend<'_> {
         }
         let lens: Vec<usize> = runs.iter().map(|r| r.len()).collect();
         let total = AtomicU64::new(0);
-        kernels::guided::for_each_block_chunk(&lens, TASK_BYTES, |i, bytes| {
-            total.fetch_add(bench::read_sum_bytes(&runs[i][bytes]), Ordering::Relaxed);
+        self.real.compute().run(|| {
+            kernels::guided::for_each_block_chunk(&lens, TASK_BYTES, |i, bytes| {
+                total.fetch_add(bench::read_sum_bytes(&runs[i][bytes]), Ordering::Relaxed);
+            })
         });
         std::hint::black_box(total.into_inner());
     }
 }
 
-impl Backend for SummingBackend<'_> {
-    fn name(&self) -> &'static str {
-        "cpu-summing"
+impl StepOps for SummingOps {
+    type Kinds = CpuKinds;
+
+    fn describe(&self) -> String {
+        "cpu-summing".into()
     }
 
-    fn matmul(&self, _x: &[f32], _tokens: usize, w: MatrixView<'_>, out: &mut [f32]) {
-        out.fill(0.0);
-        self.sum_runs(&Self::runs(&w));
+    fn pages(&self) -> &PageTables {
+        self.real.pages()
     }
 
-    fn matmul_per_head(&self, _x: &[f32], _tokens: usize, w: &[MatrixView<'_>], out: &mut [f32]) {
-        out.fill(0.0);
-        let runs: Vec<&[u8]> = w.iter().flat_map(Self::runs).collect();
-        self.sum_runs(&runs);
+    fn pages_mut(&mut self) -> &mut PageTables {
+        self.real.pages_mut()
     }
 
-    fn matmul_many(
-        &self,
-        _x: &[f32],
-        _tokens: usize,
-        ws: &[MatrixView<'_>],
-        outs: &mut [&mut [f32]],
-    ) {
-        for out in outs.iter_mut() {
-            out.fill(0.0);
+    fn begin_step(&mut self, step: &StepRows<'_>) -> Result<(), ExecError> {
+        self.real.begin_step(step)
+    }
+
+    fn run_step(
+        &mut self,
+        body: &mut (dyn FnMut(&mut Self) -> Result<(), ExecError> + Send),
+    ) -> Result<(), ExecError> {
+        let compute = self.real.compute().clone();
+        let mut result = Ok(());
+        compute.run_step(&mut || result = body(self));
+        result
+    }
+
+    fn replay(&mut self, _: GraphKey) -> Result<bool, ExecError> {
+        Ok(false)
+    }
+
+    fn begin_capture(&mut self, _: GraphKey) -> Result<bool, ExecError> {
+        Ok(false)
+    }
+
+    fn end_capture(&mut self, _: GraphKey) -> Result<(), ExecError> {
+        Ok(())
+    }
+
+    fn embed(&mut self, table: &CpuMatrix, rows: Range<usize>, out: Buf) -> Result<(), ExecError> {
+        self.real.embed(table, rows, out)
+    }
+
+    fn add_rms_norm(
+        &mut self,
+        residual: Buf,
+        delta: Option<Buf>,
+        weight: &Vec<f32>,
+        out: Buf,
+        added: Sublayer,
+    ) -> Result<(), ExecError> {
+        self.real.add_rms_norm(residual, delta, weight, out, added)
+    }
+
+    fn rms_norm(&mut self, x: Buf, weight: &Vec<f32>, out: Buf) -> Result<(), ExecError> {
+        self.real.rms_norm(x, weight, out)
+    }
+
+    fn products(&mut self, x: Buf, outs: &[(&CpuMatrix, Buf)]) -> Result<(), ExecError> {
+        let (rows, selected) = self.real.step_rows();
+        let n = if x == Buf::Selected { selected } else { rows };
+        for (w, out) in outs {
+            let v = self.real.activation_mut(*out);
+            v.clear();
+            v.resize(n * w.rows(), 0.0);
         }
-        let runs: Vec<&[u8]> = ws.iter().flat_map(Self::runs).collect();
+        let runs: Vec<&[u8]> = outs.iter().flat_map(|(w, _)| matrix_runs(w)).collect();
         self.sum_runs(&runs);
+        Ok(())
     }
 
-    fn moe(
-        &self,
-        _x: &[f32],
-        _hidden: usize,
-        routing: &Routing,
-        experts: &[ExpertView<'_>],
-        out: &mut [f32],
-        _amax: Option<&mut ExpertInputAmax>,
-    ) {
-        out.fill(0.0);
-        // One task per routed expert, its three matrices in turn, as the decode path runs them.
-        let mut routed: Vec<usize> = routing.experts.iter().map(|&e| e as usize).collect();
-        routed.sort_unstable();
-        routed.dedup();
-        let per_expert: Vec<Vec<&[u8]>> = routed
-            .iter()
-            .map(|&e| {
-                let ex = &experts[e];
-                [ex.gate, ex.up, ex.down]
-                    .iter()
-                    .flat_map(Self::runs)
-                    .collect()
-            })
-            .collect();
-        self.count(&per_expert.concat());
-        if !self.sums {
-            return;
-        }
-        let total: u64 = per_expert
-            .par_iter()
-            .map(|runs| {
-                runs.iter()
-                    .map(|r| bench::read_sum_bytes(r))
-                    .fold(0u64, u64::wrapping_add)
-            })
-            .sum();
-        std::hint::black_box(total);
+    fn product_add(&mut self, _: Buf, w: &CpuMatrix, _: Buf) -> Result<(), ExecError> {
+        self.sum_runs(&matrix_runs(w));
+        Ok(())
     }
 
-    fn mla_attention(
-        &self,
-        cache: &PagedLatentCache,
-        problem: &MlaProblem<'_>,
-        out: &mut [f32],
-        lse: &mut [f32],
-    ) -> Result<(), CacheError> {
+    fn rope(&mut self, buf: Buf) -> Result<(), ExecError> {
+        self.real.rope(buf)
+    }
+
+    fn append_cache(
+        &mut self,
+        layer: usize,
+        latent: Buf,
+        key_rope: Buf,
+        norm: &Vec<f32>,
+    ) -> Result<(), ExecError> {
+        self.real.append_cache(layer, latent, key_rope, norm)
+    }
+
+    fn absorb_query(
+        &mut self,
+        _: Buf,
+        w_uk_t: &CpuHeads,
+        absorbed: Buf,
+        rope: Buf,
+    ) -> Result<(), ExecError> {
+        let (rows, _) = self.real.step_rows();
+        self.zeros(absorbed, rows * self.widths[0]);
+        self.zeros(rope, rows * self.widths[1]);
+        self.sum_runs(&heads_runs(w_uk_t));
+        Ok(())
+    }
+
+    fn attention(
+        &mut self,
+        layer: usize,
+        absorbed: Buf,
+        rope: Buf,
+        out: Buf,
+    ) -> Result<(), ExecError> {
         if self.attention {
-            self.real.mla_attention(cache, problem, out, lse)
+            self.real.attention(layer, absorbed, rope, out)
         } else {
-            out.fill(0.0);
-            lse.fill(0.0);
+            let len = self.real.activation(absorbed).len();
+            self.zeros(out, len);
             Ok(())
         }
     }
 
-    fn run_step(&self, step: &mut (dyn FnMut() + Send)) {
-        self.real.run_step(step)
+    fn unabsorb(&mut self, _: Buf, w_uv: &CpuHeads, out: Buf) -> Result<(), ExecError> {
+        let (rows, _) = self.real.step_rows();
+        self.zeros(out, rows * self.widths[2]);
+        self.sum_runs(&heads_runs(w_uv));
+        Ok(())
+    }
+
+    fn silu_mul(&mut self, gate_up: Buf, out: Buf) -> Result<(), ExecError> {
+        self.real.silu_mul(gate_up, out)
+    }
+
+    fn route(&mut self, layer: usize, logits: Buf, bias: &Vec<f32>) -> Result<(), ExecError> {
+        self.real.route(layer, logits, bias)
+    }
+
+    fn routed_experts(
+        &mut self,
+        _layer: usize,
+        x: Buf,
+        experts: &Vec<ExpertWeights>,
+        out: Buf,
+    ) -> Result<(), ExecError> {
+        // One task per routed expert, its three matrices in turn, as the decode path runs them.
+        let mut routed: Vec<u32> = self
+            .real
+            .routing()
+            .map_or(Vec::new(), |r| r.experts.clone());
+        routed.sort_unstable();
+        routed.dedup();
+        let len = self.real.activation(x).len();
+        self.zeros(out, len);
+        let per_expert: Vec<Vec<&[u8]>> = routed
+            .iter()
+            .map(|&e| {
+                let ex = experts[e as usize].view();
+                [ex.gate, ex.up, ex.down]
+                    .iter()
+                    .flat_map(view_runs)
+                    .collect()
+            })
+            .collect();
+        self.count(&per_expert.concat());
+        if self.sums {
+            let total: u64 = self.real.compute().run(|| {
+                per_expert
+                    .par_iter()
+                    .map(|runs| {
+                        runs.iter()
+                            .map(|r| bench::read_sum_bytes(r))
+                            .fold(0u64, u64::wrapping_add)
+                    })
+                    .sum()
+            });
+            std::hint::black_box(total);
+        }
+        Ok(())
+    }
+
+    fn all_reduce(&mut self, buf: Buf) -> Result<(), ExecError> {
+        self.real.all_reduce(buf)
+    }
+
+    fn select_rows(&mut self, x: Buf, out: Buf) -> Result<(), ExecError> {
+        self.real.select_rows(x, out)
+    }
+
+    fn vocab_columns(
+        &mut self,
+        x: Buf,
+        lm_head: &CpuMatrix,
+        rows: Range<usize>,
+        out: Buf,
+    ) -> Result<(), ExecError> {
+        self.real.vocab_columns(x, lm_head, rows, out)
+    }
+
+    fn argmax_shard(
+        &mut self,
+        logits: Buf,
+        rows: Range<usize>,
+        rank: usize,
+        ranks: usize,
+        pairs: Buf,
+    ) -> Result<(), ExecError> {
+        self.real.argmax_shard(logits, rows, rank, ranks, pairs)
+    }
+
+    fn argmax_ranks(&mut self, pairs: Buf, ranks: usize) -> Result<(), ExecError> {
+        self.real.argmax_ranks(pairs, ranks)
+    }
+
+    fn argmax(&mut self, logits: Buf) -> Result<(), ExecError> {
+        self.real.argmax(logits)
+    }
+
+    fn sample(&mut self, logits: Buf) -> Result<(), ExecError> {
+        self.real.sample(logits)
+    }
+
+    fn finish_step(&mut self) -> Result<StepResult, ExecError> {
+        self.real.finish_step()
     }
 }
 
@@ -211,56 +371,62 @@ fn main() -> Result<()> {
     let o = Options::parse();
     let (rounds, steps) = (o.rounds as usize, o.steps as usize);
     let (dir, model) = bench::load_model_as_run(o.checkpoint.as_deref())?;
-    let real = TunedCpuBackend::new(CpuTactic::default()).map_err(anyhow::Error::msg)?;
-    let summing = |sums, attention| SummingBackend {
-        real: &real,
-        sums,
-        attention,
-        bytes: AtomicU64::new(0),
-        runs: None,
-    };
-    let (with_attention, sums_only) = (summing(true, true), summing(true, false));
-    let (attention_only, neither) = (summing(false, true), summing(false, false));
-    // (name, backend, whether its products are real: the summing steps' logits are all zero,
-    // and their decode goes on feeding the prompt's next token; whether it reads the weights)
-    let variants: [(&str, &dyn Backend, bool, bool); 5] = [
-        ("real", &real, true, true),
-        ("sums+attention", &with_attention, false, true),
-        ("sums only", &sums_only, false, true),
-        ("attention only", &attention_only, false, false),
-        ("neither", &neither, false, false),
-    ];
+    let compute = CpuCompute::tuned(CpuTactic::default()).map_err(anyhow::Error::msg)?;
     // Every block of steps starts from the prompt alone in a fresh sequence, so that each
     // variant attends over the same contexts (prompt + 1 … prompt + steps).
-    let mut cache = model.new_cache(
-        KvCacheDtype::Bf16,
-        (o.prompt + steps + 1).next_multiple_of(PAGE_TOKENS),
-    );
+    let cache_tokens = (o.prompt + steps + 1).next_multiple_of(PAGE_TOKENS);
+    let options = CpuOptions {
+        compute: compute.clone(),
+        ..CpuOptions::new(KvCacheDtype::Bf16, cache_tokens)
+    };
+    let summing = |sums: bool, attention: bool, record: bool| -> Box<dyn ModelRunner> {
+        Box::new(summing_runner(
+            &model,
+            options.clone(),
+            sums,
+            attention,
+            record,
+        ))
+    };
+    // (name, runner, whether its products are real: the summing steps' logits are all zero,
+    // and their decode goes on feeding the prompt's next token; whether it reads the weights)
+    let mut variants: [(&str, Box<dyn ModelRunner>, bool, bool); 5] = [
+        (
+            "real",
+            Box::new(model::exec::cpu::cpu_runner(&model, options.clone())),
+            true,
+            true,
+        ),
+        ("sums+attention", summing(true, true, false), false, true),
+        ("sums only", summing(true, false, false), false, true),
+        ("attention only", summing(false, true, false), false, false),
+        ("neither", summing(false, false, false), false, false),
+    ];
     let prompt = random_tokens(o.prompt, model.config.vocab_size, 1);
-    let prefill = |cache: &mut PagedLatentCache| -> Result<_> {
-        let seq = cache.add_sequence();
+    let greedy = [SampleRow::default()];
+    let prefill = |runner: &mut dyn ModelRunner| -> Result<_> {
+        let seq = runner.add_sequence();
         let inputs = [SeqInput {
             seq,
             tokens: &prompt,
         }];
-        let logits = model.forward(&real, cache, &inputs, LogitRows::Last, None)?;
-        Ok((seq, [model::exec::sampler::argmax(logits.row(0))]))
+        Ok((seq, [runner.step(&inputs, &greedy)?[0]]))
     };
-    let (mut seq, token) = prefill(&mut cache)?;
     // What a real step reads: the runs the summing backend reads in one step.
     let (step_bytes, step_runs) = {
+        let mut counter = summing_runner(&model, options.clone(), false, false, true);
+        let (seq, token) = prefill(&mut counter)?;
+        counter.ops().take_bytes();
         let inputs = [SeqInput {
             seq,
             tokens: &token,
         }];
-        let counter = SummingBackend {
-            runs: Some(Default::default()),
-            ..summing(false, false)
-        };
-        model.forward(&counter, &mut cache, &inputs, LogitRows::Last, None)?;
-        let bytes = counter.take_bytes() as f64;
+        counter.step(&inputs, &greedy)?;
+        let bytes = counter.ops().take_bytes() as f64;
         let runs = counter
+            .ops_mut()
             .runs
+            .take()
             .expect("recording")
             .into_inner()
             .expect("not poisoned");
@@ -277,7 +443,7 @@ fn main() -> Result<()> {
         .collect();
     let flat_sum = || {
         let mut time = f64::INFINITY;
-        real.run_step(&mut || {
+        compute.run_step(&mut || {
             for _ in 0..3 {
                 let start = Instant::now();
                 let total: u64 = flat_tasks
@@ -305,10 +471,8 @@ fn main() -> Result<()> {
         let mut medians = vec![0.0; variants.len()];
         for i in 0..variants.len() {
             let k = (i + round) % variants.len();
-            let (_, backend, computes, _) = variants[k];
-            cache.free_sequence(seq)?;
-            let mut token;
-            (seq, token) = prefill(&mut cache)?;
+            let (_, runner, computes, _) = &mut variants[k];
+            let (seq, mut token) = prefill(runner.as_mut())?;
             let mut times = Vec::with_capacity(steps);
             for _ in 0..steps {
                 let start = Instant::now();
@@ -316,12 +480,13 @@ fn main() -> Result<()> {
                     seq,
                     tokens: &token,
                 }];
-                let logits = model.forward(backend, &mut cache, &inputs, LogitRows::Last, None)?;
-                if computes {
-                    token = [model::exec::sampler::argmax(logits.row(0))];
+                let next = runner.step(&inputs, &greedy)?[0];
+                if *computes {
+                    token = [next];
                 }
                 times.push(start.elapsed().as_secs_f64());
             }
+            runner.free_sequence(seq)?;
             step_times[k].extend_from_slice(&times);
             medians[k] = median_spread(&mut times).0;
         }
@@ -332,12 +497,12 @@ fn main() -> Result<()> {
             "round {round}: read {read:.1} GB/s, flat sum {:.3} ms ({flat_share:.2}); median step ms (share of read):",
             flat * 1e3
         );
-        for (k, &(name, _, _, reads)) in variants.iter().enumerate() {
+        for (k, (name, _, _, reads)) in variants.iter().enumerate() {
             let share = step_bytes / medians[k] / 1e9 / read;
             shares[k].push(share);
             over_real[k].push(medians[k] / medians[0]);
             line += &format!(" {name} {:.3}", medians[k] * 1e3);
-            if reads {
+            if *reads {
                 line += &format!(" ({share:.2})");
             }
         }
@@ -348,8 +513,8 @@ fn main() -> Result<()> {
         "  flat sum of one step's weights: share of the round's read bandwidth {:.2}",
         median_spread(&mut flat_shares).0
     );
-    for (k, &(name, _, _, reads)) in variants.iter().enumerate() {
-        let share = if reads {
+    for (k, (name, _, _, reads)) in variants.iter().enumerate() {
+        let share = if *reads {
             format!(
                 "; share of the round's read bandwidth {:.2}",
                 median_spread(&mut shares[k]).0
@@ -364,4 +529,30 @@ fn main() -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// A runner whose steps sum the weights' bytes instead of multiplying (see [`SummingOps`]).
+fn summing_runner(
+    model: &Model,
+    options: CpuOptions,
+    sums: bool,
+    attention: bool,
+    record: bool,
+) -> Runner<SummingOps> {
+    let weights = cpu_weights(model);
+    let real = CpuOps::new(&model.config, weights.heads, options);
+    let c = &model.config;
+    let ops = SummingOps {
+        real,
+        sums,
+        attention,
+        bytes: AtomicU64::new(0),
+        runs: record.then(Default::default),
+        widths: [
+            weights.heads * c.kv_lora_rank,
+            weights.heads * c.qk_rope_head_dim,
+            weights.heads * c.v_head_dim,
+        ],
+    };
+    Runner::new(ops, weights, model.config.clone())
 }

@@ -3,7 +3,7 @@
 //! by ±12 % between processes, and between ~33 and ~55 GB/s within minutes), so only steps
 //! taken side by side compare reaches. Batch 1 (or `--batch N` sequences) after random
 //! prompts, the weights where `model run` reads them (`--weights auto`), the backend
-//! `model run` uses (`TunedCpuBackend`, default tactic). Every round measures the read
+//! `model run` uses (the tuned CPU runner, default tactic). Every round measures the read
 //! bandwidth, then takes a block of steps per reach, in an order rotating with the round; the
 //! report is each reach's median step time and, per round, its time over the default
 //! reach's, with the medians of those ratios.
@@ -20,9 +20,11 @@ use clap::Parser;
 use kernels::cpu_tactic::CpuTactic;
 use kernels::mla::cache::{KvCacheDtype, PAGE_TOKENS};
 use kernels::moe_gemm::cpu_simd::PrefetchReach;
-use model::checkpoint::quantize::random_tokens;
-use model::exec::cpu::backend::TunedCpuBackend;
-use model::exec::forward::{LogitRows, SeqInput};
+use model::exec::cpu::pool::CpuCompute;
+use model::exec::cpu::{CpuOptions, cpu_runner};
+use model::exec::sampler::SampleRow;
+use model::exec::{ModelRunner, SeqInput};
+use model::quantize::random_tokens;
 
 /// Whole decode steps under each prefetch reach, alternating in one process.
 #[derive(Parser)]
@@ -49,14 +51,20 @@ fn main() -> Result<()> {
     let o = Options::parse();
     let (rounds, steps, batch) = (o.rounds as usize, o.steps as usize, o.batch as usize);
     let (dir, model) = bench::load_model_as_run(o.checkpoint.as_deref())?;
-    let backend = TunedCpuBackend::new(CpuTactic::default()).map_err(anyhow::Error::msg)?;
     let default_reach = PrefetchReach::current();
     let reaches = PrefetchReach::ALL;
     let total_steps = rounds * steps * reaches.len();
     // Each sequence's tokens fill whole pages of its own.
     let per_sequence = (o.prompt + total_steps + 1).next_multiple_of(PAGE_TOKENS);
-    let mut cache = model.new_cache(KvCacheDtype::Bf16, batch * per_sequence);
-    let seqs: Vec<_> = (0..batch).map(|_| cache.add_sequence()).collect();
+    let mut runner = cpu_runner(
+        &model,
+        CpuOptions {
+            compute: CpuCompute::tuned(CpuTactic::default()).map_err(anyhow::Error::msg)?,
+            ..CpuOptions::new(KvCacheDtype::Bf16, batch * per_sequence)
+        },
+    );
+    let seqs: Vec<_> = (0..batch).map(|_| runner.add_sequence()).collect();
+    let greedy = vec![SampleRow::default(); batch];
     let prompts: Vec<Vec<u32>> = (0..batch)
         .map(|b| random_tokens(o.prompt, model.config.vocab_size, 1 + b as u64))
         .collect();
@@ -68,9 +76,10 @@ fn main() -> Result<()> {
             tokens: prompt,
         })
         .collect();
-    let logits = model.forward(&backend, &mut cache, &inputs, LogitRows::Last, None)?;
-    let mut tokens: Vec<[u32; 1]> = (0..batch)
-        .map(|b| [model::exec::sampler::argmax(logits.row(b))])
+    let mut tokens: Vec<[u32; 1]> = runner
+        .step(&inputs, &greedy)?
+        .into_iter()
+        .map(|t| [t])
         .collect();
     println!(
         "{} (batch {}, prompt {}), {} rounds of {} steps per reach; default reach {}",
@@ -98,9 +107,9 @@ fn main() -> Result<()> {
                     .zip(&tokens)
                     .map(|(&seq, token)| SeqInput { seq, tokens: token })
                     .collect();
-                let logits = model.forward(&backend, &mut cache, &inputs, LogitRows::Last, None)?;
-                for (b, token) in tokens.iter_mut().enumerate() {
-                    token[0] = model::exec::sampler::argmax(logits.row(b));
+                let next = runner.step(&inputs, &greedy)?;
+                for (token, next) in tokens.iter_mut().zip(next) {
+                    token[0] = next;
                 }
                 times.push(start.elapsed().as_secs_f64());
             }

@@ -1,5 +1,5 @@
 //! Speed of the routed experts at decode shapes (the `mini` preset's 64 experts of 384 × 1024,
-//! top-8, one token), inside a step as `model run` runs it (`TunedCpuBackend::run_step`: the
+//! top-8, one token), inside a step as `model run` runs it (`CpuCompute::run_step`: the
 //! pool's other threads waiting awake), on 2 MiB pages. Each expert's tensors lie together as
 //! in a checkpoint. Every round measures, side by side:
 //! - the read bandwidth;
@@ -24,7 +24,7 @@ use kernels::formats::nvfp4::Nvfp4View;
 use kernels::matrix::MatrixView;
 use kernels::moe_gemm::cpu_simd::PrefetchReach;
 use kernels::moe_gemm::reference::{ExpertView, Routing};
-use model::exec::cpu::backend::{Backend, TunedCpuBackend};
+use model::exec::cpu::pool::CpuCompute;
 
 fn main() {
     let arg = |i: usize, default: usize| {
@@ -86,7 +86,7 @@ fn main() {
         .map(|i| ((i * 7919) % 199) as f32 / 99.0 - 1.0)
         .collect();
     let tactic = CpuTactic::default();
-    let backend = TunedCpuBackend::new(tactic).expect("the default tactic");
+    let backend = CpuCompute::tuned(tactic).expect("the default tactic");
     let routed_bytes = top_k * (3 * matrix_bytes(inter, hidden));
     // The hot set: the first layer's experts that fit in half of a 32 MB last-level cache
     // (at least top-k of them), called over and over so that they stay cached: the same
@@ -105,14 +105,18 @@ fn main() {
                     experts: (0..top_k).map(|k| expert_of(c, k)).collect(),
                     weights: vec![1.0 / top_k as f32; top_k],
                 };
-                backend.moe(
-                    &x,
-                    hidden,
-                    &routing,
-                    &layer_views[layer_of(c)],
-                    &mut out,
-                    None,
-                );
+                backend.run(|| {
+                    kernels::moe_gemm::cpu::moe_cpu_tuned(
+                        &tactic,
+                        kernels::moe_gemm::cpu_simd::Isa::detect(),
+                        &x,
+                        hidden,
+                        &routing,
+                        &layer_views[layer_of(c)],
+                        &mut out,
+                        None,
+                    )
+                });
             }
             time = start.elapsed().as_secs_f64() / calls as f64;
         });

@@ -18,12 +18,13 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use kernels::cpu_tactic::{CpuTactic, CpuTacticSpace};
 use model::arch::config::ModelConfig;
-use model::checkpoint::quantize::random_tokens;
+use model::checkpoint::weights::Model;
 use model::checkpoint::{Checkpoint, WeightPlacement};
-use model::exec::cpu::backend::TunedCpuBackend;
-use model::exec::forward::Model;
+use model::exec::cpu::pool::CpuCompute;
+use model::exec::cpu::{CpuOptions, cpu_runner};
 use model::exec::generate::{GenerationRequest, generate};
 use model::exec::sampler::SamplingParams;
+use model::quantize::random_tokens;
 
 use crate::cpu_tactics::{Case, Shape, median_spread};
 
@@ -229,7 +230,13 @@ impl DecodeBench {
     /// Seconds per decode step of one greedy generation under `tactic`.
     pub fn step_seconds(&self, tactic: &CpuTactic) -> Result<f64> {
         // As `model run` runs: called from this thread, the backend owning any pool of its own.
-        let backend = TunedCpuBackend::new(*tactic).map_err(anyhow::Error::msg)?;
+        let mut runner = cpu_runner(
+            &self.model,
+            CpuOptions {
+                compute: CpuCompute::tuned(*tactic).map_err(anyhow::Error::msg)?,
+                ..CpuOptions::new(self.kv, self.context())
+            },
+        );
         let request = GenerationRequest {
             prompt: self.prompt.clone(),
             max_new_tokens: self.new_tokens,
@@ -240,9 +247,8 @@ impl DecodeBench {
                 seed: 0,
             },
         };
-        let mut cache = self.model.new_cache(self.kv, self.context());
-        let (_, timing) = generate(&self.model, &backend, &mut cache, &[request], |_, _| {})
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let (_, timing) =
+            generate(&mut runner, &[request], |_, _| {}).map_err(|e| anyhow::anyhow!("{e}"))?;
         Ok(timing.decode_time.as_secs_f64() / timing.decode_steps.max(1) as f64)
     }
 }

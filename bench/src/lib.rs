@@ -362,16 +362,16 @@ pub fn utc_date() -> String {
 /// so that a benchmark times what a run does; and the directory it came from.
 pub fn load_model_as_run(
     dir: Option<&std::path::Path>,
-) -> anyhow::Result<(std::path::PathBuf, model::exec::forward::Model)> {
+) -> anyhow::Result<(std::path::PathBuf, model::checkpoint::weights::Model)> {
     let dir = match dir {
         Some(dir) => dir.to_path_buf(),
-        None => model::checkpoint::generator::default_checkpoint(None)?,
+        None => model::quantize::generator::default_checkpoint(None)?,
     };
     let mut checkpoint = model::checkpoint::Checkpoint::open(&dir)?;
     checkpoint.place_weights(model::checkpoint::WeightPlacement::auto(
         checkpoint.file_bytes(),
     ));
-    let model = model::exec::forward::Model::new(
+    let model = model::checkpoint::weights::Model::new(
         checkpoint.model_config().clone(),
         checkpoint.load_weights()?,
     );

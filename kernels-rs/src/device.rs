@@ -185,7 +185,7 @@ impl<'a> KernelParams<'a> {
 }
 
 /// Memory on a device, addressed by kernels through [`device_ptr`](DeviceMemory::device_ptr).
-pub trait DeviceMemory {
+pub trait DeviceMemory: Send + Sync {
     fn device_ptr(&self) -> u64;
     /// Size in bytes.
     fn len(&self) -> usize;

@@ -3,7 +3,9 @@
 //! - [`arch`]: the DeepSeek-V3 / Kimi-K2.5 architecture: its config, the checkpoint's tensor
 //!   names, RoPE.
 //! - [`checkpoint`]: what NVIDIA ships, read as it is (memory-mapped shards, host weights), and
-//!   what the project writes (generated checkpoints, NVFP4 quantization).
+//!   what the project writes.
+//! - [`quantize`]: NVFP4 checkpoints made from BF16 ones or generated at random, calibrated on
+//!   a forward pass.
 //! - [`exec`]: execution: the model's step written once, the runner seam every backend serves
 //!   (`cpu`, `cuda`, `cuda-emulated`), sampling, tensor parallelism, tactic selection.
 //! - [`serve`]: continuous batching and the OpenAI-compatible server.
@@ -19,5 +21,6 @@ pub mod cleanup;
 pub mod cli;
 pub mod exec;
 pub mod input;
+pub mod quantize;
 pub mod serve;
 pub mod text;

@@ -7,11 +7,11 @@ use std::time::{Duration, Instant};
 
 use kernels::mla::cache::KvCacheDtype;
 use model::checkpoint::Checkpoint;
-use model::checkpoint::quantize::random_tokens;
-use model::exec::cpu::backend::CpuBackend;
-use model::exec::forward::Model;
+use model::checkpoint::weights::Model;
+use model::exec::cpu::{CpuOptions, cpu_runner};
 use model::exec::generate::{GenerationRequest, generate};
 use model::exec::sampler::SamplingParams;
+use model::quantize::random_tokens;
 use model::serve::engine::{
     EngineConfig, EngineHandle, EngineRequest, FinishReason, SubmitError, TokenEvent, start_engine,
 };
@@ -26,16 +26,30 @@ fn load() -> Model {
     )
 }
 
-fn config(max_num_seqs: usize, max_waiting: usize, kv_cache_tokens: usize) -> EngineConfig {
+fn config(max_num_seqs: usize, max_waiting: usize) -> EngineConfig {
     EngineConfig {
         max_num_seqs,
         max_model_len: 512,
         // Small: prompts are prefilled in several chunks, next to running decodes.
         max_batched_tokens: 8,
         max_waiting,
-        kv_cache_tokens,
-        kv_dtype: KvCacheDtype::F32,
+        warm_up: true,
     }
+}
+
+/// The engine over a CPU runner of `model` with a latent cache of `kv_cache_tokens`, warmed
+/// up (its warm-up steps leave nothing behind that a request could see).
+fn start(model: Model, config: EngineConfig, kv_cache_tokens: usize) -> EngineHandle {
+    let engine = start_engine(
+        move || {
+            let runner = cpu_runner(&model, CpuOptions::new(KvCacheDtype::F32, kv_cache_tokens));
+            Ok(Box::new(runner))
+        },
+        config,
+    )
+    .unwrap();
+    engine.wait_ready().unwrap();
+    engine
 }
 
 fn submit(
@@ -86,13 +100,13 @@ fn batched_sequences_equal_their_solo_runs() {
     let solo: Vec<Vec<u32>> = prompts
         .iter()
         .map(|p| {
-            let mut cache = model.new_cache(KvCacheDtype::F32, 256);
+            let mut runner = cpu_runner(&model, CpuOptions::new(KvCacheDtype::F32, 256));
             let request = GenerationRequest {
                 prompt: p.clone(),
                 max_new_tokens: max_new,
                 sampling: SamplingParams::greedy(),
             };
-            generate(&model, &CpuBackend, &mut cache, &[request], |_, _| {})
+            generate(&mut runner, &[request], |_, _| {})
                 .unwrap()
                 .0
                 .remove(0)
@@ -100,7 +114,7 @@ fn batched_sequences_equal_their_solo_runs() {
         })
         .collect();
 
-    let engine = start_engine(model, Box::new(CpuBackend), config(3, 16, 1024));
+    let engine = start(model, config(3, 16), 1024);
     let receivers: Vec<_> = prompts
         .iter()
         .map(|p| submit(&engine, p.clone(), max_new).unwrap())
@@ -126,7 +140,7 @@ fn cancellation_frees_pages_and_admission_is_bounded() {
     let model = load();
     let vocab = model.config.vocab_size;
     // 4 pages of 64 tokens; one sequence at a time; one waiting request at most.
-    let engine = start_engine(model, Box::new(CpuBackend), config(1, 1, 256));
+    let engine = start(model, config(1, 1), 256);
     let never = submit(&engine, random_tokens(10, vocab, 1), 300).unwrap_err();
     assert!(matches!(never, SubmitError::NeverFits(_)), "{never}");
     let too_long = submit(&engine, random_tokens(10, vocab, 1), 600).unwrap_err();

@@ -474,8 +474,8 @@ fn fuzz_configs() {
         documents.push((read("config.json"), Some(read("hf_quant_config.json"))));
     }
     for preset in [
-        model::checkpoint::generator::Preset::Tiny,
-        model::checkpoint::generator::Preset::KimiK25,
+        model::arch::presets::Preset::Tiny,
+        model::arch::presets::Preset::KimiK25,
     ] {
         documents.push((preset.config_json(), None));
     }

@@ -16,8 +16,8 @@ use kernels::blas::BlasGemm;
 use kernels::device::{Device, DeviceExt, DeviceMemory};
 use kernels::layers::{DenseOutput, LayerKernels};
 use kernels::moe_gemm::check::Rng;
-use model::config::ModelConfig;
-use model::generator::Preset;
+use model::arch::config::ModelConfig;
+use model::arch::presets::Preset;
 
 /// One dense product of a rank: `[n][k]` weights.
 #[derive(Clone, Copy, Debug)]

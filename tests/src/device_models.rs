@@ -1,19 +1,19 @@
-//! The golden checkpoints on the device executor and on the CPU forward pass, side by side:
+//! The golden checkpoints on the device runner and on the CPU runner, side by side:
 //! loading, prefill and greedy decoding on either, shared by `tests/device_executor.rs` and
 //! `tests/device_golden_models.rs`.
 
 use kernels::device::Device;
 use kernels::mla::cache::KvCacheDtype;
-use model::backend::CpuBackend;
+use model::arch::shard::TpShard;
 use model::checkpoint::Checkpoint;
-use model::executor::{
-    DeviceExecutor, ExecutorTactics, HostAddressed, ShmAllReduce, StepCapacity, StepOutput,
-    StepResult,
+use model::checkpoint::tensor_file::TensorFile;
+use model::checkpoint::weights::Model;
+use model::exec::cpu::{CpuOptions, cpu_runner};
+use model::exec::device::{
+    DeviceOptions, DeviceRunner, ExecutorTactics, HostAddressed, ShmAllReduce, StepCapacity,
+    device_runner,
 };
-use model::forward::{LogitRows, Model, SeqInput};
-use model::sampler::argmax;
-use model::tensor_file::TensorFile;
-use model::weights::TpShard;
+use model::exec::{LogitRows, ModelRunner, SeqInput, StepOutput, StepResult};
 
 use crate::golden_path;
 
@@ -64,7 +64,29 @@ pub fn ids(golden: &TensorFile, name: &str) -> Vec<u32> {
         .collect()
 }
 
-/// An executor for `model` (the whole model, or a rank's shard of `world`) with the default
+/// The device options for `model` (the whole model, or a rank's shard of `world`): the
+/// default tactics, a cache and a step workspace of `tokens`.
+pub fn device_options<D: Device>(
+    dev: &D,
+    model: &Model,
+    dtype: KvCacheDtype,
+    tokens: usize,
+    world: usize,
+) -> DeviceOptions {
+    DeviceOptions {
+        kv_dtype: dtype,
+        cache_tokens: tokens,
+        capacity: StepCapacity {
+            tokens,
+            logit_rows: tokens,
+        },
+        tactics: ExecutorTactics::defaults_for_rank(dev.sm().unwrap(), &model.config, dtype, world)
+            .unwrap(),
+        quiet: true,
+    }
+}
+
+/// A device runner for `model` (the whole model, or a rank's shard of `world`) with the default
 /// tactics, a cache and a step workspace of `tokens`.
 pub fn executor_for_rank<D: Device>(
     dev: D,
@@ -72,14 +94,9 @@ pub fn executor_for_rank<D: Device>(
     dtype: KvCacheDtype,
     tokens: usize,
     world: usize,
-) -> DeviceExecutor<D> {
-    let tactics =
-        ExecutorTactics::defaults_for_rank(dev.sm().unwrap(), &model.config, dtype, world).unwrap();
-    let capacity = StepCapacity {
-        tokens,
-        logit_rows: tokens,
-    };
-    DeviceExecutor::new(dev, model, dtype, tokens, capacity, tactics, true).unwrap()
+) -> DeviceRunner<D> {
+    let options = device_options(&dev, model, dtype, tokens, world);
+    device_runner(dev, model, options).unwrap()
 }
 
 /// [`executor_for_rank`] of the whole model.
@@ -88,48 +105,40 @@ pub fn executor<D: Device>(
     model: &Model,
     dtype: KvCacheDtype,
     tokens: usize,
-) -> DeviceExecutor<D> {
+) -> DeviceRunner<D> {
     executor_for_rank(dev, model, dtype, tokens, 1)
 }
 
-/// Logits of every position of one prefill on the CPU forward pass; with
-/// [`Model::device_roundings`] it rounds where the device kernels do.
+/// Logits of every position of one prefill on the CPU backend.
 pub fn cpu_prefill(model: &Model, tokens: &[u32], dtype: KvCacheDtype) -> Vec<f32> {
-    let mut cache = model.new_cache(dtype, tokens.len());
-    let seq = cache.add_sequence();
-    model
-        .forward(
-            &CpuBackend,
-            &mut cache,
-            &[SeqInput { seq, tokens }],
-            LogitRows::All,
-            None,
-        )
+    cpu_prefill_with(model, tokens, CpuOptions::new(dtype, tokens.len()))
+}
+
+/// [`cpu_prefill`] under `options` (with `device_roundings`, rounding where the device
+/// kernels do).
+pub fn cpu_prefill_with(model: &Model, tokens: &[u32], options: CpuOptions) -> Vec<f32> {
+    let mut runner = cpu_runner(model, options);
+    let seq = runner.add_sequence();
+    runner
+        .logits(&[SeqInput { seq, tokens }], LogitRows::All)
         .unwrap()
         .values
 }
 
-/// Logits of every position of one prefill on the device executor.
-pub fn device_prefill<D: Device>(ex: &mut DeviceExecutor<D>, tokens: &[u32]) -> Vec<f32> {
+/// Logits of every position of one prefill on the device runner.
+pub fn device_prefill<D: Device>(ex: &mut DeviceRunner<D>, tokens: &[u32]) -> Vec<f32> {
     let seq = ex.add_sequence();
     let out = ex
-        .step(
-            &[SeqInput { seq, tokens }],
-            LogitRows::All,
-            StepOutput::Logits,
-        )
+        .logits(&[SeqInput { seq, tokens }], LogitRows::All)
         .unwrap();
     ex.free_sequence(seq).unwrap();
-    match out {
-        StepResult::Logits(l) => l.values,
-        StepResult::Greedy(_) | StepResult::Sampled(_) => unreachable!("asked for logits"),
-    }
+    out.values
 }
 
 /// `new_tokens` greedy tokens after `prompt` on the device (argmax on the device, ids read
 /// back).
 pub fn greedy_on_device<D: Device>(
-    ex: &mut DeviceExecutor<D>,
+    ex: &mut DeviceRunner<D>,
     prompt: &[u32],
     new_tokens: usize,
 ) -> Vec<u32> {
@@ -137,11 +146,12 @@ pub fn greedy_on_device<D: Device>(
     let mut next = prompt.to_vec();
     let mut out = Vec::new();
     for _ in 0..new_tokens {
-        let StepResult::Greedy(ids) = ex
-            .step(
+        let StepResult::Ids(ids) = ex
+            .run(
                 &[SeqInput { seq, tokens: &next }],
                 LogitRows::Last,
                 StepOutput::Greedy,
+                &[],
             )
             .unwrap()
         else {
@@ -154,29 +164,35 @@ pub fn greedy_on_device<D: Device>(
     out
 }
 
-/// `new_tokens` greedy tokens after `prompt` on the CPU forward pass.
+/// `new_tokens` greedy tokens after `prompt` on the CPU backend.
 pub fn greedy_on_cpu(
     model: &Model,
     prompt: &[u32],
     new_tokens: usize,
     dtype: KvCacheDtype,
 ) -> Vec<u32> {
-    let mut cache = model.new_cache(dtype, prompt.len() + new_tokens);
-    let seq = cache.add_sequence();
+    let options = CpuOptions::new(dtype, prompt.len() + new_tokens);
+    greedy_on_cpu_with(model, prompt, new_tokens, options)
+}
+
+/// [`greedy_on_cpu`] under `options` (with `device_roundings`, rounding where the device
+/// kernels do).
+pub fn greedy_on_cpu_with(
+    model: &Model,
+    prompt: &[u32],
+    new_tokens: usize,
+    options: CpuOptions,
+) -> Vec<u32> {
+    let mut runner = cpu_runner(model, options);
+    let seq = runner.add_sequence();
     let mut next = prompt.to_vec();
     let mut out = Vec::new();
     for _ in 0..new_tokens {
-        let logits = model
-            .forward(
-                &CpuBackend,
-                &mut cache,
-                &[SeqInput { seq, tokens: &next }],
-                LogitRows::Last,
-                None,
-            )
+        let ids = runner
+            .step(&[SeqInput { seq, tokens: &next }], &[Default::default()])
             .unwrap();
-        out.push(argmax(logits.row(0)));
-        next = vec![*out.last().unwrap()];
+        out.push(ids[0]);
+        next = vec![ids[0]];
     }
     out
 }
@@ -197,7 +213,7 @@ pub fn shards(model: &Model, world: usize) -> Vec<Model> {
 /// Makes `ex` rank `rank` of `world` ranks that sum their partial products with the
 /// all-reduce kernel over the shared-memory `segment`, for steps of up to `tokens` rows.
 pub fn join_tp_group<D: HostAddressed + 'static>(
-    ex: &mut DeviceExecutor<D>,
+    ex: &mut DeviceRunner<D>,
     segment: &str,
     rank: usize,
     world: usize,

@@ -1,6 +1,6 @@
 //! Checks of the decode step's small kernels (`kernels-rs/src/layers/layers.cu`) against the
-//! CPU forward pass's own functions: the router (`model::forward::route`), RMSNorm, YaRN RoPE
-//! (`model::rope::Rope`), greedy sampling and the MoE grouping (`GroupedRouting`), at
+//! CPU forward pass's own functions: the router (`model::exec::cpu::route::route`), RMSNorm, YaRN RoPE
+//! (`model::arch::rope::Rope`), greedy sampling and the MoE grouping (`GroupedRouting`), at
 //! Kimi-K2.5's real sizes (hidden 7168, 384 experts, 64 heads of 128 + 64) and with DeepSeek-V3's
 //! group-limited routing. Generic over the [`Device`]: `host_layers.rs` runs them through the
 //! host execution layer, `gpu_layers.rs` on a GPU. Every output is poisoned with NaN before the
@@ -12,9 +12,9 @@ use kernels::layers::{DenseOutput, HeadRows, LayerKernels, OutputType, RopeSlice
 use kernels::moe_gemm::check::Rng;
 use kernels::moe_gemm::launch::GroupedRouting;
 use kernels::moe_gemm::reference::{Routing, silu};
-use model::config::ModelConfig;
-use model::generator::Preset;
-use model::rope::Rope;
+use model::arch::config::ModelConfig;
+use model::arch::presets::Preset;
+use model::arch::rope::Rope;
 
 /// A check of one kernel on a device.
 pub type Check<D> = fn(&D, &LayerKernels<D>);
@@ -220,7 +220,7 @@ pub fn add_rms_norm_matches_the_cpu_norm<D: Device>(dev: &D, k: &LayerKernels<D>
         let w = from_bits(&weight);
         let want: Vec<f32> = summed
             .chunks_exact(dim)
-            .flat_map(|row| model::forward::rms_norm(row, &w, eps as f64))
+            .flat_map(|row| model::exec::cpu::rows::rms_norm(row, &w, eps as f64))
             .collect();
         let got: Vec<f32> = dev.download(&out).unwrap();
         // The CTA sums squares in another order than the CPU's sequential sum.
@@ -305,7 +305,7 @@ fn grouped_config(n_group: usize, topk_group: usize, experts: usize) -> ModelCon
     t["topk_group"] = topk_group.into();
     t["n_routed_experts"] = experts.into();
     t["routed_scaling_factor"] = 2.5.into();
-    model::config::CheckpointConfig::from_json(std::path::Path::new("dsv3"), &json, None)
+    model::arch::config::CheckpointConfig::from_json(std::path::Path::new("dsv3"), &json, None)
         .unwrap()
         .model
 }
@@ -339,7 +339,7 @@ fn route_both<D: Device>(
         .unwrap();
     let ids: Vec<i32> = dev.download(&ids_d).unwrap();
     let weights: Vec<f32> = dev.download(&weights_d).unwrap();
-    let want = model::forward::route(logits, bias, c);
+    let want = model::exec::cpu::route::route(logits, bias, c);
     let got_ids: Vec<u32> = ids.iter().map(|&i| i as u32).collect();
     assert_eq!(got_ids, want.experts, "chosen experts");
     let err = worst_rel(&weights, &want.weights, 0.0);
@@ -579,7 +579,7 @@ pub fn argmax_matches_greedy_sampling_with_ties<D: Device>(dev: &D, k: &LayerKer
     k.argmax_rows(dev, &logits_d, 4, vocab, &ids).unwrap();
     let want: Vec<i32> = logits
         .chunks_exact(vocab)
-        .map(|r| model::sampler::argmax(r) as i32)
+        .map(|r| model::exec::sampler::argmax(r) as i32)
         .collect();
     assert_eq!(want[1..], [5, 0, vocab as i32 - 1]);
     assert_eq!(dev.download::<i32>(&ids).unwrap(), want);
@@ -591,7 +591,7 @@ pub fn argmax_matches_greedy_sampling_with_ties<D: Device>(dev: &D, k: &LayerKer
 /// 3 ranks (uneven) and 8: ties inside a rank and across a rank boundary, a row all equal, the
 /// maximum last, a rank all NaN, rows of -inf.
 pub fn vocabulary_parallel_argmax_equals_the_whole_rows<D: Device>(dev: &D, k: &LayerKernels<D>) {
-    use model::weights::TpShard;
+    use model::checkpoint::weights::TpShard;
     let mut rng = Rng(13);
     let vocab = 163_840;
     let rows = 7;
@@ -666,7 +666,7 @@ pub fn vocabulary_parallel_argmax_equals_the_whole_rows<D: Device>(dev: &D, k: &
 }
 
 /// `sample_rows` on Kimi's vocabulary draws, for every counter, the token the CPU sampler draws
-/// (`kernels::layers::sampling::sample_row`, which `model::sampler` runs): greedy, temperature
+/// (`kernels::layers::sampling::sample_row`, which `model::exec::sampler` runs): greedy, temperature
 /// alone, top-k (with a tie across the cut, and wider than one thread's slice), top-p, both, and
 /// top-k 1. Rows drawn at a temperature are overwritten with probabilities, so each draw
 /// uploads the logits again.
@@ -718,7 +718,7 @@ pub fn sample_rows_draws_what_the_reference_sampler_draws<D: Device>(dev: &D, k:
         assert_eq!(got, want, "draw {counter}");
         assert_eq!(
             got[5],
-            model::sampler::argmax(&logits[5 * vocab..6 * vocab]) as i32
+            model::exec::sampler::argmax(&logits[5 * vocab..6 * vocab]) as i32
         );
         assert!(
             [7, 90_000, 163_000].contains(&got[6]),

@@ -16,8 +16,8 @@ use kernels::moe_gemm::check;
 use kernels::moe_gemm::golden_data::{self, checksum};
 use kernels::moe_gemm::launch::{ExpertWeights, MoeWeightsHost};
 use kernels::moe_gemm::reference::{ExpertView, Routing};
-use model::nvfp4_file::read_nvfp4;
-use model::tensor_file::TensorFile;
+use model::checkpoint::nvfp4_file::read_nvfp4;
+use model::checkpoint::tensor_file::TensorFile;
 
 use crate::golden_path;
 
@@ -71,7 +71,7 @@ pub fn case_names(file: &TensorFile) -> Vec<String> {
 
 /// Reads and validates one case; every inconsistency is an error naming the tensor.
 pub fn load_case(file: &TensorFile, name: &str, source: WeightSource) -> Result<Case, String> {
-    let err = |e: model::tensor_file::TensorFileError| e.to_string();
+    let err = |e: model::checkpoint::tensor_file::TensorFileError| e.to_string();
     let rinfo = file.info(&format!("{name}.routing")).map_err(err)?.clone();
     let [tokens, top_k] = rinfo.shape[..] else {
         return Err(format!(

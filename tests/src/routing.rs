@@ -1,16 +1,13 @@
-//! The routed experts' choices of a forward pass, recorded from the CPU model, and the HF
+//! The routed experts' choices of a forward pass, recorded from the CPU runner, and the HF
 //! golden's (`routing_w4a4.layers.L.*` of `golden.safetensors`), so that a test can tell a
-//! changed expert choice from a changed value feeding the router. The MoE calls of one pass
-//! come in layer order, one per MoE layer.
+//! changed expert choice from a changed value feeding the router.
 
-use std::sync::Mutex;
-
-use kernels::matrix::MatrixView;
-use kernels::mla::cache::{CacheError, PagedLatentCache};
-use kernels::mla::reference::MlaProblem;
-use kernels::moe_gemm::reference::{ExpertInputAmax, ExpertView, Routing};
-use model::backend::Backend;
-use model::tensor_file::TensorFile;
+use kernels::mla::cache::KvCacheDtype;
+use kernels::moe_gemm::reference::Routing;
+use model::checkpoint::tensor_file::TensorFile;
+use model::checkpoint::weights::Model;
+use model::exec::cpu::{CpuOptions, cpu_runner};
+use model::exec::{LogitRows, ModelRunner, SeqInput};
 
 /// One MoE layer's choice: per token, the experts sorted by id and their weights in that order.
 #[derive(Clone, Debug, PartialEq)]
@@ -66,80 +63,23 @@ pub fn hf_routing(golden: &TensorFile, first_moe_layer: usize, layers: usize) ->
         .collect()
 }
 
-/// A backend that passes every call to `inner`, recording each MoE call's routing (the i-th
-/// MoE call of a pass is layer `first_moe_layer + i`).
-pub struct RoutingBackend<'a> {
-    inner: &'a dyn Backend,
-    first_moe_layer: usize,
-    recorded: Mutex<Vec<LayerRouting>>,
-}
-
-impl<'a> RoutingBackend<'a> {
-    pub fn new(inner: &'a dyn Backend, first_moe_layer: usize) -> Self {
-        Self {
-            inner,
-            first_moe_layer,
-            recorded: Mutex::default(),
-        }
-    }
-
-    /// The model's choices so far, one per MoE call.
-    pub fn recorded(&self) -> Vec<LayerRouting> {
-        self.recorded.lock().unwrap().clone()
-    }
-}
-
-impl Backend for RoutingBackend<'_> {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-
-    fn matmul(&self, x: &[f32], tokens: usize, w: MatrixView<'_>, out: &mut [f32]) {
-        self.inner.matmul(x, tokens, w, out)
-    }
-
-    fn matmul_per_head(&self, x: &[f32], tokens: usize, w: &[MatrixView<'_>], out: &mut [f32]) {
-        self.inner.matmul_per_head(x, tokens, w, out)
-    }
-
-    fn matmul_many(
-        &self,
-        x: &[f32],
-        tokens: usize,
-        ws: &[MatrixView<'_>],
-        outs: &mut [&mut [f32]],
-    ) {
-        self.inner.matmul_many(x, tokens, ws, outs)
-    }
-
-    fn moe(
-        &self,
-        x: &[f32],
-        hidden: usize,
-        routing: &Routing,
-        experts: &[ExpertView<'_>],
-        out: &mut [f32],
-        amax: Option<&mut ExpertInputAmax>,
-    ) {
-        {
-            let mut recorded = self.recorded.lock().unwrap();
-            let layer = self.first_moe_layer + recorded.len();
-            recorded.push(LayerRouting::of(layer, routing));
-        }
-        self.inner.moe(x, hidden, routing, experts, out, amax)
-    }
-
-    fn mla_attention(
-        &self,
-        cache: &PagedLatentCache,
-        problem: &MlaProblem<'_>,
-        out: &mut [f32],
-        lse: &mut [f32],
-    ) -> Result<(), CacheError> {
-        self.inner.mla_attention(cache, problem, out, lse)
-    }
-
-    fn run_step(&self, step: &mut (dyn FnMut() + Send)) {
-        self.inner.run_step(step)
-    }
+/// The CPU model's choices in one prefill of `tokens` (FP32 cache), one per MoE layer in
+/// layer order (the i-th MoE layer is layer `first_moe_layer + i`).
+pub fn cpu_routing(model: &Model, tokens: &[u32], first_moe_layer: usize) -> Vec<LayerRouting> {
+    let mut runner = cpu_runner(model, CpuOptions::new(KvCacheDtype::F32, tokens.len()));
+    runner.ops_mut().observations.routings = Some(Vec::new());
+    let seq = runner.add_sequence();
+    runner
+        .logits(&[SeqInput { seq, tokens }], LogitRows::All)
+        .unwrap();
+    runner
+        .ops_mut()
+        .observations
+        .routings
+        .take()
+        .unwrap_or_default()
+        .iter()
+        .enumerate()
+        .map(|(i, routing)| LayerRouting::of(first_moe_layer + i, routing))
+        .collect()
 }

@@ -4,14 +4,14 @@
 //! into reasoning, content and tool calls.
 
 use kernels::mla::cache::KvCacheDtype;
-use model::backend::CpuBackend;
-use model::chat_template::{ChatTemplate, RenderRequest};
 use model::checkpoint::Checkpoint;
-use model::forward::Model;
-use model::generate::{GenerationRequest, generate};
-use model::parsers::parse_output;
-use model::sampler::SamplingParams;
-use model::tokenizer::Tokenizer;
+use model::checkpoint::weights::Model;
+use model::exec::cpu::{CpuOptions, cpu_runner};
+use model::exec::generate::{GenerationRequest, generate};
+use model::exec::sampler::SamplingParams;
+use model::text::chat_template::{ChatTemplate, RenderRequest};
+use model::text::parsers::parse_output;
+use model::text::tokenizer::Tokenizer;
 use project_tests::golden_path;
 use serde_json::Value;
 
@@ -62,14 +62,16 @@ fn trained_chat_model_answers_like_pytorch() {
         );
 
         let expected = ids(&case["greedy_ids"]);
-        let mut cache = model.new_cache(KvCacheDtype::F32, prompt.len() + expected.len() + 64);
+        let mut runner = cpu_runner(
+            &model,
+            CpuOptions::new(KvCacheDtype::F32, prompt.len() + expected.len() + 64),
+        );
         let request = GenerationRequest {
             prompt: prompt.clone(),
             max_new_tokens: expected.len(),
             sampling: SamplingParams::greedy(),
         };
-        let (mut results, _) =
-            generate(&model, &CpuBackend, &mut cache, &[request], |_, _| {}).unwrap();
+        let (mut results, _) = generate(&mut runner, &[request], |_, _| {}).unwrap();
         let mut ours = results.remove(0).tokens;
         if let Some(end) = ours.iter().position(|t| stop.contains(t)) {
             ours.truncate(end + 1);

@@ -3,8 +3,8 @@
 //! (golden/gen_serving.py): system, user, assistant and tool turns, thinking on and off,
 //! reasoning dropped from history, tool declarations of every schema feature.
 
-use model::chat_template::{ChatTemplate, KIMI_K25_TEMPLATE, RenderRequest, TemplateSource};
-use model::tool_declaration::{deep_sort, encode_tools};
+use model::text::chat_template::{ChatTemplate, KIMI_K25_TEMPLATE, RenderRequest, TemplateSource};
+use model::text::tool_declaration::{deep_sort, encode_tools};
 use project_tests::golden_path;
 use serde_json::Value;
 

@@ -154,7 +154,7 @@ fn fp8_kv_cache_request_is_honoured() {
     let quant = checkpoint.config.quant.as_ref().unwrap();
     assert_eq!(
         quant.kv_cache_quant_algo,
-        Some(model::config::KvCacheQuant::Fp8)
+        Some(model::arch::config::KvCacheQuant::Fp8)
     );
     assert_eq!(checkpoint.prefix, "language_model.");
 }

@@ -1,4 +1,4 @@
-//! The device-resident executor (`model::executor`) on `cuda-emulated`, on `kimi-kernel-dims`
+//! The device-resident executor (`model::exec::device`) on `cuda-emulated`, on `kimi-kernel-dims`
 //! (Kimi-K2.5's latent 512, RoPE 64 and 16 heads): device sampling, transfer counts, graph
 //! replay, plan vs allocation, tensor-parallel graphs, dry recording. Every golden checkpoint
 //! against HF's goldens and the CPU: `device_golden_models.rs`.
@@ -6,13 +6,14 @@
 use cuda_host::HostDevice;
 use kernels::arch::Sm;
 use kernels::mla::cache::{KvCacheDtype, PAGE_TOKENS};
-use model::compare::compare;
-use model::executor::{
-    CountingDevice, DeviceExecutor, ExecutorError, ExecutorTactics, STEP_WRITES, StepCapacity,
-    StepOutput, StepResult,
+use model::checkpoint::weights::Model;
+use model::cli::compare::compare;
+use model::exec::device::{
+    CountingDevice, DeviceOptions, DeviceRunner, ExecutorTactics, STEP_WRITES, StepCapacity,
+    device_runner,
 };
-use model::forward::{LogitRows, Model, SeqInput};
-use model::sampler::{Sampler, SamplingParams};
+use model::exec::sampler::{Sampler, SamplingParams};
+use model::exec::{ExecError, LogitRows, ModelRunner, SeqInput, StepOutput, StepResult};
 use project_tests::device_models::{
     GOLDEN_MODELS, device_prefill, executor, first_layers, ids, join_tp_group, load, load_model,
     shards,
@@ -44,7 +45,18 @@ fn the_cublaslt_dense_tactic_runs_the_model_and_replays_bit_for_bit() {
             logit_rows: tokens_cap,
         };
         let dev = CountingDevice::new(HostDevice::new(Sm::Sm120));
-        DeviceExecutor::new(dev, model, dtype, tokens_cap, capacity, tactics, true).unwrap()
+        device_runner(
+            dev,
+            model,
+            DeviceOptions {
+                kv_dtype: dtype,
+                cache_tokens: tokens_cap,
+                capacity,
+                tactics,
+                quiet: true,
+            },
+        )
+        .unwrap()
     };
     let ours = device_prefill(&mut on(&model, DenseTactic::Ours, tokens.len()), &tokens);
     let mut vendor_ex = on(&model, DenseTactic::CublasLt, tokens.len());
@@ -121,24 +133,26 @@ fn the_cublaslt_dense_tactic_runs_the_model_and_replays_bit_for_bit() {
         let mut ex = on(&model, DenseTactic::CublasLt, tokens.len() + steps);
         ex.set_graphs(graphs);
         let seq = ex.add_sequence();
-        ex.step(
+        ex.run(
             &[SeqInput {
                 seq,
                 tokens: &tokens,
             }],
             LogitRows::Last,
             StepOutput::Greedy,
+            &[],
         )
         .unwrap();
         let bits: Vec<Vec<u32>> = (0..steps as u32)
             .map(|step| {
-                match ex.step(
+                match ex.run(
                     &[SeqInput {
                         seq,
                         tokens: &[3 + step],
                     }],
                     LogitRows::Last,
                     StepOutput::Logits,
+                    &[],
                 ) {
                     Ok(StepResult::Logits(l)) => l.values.iter().map(|v| v.to_bits()).collect(),
                     other => panic!("asked for logits: {other:?}"),
@@ -158,7 +172,7 @@ fn the_cublaslt_dense_tactic_runs_the_model_and_replays_bit_for_bit() {
 /// Temperature / top-k / top-p sampling on the device (`sample_rows`, params written with the
 /// step's inputs, decode graphs replayed with a new draw counter each step) draws what the CPU
 /// sampler draws from the same device's logits: two executors step the same tokens, one
-/// returning logits that `model::sampler` samples on the host, one sampling on the device.
+/// returning logits that `model::exec::sampler` samples on the host, one sampling on the device.
 #[test]
 fn device_sampling_draws_what_the_host_sampler_draws_from_the_same_logits() {
     let (model, golden) = load(KERNEL_MODEL);
@@ -197,7 +211,7 @@ fn device_sampling_draws_what_the_host_sampler_draws_from_the_same_logits() {
             .map(|(&seq, t)| SeqInput { seq, tokens: t })
             .collect();
         let StepResult::Logits(logits) = on_host
-            .step(&host_inputs, LogitRows::Last, StepOutput::Logits)
+            .run(&host_inputs, LogitRows::Last, StepOutput::Logits, &[])
             .unwrap()
         else {
             unreachable!("asked for logits")
@@ -213,7 +227,7 @@ fn device_sampling_draws_what_the_host_sampler_draws_from_the_same_logits() {
             .map(|(&seq, t)| SeqInput { seq, tokens: t })
             .collect();
         let draws: Vec<_> = device_samplers.iter_mut().map(|s| s.next_row()).collect();
-        let got = on_device.step_sampled(&device_inputs, &draws).unwrap();
+        let got = on_device.step(&device_inputs, &draws).unwrap();
         assert_eq!(got, want, "step {step}");
         drawn.push(got.clone());
         next = got.iter().map(|&t| vec![t]).collect();
@@ -235,20 +249,22 @@ fn a_decode_step_transfers_its_inputs_and_the_sampled_ids_only() {
     let load = ex.device().take();
     assert!(load.uploads > 0 && load.downloads == 0, "{load:?}");
     let seq = ex.add_sequence();
-    ex.step(
+    ex.run(
         &[SeqInput {
             seq,
             tokens: &tokens,
         }],
         LogitRows::Last,
         StepOutput::Greedy,
+        &[],
     )
     .unwrap();
     ex.device().take();
-    ex.step(
+    ex.run(
         &[SeqInput { seq, tokens: &[1] }],
         LogitRows::Last,
         StepOutput::Greedy,
+        &[],
     )
     .unwrap();
     let step = ex.device().take();
@@ -287,7 +303,7 @@ fn a_decode_step_transfers_its_inputs_and_the_sampled_ids_only() {
     );
     let read: u64 = step.launches.iter().map(|l| l.traffic.read).sum();
     let written: u64 = step.launches.iter().map(|l| l.traffic.written).sum();
-    let (dense, _) = model::executor::weights_every_step_reads(ex.weights(), &model.config, 1);
+    let (dense, _) = model::exec::device::weights_every_step_reads(ex.weights(), &model.config, 1);
     let held = ex.device_bytes();
     println!(
         "decode step: {read} B read, {written} B written; the weights every step must read \
@@ -332,18 +348,28 @@ fn a_model_the_kernels_cannot_run_is_refused_with_the_reason() {
     let kimi_tactics = ExecutorTactics::defaults(Sm::Sm120, &kernel_model.config, dtype).unwrap();
     let new = |model: &Model, tactics: ExecutorTactics| {
         let dev = HostDevice::new(Sm::Sm120);
-        DeviceExecutor::new(dev, model, dtype, 64, capacity, tactics, true)
-            .err()
-            .expect("refused")
+        device_runner(
+            dev,
+            model,
+            DeviceOptions {
+                kv_dtype: dtype,
+                cache_tokens: 64,
+                capacity,
+                tactics,
+                quiet: true,
+            },
+        )
+        .err()
+        .expect("refused")
     };
     // Kimi-K2.5's tactics for a model of the small widths: its kernels read other cache rows.
     let err = new(&model, kimi_tactics.clone());
-    assert!(matches!(err, ExecutorError::Unsupported(_)), "{err}");
+    assert!(matches!(err, ExecError::Unsupported { .. }), "{err}");
     assert!(err.to_string().contains("latent 64 + RoPE 16"), "{err}");
     // Widths no image is built for.
     model.config.qk_rope_head_dim = 32;
     let err = ExecutorTactics::defaults(Sm::Sm120, &model.config, dtype).unwrap_err();
-    assert!(matches!(err, ExecutorError::Unsupported(_)), "{err}");
+    assert!(matches!(err, ExecError::Unsupported { .. }), "{err}");
     assert!(
         err.to_string()
             .contains("kv_lora_rank 64 and qk_rope_head_dim 32")
@@ -376,19 +402,30 @@ fn graph_replay_equals_eager_bit_for_bit() {
             tokens: tokens.len(),
             logit_rows: 2,
         };
-        let mut ex =
-            DeviceExecutor::new(dev, &model, dtype, 2 * 64, capacity, tactics, true).unwrap();
+        let mut ex = device_runner(
+            dev,
+            &model,
+            DeviceOptions {
+                kv_dtype: dtype,
+                cache_tokens: 2 * 64,
+                capacity,
+                tactics,
+                quiet: true,
+            },
+        )
+        .unwrap();
         ex.set_graphs(graphs);
         let (a, b) = (ex.add_sequence(), ex.add_sequence());
         let mut logits = Vec::new();
         for (seq, prompt) in [(a, &tokens[..]), (b, &tokens[..7])] {
-            ex.step(
+            ex.run(
                 &[SeqInput {
                     seq,
                     tokens: prompt,
                 }],
                 LogitRows::Last,
                 StepOutput::Logits,
+                &[],
             )
             .unwrap();
         }
@@ -415,7 +452,7 @@ fn graph_replay_equals_eager_bit_for_bit() {
                 ]
             };
             let StepResult::Logits(l) = ex
-                .step(&inputs, LogitRows::Last, StepOutput::Logits)
+                .run(&inputs, LogitRows::Last, StepOutput::Logits, &[])
                 .unwrap()
             else {
                 unreachable!("asked for logits")
@@ -444,7 +481,7 @@ fn graph_replay_equals_eager_bit_for_bit() {
             (e.writes, e.downloads, e.bytes_to_device, e.bytes_to_host),
             "step {step}"
         );
-        let kernels = |t: &model::executor::DeviceTraffic| -> Vec<String> {
+        let kernels = |t: &model::exec::device::DeviceTraffic| -> Vec<String> {
             t.launches.iter().map(|l| l.kernel.clone()).collect()
         };
         assert_eq!(
@@ -464,7 +501,7 @@ fn graph_replay_equals_eager_bit_for_bit() {
 /// each within 1% (BF16 and FP8 caches).
 #[test]
 fn the_plan_and_the_executors_allocation_agree_within_one_percent() {
-    use model::plan::{PlanRequest, plan};
+    use model::exec::plan::{PlanRequest, plan};
     let (model, _) = load(KERNEL_MODEL);
     let (cache_tokens, rows, seqs) = (4 * 64, 48, 4);
     for dtype in [KvCacheDtype::Bf16, KvCacheDtype::Fp8E4m3] {
@@ -473,14 +510,16 @@ fn the_plan_and_the_executors_allocation_agree_within_one_percent() {
             tokens: rows,
             logit_rows: seqs,
         };
-        let ex = DeviceExecutor::new(
+        let ex = device_runner(
             HostDevice::new(Sm::Sm120),
             &model,
-            dtype,
-            cache_tokens,
-            capacity,
-            tactics,
-            true,
+            DeviceOptions {
+                kv_dtype: dtype,
+                cache_tokens,
+                capacity,
+                tactics,
+                quiet: true,
+            },
         )
         .unwrap();
         let got = ex.device_bytes();
@@ -573,26 +612,37 @@ fn tensor_parallel_ranks_replay_their_graphs_bit_for_bit_and_transfer_only_input
                             logit_rows: 1,
                         };
                         let cache = tokens.len() + steps + 1;
-                        let mut ex =
-                            DeviceExecutor::new(dev, shard, dtype, cache, capacity, tactics, true)
-                                .unwrap();
+                        let mut ex = device_runner(
+                            dev,
+                            shard,
+                            DeviceOptions {
+                                kv_dtype: dtype,
+                                cache_tokens: cache,
+                                capacity,
+                                tactics,
+                                quiet: true,
+                            },
+                        )
+                        .unwrap();
                         join_tp_group(&mut ex, &segment, rank, world, tokens.len());
                         ex.set_graphs(graphs);
                         let seq = ex.add_sequence();
-                        ex.step(
+                        ex.run(
                             &[SeqInput { seq, tokens }],
                             LogitRows::Last,
                             StepOutput::Greedy,
+                            &[],
                         )
                         .unwrap();
                         let mut logits = Vec::new();
                         for step in 0..steps {
                             let next = [7 + step as u32];
                             let StepResult::Logits(l) = ex
-                                .step(
+                                .run(
                                     &[SeqInput { seq, tokens: &next }],
                                     LogitRows::Last,
                                     StepOutput::Logits,
+                                    &[],
                                 )
                                 .unwrap()
                             else {
@@ -607,18 +657,19 @@ fn tensor_parallel_ranks_replay_their_graphs_bit_for_bit_and_transfer_only_input
                             tokens: &probe,
                         }];
                         let drawn = if graphs {
-                            Err(ex.step_sampled(&probe, &[PROBE_DRAW]).unwrap()[0])
+                            Err(ex.step(&probe, &[PROBE_DRAW]).unwrap()[0])
                         } else {
-                            match ex.step(&probe, LogitRows::Last, StepOutput::Logits) {
+                            match ex.run(&probe, LogitRows::Last, StepOutput::Logits, &[]) {
                                 Ok(StepResult::Logits(l)) => Ok(l.values),
                                 other => panic!("asked for logits: {other:?}"),
                             }
                         };
                         ex.device().take();
-                        ex.step(
+                        ex.run(
                             &[SeqInput { seq, tokens: &[1] }],
                             LogitRows::Last,
                             StepOutput::Greedy,
+                            &[],
                         )
                         .unwrap();
                         (logits, ex.device().take(), ex.graph_count(), drawn)
@@ -701,8 +752,8 @@ fn zeroed_weights_of_a_rank_equal_the_sharded_uploads_allocations() {
 fn zeroed_weights_of_every_rank_equal_the_upload(name: &str) {
     use kernels::device::dry::DryDevice;
     use kernels::moe_gemm::ScaleLoad;
-    use model::executor::DeviceWeights;
-    use model::weights::TpShard;
+    use model::arch::shard::TpShard;
+    use model::exec::device::DeviceWeights;
     let model = load_model(name);
     let c = &model.config;
     let worlds: Vec<usize> = [1, 2, 4, 8]
@@ -728,11 +779,11 @@ fn zeroed_weights_of_every_rank_equal_the_upload(name: &str) {
             let real =
                 DeviceWeights::upload(&HostDevice::new(Sm::Sm120), &sharded, moe, true).unwrap();
             let dry = DeviceWeights::zeroed(&DryDevice::default(), c, shard, moe).unwrap();
-            assert_eq!(real.allocations(), dry.allocations(), "{name} {shard:?}");
-            assert_eq!(real.device_bytes(), dry.device_bytes(), "{name} {shard:?}");
-            assert_eq!(real.heads, dry.heads);
-            assert_eq!(real.heads, c.num_attention_heads / world);
-            assert!(real.allocations().len() > 10 * c.num_hidden_layers);
+            assert_eq!(real.allocations, dry.allocations, "{name} {shard:?}");
+            assert_eq!(real.bytes, dry.bytes, "{name} {shard:?}");
+            assert_eq!(real.weights.heads, dry.weights.heads);
+            assert_eq!(real.weights.heads, c.num_attention_heads / world);
+            assert!(real.allocations.len() > 10 * c.num_hidden_layers);
         }
     }
 }
@@ -742,7 +793,7 @@ fn zeroed_weights_of_every_rank_equal_the_upload(name: &str) {
 /// bytes): the dry device refuses nothing and changes nothing a real step does.
 #[test]
 fn a_dry_decode_step_records_the_launches_the_emulated_step_runs() {
-    use model::executor::DryStep;
+    use model::exec::device::DryStep;
     let (model, golden) = load(KERNEL_MODEL);
     let tokens = ids(&golden, "tokens");
     let c = &model.config;
@@ -753,7 +804,7 @@ fn a_dry_decode_step_records_the_launches_the_emulated_step_runs() {
         model: KERNEL_MODEL.into(),
         config: c.clone(),
         sm: Sm::Sm120,
-        shard: model::weights::TpShard::SINGLE,
+        shard: model::arch::shard::TpShard::SINGLE,
         batch: 1,
         context,
         kv_dtype: dtype,
@@ -768,14 +819,26 @@ fn a_dry_decode_step_records_the_launches_the_emulated_step_runs() {
         tokens: tokens.len(),
         logit_rows: 1,
     };
-    let mut ex = DeviceExecutor::new(dev, &model, dtype, context, capacity, tactics, true).unwrap();
+    let mut ex = device_runner(
+        dev,
+        &model,
+        DeviceOptions {
+            kv_dtype: dtype,
+            cache_tokens: context,
+            capacity,
+            tactics,
+            quiet: true,
+        },
+    )
+    .unwrap();
     ex.set_graphs(true);
     let seq = ex.add_sequence();
-    let step = |ex: &mut DeviceExecutor<_>, tokens: &[u32]| {
-        ex.step(
+    let step = |ex: &mut DeviceRunner<_>, tokens: &[u32]| {
+        ex.run(
             &[SeqInput { seq, tokens }],
             LogitRows::Last,
             StepOutput::Greedy,
+            &[],
         )
         .unwrap()
     };

@@ -9,24 +9,32 @@
 use cuda_host::HostDevice;
 use kernels::arch::Sm;
 use kernels::mla::cache::KvCacheDtype;
-use model::compare::{LogitsAgreement, compare};
-use model::executor::ExecutorTactics;
-use model::forward::Model;
+use model::checkpoint::weights::Model;
+use model::cli::compare::{LogitsAgreement, compare};
+use model::exec::cpu::CpuOptions;
+use model::exec::device::ExecutorTactics;
 use project_tests::device_models::{
-    CHAT_MODEL, GOLDEN_MODELS, cpu_prefill, device_prefill, executor, executor_for_rank,
-    first_layers, greedy_on_cpu, greedy_on_device, ids, join_tp_group, load, load_model, shards,
+    CHAT_MODEL, GOLDEN_MODELS, cpu_prefill, cpu_prefill_with, device_prefill, executor,
+    executor_for_rank, first_layers, greedy_on_cpu, greedy_on_cpu_with, greedy_on_device, ids,
+    join_tp_group, load, load_model, shards,
 };
 use project_tests::golden_path;
 
 const DTYPES: [KvCacheDtype; 2] = [KvCacheDtype::Bf16, KvCacheDtype::Fp8E4m3];
 
+/// The CPU backend rounding where the device kernels round.
+fn rounded(dtype: KvCacheDtype, tokens: usize) -> CpuOptions {
+    CpuOptions {
+        device_roundings: true,
+        ..CpuOptions::new(dtype, tokens)
+    }
+}
+
 /// Prefill logits of `model` on the CPU as it is, on the CPU rounding where the device kernels
 /// do, and on `cuda-emulated`.
 fn three_prefills(model: &mut Model, tokens: &[u32], dtype: KvCacheDtype) -> [Vec<f32>; 3] {
-    model.device_roundings = false;
     let cpu = cpu_prefill(model, tokens, dtype);
-    model.device_roundings = true;
-    let cpu_rounded = cpu_prefill(model, tokens, dtype);
+    let cpu_rounded = cpu_prefill_with(model, tokens, rounded(dtype, tokens.len()));
     let mut ex = executor(HostDevice::new(Sm::Sm120), model, dtype, tokens.len());
     [cpu, cpu_rounded, device_prefill(&mut ex, tokens)]
 }
@@ -177,13 +185,13 @@ fn every_golden_models_greedy_decode_on_cuda_emulated_equals_the_cpu() {
         let (full, golden) = load(name);
         let tokens = ids(&golden, "tokens");
         let whole = first_layers(&full, full.config.num_hidden_layers);
-        for (what, mut model) in [
+        for (what, model) in [
             ("whole model", whole),
             ("dense layer", first_layers(&full, 1)),
         ] {
-            model.device_roundings = true;
             for dtype in DTYPES {
-                let cpu = greedy_on_cpu(&model, &tokens, new_tokens, dtype);
+                let options = rounded(dtype, tokens.len() + new_tokens);
+                let cpu = greedy_on_cpu_with(&model, &tokens, new_tokens, options);
                 let mut ex = executor(
                     HostDevice::new(Sm::Sm120),
                     &model,

@@ -3,8 +3,8 @@
 
 use kernels::formats::e4m3::{Overflow, e4m3_to_f32, f32_to_e4m3};
 use kernels::formats::nvfp4::Nvfp4Matrix;
-use model::nvfp4_file::read_nvfp4;
-use model::tensor_file::TensorFile;
+use model::checkpoint::nvfp4_file::read_nvfp4;
+use model::checkpoint::tensor_file::TensorFile;
 use project_tests::golden_path;
 use safetensors::Dtype;
 

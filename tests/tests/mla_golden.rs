@@ -20,7 +20,7 @@ use kernels::mla::cache::{CacheError, KvCacheDtype, LatentCacheShape, PagedLaten
 use kernels::mla::cpu::mla_attention;
 use kernels::mla::golden_hash::token_values;
 use kernels::mla::reference::{AttentionQuery, MlaProblem, mla_attention_reference};
-use model::tensor_file::TensorFile;
+use model::checkpoint::tensor_file::TensorFile;
 use project_tests::golden_path;
 
 type Attention =

@@ -2,11 +2,12 @@
 //! tiny checkpoints of `golden/gen_model.py` (Kimi-K2.5 and DeepSeek-V3 layouts).
 
 use kernels::mla::cache::KvCacheDtype;
-use model::backend::CpuBackend;
-use model::forward::{LogitRows, Model, SeqInput};
-use model::sampler::argmax;
+use model::checkpoint::weights::Model;
+use model::exec::cpu::{CpuOptions, cpu_runner};
+use model::exec::sampler::argmax;
+use model::exec::{LogitRows, ModelRunner, SeqInput};
 use project_tests::device_models::{GOLDEN_MODELS, cpu_prefill, greedy_on_cpu};
-use project_tests::routing::{LayerRouting, RoutingBackend, hf_routing};
+use project_tests::routing::{LayerRouting, cpu_routing, hf_routing};
 
 /// `kimi-kernel-dims` has Kimi-K2.5's MLA latent 512, RoPE 64 and 16 heads; the others the
 /// small widths 64 and 16 (see [`GOLDEN_MODELS`]).
@@ -200,35 +201,27 @@ fn each_cache_dtype_matches_hf_with_the_same_cache() {
 /// position must equal one prefill of the whole sequence.
 fn incremental_vs_prefill(g: &Golden, dtype: KvCacheDtype) -> f64 {
     let full = cpu_prefill(&g.model, &g.tokens, dtype);
-    let mut cache = g.model.new_cache(dtype, g.tokens.len());
-    let seq = cache.add_sequence();
+    let mut runner = cpu_runner(&g.model, CpuOptions::new(dtype, g.tokens.len()));
+    let seq = runner.add_sequence();
     let (prefix, rest) = g.tokens.split_at(g.prefix_len);
-    let mut incremental = g
-        .model
-        .forward(
-            &CpuBackend,
-            &mut cache,
+    let mut incremental = runner
+        .logits(
             &[SeqInput {
                 seq,
                 tokens: prefix,
             }],
             LogitRows::All,
-            None,
         )
         .unwrap()
         .values;
     for token in rest {
-        let step = g
-            .model
-            .forward(
-                &CpuBackend,
-                &mut cache,
+        let step = runner
+            .logits(
                 &[SeqInput {
                     seq,
                     tokens: &[*token],
                 }],
                 LogitRows::Last,
-                None,
             )
             .unwrap();
         incremental.extend_from_slice(&step.values);
@@ -283,17 +276,15 @@ fn cache_dtype_precision_with_routing_out_of_play() {
 fn batched_decode_of_several_sequences_equals_separate_runs() {
     let g = load("kimi-tiny");
     let prompts: [&[u32]; 3] = [&g.tokens[..5], &g.tokens[3..12], &g.tokens[7..9]];
-    let mut cache = g.model.new_cache(KvCacheDtype::Bf16, 3 * 64);
-    let seqs: Vec<_> = prompts.iter().map(|_| cache.add_sequence()).collect();
+    let mut runner = cpu_runner(&g.model, CpuOptions::new(KvCacheDtype::Bf16, 3 * 64));
+    let seqs: Vec<_> = prompts.iter().map(|_| runner.add_sequence()).collect();
     let mut step_all = |tokens: Vec<&[u32]>| {
         let inputs: Vec<SeqInput> = tokens
             .iter()
             .zip(&seqs)
             .map(|(t, &seq)| SeqInput { seq, tokens: t })
             .collect();
-        g.model
-            .forward(&CpuBackend, &mut cache, &inputs, LogitRows::Last, None)
-            .unwrap()
+        runner.logits(&inputs, LogitRows::Last).unwrap()
     };
     let batched = step_all(prompts.to_vec());
     let step: Vec<[u32; 1]> = (0..3).map(|i| [g.tokens[15 + i]]).collect();
@@ -317,22 +308,7 @@ fn routing_matches_hf_w4a4() {
     for name in MODELS {
         let g = load(name);
         let hf = &g.routing;
-        let backend = RoutingBackend::new(&CpuBackend, g.model.config.first_k_dense_replace);
-        let mut cache = g.model.new_cache(KvCacheDtype::F32, g.tokens.len());
-        let seq = cache.add_sequence();
-        g.model
-            .forward(
-                &backend,
-                &mut cache,
-                &[SeqInput {
-                    seq,
-                    tokens: &g.tokens,
-                }],
-                LogitRows::All,
-                None,
-            )
-            .unwrap();
-        let ours = backend.recorded();
+        let ours = cpu_routing(&g.model, &g.tokens, g.model.config.first_k_dense_replace);
         assert_eq!(ours.len(), hf.len(), "{name}: MoE calls");
         for (o, h) in ours.iter().zip(hf) {
             for (t, (oe, he)) in o.experts.iter().zip(&h.experts).enumerate() {

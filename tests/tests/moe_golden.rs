@@ -13,7 +13,7 @@ use kernels::cpu_tactic::{CpuTactic, MoeDot};
 use kernels::moe_gemm::cpu::{moe_cpu_tuned, moe_cpu_with};
 use kernels::moe_gemm::cpu_simd::Isa;
 use kernels::moe_gemm::reference::moe_reference;
-use model::tensor_file::TensorFile;
+use model::checkpoint::tensor_file::TensorFile;
 use project_tests::golden_path;
 use project_tests::moe_goldens::{
     Case, WeightSource, distance, hashed_source, load_case, load_file,

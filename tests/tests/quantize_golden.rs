@@ -1,7 +1,6 @@
 //! `model quantize` against ModelOpt: the BF16 master weights of a golden model, quantized by
 //! us, must give the NVFP4 expert bytes ModelOpt wrote for the same weights.
 
-use model::backend::CpuBackend;
 use model::checkpoint::Checkpoint;
 use model::quantize::quantize_checkpoint;
 use project_tests::golden_path;
@@ -12,7 +11,7 @@ fn quantized_expert_bytes_equal_modelopt() {
     let source = golden_path("models").join("dsv3-mini-unsharded-bf16");
     let expected = Checkpoint::open(&golden_path("models").join("dsv3-mini-unsharded")).unwrap();
     let out = tempfile::tempdir().unwrap();
-    quantize_checkpoint(&source, out.path(), &CpuBackend, 64, 7, 1 << 20, false).unwrap();
+    quantize_checkpoint(&source, out.path(), 64, 7, 1 << 20, false).unwrap();
     let ours = Checkpoint::open(out.path()).unwrap();
     assert!(ours.config.quant.is_some(), "hf_quant_config.json written");
 

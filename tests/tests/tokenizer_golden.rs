@@ -6,8 +6,8 @@
 //! `KIMI_FULL_VOCAB_DIR=DIR` (a folder with the full `tiktoken.model` and the subset's
 //! `tokenizer_config.json`) runs the same check on the whole vocabulary.
 
-use model::tensor_file::TensorFile;
-use model::tokenizer::{StreamDecoder, Tokenizer};
+use model::checkpoint::tensor_file::TensorFile;
+use model::text::tokenizer::{StreamDecoder, Tokenizer};
 use project_tests::golden_path;
 use serde_json::Value;
 

@@ -59,7 +59,7 @@ fn options() -> Result<Options> {
                 // The folder of `tiny` or `mini` (unpacked or generated if needed), for scripts.
                 let dir = match value()?.as_str() {
                     "tiny" => model::cli::serving::default_chat_checkpoint(None)?,
-                    "mini" => model::checkpoint::generator::default_checkpoint(None)?,
+                    "mini" => model::quantize::generator::default_checkpoint(None)?,
                     other => bail!("--print-checkpoint tiny|mini, not {other}"),
                 };
                 println!("{}", dir.display());
@@ -136,7 +136,7 @@ fn main() -> Result<()> {
     if o.only.as_deref() != Some("tiny") {
         models.push((
             "mini (generated)",
-            model::checkpoint::generator::default_checkpoint(None)?,
+            model::quantize::generator::default_checkpoint(None)?,
         ));
     }
     let mut text = format!(

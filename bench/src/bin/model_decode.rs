@@ -8,84 +8,22 @@
 //!
 //! A decode step reads every weight it multiplies with once (attention, dense and shared MLPs,
 //! the router, `lm_head`, the routed experts the token chose) and the latent cache of every
-//! layer. A counting backend adds those bytes up as the step runs, so the figure is the bytes
+//! layer. The runner's operation profile adds the weights' bytes up as the step runs (the
+//! routed experts the routing chose, each once), the cache's are its tokens, so the figure is the bytes
 //! the step actually read, divided by its wall time, and compared with the copy and read
 //! bandwidth of this machine taken just before.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 use bench::{bandwidth, cpu_model, load_average, utc_date};
-use kernels::matrix::MatrixView;
-use kernels::mla::cache::{CacheError, KvCacheDtype, PagedLatentCache};
-use kernels::mla::reference::MlaProblem;
-use kernels::moe_gemm::reference::{ExpertInputAmax, ExpertView, Routing};
-use model::checkpoint::quantize::random_tokens;
-use model::exec::cpu::backend::{Backend, CpuBackend};
-use model::exec::forward::{LogitRows, SeqInput};
-
-/// The CPU backend, counting the bytes each operation must read.
-#[derive(Default)]
-struct CountingBackend {
-    inner: CpuBackend,
-    bytes: AtomicU64,
-}
-
-impl CountingBackend {
-    fn take(&self) -> u64 {
-        self.bytes.swap(0, Ordering::Relaxed)
-    }
-
-    fn add(&self, bytes: usize) {
-        self.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
-    }
-}
-
-impl Backend for CountingBackend {
-    fn name(&self) -> &'static str {
-        "cpu (counting bytes)"
-    }
-
-    fn matmul(&self, x: &[f32], tokens: usize, w: MatrixView<'_>, out: &mut [f32]) {
-        self.add(w.bytes());
-        self.inner.matmul(x, tokens, w, out);
-    }
-
-    fn moe(
-        &self,
-        x: &[f32],
-        hidden: usize,
-        routing: &Routing,
-        experts: &[ExpertView<'_>],
-        out: &mut [f32],
-        amax: Option<&mut ExpertInputAmax>,
-    ) {
-        let assigned = routing.assignments(experts.len());
-        let read: usize = experts
-            .iter()
-            .zip(&assigned)
-            .filter(|(_, tokens)| !tokens.is_empty())
-            .map(|(e, _)| e.gate.bytes() + e.up.bytes() + e.down.bytes())
-            .sum();
-        self.add(read);
-        self.inner.moe(x, hidden, routing, experts, out, amax);
-    }
-
-    fn mla_attention(
-        &self,
-        cache: &PagedLatentCache,
-        problem: &MlaProblem<'_>,
-        out: &mut [f32],
-        lse: &mut [f32],
-    ) -> Result<(), CacheError> {
-        let per_token = cache.dtype().bytes_per_token(&cache.shape());
-        self.add(problem.queries.iter().map(|q| q.context * per_token).sum());
-        self.inner.mla_attention(cache, problem, out, lse)
-    }
-}
+use kernels::mla::cache::{KvCacheDtype, LatentCacheShape};
+use model::exec::cpu::{CpuOptions, cpu_runner};
+use model::exec::sampler::SampleRow;
+use model::exec::{ModelRunner, SeqInput};
+use model::quantize::random_tokens;
 
 struct Options {
     checkpoint: Option<PathBuf>,
@@ -160,42 +98,44 @@ fn main() -> Result<()> {
     )?;
     let mut summary = Vec::new();
     for dtype in [KvCacheDtype::Bf16, KvCacheDtype::Fp8E4m3] {
-        let backend = CountingBackend::default();
-        let mut cache = model.new_cache(dtype, o.prompt + o.steps + 1);
-        let seq = cache.add_sequence();
+        let mut runner = cpu_runner(&model, CpuOptions::new(dtype, o.prompt + o.steps + 1));
+        let seq = runner.add_sequence();
         let prompt = random_tokens(o.prompt, c.vocab_size, 1);
-        let logits = model.forward(
-            &backend,
-            &mut cache,
+        let greedy = [SampleRow::default()];
+        let mut token = runner.step(
             &[SeqInput {
                 seq,
                 tokens: &prompt,
             }],
-            LogitRows::Last,
-            None,
-        )?;
-        backend.take();
-        let mut token = model::exec::sampler::argmax(logits.row(0));
-        let (mut bytes, mut seconds, mut best) = (0u64, 0f64, f64::MAX);
-        for _ in 0..o.steps {
+            &greedy,
+        )?[0];
+        runner.profile_ops();
+        let shape = LatentCacheShape {
+            layers: c.num_hidden_layers,
+            latent_dim: c.kv_lora_rank,
+            rope_dim: c.qk_rope_head_dim,
+        };
+        let cache_token = (dtype.bytes_per_token(&shape) * c.num_hidden_layers) as u64;
+        let (mut cache_bytes, mut seconds, mut best) = (0u64, 0f64, f64::MAX);
+        for step in 0..o.steps {
             let start = Instant::now();
-            let logits = model.forward(
-                &backend,
-                &mut cache,
+            token = runner.step(
                 &[SeqInput {
                     seq,
                     tokens: &[token],
                 }],
-                LogitRows::Last,
-                None,
-            )?;
+                &greedy,
+            )?[0];
             let elapsed = start.elapsed().as_secs_f64();
-            token = model::exec::sampler::argmax(logits.row(0));
-            // The embedding row is read outside the backend.
-            bytes += backend.take() + (c.hidden_size * 2) as u64;
+            // Every layer's attention reads the cache up to and including the new token.
+            cache_bytes += (o.prompt + step + 1) as u64 * cache_token;
             seconds += elapsed;
             best = best.min(elapsed);
         }
+        let profile = runner.op_profile().context("profiled steps")?;
+        let weights: u64 = profile.totals().0.iter().map(|(_, t)| t.weight_bytes).sum();
+        // The embedding row each step gathers is not a product's weight.
+        let bytes = weights + cache_bytes + (o.steps * c.hidden_size * 2) as u64;
         let gbs = bytes as f64 / seconds / 1e9;
         let line = format!(
             "model_decode kv={} tok/s={:.1} bytes/step={:.1}MB GB/s={gbs:.2} copy_ratio={:.3} read_ratio={:.3} best_step_ms={:.2}",

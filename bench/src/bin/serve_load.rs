@@ -212,8 +212,9 @@ fn main() -> Result<()> {
                 max_waiting,
                 kv_cache_tokens: None,
                 kv_dtype: None,
-                cpu: Default::default(),
-                tactics: None,
+                backend: Default::default(),
+                tp: Default::default(),
+                warm_up: true,
             },
             ServeOptions {
                 host: "127.0.0.1".into(),

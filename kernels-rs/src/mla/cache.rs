@@ -240,6 +240,18 @@ impl PageTables {
         Ok(())
     }
 
+    /// Keeps the first `len` tokens of `seq` (at most its length) and forgets the rest: their
+    /// pages stay reserved, and the next tokens overwrite their slots (a rejected draft, a
+    /// step replayed to warm up).
+    pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<(), CacheError> {
+        let table = self
+            .sequences
+            .get_mut(&seq)
+            .ok_or(CacheError::UnknownSequence(seq))?;
+        table.len = table.len.min(len);
+        Ok(())
+    }
+
     fn table(&self, seq: SeqId) -> Result<&BlockTable, CacheError> {
         self.sequences
             .get(&seq)
@@ -350,6 +362,11 @@ impl PagedLatentCache {
     /// The page bookkeeping alone.
     pub fn page_tables(&self) -> &PageTables {
         &self.pages
+    }
+
+    /// The page bookkeeping, to hand out and return pages (the storage follows the slots).
+    pub fn page_tables_mut(&mut self) -> &mut PageTables {
+        &mut self.pages
     }
 
     pub fn add_sequence(&mut self) -> SeqId {

@@ -87,15 +87,30 @@ impl Rope {
     /// [`Rope::apply`] to each `width`-value head of `x`, all at position `pos`: the angles'
     /// cosines and sines are computed once for all heads (the same values, so the same bits).
     pub fn apply_heads(&self, x: &mut [f32], width: usize, pos: usize) {
+        self.apply_slices(x, 0, width, width, pos);
+    }
+
+    /// [`Rope::apply`] to the `width` values at `offset` of every `stride`-value head of `x`
+    /// (the RoPE part of each head of a query row), all at position `pos`, the angles computed
+    /// once for all heads.
+    pub fn apply_slices(
+        &self,
+        x: &mut [f32],
+        offset: usize,
+        width: usize,
+        stride: usize,
+        pos: usize,
+    ) {
         let pairs = (width / 2).min(self.inv_freq.len());
+        let stride = stride.max(1);
         for (i, &freq) in self.inv_freq[..pairs].iter().enumerate() {
             let angle = pos as f32 * freq;
             let (cos, sin) = (
                 angle.cos() * self.attention_factor,
                 angle.sin() * self.attention_factor,
             );
-            for head in x.chunks_mut(width) {
-                if let Some(pair) = head.get_mut(2 * i..2 * i + 2) {
+            for head in x.chunks_mut(stride) {
+                if let Some(pair) = head.get_mut(offset + 2 * i..offset + 2 * i + 2) {
                     let (a, b) = (pair[0], pair[1]);
                     pair[0] = a * cos - b * sin;
                     pair[1] = b * cos + a * sin;

@@ -3,9 +3,7 @@
 //! `language_model.` prefix (Kimi-K2.5) or without it (DeepSeek-V3 family). Shards are
 //! memory-mapped; weights are borrowed from the mappings, never copied.
 
-pub mod generator;
 pub mod nvfp4_file;
-pub mod quantize;
 pub mod tensor_file;
 pub mod weights;
 pub mod writer;

@@ -1,4 +1,345 @@
-//! The `model` command's subcommands.
+//! The `model` command: its subcommands, their arguments, and how errors become exit codes.
+//!
+//! Errors print as one `Error:` line with the cause chain; the exit code is 2 for input the
+//! engine refuses (arguments, config, checkpoint files, outputs that would destroy an input)
+//! and 1 for a failure while working. A panic is a bug: it is reported the same way with exit
+//! code 1, never Rust's 101.
 
 pub mod compare;
+pub mod inspect;
+pub mod logits;
+pub mod plan;
+pub mod run;
 pub mod serving;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use kernels::mla::cache::KvCacheDtype;
+
+use crate::arch::config::{ConfigError, KvCacheQuant, ModelConfig};
+use crate::arch::presets::Preset;
+use crate::arch::shard::TpShard;
+use crate::checkpoint::tensor_file::TensorFileError;
+use crate::checkpoint::weights::Model;
+use crate::checkpoint::{Checkpoint, CheckpointError, WeightPlacement};
+use crate::exec::ExecError;
+use crate::exec::tp::RankFailed;
+use crate::input::InvalidInput;
+use crate::quantize::generator::generate_checkpoint;
+use crate::quantize::quantize_checkpoint;
+
+use self::logits::LogitsArgs;
+use self::plan::{LaunchListArgs, PlanArgs};
+use self::run::RunArgs;
+use self::serving::{ChatArgs, ServeArgs, TokenizeArgs};
+
+#[derive(Parser)]
+#[command(
+    name = "model",
+    version,
+    about = "Kimi-K2.5-NVFP4 on CPU and GPU: chat, serve, run, score, generate, quantize, plan, inspect"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum KvDtypeArg {
+    /// What the checkpoint asks for (`kv_cache_quant_algo`), else BF16.
+    Auto,
+    /// Full precision (a reference, not a deployment choice).
+    F32,
+    Bf16,
+    Fp8,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Chat in the terminal: streamed answers, reasoning dimmed, tok/s (default: the small
+    /// trained `kimi-chat-tiny`). With no command at all, `model` asks it one question.
+    Chat(ChatArgs),
+    /// An OpenAI-compatible HTTP server with continuous batching (`/v1/chat/completions`,
+    /// `/v1/completions`, `/v1/models`, `/health`, `/metrics`).
+    Serve(ServeArgs),
+    /// Text on stdin to token ids, printed as one JSON array (needs only the tokenizer files).
+    Tokenize(TokenizeArgs),
+    /// Run the decode loop on CPU (default: the generated `mini` model, made once and cached).
+    Run(RunArgs),
+    /// Score a prompt: logits for every position from one prefill, as float32 `[T, vocab]`.
+    Logits(LogitsArgs),
+    /// Compare two `[T, vocab]` logits tensors per position (rel L2, top-1), e.g. a device
+    /// backend's against the CPU's or a golden; exit 1 when a position exceeds the bound.
+    CompareLogits {
+        /// `FILE[:TENSOR]` (default tensor `logits`).
+        candidate: String,
+        /// `FILE[:TENSOR]`, e.g. `golden.safetensors:logits_w4a4`.
+        reference: String,
+        /// The largest relative L2 error a position may have (unless --as-close-as).
+        #[arg(long, default_value_t = 1e-2)]
+        max_rel_l2: f64,
+        /// Instead of --max-rel-l2: pass when the candidate's median error is at most 1.5×
+        /// this other candidate's and its top-1 agreement at most 0.1 lower (a device backend
+        /// "as close to the golden as the CPU", where a random model's near-tied expert
+        /// choices make pointwise bounds meaningless).
+        #[arg(long, value_name = "FILE[:TENSOR]")]
+        as_close_as: Option<String>,
+    },
+    /// Write a random-weight model in the Kimi-K2.5-NVFP4 layout.
+    GenerateCheckpoint {
+        #[arg(long, value_enum)]
+        preset: Preset,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 20261129)]
+        seed: u64,
+        /// Replace an existing output as a whole (without it, only a new or empty folder).
+        #[arg(long)]
+        force: bool,
+    },
+    /// Quantize a BF16 DeepSeek-V3 / Kimi checkpoint's routed experts to NVFP4 (ModelOpt
+    /// layout), calibrating `input_scale` on a forward pass. Given a single `.safetensors`
+    /// file instead, quantizes each 2-D `*.weight` tensor in it.
+    Quantize {
+        #[arg(long)]
+        input: PathBuf,
+        /// A new folder (or file); never the input, inside it, or around it.
+        #[arg(long)]
+        output: PathBuf,
+        #[arg(long, default_value_t = 256)]
+        calib_tokens: usize,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Replace an existing output as a whole (without it, only a new or empty folder).
+        #[arg(long)]
+        force: bool,
+    },
+    /// Memory per GPU under tensor parallelism and the longest context that fits.
+    Plan(PlanArgs),
+    /// The launch list of one decode step of a rank, recorded from the device executor on a
+    /// dry device (no kernel runs, no weights are held): kernel, grid, bytes per launch, and
+    /// totals per kernel.
+    LaunchList(LaunchListArgs),
+    /// Summarize a checkpoint directory or one safetensors file.
+    Inspect { path: PathBuf },
+}
+
+pub fn at_least_one(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err("expected a whole number >= 1".into()),
+    }
+}
+
+pub fn positive_finite(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        _ => Err("expected a positive finite number".into()),
+    }
+}
+
+pub fn fraction(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(x) if x > 0.0 && x <= 1.0 => Ok(x),
+        _ => Err("expected a number in (0, 1]".into()),
+    }
+}
+
+/// The `model` binary.
+pub fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if !e.use_stderr() => {
+            // --help and --version.
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            let text = e.render().to_string();
+            let text = text.strip_prefix("error: ").unwrap_or(&text);
+            eprint!("Error: {text}");
+            return ExitCode::from(2);
+        }
+    };
+    // Output into a closed pipe (`model inspect DIR | head -1`) ends the process quietly, as
+    // it does every Unix tool, instead of a panic in `println!`. Not for the server: a client
+    // that hangs up must cost it a write error, not its life.
+    if !matches!(cli.command, Some(Command::Serve(_))) {
+        // SAFETY: setting a signal disposition before any thread exists.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
+    crate::exec::cpu::heap::keep_freed_activations();
+    std::panic::set_hook(Box::new(|info| {
+        eprintln!("Error: internal failure (a bug, please report it): {info}");
+    }));
+    match std::panic::catch_unwind(|| dispatch(cli)) {
+        Ok(Ok(())) => ExitCode::SUCCESS,
+        Ok(Err(error)) => {
+            crate::cleanup::wait_if_interrupted();
+            eprintln!("Error: {}", cause_chain(&error));
+            ExitCode::from(exit_code(&error))
+        }
+        // The hook has reported it.
+        Err(_) => ExitCode::from(1),
+    }
+}
+
+/// The error and its causes on one line, each said once.
+fn cause_chain(error: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in error.chain() {
+        let cause = cause.to_string();
+        // A cause that brings its own prefix (a library's message) must not double ours.
+        let cause = cause.trim_start_matches("Error: ");
+        if text.contains(cause) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(cause);
+    }
+    text
+}
+
+/// 2 when the error is about input the engine refuses, 1 otherwise (a rank reports its own
+/// code through the launcher).
+fn exit_code(error: &anyhow::Error) -> u8 {
+    for cause in error.chain() {
+        let refused = cause.is::<InvalidInput>()
+            || cause.is::<ConfigError>()
+            || cause.is::<CheckpointError>()
+            || cause.is::<TensorFileError>()
+            || cause
+                .downcast_ref::<ExecError>()
+                .is_some_and(|e| e.is_invalid_input() || e.is_unsupported());
+        if refused {
+            return 2;
+        }
+        if let Some(failed) = cause.downcast_ref::<RankFailed>() {
+            return if failed.status.code() == Some(2) {
+                2
+            } else {
+                1
+            };
+        }
+    }
+    1
+}
+
+fn dispatch(cli: Cli) -> Result<()> {
+    // No subcommand: the front door's main job, a question in, reasoning and answer out.
+    let command = match cli.command {
+        Some(command) => command,
+        None => Command::Chat(serving::demo_chat_args()),
+    };
+    match command {
+        Command::Chat(args) => serving::run_chat(args),
+        Command::Serve(args) => serving::run_serve(args),
+        Command::Tokenize(args) => serving::run_tokenize(args),
+        Command::Run(args) => run::run(args),
+        Command::Logits(args) => logits::logits(args),
+        Command::CompareLogits {
+            candidate,
+            reference,
+            max_rel_l2,
+            as_close_as,
+        } => logits::compare_logits(&candidate, &reference, max_rel_l2, as_close_as.as_deref()),
+        Command::GenerateCheckpoint {
+            preset,
+            out,
+            seed,
+            force,
+        } => {
+            generate_checkpoint(preset, &out, seed, force)?;
+            println!("wrote the {} preset to {}", preset.id(), out.display());
+            Ok(())
+        }
+        Command::Quantize {
+            input,
+            output,
+            calib_tokens,
+            seed,
+            force,
+        } => {
+            if input.is_file() {
+                inspect::quantize_file(&input, &output, force)
+            } else {
+                quantize_checkpoint(&input, &output, calib_tokens, seed, 4 << 30, force)?;
+                println!("wrote NVFP4 checkpoint {}", output.display());
+                Ok(())
+            }
+        }
+        Command::Plan(args) => plan::plan_command(args),
+        Command::LaunchList(args) => plan::launch_list_command(args),
+        Command::Inspect { path } => {
+            if path.is_dir() {
+                inspect::inspect_checkpoint(&path)
+            } else {
+                inspect::inspect_file(&path)
+            }
+        }
+    }
+}
+
+pub fn resolve_kv_dtype(arg: KvDtypeArg, checkpoint: &Checkpoint) -> KvCacheDtype {
+    let asked = checkpoint
+        .config
+        .quant
+        .as_ref()
+        .and_then(|q| q.kv_cache_quant_algo);
+    kv_dtype_for(arg, asked)
+}
+
+/// The cache dtype `arg` means: `Auto` follows the checkpoint's `kv_cache_quant_algo`
+/// (`asked`), else BF16. Memory estimates made before the weights are loaded pass `None`,
+/// which errs on the larger BF16 side.
+pub fn kv_dtype_for(arg: KvDtypeArg, asked: Option<KvCacheQuant>) -> KvCacheDtype {
+    match arg {
+        KvDtypeArg::F32 => KvCacheDtype::F32,
+        KvDtypeArg::Bf16 => KvCacheDtype::Bf16,
+        KvDtypeArg::Fp8 => KvCacheDtype::Fp8E4m3,
+        KvDtypeArg::Auto => match asked {
+            Some(KvCacheQuant::Fp8) => KvCacheDtype::Fp8E4m3,
+            None => KvCacheDtype::Bf16,
+        },
+    }
+}
+
+/// Opens `dir` and loads the weights of `shard` of it, where `placement` says (the CPU
+/// backend's choice; the mapping elsewhere).
+pub fn load(
+    dir: &Path,
+    shard: TpShard,
+    placement: impl FnOnce(&Checkpoint) -> WeightPlacement,
+) -> Result<Model> {
+    let mut checkpoint = Checkpoint::open(dir)?;
+    let config = checkpoint.model_config().clone();
+    check_tensor_parallel(dir, &config, shard.world)?;
+    let asked = placement(&checkpoint);
+    if let Some(copied) = checkpoint.place_weights_timed(asked)
+        && shard.rank == 0
+    {
+        eprintln!(
+            "weights: a copy on 2 MiB pages ({copied}; --weights mapped reads the files' mapping)"
+        );
+    }
+    let weights = checkpoint
+        .load_weights()?
+        .shard(&config, shard)
+        .map_err(InvalidInput)?;
+    Ok(Model::new(config, weights))
+}
+
+pub fn check_tensor_parallel(dir: &Path, config: &ModelConfig, world: usize) -> Result<()> {
+    config.check_tensor_parallel(world).map_err(|e| {
+        InvalidInput(format!(
+            "{}: tensor parallelism over {world} ranks: {e}",
+            dir.display()
+        ))
+    })?;
+    Ok(())
+}

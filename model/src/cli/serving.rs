@@ -11,8 +11,8 @@ use anyhow::{Context, Result, bail};
 use kernels::mla::cache::KvCacheDtype;
 use serde_json::{Map, Value, json};
 
-use crate::checkpoint::generator::cache_base;
-use crate::exec::cpu::choice::CpuTacticArgs;
+use crate::exec::backend::{BackendArgs, TpArgs};
+use crate::quantize::generator::cache_base;
 use crate::serve::api::{ChatRequest, SamplingRequest, ToolChoice};
 use crate::serve::runtime::{Delta, OutputMode, Runtime, checkpoint_name, drive_choice};
 use crate::serve::{RuntimeOptions, ServeOptions, serve};
@@ -90,15 +90,11 @@ fn checkpoint_or_default(
 }
 
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
-pub enum BackendArg {
-    Cpu,
-}
-
-#[derive(Clone, Copy, Debug, clap::ValueEnum)]
 pub enum ServeKvDtype {
     /// What the checkpoint asks for (`kv_cache_quant_algo`), else BF16.
     Auto,
     Bf16,
+    #[value(alias = "fp8_e4m3")]
     Fp8,
 }
 
@@ -128,17 +124,18 @@ pub struct EngineArgs {
     /// Latent cache size in tokens (default: max-num-seqs × max-model-len).
     #[arg(long)]
     pub kv_cache_tokens: Option<usize>,
-    #[arg(long, value_enum, default_value = "auto")]
+    /// The latent cache's dtype (vLLM's `--kv-cache-dtype`).
+    #[arg(
+        long,
+        visible_alias = "kv-cache-dtype",
+        value_enum,
+        default_value = "auto"
+    )]
     pub kv_dtype: ServeKvDtype,
-    /// Compute backend (the CPU today).
-    #[arg(long, value_enum, default_value = "cpu")]
-    pub backend: BackendArg,
     #[command(flatten)]
-    pub cpu: CpuTacticArgs,
-    /// The tuning lab's tactic cache (`autotune --cpu --out FILE`): the CPU tactic of this
-    /// model's decode entry.
-    #[arg(long)]
-    pub tactics: Option<PathBuf>,
+    pub backend: BackendArgs,
+    #[command(flatten)]
+    pub tp: TpArgs,
 }
 
 impl EngineArgs {
@@ -155,8 +152,9 @@ impl EngineArgs {
                 ServeKvDtype::Bf16 => Some(KvCacheDtype::Bf16),
                 ServeKvDtype::Fp8 => Some(KvCacheDtype::Fp8E4m3),
             },
-            cpu: self.cpu.clone(),
-            tactics: self.tactics.clone(),
+            backend: self.backend.clone(),
+            tp: self.tp.clone(),
+            warm_up: true,
         })
     }
 }
@@ -240,6 +238,7 @@ pub fn run_chat(args: ChatArgs) -> Result<()> {
     options.max_num_seqs = 1;
     let started = Instant::now();
     let runtime = Runtime::load(&options)?;
+    runtime.wait_ready()?;
     let style = Style {
         tty: std::io::stdout().is_terminal(),
     };
@@ -247,9 +246,10 @@ pub fn run_chat(args: ChatArgs) -> Result<()> {
     eprintln!(
         "{}",
         style.dim(&format!(
-            "model {} loaded in {:.2} s (CPU); reasoning is shown dimmed{}",
+            "model {} loaded in {:.2} s ({}); reasoning is shown dimmed{}",
             runtime.checkpoint.display(),
             started.elapsed().as_secs_f64(),
+            options.backend.backend.name(),
             if interactive {
                 "; /reset clears the conversation, /exit or Ctrl-D quits"
             } else {

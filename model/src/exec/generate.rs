@@ -3,64 +3,10 @@
 
 use std::time::{Duration, Instant};
 
-use kernels::mla::cache::{PagedLatentCache, SeqId};
-
+use super::runner::ModelRunner;
+use super::sampler::{SampleRow, Sampler, SamplingParams};
+use super::{ExecError, SeqInput};
 use crate::arch::config::ModelConfig;
-use crate::exec::cpu::backend::Backend;
-use crate::exec::forward::{ForwardError, LogitRows, Model, SeqInput};
-use crate::exec::sampler::{SampleRow, Sampler, SamplingParams, sample_row};
-
-/// A model with its cache, stepped by the decode loop: the CPU forward pass, or the
-/// device-resident executor (`model::exec::device`).
-pub trait Stepper {
-    fn config(&self) -> &ModelConfig;
-    fn add_sequence(&mut self) -> SeqId;
-    fn free_sequence(&mut self, seq: SeqId) -> Result<(), ForwardError>;
-    /// Runs `inputs` (appending them to the cache) and draws one token for the last row of
-    /// each, under `draws[i]` (see [`crate::exec::sampler`]), where the logits are: on a device only
-    /// the ids cross back.
-    fn step_last(
-        &mut self,
-        inputs: &[SeqInput<'_>],
-        draws: &[SampleRow],
-    ) -> Result<Vec<u32>, ForwardError>;
-}
-
-/// The CPU forward pass over a host cache.
-pub struct CpuStepper<'a> {
-    pub model: &'a Model,
-    pub backend: &'a dyn Backend,
-    pub cache: &'a mut PagedLatentCache,
-}
-
-impl Stepper for CpuStepper<'_> {
-    fn config(&self) -> &ModelConfig {
-        &self.model.config
-    }
-
-    fn add_sequence(&mut self) -> SeqId {
-        self.cache.add_sequence()
-    }
-
-    fn free_sequence(&mut self, seq: SeqId) -> Result<(), ForwardError> {
-        Ok(self.cache.free_sequence(seq)?)
-    }
-
-    fn step_last(
-        &mut self,
-        inputs: &[SeqInput<'_>],
-        draws: &[SampleRow],
-    ) -> Result<Vec<u32>, ForwardError> {
-        let logits = self
-            .model
-            .forward(self.backend, self.cache, inputs, LogitRows::Last, None)?;
-        Ok(draws
-            .iter()
-            .enumerate()
-            .map(|(row, draw)| sample_row(logits.row(row), draw))
-            .collect())
-    }
-}
 
 #[derive(Clone, Debug)]
 pub struct GenerationRequest {
@@ -141,34 +87,19 @@ impl GenerationTiming {
     }
 }
 
-/// Runs every request to completion; `on_token(request, token)` sees tokens as they come.
+/// Runs every request to completion on `runner`; `on_token(request, token)` sees tokens as
+/// they come.
 pub fn generate(
-    model: &Model,
-    backend: &dyn Backend,
-    cache: &mut PagedLatentCache,
-    requests: &[GenerationRequest],
-    on_token: impl FnMut(usize, u32),
-) -> Result<(Vec<GenerationResult>, GenerationTiming), ForwardError> {
-    let mut stepper = CpuStepper {
-        model,
-        backend,
-        cache,
-    };
-    generate_with(&mut stepper, requests, on_token)
-}
-
-/// [`generate`] on any [`Stepper`].
-pub fn generate_with(
-    stepper: &mut dyn Stepper,
+    runner: &mut dyn ModelRunner,
     requests: &[GenerationRequest],
     mut on_token: impl FnMut(usize, u32),
-) -> Result<(Vec<GenerationResult>, GenerationTiming), ForwardError> {
+) -> Result<(Vec<GenerationResult>, GenerationTiming), ExecError> {
     for request in requests {
         request
-            .validate(stepper.config())
-            .map_err(ForwardError::InvalidRequest)?;
+            .validate(runner.config())
+            .map_err(ExecError::InvalidRequest)?;
     }
-    let eos = stepper.config().eos_token_ids.clone();
+    let eos = runner.config().eos_token_ids.clone();
     let mut timing = GenerationTiming::default();
     let mut samplers: Vec<Sampler> = requests.iter().map(|r| Sampler::new(r.sampling)).collect();
     let mut results: Vec<GenerationResult> = requests
@@ -178,7 +109,7 @@ pub fn generate_with(
             stop: StopReason::Length,
         })
         .collect();
-    let seqs: Vec<_> = requests.iter().map(|_| stepper.add_sequence()).collect();
+    let seqs: Vec<_> = requests.iter().map(|_| runner.add_sequence()).collect();
     let mut live: Vec<usize> = Vec::new();
 
     let start = Instant::now();
@@ -186,7 +117,7 @@ pub fn generate_with(
         if request.max_new_tokens == 0 || request.prompt.is_empty() {
             continue;
         }
-        let token = stepper.step_last(
+        let token = runner.step(
             &[SeqInput {
                 seq: seqs[i],
                 tokens: &request.prompt,
@@ -219,7 +150,7 @@ pub fn generate_with(
             })
             .collect();
         let draws: Vec<SampleRow> = live.iter().map(|&i| samplers[i].next_row()).collect();
-        let tokens = stepper.step_last(&inputs, &draws)?;
+        let tokens = runner.step(&inputs, &draws)?;
         timing.decode_steps += 1;
         timing.decode_tokens += live.len();
         let mut still_live = Vec::with_capacity(live.len());
@@ -236,7 +167,7 @@ pub fn generate_with(
     }
     timing.decode_time = start.elapsed();
     for seq in seqs {
-        stepper.free_sequence(seq)?;
+        runner.free_sequence(seq)?;
     }
     Ok((results, timing))
 }

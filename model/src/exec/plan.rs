@@ -199,7 +199,7 @@ impl Plan {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::checkpoint::generator::Preset;
+    use crate::arch::presets::Preset;
 
     fn request(kv_dtype: KvCacheDtype, max_model_len: usize) -> PlanRequest {
         PlanRequest {
@@ -219,7 +219,9 @@ mod tests {
     /// the rank's shapes, on a dry device), the latent cache and the step workspace.
     #[test]
     fn the_kimi_tp8_plan_is_what_a_rank_of_the_executor_allocates() {
-        use crate::exec::device::{DeviceExecutor, DeviceWeights, ExecutorTactics, StepCapacity};
+        use crate::exec::device::{
+            DeviceOptions, DeviceWeights, ExecutorTactics, StepCapacity, runner_with_weights,
+        };
         use kernels::arch::Sm;
         use kernels::device::dry::DryDevice;
         let c = Preset::KimiK25.model_config();
@@ -237,20 +239,23 @@ mod tests {
                 ExecutorTactics::defaults_for_rank(Sm::Sm120, &c, kv_dtype, r.gpus).unwrap();
             let dev = DryDevice::new(Sm::Sm120);
             let weights = DeviceWeights::zeroed(&dev, &c, shard, tactics.moe).unwrap();
-            let ex = DeviceExecutor::with_weights(
+            let runner = runner_with_weights(
                 dev,
                 &c,
                 weights,
-                kv_dtype,
-                r.max_model_len,
-                StepCapacity {
-                    tokens: r.max_batched_tokens,
-                    logit_rows: r.max_num_seqs,
+                DeviceOptions {
+                    kv_dtype,
+                    cache_tokens: r.max_model_len,
+                    capacity: StepCapacity {
+                        tokens: r.max_batched_tokens,
+                        logit_rows: r.max_num_seqs,
+                    },
+                    tactics,
+                    quiet: true,
                 },
-                tactics,
             )
             .unwrap();
-            let got = ex.device_bytes();
+            let got = runner.ops().device_bytes();
             let cache = planned.kv_bytes_per_token * r.max_model_len as f64;
             let rel = |a: usize, b: f64| (a as f64 - b).abs() / b;
             println!(

@@ -62,7 +62,15 @@ impl Sampler {
 
     /// The parameters of the next draw (and counts it): what the device sampler is given.
     pub fn next_row(&mut self) -> SampleRow {
-        let row = SampleRow {
+        let row = self.peek_row();
+        self.draws += 1;
+        row
+    }
+
+    /// The parameters of the next draw, without counting it (a step that draws a token nobody
+    /// takes: a prompt's row before its last chunk).
+    pub fn peek_row(&self) -> SampleRow {
+        SampleRow {
             temperature: self.params.temperature,
             // Beyond i32::MAX the cut keeps everything, as no cut does.
             top_k: i32::try_from(self.params.top_k).unwrap_or(0),
@@ -70,9 +78,7 @@ impl Sampler {
             reserved: 0,
             seed: self.params.seed,
             counter: self.draws,
-        };
-        self.draws += 1;
-        row
+        }
     }
 
     pub fn sample(&mut self, logits: &[f32]) -> u32 {

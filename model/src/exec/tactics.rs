@@ -288,7 +288,7 @@ pub fn tactic_lines(path: Option<&Path>, cfg: &ModelConfig, run: &RunShapes) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::checkpoint::generator::Preset;
+    use crate::arch::presets::Preset;
 
     #[test]
     fn kimi_decode_shapes_under_tp8() {
@@ -322,5 +322,47 @@ mod tests {
         let dense = dense_products(&cfg, 8);
         let lm = dense.iter().find(|p| p.name == "lm_head").unwrap();
         assert_eq!((lm.n, lm.k), (20480, 7168));
+    }
+}
+
+/// The tuning lab's cache as a run reads it (`--tactics FILE`): each family's tactic for the
+/// run's device and shapes.
+#[derive(Clone, Debug, Default)]
+pub struct RunnerTactics {
+    path: Option<std::path::PathBuf>,
+    quiet: bool,
+}
+
+impl RunnerTactics {
+    pub fn load(path: Option<&Path>, quiet: bool) -> Self {
+        Self {
+            path: path.map(Path::to_path_buf),
+            quiet,
+        }
+    }
+
+    /// The device executor's tactics on `sm` for a rank of `world`: the cache's winners where
+    /// it has them, each family's heuristic default elsewhere; logged with where each came
+    /// from.
+    pub fn executor(
+        &self,
+        sm: Sm,
+        config: &ModelConfig,
+        kv_dtype: kernels::mla::cache::KvCacheDtype,
+        world: usize,
+    ) -> Result<crate::exec::device::ExecutorTactics, crate::exec::ExecError> {
+        let (tactics, source) = crate::exec::device::decode_tactics(
+            self.path.as_deref(),
+            sm,
+            config,
+            world,
+            1,
+            4096,
+            kv_dtype,
+        )?;
+        if !self.quiet && self.path.is_some() {
+            eprintln!("tactics: {source}");
+        }
+        Ok(tactics)
     }
 }

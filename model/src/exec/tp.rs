@@ -1,130 +1,63 @@
-//! Tensor parallelism on CPU: one OS process per rank, each holding its shard of the weights,
-//! summing partial results with the shared-memory all-reduce of `kernels::allreduce` — the
-//! same protocol the GPUs will run over CUDA IPC.
+//! Tensor parallelism: one OS process per rank, each holding its shard of the weights on its
+//! device (GPU R for rank R, or the CPU), summing partial results with the all-reduce of its
+//! backend — shared memory on the CPU and on `cuda-emulated`, CUDA IPC on GPUs.
 //!
-//! `model run --tp N` / `model logits --tp N` re-run this binary N times with `--tp-rank R`;
-//! rank 0 prints or writes the result, the parent waits for every rank and fails if any does.
+//! Rank 0 is the process the user started: it holds the decode loop or the serving engine and
+//! decides every step. It starts ranks 1..N as copies of its own command with `--tp-rank R`,
+//! and sends each of them every call it makes on its runner (a line of JSON on the rank's
+//! stdin); a follower makes the same call on its own runner, so every rank takes the same
+//! steps and the collectives meet ([`TpLeader`], [`follow`]). Only rank 0 reads results back.
 //!
-//! Ranks die with their launcher, however it ends: each gets SIGTERM as its parent-death signal
-//! (`PR_SET_PDEATHSIG`, set between fork and exec), and a watchdog thread in each rank also
-//! stops it when its parent changes (the signal's blind spots: a launcher that died before the
-//! signal was armed, or a rank started by something else). Either way the rank unlinks the
-//! all-reduce segment name on its way out, so nothing is left in `/dev/shm`.
+//! Failure: a follower that exits is noticed by a watcher thread at once; rank 0's next call
+//! fails naming it (the serving engine then fails its requests and stops answering `/health`
+//! with 200), and a collective it left waiting fails on the peer's death (CPU) or its timeout.
+//! Followers die with rank 0, however it ends: each gets SIGTERM as its parent-death signal
+//! (`PR_SET_PDEATHSIG`, set between fork and exec), and a watchdog thread in each also stops it
+//! when its parent changes (the signal's blind spots: a parent that died before the signal was
+//! armed). Either way a rank unlinks the all-reduce segment name on its way out, so nothing is
+//! left in `/dev/shm`.
 
+use std::io::{BufRead, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
-use std::process::{Child, Command, ExitStatus};
-use std::sync::Mutex;
+use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use kernels::allreduce::{AllReduce, CpuCommunicator, CpuConfig};
-use kernels::matrix::MatrixView;
-use kernels::mla::cache::{CacheError, PagedLatentCache};
-use kernels::mla::reference::MlaProblem;
-use kernels::moe_gemm::reference::{ExpertInputAmax, ExpertView, Routing};
+use kernels::allreduce::{CpuCommunicator, CpuConfig};
+use kernels::mla::cache::SeqId;
+use serde::{Deserialize, Serialize};
 
-use crate::exec::cpu::backend::{Backend, TunedCpuBackend};
+use super::backend::{BackendArgs, RankGroup, RunnerSizing, TpArgs};
+use super::runner::ModelRunner;
+use super::sampler::SampleRow;
+use super::{ExecError, LogitRows, Logits, SeqInput};
+use crate::arch::config::ModelConfig;
+use crate::checkpoint::weights::Model;
 
-/// The CPU backend of one tensor-parallel rank.
-pub struct TpCpuBackend {
-    compute: TunedCpuBackend,
-    communicator: Mutex<CpuCommunicator>,
-    /// Unlinks the segment name if this rank is interrupted before rank 0 has done so.
-    _segment_cleanup: crate::cleanup::Registration,
+/// Joins the CPU all-reduce segment `segment` as `rank` of `world` (see
+/// [`CpuOps::set_communicator`](crate::exec::cpu::CpuOps::set_communicator)).
+/// `max_elements` bounds the largest partial sum (tokens per forward × hidden).
+pub fn join_cpu_group(
+    segment: &str,
+    rank: usize,
+    world: usize,
+    max_elements: usize,
+    timeout: Duration,
+) -> Result<(CpuCommunicator, crate::cleanup::Registration)> {
+    let config = CpuConfig {
+        timeout,
+        capacity_bytes: (max_elements * 4).max(1 << 16),
+        ..CpuConfig::default()
+    };
+    // Unlinks the segment name if this rank is interrupted before rank 0 has done so.
+    let registration = crate::cleanup::register_segment(segment);
+    let communicator = CpuCommunicator::new(segment, rank, world, config)
+        .with_context(|| format!("rank {rank} of {world}: joining all-reduce segment {segment}"))?;
+    Ok((communicator, registration))
 }
 
-impl TpCpuBackend {
-    /// Joins the all-reduce segment `segment` as `rank` of `world`. `max_elements` bounds the
-    /// largest partial sum (tokens per forward × hidden); `compute` runs this rank's kernels.
-    pub fn join(
-        compute: TunedCpuBackend,
-        segment: &str,
-        rank: usize,
-        world: usize,
-        max_elements: usize,
-        timeout: Duration,
-    ) -> Result<Self> {
-        let config = CpuConfig {
-            timeout,
-            capacity_bytes: (max_elements * 4).max(1 << 16),
-            ..CpuConfig::default()
-        };
-        let segment_cleanup = crate::cleanup::register_segment(segment);
-        let communicator =
-            CpuCommunicator::new(segment, rank, world, config).with_context(|| {
-                format!("rank {rank} of {world}: joining all-reduce segment {segment}")
-            })?;
-        Ok(Self {
-            compute,
-            communicator: Mutex::new(communicator),
-            _segment_cleanup: segment_cleanup,
-        })
-    }
-}
-
-impl Backend for TpCpuBackend {
-    fn name(&self) -> &'static str {
-        "cpu-tp"
-    }
-
-    fn matmul(&self, x: &[f32], tokens: usize, w: MatrixView<'_>, out: &mut [f32]) {
-        self.compute.matmul(x, tokens, w, out);
-    }
-
-    fn matmul_per_head(&self, x: &[f32], tokens: usize, w: &[MatrixView<'_>], out: &mut [f32]) {
-        self.compute.matmul_per_head(x, tokens, w, out);
-    }
-
-    fn matmul_many(
-        &self,
-        x: &[f32],
-        tokens: usize,
-        ws: &[MatrixView<'_>],
-        outs: &mut [&mut [f32]],
-    ) {
-        self.compute.matmul_many(x, tokens, ws, outs);
-    }
-
-    fn moe(
-        &self,
-        x: &[f32],
-        hidden: usize,
-        routing: &Routing,
-        experts: &[ExpertView<'_>],
-        out: &mut [f32],
-        amax: Option<&mut ExpertInputAmax>,
-    ) {
-        self.compute.moe(x, hidden, routing, experts, out, amax);
-    }
-
-    fn mla_attention(
-        &self,
-        cache: &PagedLatentCache,
-        problem: &MlaProblem<'_>,
-        out: &mut [f32],
-        lse: &mut [f32],
-    ) -> Result<(), CacheError> {
-        self.compute.mla_attention(cache, problem, out, lse)
-    }
-
-    fn all_reduce_sum(&self, data: &mut [f32]) -> Result<(), String> {
-        let mut communicator = self
-            .communicator
-            .lock()
-            .map_err(|_| "all-reduce lock poisoned".to_string())?;
-        // A message larger than the segment's slots (the gathered logits of a long prompt)
-        // goes in slot-sized pieces; every rank cuts the same pieces.
-        let piece = (communicator.capacity_bytes() / 4).max(1);
-        for chunk in data.chunks_mut(piece) {
-            communicator
-                .all_reduce_f32(chunk, None)
-                .map_err(|e| e.to_string())?;
-        }
-        Ok(())
-    }
-}
-
-/// A rank process that failed, as its launcher reports it.
+/// A tensor-parallel rank that failed, as rank 0 reports it.
 #[derive(Debug, thiserror::Error)]
 #[error("tensor-parallel rank {rank} of {world} failed ({status})")]
 pub struct RankFailed {
@@ -133,123 +66,449 @@ pub struct RankFailed {
     pub status: ExitStatus,
 }
 
-/// Starts `world` rank processes of this binary with `args` plus `--tp-rank R --tp-segment S`,
-/// and waits for all of them. If one fails, the others are stopped and the error names it.
-pub fn launch_ranks(world: usize, args: &[String]) -> Result<()> {
+/// What this process runs as, for a command that may run over several ranks.
+pub enum RankRole {
+    /// The whole model, or rank 0 of a group driving its followers: the command's work.
+    Lead(Box<dyn ModelRunner>),
+    /// A follower, which followed rank 0's calls until it stopped: nothing more to do.
+    Followed,
+}
+
+/// The runner of this process for a command: alone (`--tp 1`), rank 0 of `--tp N` (the
+/// followers started, then this rank's shard loaded and wrapped in a [`TpLeader`]), or a
+/// follower started by rank 0 (its shard loaded, rank 0's calls followed until it stops).
+/// `load` loads a rank's shard of the model; every rank computes `sizing` from the same
+/// command line.
+pub fn open_ranks(
+    backend: &BackendArgs,
+    tp: &TpArgs,
+    sizing: RunnerSizing,
+    load: impl FnOnce(crate::arch::shard::TpShard) -> Result<Model>,
+    quiet: bool,
+) -> Result<RankRole> {
+    let world = tp.world();
+    if world == 1 {
+        let model = load(tp.shard())?;
+        return Ok(RankRole::Lead(
+            backend.open_runner(&model, None, sizing, quiet)?,
+        ));
+    }
+    if let Some(rank) = tp.tp_rank.filter(|&r| r > 0) {
+        watch_parent(Duration::from_millis(100));
+        // Load (and shard) before joining the collective, so a model that cannot be split
+        // fails alone instead of leaving its peers waiting.
+        let model = load(tp.shard())?;
+        let group = tp.group()?.context("a follower belongs to a group")?;
+        let mut runner = backend.open_runner(&model, Some(&group), sizing, true)?;
+        follow(runner.as_mut(), std::io::stdin().lock())
+            .with_context(|| format!("tensor-parallel rank {rank} of {world}"))?;
+        return Ok(RankRole::Followed);
+    }
+    let segment = kernels::allreduce::shm::unique_segment_name("model-tp");
+    // Interrupted, rank 0 unlinks the name itself; its followers follow it (see above).
+    let registration = crate::cleanup::register_segment(&segment);
+    let followers = start_followers(world, &segment)?;
+    let model = load(tp.shard())?;
+    let group = RankGroup {
+        segment: segment.clone(),
+        rank: 0,
+        world,
+        timeout: Duration::from_secs(tp.tp_timeout_secs),
+    };
+    let local = backend.open_runner(&model, Some(&group), sizing, quiet)?;
+    Ok(RankRole::Lead(Box::new(TpLeader {
+        local,
+        followers,
+        segment,
+        _registration: registration,
+    })))
+}
+
+/// The followers of a group: their command pipes, and what their watchers found.
+struct Followers {
+    world: usize,
+    pipes: Vec<(usize, ChildStdin)>,
+    /// The first follower that exited while the group was running.
+    failed: Arc<Mutex<Option<RankFailed>>>,
+    children: Arc<Mutex<Vec<(usize, Child)>>>,
+}
+
+/// Starts ranks 1..`world` as copies of this command with `--tp-rank R --tp-segment S`, each
+/// reading rank 0's calls from its stdin, and a watcher of each.
+fn start_followers(world: usize, segment: &str) -> Result<Followers> {
     if !(2..=8).contains(&world) {
         return Err(crate::input::InvalidInput(format!(
-            "--tp {world}: tensor parallelism on CPU runs 2 to 8 ranks"
+            "--tp {world}: tensor parallelism runs 2 to 8 ranks"
         ))
         .into());
     }
     let exe = std::env::current_exe().context("locating the model binary")?;
-    let segment = kernels::allreduce::shm::unique_segment_name("model-tp");
-    // Interrupted, the launcher unlinks the name itself; its ranks follow it (see above).
-    let _registration = crate::cleanup::register_segment(&segment);
-    let launcher = std::process::id();
-    let mut children: Vec<Child> = Vec::new();
-    for rank in 0..world {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let leader = std::process::id();
+    let failed = Arc::new(Mutex::new(None));
+    let children = Arc::new(Mutex::new(Vec::new()));
+    let mut pipes = Vec::new();
+    for rank in 1..world {
         let mut command = Command::new(&exe);
         command
-            .args(args)
-            .args(["--tp-rank", &rank.to_string(), "--tp-segment", &segment]);
+            .args(&args)
+            .args(["--tp-rank", &rank.to_string(), "--tp-segment", segment])
+            .stdin(Stdio::piped());
         // SAFETY: between fork and exec only async-signal-safe calls (prctl, getppid, _exit).
         unsafe {
             command.pre_exec(move || {
-                die_with_parent(launcher);
+                die_with_parent(leader);
                 Ok(())
             });
         }
-        let child = command
+        let mut child = command
             .spawn()
-            .with_context(|| format!("starting rank {rank}"))?;
-        children.push(child);
+            .with_context(|| format!("starting tensor-parallel rank {rank}"))?;
+        let stdin = child.stdin.take().context("a follower's command pipe")?;
+        pipes.push((rank, stdin));
+        children
+            .lock()
+            .map_err(|_| anyhow::anyhow!("follower list lock poisoned"))?
+            .push((rank, child));
     }
-    let mut failure = None;
-    loop {
-        let mut running = 0;
-        for (rank, child) in children.iter_mut().enumerate() {
-            match child.try_wait()? {
-                Some(status) if !status.success() && failure.is_none() => {
-                    failure = Some((rank, status))
+    // One watcher for all: polls the followers, and records the first that ends.
+    {
+        let (failed, children) = (failed.clone(), children.clone());
+        std::thread::Builder::new()
+            .name("tp-watcher".into())
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(Duration::from_millis(20));
+                    let Ok(mut list) = children.lock() else {
+                        return;
+                    };
+                    if list.is_empty() {
+                        return;
+                    }
+                    let mut ended = None;
+                    for (rank, child) in list.iter_mut() {
+                        if let Ok(Some(status)) = child.try_wait() {
+                            ended = Some((*rank, status));
+                            break;
+                        }
+                    }
+                    if let Some((rank, status)) = ended {
+                        list.retain(|(r, _)| *r != rank);
+                        if let Ok(mut f) = failed.lock()
+                            && f.is_none()
+                        {
+                            *f = Some(RankFailed {
+                                rank,
+                                world,
+                                status,
+                            });
+                        }
+                    }
                 }
-                Some(_) => {}
-                None => running += 1,
-            }
-        }
-        if running == 0 {
-            break;
-        }
-        if failure.is_some() {
-            // The survivors' collectives fail by themselves within their timeout; killing
-            // them now just saves the wait.
-            for child in children.iter_mut() {
-                let _ = child.kill();
-            }
-        }
-        std::thread::sleep(Duration::from_millis(5));
+            })
+            .context("starting the follower watcher")?;
     }
-    // Ranks clean up after themselves; a killed rank 0 may not have, so make sure.
-    kernels::allreduce::shm::remove_segment(&segment)
-        .with_context(|| format!("removing {segment}"))?;
-    match failure {
-        // Rank 0 writing into a closed pipe (`model run --tp 2 | head -1`) ends quietly, and
-        // so does its launcher, the way a single process would.
-        Some((_, status)) if status.signal() == Some(libc::SIGPIPE) => {
-            // SAFETY: plain libc calls; SIGPIPE's default action ends the process.
-            unsafe {
-                libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-                libc::raise(libc::SIGPIPE);
-            }
-            Err(RankFailed {
-                rank: 0,
-                world,
-                status,
-            }
-            .into())
+    Ok(Followers {
+        world,
+        pipes,
+        failed,
+        children,
+    })
+}
+
+/// A call of rank 0 on its runner, as its followers receive it.
+#[derive(Debug, Serialize, Deserialize)]
+enum TpCommand {
+    AddSequence {
+        seq: u32,
+    },
+    FreeSequence {
+        seq: u32,
+    },
+    Reserve {
+        seq: u32,
+        tokens: usize,
+    },
+    Step {
+        inputs: Vec<(u32, Vec<u32>)>,
+        draws: Vec<Draw>,
+    },
+    Logits {
+        inputs: Vec<(u32, Vec<u32>)>,
+        all_rows: bool,
+    },
+    WarmUp {
+        max_batch: usize,
+    },
+}
+
+/// A [`SampleRow`] on the wire.
+#[derive(Debug, Serialize, Deserialize)]
+struct Draw {
+    temperature: f32,
+    top_k: i32,
+    top_p: f32,
+    seed: u64,
+    counter: u64,
+}
+
+impl From<&SampleRow> for Draw {
+    fn from(r: &SampleRow) -> Self {
+        Self {
+            temperature: r.temperature,
+            top_k: r.top_k,
+            top_p: r.top_p,
+            seed: r.seed,
+            counter: r.counter,
         }
-        Some((rank, status)) => Err(RankFailed {
-            rank,
-            world,
-            status,
+    }
+}
+
+impl From<&Draw> for SampleRow {
+    fn from(d: &Draw) -> Self {
+        SampleRow {
+            temperature: d.temperature,
+            top_k: d.top_k,
+            top_p: d.top_p,
+            reserved: 0,
+            seed: d.seed,
+            counter: d.counter,
         }
-        .into()),
-        None => Ok(()),
+    }
+}
+
+fn wire_inputs(inputs: &[SeqInput<'_>]) -> Vec<(u32, Vec<u32>)> {
+    inputs
+        .iter()
+        .map(|i| (i.seq.0, i.tokens.to_vec()))
+        .collect()
+}
+
+/// Rank 0's runner: every call goes to each follower first, then to the local runner.
+pub struct TpLeader {
+    local: Box<dyn ModelRunner>,
+    followers: Followers,
+    segment: String,
+    _registration: crate::cleanup::Registration,
+}
+
+impl TpLeader {
+    /// Fails if a follower has exited; else sends `command` to every follower.
+    fn send(&mut self, command: &TpCommand) -> Result<(), ExecError> {
+        if let Ok(failed) = self.followers.failed.lock()
+            && let Some(f) = failed.as_ref()
+        {
+            return Err(ExecError::AllReduce(f.to_string()));
+        }
+        let mut line = serde_json::to_string(command)
+            .map_err(|e| ExecError::Device(format!("encoding a rank command: {e}")))?;
+        line.push('\n');
+        for (rank, pipe) in &mut self.followers.pipes {
+            pipe.write_all(line.as_bytes())
+                .and_then(|()| pipe.flush())
+                .map_err(|e| {
+                    ExecError::AllReduce(format!(
+                        "tensor-parallel rank {rank} of {} stopped taking commands: {e}",
+                        self.followers.world
+                    ))
+                })?;
+        }
+        Ok(())
+    }
+}
+
+impl ModelRunner for TpLeader {
+    fn config(&self) -> &ModelConfig {
+        self.local.config()
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "{}, rank 0 of {} (segment {})",
+            self.local.describe(),
+            self.followers.world,
+            self.segment
+        )
+    }
+
+    fn add_sequence(&mut self) -> SeqId {
+        let seq = self.local.add_sequence();
+        // A follower that cannot be told fails the next call that returns a result.
+        let _ = self.send(&TpCommand::AddSequence { seq: seq.0 });
+        seq
+    }
+
+    fn free_sequence(&mut self, seq: SeqId) -> Result<(), ExecError> {
+        self.send(&TpCommand::FreeSequence { seq: seq.0 })?;
+        self.local.free_sequence(seq)
+    }
+
+    fn reserve(&mut self, seq: SeqId, tokens: usize) -> Result<(), ExecError> {
+        self.send(&TpCommand::Reserve { seq: seq.0, tokens })?;
+        self.local.reserve(seq, tokens)
+    }
+
+    fn free_pages(&self) -> usize {
+        self.local.free_pages()
+    }
+
+    fn total_pages(&self) -> usize {
+        self.local.total_pages()
+    }
+
+    fn step(
+        &mut self,
+        inputs: &[SeqInput<'_>],
+        draws: &[SampleRow],
+    ) -> Result<Vec<u32>, ExecError> {
+        self.send(&TpCommand::Step {
+            inputs: wire_inputs(inputs),
+            draws: draws.iter().map(Draw::from).collect(),
+        })?;
+        self.local.step(inputs, draws)
+    }
+
+    fn logits(&mut self, inputs: &[SeqInput<'_>], rows: LogitRows) -> Result<Logits, ExecError> {
+        self.send(&TpCommand::Logits {
+            inputs: wire_inputs(inputs),
+            all_rows: rows == LogitRows::All,
+        })?;
+        self.local.logits(inputs, rows)
+    }
+
+    fn profile_ops(&mut self) {
+        self.local.profile_ops();
+    }
+
+    fn op_profile_report(&self) -> Option<String> {
+        self.local.op_profile_report()
+    }
+
+    fn warm_up(&mut self, max_batch: usize) -> Result<(), ExecError> {
+        self.send(&TpCommand::WarmUp { max_batch })?;
+        self.local.warm_up(max_batch)
+    }
+}
+
+impl Drop for TpLeader {
+    /// Closes the command pipes (each follower then ends its loop and exits) and waits for the
+    /// followers a little; the watcher sees no failure in an orderly end.
+    fn drop(&mut self) {
+        if let Ok(mut children) = self.followers.children.lock() {
+            self.followers.pipes.clear();
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            for (_, child) in children.iter_mut() {
+                while std::time::Instant::now() < deadline {
+                    match child.try_wait() {
+                        Ok(Some(_)) | Err(_) => break,
+                        Ok(None) => std::thread::sleep(Duration::from_millis(5)),
+                    }
+                }
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            children.clear();
+        }
+    }
+}
+
+/// A follower's loop: every call rank 0 sends, made on `runner`, until its pipe closes.
+pub fn follow(runner: &mut dyn ModelRunner, commands: impl BufRead) -> Result<()> {
+    for line in commands.lines() {
+        let line = line.context("reading rank 0's commands")?;
+        let command: TpCommand =
+            serde_json::from_str(&line).with_context(|| format!("a rank command: {line}"))?;
+        let inputs_of = |inputs: &[(u32, Vec<u32>)]| -> Vec<(SeqId, Vec<u32>)> {
+            inputs.iter().map(|(s, t)| (SeqId(*s), t.clone())).collect()
+        };
+        match command {
+            TpCommand::AddSequence { seq } => {
+                let mine = runner.add_sequence();
+                if mine.0 != seq {
+                    anyhow::bail!("rank 0 made sequence {seq}, this rank {}", mine.0);
+                }
+            }
+            TpCommand::FreeSequence { seq } => runner.free_sequence(SeqId(seq))?,
+            TpCommand::Reserve { seq, tokens } => runner.reserve(SeqId(seq), tokens)?,
+            TpCommand::Step { inputs, draws } => {
+                let owned = inputs_of(&inputs);
+                let inputs: Vec<SeqInput<'_>> = owned
+                    .iter()
+                    .map(|(seq, tokens)| SeqInput { seq: *seq, tokens })
+                    .collect();
+                let draws: Vec<SampleRow> = draws.iter().map(SampleRow::from).collect();
+                // A step that fails on rank 0 fails here too (the same inputs); rank 0 reports it.
+                let _ = runner.step(&inputs, &draws);
+            }
+            TpCommand::Logits { inputs, all_rows } => {
+                let owned = inputs_of(&inputs);
+                let inputs: Vec<SeqInput<'_>> = owned
+                    .iter()
+                    .map(|(seq, tokens)| SeqInput { seq: *seq, tokens })
+                    .collect();
+                let rows = if all_rows {
+                    LogitRows::All
+                } else {
+                    LogitRows::Last
+                };
+                let _ = runner.logits(&inputs, rows);
+            }
+            TpCommand::WarmUp { max_batch } => runner.warm_up(max_batch)?,
+        }
+    }
+    Ok(())
+}
+
+/// Reports a failed follower as rank 0's error, with the follower's exit code kept where it
+/// means refused input (2).
+pub fn exit_code_of(failed: &RankFailed) -> u8 {
+    if failed.status.code() == Some(2) {
+        2
+    } else {
+        1
     }
 }
 
 /// In a freshly forked rank: arms SIGTERM as the parent-death signal, and exits at once if the
-/// launcher already died before it was armed. Async-signal-safe.
-fn die_with_parent(launcher: u32) {
+/// parent already died before it was armed. Async-signal-safe.
+fn die_with_parent(parent: u32) {
     #[cfg(target_os = "linux")]
     // SAFETY: prctl, getppid and _exit are async-signal-safe and touch no Rust state.
     unsafe {
         libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
-        if libc::getppid() as u32 != launcher {
+        if libc::getppid() as u32 != parent {
             libc::_exit(1);
         }
     }
     #[cfg(not(target_os = "linux"))]
-    let _ = launcher;
+    let _ = parent;
 }
 
-/// In a rank process: a thread that stops the rank within `period` of its parent (the
-/// launcher) exiting, removing what [`crate::cleanup`] holds first.
-pub fn watch_launcher(period: Duration) {
+/// In a follower: a thread that stops it within `period` of its parent (rank 0) exiting,
+/// removing what [`crate::cleanup`] holds first.
+fn watch_parent(period: Duration) {
     // SAFETY: getppid has no preconditions.
     let parent = unsafe { libc::getppid() };
     let spawned = std::thread::Builder::new()
-        .name("launcher-watchdog".into())
+        .name("rank-0-watchdog".into())
         .spawn(move || {
             loop {
                 std::thread::sleep(period);
                 // SAFETY: as above.
                 if unsafe { libc::getppid() } != parent {
                     crate::cleanup::remove_all();
-                    eprintln!("Error: the tensor-parallel launcher (pid {parent}) exited; stopping this rank");
+                    eprintln!(
+                        "Error: tensor-parallel rank 0 (pid {parent}) exited; stopping this rank"
+                    );
                     std::process::exit(1);
                 }
             }
         });
     drop(spawned);
+}
+
+/// Whether a follower's exit status is the SIGPIPE of a closed output, as a lone process would
+/// end on `| head -1`.
+pub fn ended_by_closed_pipe(status: &ExitStatus) -> bool {
+    status.signal() == Some(libc::SIGPIPE)
 }

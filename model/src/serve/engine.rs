@@ -13,15 +13,15 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::Instant;
 
-use kernels::mla::cache::{KvCacheDtype, PAGE_TOKENS, PagedLatentCache, SeqId};
+use kernels::mla::cache::{PAGE_TOKENS, SeqId};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::exec::cpu::backend::Backend;
-use crate::exec::forward::{LogitRows, Model, SeqInput};
+use crate::exec::SeqInput;
+use crate::exec::runner::ModelRunner;
 use crate::exec::sampler::{Sampler, SamplingParams};
 
 #[derive(Clone, Copy, Debug)]
@@ -34,9 +34,9 @@ pub struct EngineConfig {
     pub max_batched_tokens: usize,
     /// Requests waiting for admission at most; more are refused (HTTP 429).
     pub max_waiting: usize,
-    /// Latent cache capacity in tokens (rounded up to whole pages).
-    pub kv_cache_tokens: usize,
-    pub kv_dtype: KvCacheDtype,
+    /// Warm the runner up before the first request (decode graphs captured, one step run):
+    /// the first request then runs as fast as the hundredth.
+    pub warm_up: bool,
 }
 
 /// Why a sequence ended.
@@ -76,6 +76,10 @@ pub enum SubmitError {
     NeverFits(String),
     #[error("the server is shutting down")]
     ShuttingDown,
+    #[error("the model is still warming up; retry once /health answers 200")]
+    NotReady,
+    #[error("the engine failed: {0}")]
+    Failed(String),
 }
 
 /// Serving metrics, exported in the Prometheus text format.
@@ -215,7 +219,20 @@ pub struct EngineHandle {
     accepting: Arc<AtomicBool>,
     config: EngineConfig,
     total_pages: usize,
+    state: Arc<Mutex<EngineState>>,
     thread: Arc<Mutex<Option<std::thread::JoinHandle<()>>>>,
+}
+
+/// Where the engine stands.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EngineState {
+    /// The runner is warming up.
+    Starting,
+    /// Steps run; the first request runs as fast as later ones.
+    Ready,
+    /// A step failed past recovery (a tensor-parallel rank died, the device failed): requests
+    /// are refused.
+    Failed(String),
 }
 
 impl EngineHandle {
@@ -228,10 +245,33 @@ impl EngineHandle {
         self.total_pages * PAGE_TOKENS
     }
 
+    pub fn state(&self) -> EngineState {
+        self.state.lock().map_or_else(
+            |_| EngineState::Failed("the engine's state lock is poisoned".into()),
+            |s| s.clone(),
+        )
+    }
+
+    /// Waits until the engine is ready (its runner warmed up), or says why it failed.
+    pub fn wait_ready(&self) -> anyhow::Result<()> {
+        loop {
+            match self.state() {
+                EngineState::Ready => return Ok(()),
+                EngineState::Failed(why) => anyhow::bail!("{why}"),
+                EngineState::Starting => std::thread::sleep(std::time::Duration::from_millis(5)),
+            }
+        }
+    }
+
     /// Queues a request, or says at once why it cannot run.
     pub fn submit(&self, request: EngineRequest) -> Result<(), SubmitError> {
         if !self.accepting.load(Ordering::SeqCst) {
             return Err(SubmitError::ShuttingDown);
+        }
+        match self.state() {
+            EngineState::Ready => {}
+            EngineState::Starting => return Err(SubmitError::NotReady),
+            EngineState::Failed(why) => return Err(SubmitError::Failed(why)),
         }
         let total = request.prompt.len() + request.max_new_tokens;
         if request.prompt.is_empty() {
@@ -300,56 +340,95 @@ impl Running {
     }
 }
 
-/// Starts the engine thread over `model` and `backend`.
-pub fn start_engine(model: Model, backend: Box<dyn Backend>, config: EngineConfig) -> EngineHandle {
-    let cache = model.new_cache(config.kv_dtype, config.kv_cache_tokens);
-    let total_pages = cache.total_pages();
+/// Starts the engine thread: it makes its runner with `open` (on the thread that steps it, as
+/// a device context wants), warms it up, and serves. Returns once the runner exists (its
+/// warm-up goes on: [`EngineHandle::state`]), or with the error that made it fail.
+pub fn start_engine(
+    open: impl FnOnce() -> anyhow::Result<Box<dyn ModelRunner>> + Send + 'static,
+    config: EngineConfig,
+) -> anyhow::Result<EngineHandle> {
     let (tx, rx) = mpsc::channel();
+    let (opened_tx, opened_rx) = mpsc::channel::<anyhow::Result<usize>>();
     let metrics = Arc::new(EngineMetrics::new());
-    metrics.kv_pages_total.set(total_pages as i64);
     let waiting = Arc::new(AtomicUsize::new(0));
+    let state = Arc::new(Mutex::new(EngineState::Starting));
     let thread = {
         let metrics = metrics.clone();
         let waiting = waiting.clone();
+        let state = state.clone();
         std::thread::Builder::new()
             .name("engine".into())
             .spawn(move || {
+                let mut runner = match open() {
+                    Ok(runner) => runner,
+                    Err(e) => {
+                        let _ = opened_tx.send(Err(e));
+                        return;
+                    }
+                };
+                metrics.kv_pages_total.set(runner.total_pages() as i64);
+                let set = |s: EngineState| {
+                    if let Ok(mut state) = state.lock() {
+                        *state = s;
+                    }
+                };
+                if !config.warm_up {
+                    set(EngineState::Ready);
+                }
+                let _ = opened_tx.send(Ok(runner.total_pages()));
+                if config.warm_up {
+                    if let Err(e) = runner.warm_up(config.max_num_seqs) {
+                        set(EngineState::Failed(format!("warming up: {e}")));
+                        return;
+                    }
+                    set(EngineState::Ready);
+                }
                 let mut engine = Engine {
-                    model,
-                    backend,
-                    cache,
+                    runner,
                     config,
                     metrics,
                     waiting_count: waiting,
                     waiting: VecDeque::new(),
                     running: Vec::new(),
                     shutting_down: false,
+                    state,
                 };
                 engine.run(rx);
             })
             .expect("spawning the engine thread")
     };
-    EngineHandle {
+    let total_pages = match opened_rx.recv() {
+        Ok(Ok(pages)) => pages,
+        Ok(Err(e)) => {
+            let _ = thread.join();
+            return Err(e);
+        }
+        Err(_) => {
+            let _ = thread.join();
+            anyhow::bail!("the engine thread ended before its runner was made");
+        }
+    };
+    Ok(EngineHandle {
         commands: tx,
         metrics,
         waiting,
         accepting: Arc::new(AtomicBool::new(true)),
         config,
         total_pages,
+        state,
         thread: Arc::new(Mutex::new(Some(thread))),
-    }
+    })
 }
 
 struct Engine {
-    model: Model,
-    backend: Box<dyn Backend>,
-    cache: PagedLatentCache,
+    runner: Box<dyn ModelRunner>,
     config: EngineConfig,
     metrics: Arc<EngineMetrics>,
     waiting_count: Arc<AtomicUsize>,
     waiting: VecDeque<Pending>,
     running: Vec<Running>,
     shutting_down: bool,
+    state: Arc<Mutex<EngineState>>,
 }
 
 impl Engine {
@@ -377,6 +456,20 @@ impl Engine {
         }
     }
 
+    /// The runner cannot go on: every request held fails, and the engine refuses new ones.
+    fn fail(&mut self, why: String) {
+        if let Ok(mut state) = self.state.lock() {
+            *state = EngineState::Failed(why.clone());
+        }
+        for r in self.running.drain(..) {
+            let _ = r.request.events.send(TokenEvent::Failed(why.clone()));
+        }
+        for p in std::mem::take(&mut self.waiting) {
+            let _ = p.request.events.send(TokenEvent::Failed(why.clone()));
+            self.waiting_count.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
     fn handle(&mut self, command: Command) {
         match command {
             Command::Submit(pending) => self.waiting.push_back(*pending),
@@ -399,7 +492,7 @@ impl Engine {
         while i < self.running.len() {
             if self.running[i].request.events.is_closed() {
                 let gone = self.running.swap_remove(i);
-                let _ = self.cache.free_sequence(gone.seq);
+                let _ = self.runner.free_sequence(gone.seq);
                 self.metrics.requests_cancelled.inc();
             } else {
                 i += 1;
@@ -415,18 +508,18 @@ impl Engine {
                 break;
             };
             let total = front.request.prompt.len() + front.request.max_new_tokens;
-            if total.div_ceil(PAGE_TOKENS) > self.cache.free_pages() {
+            if total.div_ceil(PAGE_TOKENS) > self.runner.free_pages() {
                 break;
             }
             let pending = self.waiting.pop_front().expect("front exists");
             self.dequeued();
-            let seq = self.cache.add_sequence();
-            if let Err(e) = self.cache.reserve(seq, total) {
+            let seq = self.runner.add_sequence();
+            if let Err(e) = self.runner.reserve(seq, total) {
                 let _ = pending
                     .request
                     .events
                     .send(TokenEvent::Failed(e.to_string()));
-                let _ = self.cache.free_sequence(seq);
+                let _ = self.runner.free_sequence(seq);
                 continue;
             }
             self.running.push(Running {
@@ -446,7 +539,7 @@ impl Engine {
         self.metrics.waiting.set(self.waiting.len() as i64);
         self.metrics
             .kv_pages_used
-            .set((self.cache.total_pages() - self.cache.free_pages()) as i64);
+            .set((self.runner.total_pages() - self.runner.free_pages()) as i64);
     }
 
     /// One forward pass: every decoding sequence's last token, then prefill chunks within the
@@ -485,20 +578,27 @@ impl Engine {
                 tokens,
             })
             .collect();
-        let result = self.model.forward(
-            self.backend.as_ref(),
-            &mut self.cache,
-            &inputs,
-            LogitRows::Last,
-            None,
-        );
+        // A row whose prompt is not all prefilled yet gets no token: its draw is looked at,
+        // not taken (the sampler's count stays where the token will be drawn).
+        let draws: Vec<_> = plan
+            .iter()
+            .map(|(i, tokens)| {
+                let r = &mut self.running[*i];
+                if r.prefilled + tokens.len() >= r.request.prompt.len() {
+                    r.sampler.next_row()
+                } else {
+                    r.sampler.peek_row()
+                }
+            })
+            .collect();
+        let result = self.runner.step(&inputs, &draws);
         self.metrics.steps.fetch_add(1, Ordering::Relaxed);
         self.metrics.batch_sequences.observe(plan.len() as f64);
         if plan.len() as i64 > self.metrics.max_batch_sequences.get() {
             self.metrics.max_batch_sequences.set(plan.len() as i64);
         }
-        let logits = match result {
-            Ok(logits) => logits,
+        let drawn = match result {
+            Ok(drawn) => drawn,
             Err(e) => {
                 // The whole step failed: fail every sequence in it rather than guess which.
                 let mut failed: Vec<usize> = plan.iter().map(|(i, _)| *i).collect();
@@ -506,7 +606,10 @@ impl Engine {
                 for i in failed {
                     let r = self.running.swap_remove(i);
                     let _ = r.request.events.send(TokenEvent::Failed(e.to_string()));
-                    let _ = self.cache.free_sequence(r.seq);
+                    let _ = self.runner.free_sequence(r.seq);
+                }
+                if e.is_fatal() {
+                    self.fail(e.to_string());
                 }
                 return;
             }
@@ -522,7 +625,7 @@ impl Engine {
                     continue;
                 }
             }
-            let token = r.sampler.sample(logits.row(row));
+            let token = drawn[row];
             r.generated.push(token);
             self.metrics.generation_tokens.inc();
             match r.last_token_at {
@@ -556,7 +659,7 @@ impl Engine {
         finished.sort_unstable_by(|a, b| b.cmp(a));
         for i in finished {
             let r = self.running.swap_remove(i);
-            let _ = self.cache.free_sequence(r.seq);
+            let _ = self.runner.free_sequence(r.seq);
             self.metrics.requests_finished.inc();
         }
     }

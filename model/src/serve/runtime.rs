@@ -11,9 +11,9 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 
 use crate::checkpoint::Checkpoint;
-use crate::exec::cpu::backend::{Backend, TunedCpuBackend};
-use crate::exec::cpu::choice::CpuTacticArgs;
-use crate::exec::forward::Model;
+use crate::checkpoint::weights::Model;
+use crate::exec::backend::{BackendArgs, RunnerSizing, TpArgs};
+use crate::exec::device::StepCapacity;
 use crate::exec::sampler::SamplingParams;
 use crate::serve::engine::{
     EngineConfig, EngineHandle, EngineRequest, FinishReason, SubmitError, TokenEvent, start_engine,
@@ -37,10 +37,11 @@ pub struct RuntimeOptions {
     pub kv_cache_tokens: Option<usize>,
     /// Default: what the checkpoint asks for (`kv_cache_quant_algo`), else BF16.
     pub kv_dtype: Option<KvCacheDtype>,
-    /// The CPU kernels' tactic and where the weights are read from.
-    pub cpu: CpuTacticArgs,
-    /// The tactic cache the CPU tactic comes from unless `cpu` names one.
-    pub tactics: Option<PathBuf>,
+    /// Where the model runs, with its tactics and (on the CPU) where the weights are read from.
+    pub backend: BackendArgs,
+    pub tp: TpArgs,
+    /// Warm the runner up before serving (decode graphs captured, a first step run).
+    pub warm_up: bool,
 }
 
 pub struct Runtime {
@@ -88,34 +89,47 @@ impl Runtime {
                 stop_ids.push(id);
             }
         }
-        // As `model run` on the CPU: the weights where `--weights` says (by default on huge
-        // pages where they fit), and the tuned backend under the chosen tactic (its pool's
-        // threads wait for a step's work awake, and a step runs on fewer threads while other
-        // processes keep the cores busy).
-        let tactic = options
-            .cpu
-            .choose(options.tactics.as_deref(), &config, false);
-        if let Some(copied) = checkpoint.place_weights_timed(options.cpu.placement(&checkpoint)) {
+        options.backend.check(kv_dtype)?;
+        if options.tp.tp > 1 {
+            bail!(
+                "--tp {}: serving over tensor-parallel ranks runs rank processes that follow \
+                 the engine's steps (see `model serve --help`)",
+                options.tp.tp
+            );
+        }
+        let max_num_seqs = options.max_num_seqs.max(1);
+        let max_batched_tokens = options.max_num_batched_tokens.max(1);
+        let sizing = RunnerSizing {
+            kv_dtype,
+            cache_tokens: options
+                .kv_cache_tokens
+                .unwrap_or(max_num_seqs * max_model_len),
+            capacity: StepCapacity {
+                tokens: max_batched_tokens.max(max_num_seqs),
+                logit_rows: max_num_seqs,
+            },
+        };
+        let backend = options.backend.clone();
+        // The weights where the backend reads them (the CPU: by default on huge pages where they
+        // fit), the runner made on the engine's thread, which steps it.
+        let placement = match backend.backend {
+            crate::exec::backend::Backend::Cpu => backend.cpu.placement(&checkpoint),
+            _ => crate::checkpoint::WeightPlacement::Mapped,
+        };
+        if let Some(copied) = checkpoint.place_weights_timed(placement) {
             eprintln!("weights: a copy on 2 MiB pages ({copied})");
         }
-        let weights = checkpoint.load_weights()?;
-        let model = Model::new(config, weights);
-        let backend: Box<dyn Backend> =
-            Box::new(TunedCpuBackend::new(tactic).map_err(anyhow::Error::msg)?);
+        let model = Model::new(config, checkpoint.load_weights()?);
         let engine = start_engine(
-            model,
-            backend,
+            move || backend.open_runner(&model, None, sizing, false),
             EngineConfig {
-                max_num_seqs: options.max_num_seqs.max(1),
+                max_num_seqs,
                 max_model_len,
-                max_batched_tokens: options.max_num_batched_tokens.max(1),
+                max_batched_tokens,
                 max_waiting: options.max_waiting,
-                kv_cache_tokens: options
-                    .kv_cache_tokens
-                    .unwrap_or(options.max_num_seqs.max(1) * max_model_len),
-                kv_dtype,
+                warm_up: options.warm_up,
             },
-        );
+        )?;
         Ok(Self {
             tokenizer: Arc::new(tokenizer),
             template,
@@ -124,6 +138,11 @@ impl Runtime {
             max_model_len,
             checkpoint: dir.clone(),
         })
+    }
+
+    /// Waits until the engine is ready (its runner warmed up), or says why it failed.
+    pub fn wait_ready(&self) -> Result<()> {
+        self.engine.wait_ready()
     }
 
     /// The chat prompt's ids, whether it opened a `<think>` block, whether tool calls are parsed.
@@ -186,7 +205,9 @@ impl Runtime {
                 .map_err(|e| match e {
                     SubmitError::QueueFull(_) => ApiError::too_many_requests(e.to_string()),
                     SubmitError::NeverFits(m) => ApiError::invalid("max_tokens", m),
-                    SubmitError::ShuttingDown => ApiError::unavailable(e.to_string()),
+                    SubmitError::ShuttingDown | SubmitError::NotReady | SubmitError::Failed(_) => {
+                        ApiError::unavailable(e.to_string())
+                    }
                 })?;
             receivers.push(rx);
         }

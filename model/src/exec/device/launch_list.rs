@@ -14,12 +14,15 @@ use kernels::device::dry::DryDevice;
 use kernels::mla::cache::KvCacheDtype;
 
 use super::{
-    CountingDevice, DeviceBytes, DeviceExecutor, DeviceMlp, DeviceTraffic, DeviceWeights,
-    DryAllReduce, ExecutorError, ExecutorTactics, LaunchEntry, StepCapacity, StepOutput,
+    CountingDevice, DeviceBytes, DeviceKinds, DeviceOptions, DeviceTraffic, DeviceWeights,
+    DryAllReduce, ExecutorTactics, LaunchEntry, StepCapacity, runner_with_weights, unsupported,
 };
 use crate::arch::config::ModelConfig;
-use crate::checkpoint::weights::TpShard;
-use crate::exec::forward::{LogitRows, SeqInput};
+use crate::arch::shard::TpShard;
+use crate::exec::ops::{SeqInput, StepOutput};
+use crate::exec::runner::ModelRunner;
+use crate::exec::weights::{Mlp, Weights};
+use crate::exec::{ExecError, LogitRows};
 
 /// Prefill rows per step when filling the cache to the context (the row kernels' grids take
 /// up to 65535 rows).
@@ -75,7 +78,7 @@ pub fn decode_tactics(
     batch: usize,
     context: usize,
     kv_dtype: KvCacheDtype,
-) -> Result<(ExecutorTactics, String), ExecutorError> {
+) -> Result<(ExecutorTactics, String), ExecError> {
     use kernels::mla::MlaSplitTactic;
     use kernels::moe_gemm::MoeGemmTactic;
     use kernels::tactic::ProblemShape;
@@ -129,12 +132,12 @@ pub fn decode_tactics(
 
 impl DryStep {
     /// Records the step (see the module documentation).
-    pub fn record(&self) -> Result<RecordedStep, ExecutorError> {
+    pub fn record(&self) -> Result<RecordedStep, ExecError> {
         let c = &self.config;
         let world = self.shard.world.max(1);
         if self.batch == 0 || self.context == 0 {
-            return Err(ExecutorError::Unsupported(
-                "a decode step needs at least one sequence and a context of one token".into(),
+            return Err(unsupported(
+                "a decode step needs at least one sequence and a context of one token",
             ));
         }
         let dev = CountingDevice::new(DryDevice::new(self.sm));
@@ -144,48 +147,51 @@ impl DryStep {
             tokens: prefill_rows.max(self.batch),
             logit_rows: self.batch,
         };
-        let mut ex = DeviceExecutor::with_weights(
+        let mut ex = runner_with_weights(
             dev,
             c,
             weights,
-            self.kv_dtype,
-            self.batch * self.context,
-            capacity,
-            self.tactics.clone(),
+            DeviceOptions {
+                kv_dtype: self.kv_dtype,
+                cache_tokens: self.batch * self.context,
+                capacity,
+                tactics: self.tactics.clone(),
+                quiet: true,
+            },
         )?;
         if world > 1 {
             let largest_message = capacity.tokens * c.hidden_size * 4;
             let all_reduce =
-                DryAllReduce::new(ex.device(), self.shard.rank, world, largest_message)?;
-            ex.set_all_reduce(Box::new(all_reduce))?;
+                DryAllReduce::new(ex.ops().device(), self.shard.rank, world, largest_message)?;
+            ex.ops_mut().set_all_reduce(Box::new(all_reduce))?;
         }
-        ex.set_graphs(true);
         let seqs: Vec<_> = (0..self.batch).map(|_| ex.add_sequence()).collect();
         let prompt = vec![1u32; self.context - 1];
         for &seq in &seqs {
             for chunk in prompt.chunks(PREFILL_CHUNK) {
-                ex.step(
+                ex.run(
                     &[SeqInput { seq, tokens: chunk }],
                     LogitRows::Last,
                     StepOutput::Greedy,
+                    &[],
                 )?;
             }
         }
-        ex.device().take();
+        ex.ops().device().take();
         let inputs: Vec<SeqInput<'_>> = seqs
             .iter()
             .map(|&seq| SeqInput { seq, tokens: &[1] })
             .collect();
-        ex.step(&inputs, LogitRows::Last, StepOutput::Greedy)?;
-        let traffic = ex.device().take();
+        ex.run(&inputs, LogitRows::Last, StepOutput::Greedy, &[])?;
+        let traffic = ex.ops().device().take();
         let (dense, expert_bound) = weights_every_step_reads(ex.weights(), c, self.batch);
         Ok(RecordedStep {
             request: self.clone(),
             traffic,
-            held: ex.device_bytes(),
+            held: ex.ops().device_bytes(),
             weights_every_step_reads: dense,
             expert_bound,
-            graphs: ex.graph_count(),
+            graphs: ex.ops().graph_count(),
         })
     }
 }
@@ -196,31 +202,30 @@ impl DryStep {
 /// experts' bytes the MoE grids are sized for (`min(batch · top_k, experts)` experts per MoE
 /// layer, each read once).
 pub fn weights_every_step_reads<D: kernels::device::Device>(
-    w: &DeviceWeights<D>,
+    w: &Weights<DeviceKinds<D>>,
     c: &ModelConfig,
     batch: usize,
 ) -> (u64, u64) {
     use kernels::device::DeviceMemory;
-    let v_share = |m: &D::Memory| m.len() * c.v_head_dim / (c.qk_nope_head_dim + c.v_head_dim);
-    let (mut dense, mut experts) = (w.lm_head.len(), 0);
+    let (mut dense, mut experts) = (w.lm_head.memory.len(), 0);
     for l in &w.layers {
         let a = &l.attention;
-        dense += a.q_a.as_ref().map_or(0, |(q_a, _, _)| q_a.len())
-            + a.q_b.len()
-            + a.kv_a_latent.len()
-            + a.kv_a_rope.len()
-            + a.w_uk_t.len()
-            + v_share(&a.kv_b)
-            + a.o.len();
+        dense += a.q_a.as_ref().map_or(0, |(q_a, _)| q_a.memory.len())
+            + a.q_b.memory.len()
+            + a.kv_a_latent.memory.len()
+            + a.kv_a_rope.memory.len()
+            + a.w_uk_t.memory.len()
+            + a.w_uv.heads * a.w_uv.rows * a.w_uv.cols * 2
+            + a.o.memory.len();
         dense += match &l.mlp {
-            DeviceMlp::Dense(d) => d.gate_up.len() + d.down.len(),
-            DeviceMlp::Moe(m) => {
+            Mlp::Dense(d) => d.gate_up.memory.len() + d.down.memory.len(),
+            Mlp::Moe(m) => {
                 let bound = (batch * c.num_experts_per_tok).min(m.experts.experts);
                 experts += bound * m.experts.bytes_per_expert;
-                m.router.len()
+                m.router.memory.len()
                     + m.shared
                         .as_ref()
-                        .map_or(0, |s| s.gate_up.len() + s.down.len())
+                        .map_or(0, |s| s.gate_up.memory.len() + s.down.memory.len())
             }
         };
     }
@@ -275,7 +280,7 @@ impl RecordedStep {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "# Launch list of one decode step, RECORDED from the executor (DeviceExecutor) on a dry \
+            "# Launch list of one decode step, RECORDED from the device runner (DeviceOps) on a dry \
              device (DryDevice with the limits of {}, recorded by CountingDevice): no kernel ran.",
             r.sm
         );
@@ -381,7 +386,7 @@ impl RecordedStep {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::checkpoint::generator::Preset;
+    use crate::arch::presets::Preset;
 
     fn kimi_tp8_rank0(batch: usize, kv_dtype: KvCacheDtype) -> RecordedStep {
         let config = Preset::KimiK25.model_config();

@@ -20,10 +20,13 @@ use kernels::moe_gemm::launch::{
 };
 
 use crate::arch::config::ModelConfig;
+use crate::arch::shard::TpShard;
 use crate::checkpoint::weights::{
-    Bf16Weight, DenseMlpWeights, ExpertWeights, MlpWeights, MoeWeights, QueryProjection, TpShard,
+    Bf16Weight, DenseMlpWeights, ExpertWeights, MlpWeights, Model, MoeWeights, QueryProjection,
 };
-use crate::exec::forward::Model;
+use crate::exec::ops::WeightKinds;
+use crate::exec::profile::Measured;
+use crate::exec::weights::{Attention, DenseMlp, Layer, Mlp, Moe, Weights, w_uk_transposed};
 
 #[derive(Debug, thiserror::Error)]
 pub enum WeightsError {
@@ -37,62 +40,42 @@ pub enum WeightsError {
     Unsupported { tensor: String, why: String },
 }
 
-pub struct DeviceAttention<D: Device> {
-    /// `q_a_proj`, its norm (BF16) and the rank, when the query is low-rank.
-    pub q_a: Option<(D::Memory, D::Memory, usize)>,
-    /// `q_b_proj` (or the full `q_proj`).
-    pub q_b: D::Memory,
-    /// The first `kv_lora_rank` rows of `kv_a_proj_with_mqa`.
-    pub kv_a_latent: D::Memory,
-    /// Its last `qk_rope_head_dim` rows.
-    pub kv_a_rope: D::Memory,
-    pub kv_a_norm: D::Memory,
-    /// `[heads · L, P]`: W_UK of every head, transposed.
-    pub w_uk_t: D::Memory,
-    pub kv_b: D::Memory,
-    pub o: D::Memory,
+/// The device executor's handles: device allocations in the kernels' layouts.
+pub struct DeviceKinds<D: Device>(std::marker::PhantomData<D>);
+
+impl<D: Device> WeightKinds for DeviceKinds<D> {
+    type Matrix = DeviceMatrix<D>;
+    type Heads = DeviceHeads<D>;
+    /// BF16 for a norm's weight, FP32 for the router's correction bias.
+    type Vector = D::Memory;
+    type Experts = MoeDeviceWeights<D>;
 }
 
-pub struct DeviceDenseMlp<D: Device> {
-    /// `[2 · inter, hidden]`: gate rows, then up rows.
-    pub gate_up: D::Memory,
-    pub down: D::Memory,
-    pub inter: usize,
+/// A row-major BF16 matrix `[rows, cols]` (gate over up: one allocation of both).
+pub struct DeviceMatrix<D: Device> {
+    pub memory: D::Memory,
+    pub rows: usize,
+    pub cols: usize,
 }
 
-pub struct DeviceMoe<D: Device> {
-    pub router: D::Memory,
-    /// FP32 `[experts]`.
-    pub correction_bias: D::Memory,
-    pub experts: MoeDeviceWeights<D>,
-    pub shared: Option<DeviceDenseMlp<D>>,
-}
-
-pub enum DeviceMlp<D: Device> {
-    Dense(DeviceDenseMlp<D>),
-    Moe(DeviceMoe<D>),
-}
-
-pub struct DeviceLayer<D: Device> {
-    pub input_norm: D::Memory,
-    pub attention: DeviceAttention<D>,
-    pub post_attention_norm: D::Memory,
-    pub mlp: DeviceMlp<D>,
-}
-
-pub struct DeviceWeights<D: Device> {
-    /// This rank's place in its tensor-parallel group ([`TpShard::SINGLE`]: the whole model).
-    pub shard: TpShard,
-    /// Attention heads of this rank.
+/// Per-head BF16 matrices `[rows, cols]` in one allocation: head `h` starts at element
+/// `offset + h · stride`.
+pub struct DeviceHeads<D: Device> {
+    pub memory: D::Memory,
     pub heads: usize,
-    /// The vocabulary ids whose rows `embed` and `lm_head` hold ([`TpShard::vocab_rows`]).
-    pub vocab_rows: std::ops::Range<usize>,
-    pub embed: D::Memory,
-    pub layers: Vec<DeviceLayer<D>>,
-    pub norm: D::Memory,
-    pub lm_head: D::Memory,
-    bytes: usize,
-    allocations: Vec<(String, usize)>,
+    pub offset: usize,
+    pub stride: usize,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// The device weights, with what the upload allocated.
+pub struct DeviceWeights<D: Device> {
+    pub weights: Weights<DeviceKinds<D>>,
+    /// Device bytes of every weight.
+    pub bytes: usize,
+    /// Every allocation's tensor name and bytes, in upload order.
+    pub allocations: Vec<(String, usize)>,
 }
 
 /// A row-major matrix's `[rows, cols]`.
@@ -169,6 +152,19 @@ impl<D: Device> Builder<'_, D> {
         self.values(tensor, rows * cols, host.map(|w| w.data.as_slice()))
     }
 
+    fn matrix(
+        &mut self,
+        tensor: String,
+        shape: Shape,
+        host: Option<&Bf16Weight>,
+    ) -> Result<DeviceMatrix<D>, WeightsError> {
+        Ok(DeviceMatrix {
+            memory: self.bf16(tensor, shape, host)?,
+            rows: shape[0],
+            cols: shape[1],
+        })
+    }
+
     /// Norm weights (FP32 in the model, BF16 in the checkpoint and for the kernels).
     fn norm(
         &mut self,
@@ -187,7 +183,7 @@ impl<D: Device> Builder<'_, D> {
         hidden: usize,
         inter: usize,
         host: Option<&DenseMlpWeights>,
-    ) -> Result<DeviceDenseMlp<D>, WeightsError> {
+    ) -> Result<DenseMlp<DeviceKinds<D>>, WeightsError> {
         let gate_up = match host {
             Some(w) => {
                 for (name, m) in [("gate_proj", &w.gate), ("up_proj", &w.up)] {
@@ -205,18 +201,21 @@ impl<D: Device> Builder<'_, D> {
             }
             None => None,
         };
-        Ok(DeviceDenseMlp {
-            gate_up: self.values(
-                format!("{prefix}.gate_proj/up_proj"),
-                2 * inter * hidden,
-                gate_up.as_deref(),
-            )?,
-            down: self.bf16(
+        Ok(DenseMlp {
+            gate_up: DeviceMatrix {
+                memory: self.values(
+                    format!("{prefix}.gate_proj/up_proj"),
+                    2 * inter * hidden,
+                    gate_up.as_deref(),
+                )?,
+                rows: 2 * inter,
+                cols: hidden,
+            },
+            down: self.matrix(
                 format!("{prefix}.down_proj"),
                 [hidden, inter],
                 host.map(|w| &w.down),
             )?,
-            inter,
         })
     }
 
@@ -398,7 +397,7 @@ impl<D: Device> DeviceWeights<D> {
             bytes: 0,
             allocations: Vec::new(),
         };
-        let embed = up.bf16(
+        let embed = up.matrix(
             "model.embed_tokens".into(),
             [vocab_rows.len(), hidden],
             w.map(|w| &w.embed),
@@ -421,7 +420,7 @@ impl<D: Device> DeviceWeights<D> {
                         .transpose()?;
                     (
                         Some((
-                            up.bf16(
+                            up.matrix(
                                 format!("{p}.self_attn.q_a_proj"),
                                 [rank, hidden],
                                 low.map(|l| l.0),
@@ -431,9 +430,8 @@ impl<D: Device> DeviceWeights<D> {
                                 rank,
                                 low.map(|l| l.1.as_slice()),
                             )?,
-                            rank,
                         )),
-                        up.bf16(
+                        up.matrix(
                             format!("{p}.self_attn.q_b_proj"),
                             [heads * qk, rank],
                             low.map(|l| l.2),
@@ -452,7 +450,7 @@ impl<D: Device> DeviceWeights<D> {
                         .transpose()?;
                     (
                         None,
-                        up.bf16(format!("{p}.self_attn.q_proj"), [heads * qk, hidden], full)?,
+                        up.matrix(format!("{p}.self_attn.q_proj"), [heads * qk, hidden], full)?,
                     )
                 }
             };
@@ -470,15 +468,16 @@ impl<D: Device> DeviceWeights<D> {
             }
             let kv_a_latent = at.map(|a| a.kv_a.rows_slice(0, latent));
             let kv_a_rope = at.map(|a| a.kv_a.rows_slice(latent, latent + rope));
-            let attention = DeviceAttention {
+            let w_uk_t = at.map(|a| w_uk_transposed(c, &a.kv_b));
+            let attention = Attention {
                 q_a,
                 q_b,
-                kv_a_latent: up.bf16(
+                kv_a_latent: up.matrix(
                     format!("{p}.self_attn.kv_a_proj_with_mqa[:{latent}]"),
                     [latent, hidden],
                     kv_a_latent.as_ref(),
                 )?,
-                kv_a_rope: up.bf16(
+                kv_a_rope: up.matrix(
                     format!("{p}.self_attn.kv_a_proj_with_mqa[{latent}:]"),
                     [rope, hidden],
                     kv_a_rope.as_ref(),
@@ -488,17 +487,31 @@ impl<D: Device> DeviceWeights<D> {
                     c.kv_lora_rank,
                     at.map(|a| a.kv_a_norm.as_slice()),
                 )?,
-                w_uk_t: up.bf16(
-                    format!("{p}.self_attn.kv_b_proj (W_UK)"),
-                    [heads * latent, nope],
-                    host.map(|m| m.w_uk_t(i)),
-                )?,
-                kv_b: up.bf16(
-                    format!("{p}.self_attn.kv_b_proj"),
-                    [heads * (nope + v_dim), latent],
-                    at.map(|a| &a.kv_b),
-                )?,
-                o: up.bf16(
+                w_uk_t: DeviceHeads {
+                    memory: up.values(
+                        format!("{p}.self_attn.kv_b_proj (W_UK)"),
+                        heads * latent * nope,
+                        w_uk_t.as_deref(),
+                    )?,
+                    heads,
+                    offset: 0,
+                    stride: latent * nope,
+                    rows: latent,
+                    cols: nope,
+                },
+                w_uv: DeviceHeads {
+                    memory: up.bf16(
+                        format!("{p}.self_attn.kv_b_proj"),
+                        [heads * (nope + v_dim), latent],
+                        at.map(|a| &a.kv_b),
+                    )?,
+                    heads,
+                    offset: nope * latent,
+                    stride: (nope + v_dim) * latent,
+                    rows: v_dim,
+                    cols: latent,
+                },
+                o: up.matrix(
                     format!("{p}.self_attn.o_proj"),
                     [hidden, heads * v_dim],
                     at.map(|a| &a.o),
@@ -540,8 +553,8 @@ impl<D: Device> DeviceWeights<D> {
                         ),
                     ));
                 }
-                DeviceMlp::Moe(DeviceMoe {
-                    router: up.bf16(
+                Mlp::Moe(Moe {
+                    router: up.matrix(
                         format!("{p}.mlp.gate"),
                         [c.n_routed_experts, hidden],
                         m.map(|m| &m.router),
@@ -573,14 +586,14 @@ impl<D: Device> DeviceWeights<D> {
                         )),
                     })
                     .transpose()?;
-                DeviceMlp::Dense(up.dense_mlp(
+                Mlp::Dense(up.dense_mlp(
                     &format!("{p}.mlp"),
                     hidden,
                     c.intermediate_size / world,
                     d,
                 )?)
             };
-            layers.push(DeviceLayer {
+            layers.push(Layer {
                 input_norm: up.norm(
                     format!("{p}.input_layernorm"),
                     hidden,
@@ -597,7 +610,7 @@ impl<D: Device> DeviceWeights<D> {
             bar.inc(1);
         }
         let norm = up.norm("model.norm".into(), hidden, w.map(|w| w.norm.as_slice()))?;
-        let lm_head = up.bf16(
+        let lm_head = up.matrix(
             "lm_head".into(),
             [vocab_rows.len(), hidden],
             w.map(|w| &w.lm_head),
@@ -605,25 +618,51 @@ impl<D: Device> DeviceWeights<D> {
         bar.inc(1);
         bar.finish_and_clear();
         Ok(Self {
-            shard,
-            heads,
-            vocab_rows,
-            embed,
-            layers,
-            norm,
-            lm_head,
+            weights: Weights {
+                embed,
+                layers,
+                norm,
+                lm_head,
+                shard,
+                vocab_rows,
+                heads,
+            },
             bytes: up.bytes,
             allocations: up.allocations,
         })
     }
+}
 
-    /// Device bytes of every uploaded weight.
-    pub fn device_bytes(&self) -> usize {
-        self.bytes
+impl<D: Device> Measured for DeviceMatrix<D> {
+    fn label(&self) -> String {
+        format!("bf16 {}x{}", self.rows, self.cols)
     }
 
-    /// Every allocation's tensor name and bytes, in upload order.
-    pub fn allocations(&self) -> &[(String, usize)] {
-        &self.allocations
+    fn bytes(&self) -> u64 {
+        (self.rows * self.cols * 2) as u64
+    }
+}
+
+impl<D: Device> Measured for DeviceHeads<D> {
+    fn label(&self) -> String {
+        format!("{} x bf16 {}x{}", self.heads, self.rows, self.cols)
+    }
+
+    fn bytes(&self) -> u64 {
+        (self.heads * self.rows * self.cols * 2) as u64
+    }
+}
+
+impl<D: Device> Measured for MoeDeviceWeights<D> {
+    fn label(&self) -> String {
+        format!("{} x nvfp4 experts", self.experts)
+    }
+
+    fn bytes(&self) -> u64 {
+        (self.experts * self.bytes_per_expert) as u64
+    }
+
+    fn count(&self) -> usize {
+        self.experts
     }
 }

@@ -1,106 +1,29 @@
-//! The small set of operations a compute backend provides to the forward pass. The CPU backend
-//! implements it with the kernels crate's CPU paths; a CUDA backend implements the same calls.
+//! Where the CPU backend's kernels run: the calling thread and rayon's global pool, or the
+//! thread pool of a tuned [`CpuTactic`], with a step's threads waiting for its work awake and
+//! fewer threads while other processes keep the cores busy.
 
 use std::sync::Arc;
 
 use kernels::cpu_tactic::CpuTactic;
-use kernels::matrix::MatrixView;
-use kernels::mla::cache::{CacheError, PagedLatentCache};
-use kernels::mla::reference::MlaProblem;
-use kernels::moe_gemm::cpu_simd::Isa;
-use kernels::moe_gemm::reference::{ExpertInputAmax, ExpertView, Routing};
 
-pub trait Backend: Send + Sync {
-    fn name(&self) -> &'static str;
-
-    /// `out = x · Wᵀ` for `x: [tokens, w.cols]`.
-    fn matmul(&self, x: &[f32], tokens: usize, w: MatrixView<'_>, out: &mut [f32]);
-
-    /// `out[h] = x[h] · w[h]ᵀ` for every head, `x: [heads, tokens, cols]`,
-    /// `out: [heads, tokens, rows]` (the absorbed attention's W_UK and W_UV products), which a
-    /// backend may run side by side.
-    fn matmul_per_head(&self, x: &[f32], tokens: usize, w: &[MatrixView<'_>], out: &mut [f32]) {
-        let Some(first) = w.first() else {
-            return;
-        };
-        let (x_len, out_len) = (tokens * first.cols(), tokens * first.rows());
-        for ((w, x), out) in w
-            .iter()
-            .zip(x.chunks_exact(x_len))
-            .zip(out.chunks_exact_mut(out_len))
-        {
-            self.matmul(x, tokens, *w, out);
-        }
-    }
-
-    /// `outs[m] = x · ws[m]ᵀ` for weights that read the same activations (`x: [tokens,
-    /// cols]`), which a backend may run as one call.
-    fn matmul_many(
-        &self,
-        x: &[f32],
-        tokens: usize,
-        ws: &[MatrixView<'_>],
-        outs: &mut [&mut [f32]],
-    ) {
-        for (w, out) in ws.iter().zip(outs.iter_mut()) {
-            self.matmul(x, tokens, *w, out);
-        }
-    }
-
-    /// Routed experts (grouped GEMM), W4A4 for NVFP4 experts; records activation maxima when
-    /// `amax` is given (calibration).
-    fn moe(
-        &self,
-        x: &[f32],
-        hidden: usize,
-        routing: &Routing,
-        experts: &[ExpertView<'_>],
-        out: &mut [f32],
-        amax: Option<&mut ExpertInputAmax>,
-    );
-
-    /// Absorbed MLA attention over the paged latent cache: latent outputs and log-sum-exp.
-    fn mla_attention(
-        &self,
-        cache: &PagedLatentCache,
-        problem: &MlaProblem<'_>,
-        out: &mut [f32],
-        lse: &mut [f32],
-    ) -> Result<(), CacheError>;
-
-    /// Runs one forward step: `step` makes all of that step's calls. A backend may choose per
-    /// step how to run them (the CPU backend: with fewer threads while other processes want
-    /// the cores).
-    fn run_step(&self, step: &mut (dyn FnMut() + Send)) {
-        step()
-    }
-
-    /// Sums a tensor-parallel partial result across ranks in place (identical bits on every
-    /// rank). A single-rank backend has nothing to do.
-    fn all_reduce_sum(&self, _data: &mut [f32]) -> Result<(), String> {
-        Ok(())
-    }
-}
-
-/// The CPU backend: rayon-parallel kernels from the `kernels` crate, with the default
-/// [`CpuTactic`] (see [`TunedCpuBackend`] for another one).
-#[derive(Clone, Copy, Debug, Default)]
-pub struct CpuBackend;
-
-/// The CPU backend under a chosen [`CpuTactic`] (`model run --tactics FILE`, autotune). Every
-/// knob but the thread count is passed to the kernels with each call; a tactic with a thread
-/// count of its own runs the calls in a rayon pool of that size, owned by the backend (so no
-/// process-wide setting: a call is handed to that pool exactly as a call from outside rayon's
-/// global pool is handed to the global one).
+/// The CPU kernels' tactic and threads. Every knob but the thread count is passed to the
+/// kernels with each call; a tactic with a thread count of its own runs the calls in a rayon
+/// pool of that size, owned here (so no process-wide setting: a call is handed to that pool
+/// exactly as a call from outside rayon's global pool is handed to the global one).
 ///
-/// While other processes keep cores busy, a step runs with only the cores they leave
-/// ([`step_threads`]): a fork-join step waits at every join for its slowest thread, and a
-/// thread that shares its core with another process is descheduled for whole time slices, so
-/// with one busy process on two cores a two-thread step ran at 0.3 of its quiet speed where
-/// one thread keeps about half. `KIMI_CPU_ADAPTIVE_THREADS=0` turns this off.
+/// Made [`tuned`](Self::tuned) (`model run`, `serve`, `chat`), a step runs on a thread of the
+/// pool with the others waiting for its work awake, and while other processes keep cores busy
+/// with only the cores they leave ([`step_threads`]): a fork-join step waits at every join for
+/// its slowest thread, and a thread that shares its core with another process is descheduled
+/// for whole time slices, so with one busy process on two cores a two-thread step ran at 0.3
+/// of its quiet speed where one thread keeps about half. `KIMI_CPU_ADAPTIVE_THREADS=0` turns
+/// this off. Made [`plain`](Self::plain) (tests, calibration), a step runs on the calling
+/// thread with the default tactic, its calls forking into rayon's global pool.
 #[derive(Clone, Debug, Default)]
-pub struct TunedCpuBackend {
+pub struct CpuCompute {
     tactic: CpuTactic,
+    /// Steps run on the pool, with helpers and adaptive threads (else on the caller's thread).
+    managed: bool,
     pool: Option<Arc<rayon::ThreadPool>>,
     /// Pools of fewer threads for contended steps, by size, made when first needed.
     reduced: Arc<std::sync::Mutex<Vec<Arc<rayon::ThreadPool>>>>,
@@ -232,10 +155,17 @@ fn step_with_helpers(step: &mut (dyn FnMut() + Send)) {
     });
 }
 
-impl TunedCpuBackend {
+impl CpuCompute {
+    /// The default tactic, each step on the calling thread.
+    pub fn plain() -> Self {
+        Self::default()
+    }
+
+    /// `tactic`, each step on its pool (see the type's documentation).
+    ///
     /// # Errors
     /// If the tactic is invalid or its thread pool cannot be built.
-    pub fn new(tactic: CpuTactic) -> Result<Self, String> {
+    pub fn tuned(tactic: CpuTactic) -> Result<Self, String> {
         tactic.validate().map_err(|e| e.to_string())?;
         let pool = if tactic.threads == 0 {
             None
@@ -246,6 +176,7 @@ impl TunedCpuBackend {
         };
         Ok(Self {
             tactic,
+            managed: true,
             pool,
             reduced: Default::default(),
             contention: Default::default(),
@@ -272,20 +203,19 @@ impl TunedCpuBackend {
         &self.tactic
     }
 
-    fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+    /// Runs one kernel call in the pool it belongs to (at once, inside a step already there).
+    pub fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         match &self.pool {
             Some(pool) if !IN_REDUCED_STEP.get() => pool.install(f),
             _ => f(),
         }
     }
-}
 
-impl Backend for TunedCpuBackend {
-    fn name(&self) -> &'static str {
-        "cpu"
-    }
-
-    fn run_step(&self, step: &mut (dyn FnMut() + Send)) {
+    /// Runs `step`, which makes all of one forward step's calls.
+    pub fn run_step(&self, step: &mut (dyn FnMut() + Send)) {
+        if !self.managed {
+            return step();
+        }
         let threads = self
             .pool
             .as_ref()
@@ -312,105 +242,6 @@ impl Backend for TunedCpuBackend {
                 None => rayon::scope(|_| step_with_helpers(step)),
             },
         }
-    }
-
-    fn matmul(&self, x: &[f32], tokens: usize, w: MatrixView<'_>, out: &mut [f32]) {
-        self.run(|| kernels::dense::matmul_transposed_tuned(&self.tactic, x, tokens, w, out));
-    }
-
-    fn matmul_per_head(&self, x: &[f32], tokens: usize, w: &[MatrixView<'_>], out: &mut [f32]) {
-        self.run(|| kernels::dense::matmul_per_head_tuned(&self.tactic, x, tokens, w, out));
-    }
-
-    fn matmul_many(
-        &self,
-        x: &[f32],
-        tokens: usize,
-        ws: &[MatrixView<'_>],
-        outs: &mut [&mut [f32]],
-    ) {
-        self.run(|| {
-            kernels::dense::matmul_transposed_many_tuned(&self.tactic, x, tokens, ws, outs)
-        });
-    }
-
-    fn moe(
-        &self,
-        x: &[f32],
-        hidden: usize,
-        routing: &Routing,
-        experts: &[ExpertView<'_>],
-        out: &mut [f32],
-        amax: Option<&mut ExpertInputAmax>,
-    ) {
-        self.run(|| {
-            kernels::moe_gemm::cpu::moe_cpu_tuned(
-                &self.tactic,
-                Isa::detect(),
-                x,
-                hidden,
-                routing,
-                experts,
-                out,
-                amax,
-            )
-        });
-    }
-
-    fn mla_attention(
-        &self,
-        cache: &PagedLatentCache,
-        problem: &MlaProblem<'_>,
-        out: &mut [f32],
-        lse: &mut [f32],
-    ) -> Result<(), CacheError> {
-        self.run(|| kernels::mla::cpu::mla_attention_tuned(&self.tactic, cache, problem, out, lse))
-    }
-}
-
-impl Backend for CpuBackend {
-    fn name(&self) -> &'static str {
-        "cpu"
-    }
-
-    fn matmul(&self, x: &[f32], tokens: usize, w: MatrixView<'_>, out: &mut [f32]) {
-        kernels::dense::matmul_transposed(x, tokens, w, out);
-    }
-
-    fn matmul_per_head(&self, x: &[f32], tokens: usize, w: &[MatrixView<'_>], out: &mut [f32]) {
-        kernels::dense::matmul_per_head_tuned(&CpuTactic::DEFAULT, x, tokens, w, out);
-    }
-
-    fn matmul_many(
-        &self,
-        x: &[f32],
-        tokens: usize,
-        ws: &[MatrixView<'_>],
-        outs: &mut [&mut [f32]],
-    ) {
-        kernels::dense::matmul_transposed_many_tuned(&CpuTactic::DEFAULT, x, tokens, ws, outs);
-    }
-
-    fn moe(
-        &self,
-        x: &[f32],
-        hidden: usize,
-        routing: &Routing,
-        experts: &[ExpertView<'_>],
-        out: &mut [f32],
-        amax: Option<&mut ExpertInputAmax>,
-    ) {
-        kernels::moe_gemm::cpu::moe_cpu(x, hidden, routing, experts, out, amax);
-    }
-
-    fn mla_attention(
-        &self,
-        cache: &PagedLatentCache,
-        problem: &MlaProblem<'_>,
-        out: &mut [f32],
-        lse: &mut [f32],
-    ) -> Result<(), CacheError> {
-        kernels::mla::cpu::mla_attention(cache, problem, out, lse)
     }
 }
 
@@ -464,7 +295,7 @@ mod tests {
         use std::collections::HashSet;
         use std::sync::Mutex;
         for threads in [2, 3] {
-            let backend = TunedCpuBackend::new(CpuTactic {
+            let backend = CpuCompute::tuned(CpuTactic {
                 threads,
                 ..CpuTactic::DEFAULT
             })

@@ -3,6 +3,8 @@
 //! as one fused GEMM), and `input_scale` calibrated from the activations a forward pass feeds
 //! each expert (max calibration: `amax / (6 · 448)`).
 
+pub mod generator;
+
 use std::path::Path;
 
 use anyhow::{Context, Result, anyhow, bail};
@@ -15,12 +17,15 @@ use safetensors::Dtype;
 use serde_json::{Value, json};
 
 use crate::arch::config::ModelConfig;
+use crate::checkpoint::weights::Model;
 use crate::checkpoint::weights::{ExpertMatrix, ExpertWeights, MlpWeights};
 use crate::checkpoint::writer::{OutputKind, OwnedTensor, StagedOutput, write_sharded};
 use crate::checkpoint::{Checkpoint, INDEX_FILE};
-use crate::exec::cpu::backend::Backend;
-use crate::exec::forward::{Calibration, LogitRows, Model, SeqInput, forward_bytes};
+use crate::exec::cpu::{CpuOptions, cpu_runner};
+use crate::exec::runner::ModelRunner;
+use crate::exec::{LogitRows, SeqInput, forward_bytes};
 use crate::input::{InvalidInput, check_memory, largest_fitting};
+use kernels::moe_gemm::reference::ExpertInputAmax;
 
 /// One expert in the ModelOpt NVFP4 layout.
 pub struct QuantizedExpert {
@@ -31,19 +36,22 @@ pub struct QuantizedExpert {
     pub down_input_scale: f32,
 }
 
-/// Runs the model on `tokens` (as one sequence) and records each routed expert's input maxima.
-pub fn calibrate(model: &Model, backend: &dyn Backend, tokens: &[u32]) -> Result<Calibration> {
-    let mut cache = model.new_cache(KvCacheDtype::Bf16, tokens.len());
-    let seq = cache.add_sequence();
-    let mut calibration = Calibration::new();
-    model.forward(
-        backend,
-        &mut cache,
-        &[SeqInput { seq, tokens }],
-        LogitRows::Last,
-        Some(&mut calibration),
-    )?;
-    Ok(calibration)
+/// Activation maxima at the routed experts' inputs, per MoE layer.
+pub type Calibration = Vec<ExpertInputAmax>;
+
+/// Runs the model on `tokens` (as one sequence, on the CPU) and records each routed expert's
+/// input maxima.
+pub fn calibrate(model: &Model, tokens: &[u32]) -> Result<Calibration> {
+    let mut runner = cpu_runner(model, CpuOptions::new(KvCacheDtype::Bf16, tokens.len()));
+    runner.ops_mut().observations.expert_input_amax = Some(Calibration::new());
+    let seq = runner.add_sequence();
+    runner.logits(&[SeqInput { seq, tokens }], LogitRows::Last)?;
+    Ok(runner
+        .ops_mut()
+        .observations
+        .expert_input_amax
+        .take()
+        .unwrap_or_default())
 }
 
 /// Seeded random calibration tokens (no tokenizer or dataset is needed to exercise every
@@ -236,7 +244,6 @@ pub fn check_calibration_tokens(config: &ModelConfig, calib_tokens: usize) -> Re
 pub fn quantize_checkpoint(
     input: &Path,
     output: &Path,
-    backend: &dyn Backend,
     calib_tokens: usize,
     seed: u64,
     max_shard_bytes: usize,
@@ -258,7 +265,7 @@ pub fn quantize_checkpoint(
         checkpoint.load_weights()?,
     );
     let tokens = random_tokens(calib_tokens, model.config.vocab_size, seed);
-    let calibration = calibrate(&model, backend, &tokens)?;
+    let calibration = calibrate(&model, &tokens)?;
     let quantized = quantize_experts(&model, &calibration)?;
 
     let mut names: Vec<(&str, &crate::checkpoint::tensor_file::TensorFile)> =

@@ -1,0 +1,191 @@
+//! `model plan` (memory per GPU under tensor parallelism, the longest context that fits) and
+//! `model launch-list` (one decode step's launches, recorded on a dry device).
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use kernels::mla::cache::KvCacheDtype;
+
+use super::{at_least_one, check_tensor_parallel, fraction, positive_finite};
+use crate::arch::presets::Preset;
+use crate::arch::shard::TpShard;
+use crate::checkpoint::Checkpoint;
+use crate::exec::backend::parse_sm;
+use crate::exec::plan::{PlanRequest, plan};
+use crate::input::InvalidInput;
+
+#[derive(clap::Args)]
+pub struct PlanArgs {
+    #[arg(long, conflicts_with = "preset")]
+    checkpoint: Option<PathBuf>,
+    #[arg(long, value_enum)]
+    preset: Option<Preset>,
+    /// GPUs in the tensor-parallel group; the model must split evenly over them.
+    #[arg(long, default_value_t = 8, value_parser = at_least_one)]
+    gpus: usize,
+    #[arg(long, default_value_t = 96.0, value_parser = positive_finite)]
+    gpu_mem_gib: f64,
+    /// Share of each GPU's memory the engine may use, in (0, 1].
+    #[arg(long, default_value_t = 0.90, value_parser = fraction)]
+    memory_utilization: f64,
+    /// `bf16` or `fp8`; without it both are shown.
+    #[arg(long)]
+    kv_dtype: Option<String>,
+    /// Default: the model's max_position_embeddings.
+    #[arg(long, value_parser = at_least_one)]
+    max_model_len: Option<usize>,
+    #[arg(long, default_value_t = 8192, value_parser = at_least_one)]
+    max_batched_tokens: usize,
+    /// Sequences per step (rows of logits the workspace holds).
+    #[arg(long, default_value_t = 256, value_parser = at_least_one)]
+    max_num_seqs: usize,
+}
+
+#[derive(clap::Args)]
+pub struct LaunchListArgs {
+    #[arg(long, value_enum, default_value = "kimi-k2.5")]
+    preset: Preset,
+    /// Ranks of the tensor-parallel group; the list is rank `--rank`'s.
+    #[arg(long, default_value_t = 8, value_parser = at_least_one)]
+    tp: usize,
+    #[arg(long, default_value_t = 0)]
+    rank: usize,
+    /// Sequences in the decode step.
+    #[arg(long, default_value_t = 1, value_parser = at_least_one)]
+    batch: usize,
+    /// Tokens every sequence attends over (its new one included).
+    #[arg(long, default_value_t = 4096, value_parser = at_least_one)]
+    context: usize,
+    /// `bf16` or `fp8`.
+    #[arg(long, default_value = "bf16")]
+    kv_dtype: String,
+    /// The SM whose limits and tactics apply: 120 (RTX PRO 6000) or 90 (H200).
+    #[arg(long, default_value = "120", value_parser = parse_sm)]
+    sm: kernels::arch::Sm,
+    /// Tactic cache (`autotune ... --out FILE`) to take the MoE and MLA tactics from; without
+    /// it, the heuristic defaults.
+    #[arg(long)]
+    tactics: Option<PathBuf>,
+    /// Also write the list to this file.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+pub fn launch_list_command(args: LaunchListArgs) -> Result<()> {
+    use crate::exec::device::{DryStep, decode_tactics};
+    let config = args.preset.model_config();
+    if args.rank >= args.tp {
+        bail!(InvalidInput(format!(
+            "--rank {} of --tp {}: ranks are 0..{}",
+            args.rank, args.tp, args.tp
+        )));
+    }
+    check_tensor_parallel(Path::new(args.preset.id()), &config, args.tp)?;
+    let kv_dtype = KvCacheDtype::parse(&args.kv_dtype).ok_or_else(|| {
+        InvalidInput(format!(
+            "--kv-dtype {}: expected bf16 or fp8",
+            args.kv_dtype
+        ))
+    })?;
+    if args.context > config.max_position_embeddings {
+        bail!(InvalidInput(format!(
+            "--context {}: the model's max_position_embeddings is {}",
+            args.context, config.max_position_embeddings
+        )));
+    }
+    let (tactics, tactics_source) = decode_tactics(
+        args.tactics.as_deref(),
+        args.sm,
+        &config,
+        args.tp,
+        args.batch,
+        args.context,
+        kv_dtype,
+    )?;
+    let step = DryStep {
+        model: args.preset.id().into(),
+        config,
+        sm: args.sm,
+        shard: TpShard {
+            rank: args.rank,
+            world: args.tp,
+        },
+        batch: args.batch,
+        context: args.context,
+        kv_dtype,
+        tactics,
+        tactics_source,
+    }
+    .record()?;
+    let mut regenerate = format!(
+        "cargo run --release -p model -- launch-list --preset {} --tp {} --rank {} --batch {} \
+         --context {} --kv-dtype {} --sm {}",
+        args.preset.id(),
+        args.tp,
+        args.rank,
+        args.batch,
+        args.context,
+        kv_dtype.id(),
+        args.sm
+    );
+    if let Some(t) = &args.tactics {
+        regenerate += &format!(" --tactics {}", t.display());
+    }
+    if let Some(o) = &args.out {
+        regenerate += &format!(" --out {}", o.display());
+    }
+    let text = step.render(&regenerate);
+    print!("{text}");
+    if let Some(path) = &args.out {
+        std::fs::write(path, &text).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+pub fn plan_command(args: PlanArgs) -> Result<()> {
+    let (config, nvfp4, model) = match (&args.checkpoint, args.preset) {
+        (Some(dir), _) => {
+            let checkpoint = Checkpoint::open(dir)?;
+            let nvfp4 = checkpoint.config.quant.is_some();
+            (checkpoint.model_config().clone(), nvfp4, dir.clone())
+        }
+        (None, Some(preset)) => (preset.model_config(), true, PathBuf::from(preset.id())),
+        (None, None) => bail!(InvalidInput(
+            "give --checkpoint DIR or --preset NAME".into()
+        )),
+    };
+    // The split `run --tp` would refuse is no plan.
+    check_tensor_parallel(&model, &config, args.gpus)?;
+    let dtypes = match &args.kv_dtype {
+        Some(text) => vec![
+            KvCacheDtype::parse(text)
+                .ok_or_else(|| InvalidInput(format!("--kv-dtype {text}: expected bf16 or fp8")))?,
+        ],
+        None => vec![KvCacheDtype::Bf16, KvCacheDtype::Fp8E4m3],
+    };
+    let mut contexts = Vec::new();
+    for kv_dtype in dtypes {
+        let request = PlanRequest {
+            gpus: args.gpus,
+            gpu_mem_gib: args.gpu_mem_gib,
+            memory_utilization: args.memory_utilization,
+            kv_dtype,
+            max_model_len: args.max_model_len.unwrap_or(config.max_position_embeddings),
+            max_batched_tokens: args.max_batched_tokens,
+            max_num_seqs: args.max_num_seqs,
+            nvfp4_experts: nvfp4,
+        };
+        let result = plan(&config, &request);
+        println!("{}", result.render(&request));
+        contexts.push((kv_dtype, result.max_context_tokens));
+    }
+    if let [(_, bf16), (_, fp8)] = contexts.as_slice()
+        && *bf16 > 0
+    {
+        println!(
+            "an FP8 latent cache holds {:.2}x the context of a BF16 one ({fp8} vs {bf16} tokens)",
+            *fp8 as f64 / *bf16 as f64
+        );
+    }
+    Ok(())
+}

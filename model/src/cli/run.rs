@@ -1,0 +1,259 @@
+//! `model run`: prefill and batched decode on token ids, on any backend and any number of
+//! tensor-parallel ranks; prefill and decode tok/s printed apart.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Result;
+use kernels::mla::cache::{KvCacheDtype, PAGE_TOKENS};
+
+use super::{
+    KvDtypeArg, at_least_one, check_tensor_parallel, kv_dtype_for, load, resolve_kv_dtype,
+};
+use crate::arch::config::ModelConfig;
+use crate::checkpoint::{Checkpoint, WeightPlacement};
+use crate::exec::backend::{Backend, BackendArgs, RunnerSizing, TpArgs, parse_sm};
+use crate::exec::device::StepCapacity;
+use crate::exec::forward_bytes;
+use crate::exec::generate::{GenerationRequest, generate};
+use crate::exec::sampler::SamplingParams;
+use crate::exec::tp::{RankRole, open_ranks};
+use crate::input::{InvalidInput, TokenIds, check_memory, largest_fitting};
+use crate::quantize::generator::default_checkpoint;
+use crate::quantize::random_tokens;
+
+#[derive(clap::Args, Clone)]
+pub struct RunArgs {
+    /// A checkpoint directory; default: the `mini` preset, generated on first use.
+    #[arg(long)]
+    checkpoint: Option<PathBuf>,
+    /// Where the default model is cached.
+    #[arg(long, env = "KIMI_SM120_CACHE")]
+    cache_dir: Option<PathBuf>,
+    /// Comma-separated prompt token ids (default: --prompt-len seeded random tokens).
+    #[arg(long)]
+    prompt: Option<TokenIds>,
+    #[arg(long, default_value_t = 32, value_parser = at_least_one)]
+    prompt_len: usize,
+    /// New tokens per sequence; prompt plus these must fit the model's context.
+    #[arg(long, default_value_t = 64, value_parser = at_least_one)]
+    max_new_tokens: usize,
+    /// Sequences decoded together.
+    #[arg(long, default_value_t = 1, value_parser = at_least_one)]
+    batch: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    temperature: f32,
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Nucleus mass in (0, 1]; 1 = no cut.
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// The latent cache's dtype (vLLM's `--kv-cache-dtype`).
+    #[arg(
+        long,
+        visible_alias = "kv-cache-dtype",
+        value_enum,
+        default_value = "auto"
+    )]
+    kv_dtype: KvDtypeArg,
+    /// Decode all --max-new-tokens even past an end-of-sequence token (benchmarks: the decode
+    /// rate over a fixed length; a small model may otherwise stop after a few tokens).
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Run the same requests once, untimed, before the timed run (benchmarks: the first
+    /// forward pass also pays page faults, the thread pool's start and first-touch buffers,
+    /// a device its graph captures, as llama-bench's warm-up run does for llama.cpp).
+    #[arg(long)]
+    warmup: bool,
+    /// Time every operation of the timed run and print where a step's time goes, by
+    /// operation and shape, with the rate each product read its weights at (on a GPU the
+    /// launches are timed as issued).
+    #[arg(long)]
+    profile_ops: bool,
+    /// The SM whose GPU tactics a CPU run logs from `--tactics` (120: RTX PRO 6000, 90: H200).
+    #[arg(long, default_value = "120", value_parser = parse_sm)]
+    tactics_sm: kernels::arch::Sm,
+    #[command(flatten)]
+    tp: TpArgs,
+    #[command(flatten)]
+    backend: BackendArgs,
+}
+
+/// The requests of `model run`, checked against the model: prompt tokens in the vocabulary,
+/// prompt plus new tokens within the context, sampling parameters in range, and the whole
+/// batch's cache within the memory available.
+fn run_requests(args: &RunArgs, c: &ModelConfig, dir: &Path) -> Result<Vec<GenerationRequest>> {
+    let requests: Vec<GenerationRequest> = (0..args.batch)
+        .map(|i| GenerationRequest {
+            prompt: match &args.prompt {
+                Some(TokenIds(tokens)) => tokens.clone(),
+                None => random_tokens(args.prompt_len, c.vocab_size, args.seed + i as u64),
+            },
+            max_new_tokens: args.max_new_tokens,
+            sampling: SamplingParams {
+                temperature: args.temperature,
+                top_k: args.top_k,
+                top_p: args.top_p,
+                seed: args.seed + i as u64,
+            },
+        })
+        .collect();
+    if let Some(request) = requests.first() {
+        request
+            .validate(c)
+            .map_err(|e| InvalidInput(format!("{}: {e}", dir.display())))?;
+    }
+    let prompt = requests.first().map_or(0, |r| r.prompt.len());
+    let needed = |new_tokens: usize| {
+        // Pages are per sequence: round each sequence up to whole pages.
+        let per_sequence = (prompt + new_tokens).div_ceil(PAGE_TOKENS) * PAGE_TOKENS;
+        let rows = prompt.max(args.batch);
+        let one_rank = forward_bytes(
+            c,
+            kv_dtype_for(args.kv_dtype, None),
+            per_sequence.saturating_mul(args.batch),
+            rows,
+            args.batch,
+        );
+        // Every rank holds the whole latent cache.
+        one_rank.saturating_mul(args.tp.world() as u64)
+    };
+    check_memory(
+        &format!(
+            "the latent cache and activations of {} sequences of {} tokens",
+            args.batch,
+            prompt + args.max_new_tokens
+        ),
+        needed(args.max_new_tokens),
+        |available| match largest_fitting(args.max_new_tokens, |n| needed(n) <= available) {
+            Some(n) => format!("--max-new-tokens {n} fits at --batch {}", args.batch),
+            None => format!("lower --batch {} or the prompt", args.batch),
+        },
+    )?;
+    Ok(requests)
+}
+
+pub fn run(args: RunArgs) -> Result<()> {
+    let dir = match &args.checkpoint {
+        Some(dir) => dir.clone(),
+        None => default_checkpoint(args.cache_dir.clone())?,
+    };
+    let started = std::time::Instant::now();
+    let opened = Checkpoint::open(&dir)?;
+    let config = opened.model_config().clone();
+    check_tensor_parallel(&dir, &config, args.tp.world())?;
+    let requests = run_requests(&args, &config, &dir)?;
+    let kv_dtype = resolve_kv_dtype(args.kv_dtype, &opened);
+    args.backend.check(kv_dtype)?;
+    let quiet = args.tp.tp_rank.is_some_and(|r| r > 0);
+    if !quiet && args.backend.backend == Backend::Cpu {
+        super::logits::log_gpu_tactics(
+            args.backend.tactics.as_deref(),
+            args.tactics_sm,
+            args.tp.world(),
+            &config,
+            args.batch,
+            requests[0].prompt.len() + args.max_new_tokens,
+            kv_dtype,
+        );
+    }
+    let placement = match args.backend.backend {
+        Backend::Cpu => args.backend.cpu.placement(&opened),
+        _ => WeightPlacement::Mapped,
+    };
+    drop(opened);
+    // Pages are per sequence: round each sequence up to whole pages.
+    let total_tokens: usize = requests
+        .iter()
+        .map(|r| (r.prompt.len() + r.max_new_tokens).div_ceil(PAGE_TOKENS) * PAGE_TOKENS)
+        .sum();
+    let sizing = RunnerSizing {
+        kv_dtype,
+        cache_tokens: total_tokens,
+        capacity: StepCapacity {
+            tokens: requests[0].prompt.len().max(args.batch),
+            logit_rows: args.batch,
+        },
+    };
+    let ignore_eos = args.ignore_eos;
+    let role = open_ranks(
+        &args.backend,
+        &args.tp,
+        sizing,
+        |shard| {
+            let mut model = load(&dir, shard, |_| placement)?;
+            if ignore_eos {
+                model.config.eos_token_ids.clear();
+            }
+            Ok(model)
+        },
+        quiet,
+    )?;
+    let RankRole::Lead(mut runner) = role else {
+        return Ok(());
+    };
+    header(
+        &dir,
+        runner.config(),
+        started,
+        kv_dtype,
+        &args.backend,
+        args.tp.world(),
+    );
+    if args.warmup {
+        generate(runner.as_mut(), &requests, |_, _| {})?;
+    }
+    if args.profile_ops {
+        runner.profile_ops();
+    }
+    let (results, timing) = generate(runner.as_mut(), &requests, |_, _| {})?;
+    if let Some(report) = runner.op_profile_report() {
+        print!("{report}");
+    }
+    for (i, r) in results.iter().enumerate() {
+        println!(
+            "sequence {i}: {:?} ({} tokens): {:?}",
+            r.stop,
+            r.tokens.len(),
+            r.tokens
+        );
+    }
+    println!(
+        "prefill: {} tokens in {:.3} s = {:.1} tok/s",
+        timing.prefill_tokens,
+        timing.prefill_time.as_secs_f64(),
+        timing.prefill_tokens_per_second()
+    );
+    println!(
+        "decode: {} tokens in {} steps, {:.3} s = {:.1} tok/s",
+        timing.decode_tokens,
+        timing.decode_steps,
+        timing.decode_time.as_secs_f64(),
+        timing.decode_tokens_per_second()
+    );
+    Ok(())
+}
+
+fn header(
+    dir: &Path,
+    c: &ModelConfig,
+    started: std::time::Instant,
+    kv_dtype: KvCacheDtype,
+    backend: &BackendArgs,
+    world: usize,
+) {
+    println!(
+        "model {} ({} layers, hidden {}, {} experts top-{}), loaded in {:.2} s; KV cache {}; backend {} (TP {})",
+        dir.display(),
+        c.num_hidden_layers,
+        c.hidden_size,
+        c.n_routed_experts,
+        c.num_experts_per_tok,
+        started.elapsed().as_secs_f64(),
+        kv_dtype.id(),
+        backend.backend.name(),
+        world
+    );
+}
