@@ -25,15 +25,14 @@ use anyhow::{Context, Result};
 use kernels::allreduce::cost::LinkParams;
 use kernels::allreduce::tactic::AllReduceTactic;
 use kernels::arch::{GpuSpec, Sm};
-use kernels::mla::MlaSplitTactic;
 use kernels::mla::cache::KvCacheDtype;
-use kernels::moe_gemm::MoeGemmTactic;
 use kernels::moe_gemm::launch::MoeGroupingBounds;
 use kernels::tactic::cache::{CacheLookup, Expected, load};
 use kernels::tactic::{KernelFamily, ProblemShape};
 use model::arch::config::ModelConfig;
-use model::checkpoint::weights::TpShard;
-use model::exec::device::{DryStep, ExecutorTactics};
+use model::arch::shard::TpShard;
+use model::exec::device::DryStep;
+use model::exec::tactics::TacticSelector;
 use plotters::prelude::*;
 use serde_json::json;
 
@@ -120,9 +119,21 @@ fn step(c: &Ctx<'_>, batch: u32) -> Result<Step> {
         hidden: cfg.hidden_size as u32,
         inter: cfg.moe_intermediate_size as u32 / tp,
     };
-    let moe_t = c
-        .lookup
-        .choose::<MoeGemmTactic>(c.sm, &moe_shape)
+    // The tactics a run selects for this step (the runner's and the launch list's selection).
+    let selector = TacticSelector::from_lookup(
+        c.lookup.clone(),
+        c.sm,
+        cfg,
+        KvCacheDtype::Fp8E4m3,
+        tp as usize,
+        kernels::blas::DenseTactic::default(),
+    );
+    let selection = selector
+        .select(batch as usize, CONTEXT as usize)
+        .map_err(|e| anyhow::anyhow!("selecting the step's tactics: {e}"))?;
+    let moe_t = selection
+        .moe
+        .clone()
         .context("no MoE tactic serves the shape")?;
     let image = c
         .manifest
@@ -154,10 +165,7 @@ fn step(c: &Ctx<'_>, batch: u32) -> Result<Step> {
         true,
         cfg.mla_dims(),
     );
-    let mla_t = c
-        .lookup
-        .choose::<MlaSplitTactic>(c.sm, &mla_shape)
-        .context("no MLA tactic serves the shape")?;
+    let mla_t = selection.mla.clone();
     let image = c
         .manifest
         .image(KernelFamily::MlaDecode, c.sm, &mla_t.tactic.kernel.id());
@@ -190,11 +198,7 @@ fn step(c: &Ctx<'_>, batch: u32) -> Result<Step> {
         batch: batch as usize,
         context: CONTEXT as usize,
         kv_dtype: KvCacheDtype::Fp8E4m3,
-        tactics: ExecutorTactics {
-            moe: Some(moe_t.tactic),
-            mla: mla_t.tactic.kernel,
-            dense: kernels::blas::DenseTactic::default(),
-        },
+        selector,
         tactics_source: "step-time".into(),
     }
     .record()

@@ -377,7 +377,7 @@ fn profiled_runs_decode_the_same_tokens_and_show_where_a_step_goes() {
     assert!(profiled.contains("4 steps of 1 row(s)"), "{profiled}");
     for part in [
         "mla attention",
-        "moe top-",
+        "moe 16 x nvfp4",
         "per-head",
         "(between the calls)",
         "GB/s",

@@ -49,10 +49,27 @@ impl Server {
             let mut rest = String::new();
             let _ = stdout.read_to_string(&mut rest);
         });
-        Self {
+        let server = Self {
             child,
             base,
             _cache: cache,
+        };
+        server.wait_ready(deadline);
+        server
+    }
+
+    /// Waits until `/health` answers 200: the runner warmed up. Before, it answers 503 with the
+    /// engine's state.
+    fn wait_ready(&self, deadline: Instant) {
+        loop {
+            let (status, body) = self.get("/health");
+            if status == 200 {
+                return;
+            }
+            assert_eq!(status, 503, "{body}");
+            assert!(body.contains("starting"), "{body}");
+            assert!(Instant::now() < deadline, "not ready in time: {body}");
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 

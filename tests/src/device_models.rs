@@ -82,6 +82,7 @@ pub fn device_options<D: Device>(
         },
         tactics: ExecutorTactics::defaults_for_rank(dev.sm().unwrap(), &model.config, dtype, world)
             .unwrap(),
+        selector: None,
         quiet: true,
     }
 }

@@ -53,6 +53,7 @@ fn the_cublaslt_dense_tactic_runs_the_model_and_replays_bit_for_bit() {
                 cache_tokens: tokens_cap,
                 capacity,
                 tactics,
+                selector: None,
                 quiet: true,
             },
         )
@@ -356,6 +357,7 @@ fn a_model_the_kernels_cannot_run_is_refused_with_the_reason() {
                 cache_tokens: 64,
                 capacity,
                 tactics,
+                selector: None,
                 quiet: true,
             },
         )
@@ -410,6 +412,7 @@ fn graph_replay_equals_eager_bit_for_bit() {
                 cache_tokens: 2 * 64,
                 capacity,
                 tactics,
+                selector: None,
                 quiet: true,
             },
         )
@@ -518,6 +521,7 @@ fn the_plan_and_the_executors_allocation_agree_within_one_percent() {
                 cache_tokens,
                 capacity,
                 tactics,
+                selector: None,
                 quiet: true,
             },
         )
@@ -620,6 +624,7 @@ fn tensor_parallel_ranks_replay_their_graphs_bit_for_bit_and_transfer_only_input
                                 cache_tokens: cache,
                                 capacity,
                                 tactics,
+                                selector: None,
                                 quiet: true,
                             },
                         )
@@ -777,8 +782,10 @@ fn zeroed_weights_of_every_rank_equal_the_upload(name: &str) {
             let shard = TpShard { rank, world };
             let sharded = Model::new(c.clone(), model.weights.shard(c, shard).unwrap());
             let real =
-                DeviceWeights::upload(&HostDevice::new(Sm::Sm120), &sharded, moe, true).unwrap();
-            let dry = DeviceWeights::zeroed(&DryDevice::default(), c, shard, moe).unwrap();
+                DeviceWeights::upload(&HostDevice::new(Sm::Sm120), &sharded, moe.as_slice(), true)
+                    .unwrap();
+            let dry =
+                DeviceWeights::zeroed(&DryDevice::default(), c, shard, moe.as_slice()).unwrap();
             assert_eq!(real.allocations, dry.allocations, "{name} {shard:?}");
             assert_eq!(real.bytes, dry.bytes, "{name} {shard:?}");
             assert_eq!(real.weights.heads, dry.weights.heads);
@@ -808,7 +815,13 @@ fn a_dry_decode_step_records_the_launches_the_emulated_step_runs() {
         batch: 1,
         context,
         kv_dtype: dtype,
-        tactics: tactics.clone(),
+        selector: model::exec::tactics::TacticSelector::fixed(
+            Sm::Sm120,
+            c,
+            dtype,
+            1,
+            tactics.clone(),
+        ),
         tactics_source: "heuristic defaults".into(),
     }
     .record()
@@ -827,6 +840,7 @@ fn a_dry_decode_step_records_the_launches_the_emulated_step_runs() {
             cache_tokens: context,
             capacity,
             tactics,
+            selector: None,
             quiet: true,
         },
     )

@@ -1,7 +1,8 @@
-//! The architecture: DeepSeek-V3 / Kimi-K2.5's configuration, named sizes, tensor-parallel
-//! split and RoPE.
+//! The architecture: DeepSeek-V3 / Kimi-K2.5's configuration, the checkpoint's tensor names,
+//! named sizes, the tensor-parallel split and RoPE.
 
 pub mod config;
+pub mod names;
 pub mod presets;
 pub mod rope;
 pub mod shard;

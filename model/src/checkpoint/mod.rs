@@ -20,12 +20,15 @@ use serde::Deserialize;
 use thiserror::Error;
 
 use crate::arch::config::{CheckpointConfig, ConfigError, KvCacheQuant, ModelConfig};
+use crate::arch::names;
+use crate::arch::shard::TpShard;
 use crate::checkpoint::tensor_file::{TensorFile, TensorFileError};
 use crate::checkpoint::weights::*;
+use crate::input::InvalidInput;
 
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
 /// Prefix of the text model's tensors in Kimi-K2.5 (a multimodal wrapper).
-pub const KIMI_K25_PREFIX: &str = "language_model.";
+pub use crate::arch::names::KIMI_K25_PREFIX;
 
 #[derive(Debug, Error)]
 pub enum CheckpointError {
@@ -134,18 +137,22 @@ impl Checkpoint {
             }
             shard_of.insert(tensor.clone(), i);
         }
-        let prefix =
-            if shard_of.contains_key(&format!("{KIMI_K25_PREFIX}model.embed_tokens.weight")) {
-                KIMI_K25_PREFIX.to_string()
-            } else if shard_of.contains_key("model.embed_tokens.weight") {
-                String::new()
-            } else {
-                return Err(invalid(
-                    &listing,
-                    "no `model.embed_tokens.weight` (with or without the `language_model.` prefix)"
-                        .into(),
-                ));
-            };
+        let prefix = if shard_of.contains_key(&format!(
+            "{KIMI_K25_PREFIX}{}",
+            names::embed_tokens().weight()
+        )) {
+            KIMI_K25_PREFIX.to_string()
+        } else if shard_of.contains_key(&names::embed_tokens().weight()) {
+            String::new()
+        } else {
+            return Err(invalid(
+                &listing,
+                format!(
+                    "no `{}` (with or without the `{KIMI_K25_PREFIX}` prefix)",
+                    names::embed_tokens().weight()
+                ),
+            ));
+        };
         check_layers_and_experts(&config.model, &prefix, shard_of.keys())
             .map_err(|message| invalid(&listing, message))?;
         Ok(Self {
@@ -264,14 +271,14 @@ impl Checkpoint {
     /// An NVFP4 linear layer `{module}.weight/weight_scale/weight_scale_2/input_scale`.
     pub fn nvfp4(
         &self,
-        module: &str,
+        module: &names::Tensor,
         rows: usize,
         cols: usize,
     ) -> Result<Nvfp4Weight, CheckpointError> {
-        let (file, weight) = self.locate(&format!("{module}.weight"))?;
+        let (file, weight) = self.locate(&module.weight())?;
         file.expect_shape(&weight, &[rows, cols / 2])?;
         let packed = file.byte_range(&weight, &[Dtype::U8])?;
-        let (scale_file, scale_name) = self.locate(&format!("{module}.weight_scale"))?;
+        let (scale_file, scale_name) = self.locate(&module.weight_scale())?;
         scale_file.expect_shape(&scale_name, &[rows, cols / NVFP4_BLOCK])?;
         let scales = scale_file.byte_range(&scale_name, &[Dtype::F8_E4M3])?;
         if let Some(i) = scale_file
@@ -286,9 +293,9 @@ impl Checkpoint {
                 )
                 .into());
         }
-        let (f2, n2) = self.locate(&format!("{module}.weight_scale_2"))?;
+        let (f2, n2) = self.locate(&module.weight_scale_2())?;
         let global_scale = f2.positive_scale(&n2)?;
-        let (fi, ni) = self.locate(&format!("{module}.input_scale"))?;
+        let (fi, ni) = self.locate(&module.input_scale())?;
         let input_scale = fi.positive_scale(&ni)?;
         Ok(Nvfp4Weight {
             rows,
@@ -309,11 +316,11 @@ impl Checkpoint {
     /// A routed expert's projection, NVFP4 or BF16 depending on what the checkpoint holds.
     pub fn expert_matrix(
         &self,
-        module: &str,
+        module: &names::Tensor,
         rows: usize,
         cols: usize,
     ) -> Result<ExpertMatrix, CheckpointError> {
-        let (file, weight) = self.locate(&format!("{module}.weight"))?;
+        let (file, weight) = self.locate(&module.weight())?;
         if file.info(&weight)?.dtype == Dtype::U8 {
             if self.config.quant.is_none() {
                 // Run anyway, the checkpoint's KV-cache choice (FP8 for Kimi-K2.5-NVFP4) would
@@ -329,7 +336,7 @@ impl Checkpoint {
             Ok(ExpertMatrix::Nvfp4(self.nvfp4(module, rows, cols)?))
         } else {
             Ok(ExpertMatrix::Bf16(self.bf16(
-                &format!("{module}.weight"),
+                &module.weight(),
                 rows,
                 cols,
             )?))
@@ -410,40 +417,32 @@ impl Checkpoint {
             progress.inc(1);
         }
         progress.finish_and_clear();
-        let embed = self.bf16("model.embed_tokens.weight", c.vocab_size, c.hidden_size)?;
-        let lm_head = if c.tie_word_embeddings && !self.contains("lm_head.weight") {
+        let embed = self.bf16(&names::embed_tokens().weight(), c.vocab_size, c.hidden_size)?;
+        let lm_head = if c.tie_word_embeddings && !self.contains(&names::lm_head().weight()) {
             embed.clone()
         } else {
-            self.bf16("lm_head.weight", c.vocab_size, c.hidden_size)?
+            self.bf16(&names::lm_head().weight(), c.vocab_size, c.hidden_size)?
         };
         Ok(ModelWeights {
             embed,
             layers,
-            norm: self.vector("model.norm.weight", c.hidden_size)?,
+            norm: self.vector(&names::norm().weight(), c.hidden_size)?,
             lm_head,
             vocab_rows: 0..c.vocab_size,
         })
     }
 
     fn load_layer(&self, c: &ModelConfig, layer: usize) -> Result<LayerWeights, CheckpointError> {
-        let p = format!("model.layers.{layer}");
+        let p = names::layer(layer);
         let heads = c.num_attention_heads;
         let q = match c.q_lora_rank {
             Some(rank) => QueryProjection::LowRank {
-                a: self.bf16(
-                    &format!("{p}.self_attn.q_a_proj.weight"),
-                    rank,
-                    c.hidden_size,
-                )?,
-                norm: self.vector(&format!("{p}.self_attn.q_a_layernorm.weight"), rank)?,
-                b: self.bf16(
-                    &format!("{p}.self_attn.q_b_proj.weight"),
-                    heads * c.qk_head_dim(),
-                    rank,
-                )?,
+                a: self.bf16(&p.q_a_proj().weight(), rank, c.hidden_size)?,
+                norm: self.vector(&p.q_a_layernorm().weight(), rank)?,
+                b: self.bf16(&p.q_b_proj().weight(), heads * c.qk_head_dim(), rank)?,
             },
             None => QueryProjection::Full(self.bf16(
-                &format!("{p}.self_attn.q_proj.weight"),
+                &p.q_proj().weight(),
                 heads * c.qk_head_dim(),
                 c.hidden_size,
             )?),
@@ -451,82 +450,55 @@ impl Checkpoint {
         let attention = AttentionWeights {
             q,
             kv_a: self.bf16(
-                &format!("{p}.self_attn.kv_a_proj_with_mqa.weight"),
+                &p.kv_a_proj_with_mqa().weight(),
                 c.latent_cache_dim(),
                 c.hidden_size,
             )?,
-            kv_a_norm: self.vector(
-                &format!("{p}.self_attn.kv_a_layernorm.weight"),
-                c.kv_lora_rank,
-            )?,
+            kv_a_norm: self.vector(&p.kv_a_layernorm().weight(), c.kv_lora_rank)?,
             kv_b: self.bf16(
-                &format!("{p}.self_attn.kv_b_proj.weight"),
+                &p.kv_b_proj().weight(),
                 heads * (c.qk_nope_head_dim + c.v_head_dim),
                 c.kv_lora_rank,
             )?,
-            o: self.bf16(
-                &format!("{p}.self_attn.o_proj.weight"),
-                c.hidden_size,
-                heads * c.v_head_dim,
-            )?,
+            o: self.bf16(&p.o_proj().weight(), c.hidden_size, heads * c.v_head_dim)?,
         };
-        let dense = |prefix: &str, inter: usize| -> Result<DenseMlpWeights, CheckpointError> {
+        let dense = |mlp: names::Mlp, inter: usize| -> Result<DenseMlpWeights, CheckpointError> {
             Ok(DenseMlpWeights {
-                gate: self.bf16(&format!("{prefix}.gate_proj.weight"), inter, c.hidden_size)?,
-                up: self.bf16(&format!("{prefix}.up_proj.weight"), inter, c.hidden_size)?,
-                down: self.bf16(&format!("{prefix}.down_proj.weight"), c.hidden_size, inter)?,
+                gate: self.bf16(&mlp.gate_proj().weight(), inter, c.hidden_size)?,
+                up: self.bf16(&mlp.up_proj().weight(), inter, c.hidden_size)?,
+                down: self.bf16(&mlp.down_proj().weight(), c.hidden_size, inter)?,
             })
         };
         let mlp = if c.is_moe_layer(layer) {
             let inter = c.moe_intermediate_size;
             let experts = (0..c.n_routed_experts)
                 .map(|e| {
-                    let m = format!("{p}.mlp.experts.{e}");
+                    let m = p.routed_expert(e);
                     Ok(ExpertWeights {
-                        gate: self.expert_matrix(
-                            &format!("{m}.gate_proj"),
-                            inter,
-                            c.hidden_size,
-                        )?,
-                        up: self.expert_matrix(&format!("{m}.up_proj"), inter, c.hidden_size)?,
-                        down: self.expert_matrix(
-                            &format!("{m}.down_proj"),
-                            c.hidden_size,
-                            inter,
-                        )?,
+                        gate: self.expert_matrix(&m.gate_proj(), inter, c.hidden_size)?,
+                        up: self.expert_matrix(&m.up_proj(), inter, c.hidden_size)?,
+                        down: self.expert_matrix(&m.down_proj(), c.hidden_size, inter)?,
                     })
                 })
                 .collect::<Result<Vec<_>, CheckpointError>>()?;
             MlpWeights::Moe(MoeWeights {
-                router: self.bf16(
-                    &format!("{p}.mlp.gate.weight"),
-                    c.n_routed_experts,
-                    c.hidden_size,
-                )?,
-                correction_bias: self.vector(
-                    &format!("{p}.mlp.gate.e_score_correction_bias"),
-                    c.n_routed_experts,
-                )?,
+                router: self.bf16(&p.router().weight(), c.n_routed_experts, c.hidden_size)?,
+                correction_bias: self.vector(&p.e_score_correction_bias(), c.n_routed_experts)?,
                 experts,
                 shared: if c.n_shared_experts > 0 {
-                    Some(dense(
-                        &format!("{p}.mlp.shared_experts"),
-                        inter * c.n_shared_experts,
-                    )?)
+                    Some(dense(p.shared_experts(), inter * c.n_shared_experts)?)
                 } else {
                     None
                 },
             })
         } else {
-            MlpWeights::Dense(dense(&format!("{p}.mlp"), c.intermediate_size)?)
+            MlpWeights::Dense(dense(p.mlp(), c.intermediate_size)?)
         };
         Ok(LayerWeights {
-            input_norm: self.vector(&format!("{p}.input_layernorm.weight"), c.hidden_size)?,
+            input_norm: self.vector(&p.input_layernorm().weight(), c.hidden_size)?,
             attention,
-            post_attention_norm: self.vector(
-                &format!("{p}.post_attention_layernorm.weight"),
-                c.hidden_size,
-            )?,
+            post_attention_norm: self
+                .vector(&p.post_attention_layernorm().weight(), c.hidden_size)?,
             mlp,
         })
     }
@@ -560,7 +532,7 @@ fn check_layers_and_experts<'a>(
     prefix: &str,
     names: impl Iterator<Item = &'a String>,
 ) -> Result<(), String> {
-    let layers_prefix = format!("{prefix}model.layers.");
+    let layers_prefix = format!("{prefix}{}", names::LAYERS);
     let index = |text: &str| -> Option<(usize, usize)> {
         let digits = text.bytes().take_while(u8::is_ascii_digit).count();
         if digits == 0 || !text[digits..].starts_with('.') {
@@ -578,7 +550,9 @@ fn check_layers_and_experts<'a>(
             continue;
         };
         present.insert(layer);
-        if let Some(expert) = rest[skip..].strip_prefix("mlp.experts.").and_then(index)
+        if let Some(expert) = rest[skip..]
+            .strip_prefix(names::ROUTED_EXPERTS)
+            .and_then(index)
             && layer < c.num_hidden_layers
             && expert.0 >= c.n_routed_experts
         {
@@ -617,6 +591,41 @@ pub fn progress_bar(len: u64, what: &str) -> ProgressBar {
     );
     bar.set_message(what.to_string());
     bar
+}
+
+/// Opens `dir` and loads the weights of `shard` of it, where `placement` says (the CPU
+/// backend's choice; the mapping elsewhere).
+pub fn load_model(
+    dir: &Path,
+    shard: TpShard,
+    placement: impl FnOnce(&Checkpoint) -> WeightPlacement,
+) -> anyhow::Result<Model> {
+    let mut checkpoint = Checkpoint::open(dir)?;
+    let config = checkpoint.model_config().clone();
+    check_tensor_parallel(dir, &config, shard.world)?;
+    let asked = placement(&checkpoint);
+    if let Some(copied) = checkpoint.place_weights_timed(asked)
+        && shard.rank == 0
+    {
+        eprintln!(
+            "weights: a copy on 2 MiB pages ({copied}; --weights mapped reads the files' mapping)"
+        );
+    }
+    let weights = checkpoint
+        .load_weights()?
+        .shard(&config, shard)
+        .map_err(InvalidInput)?;
+    Ok(Model::new(config, weights))
+}
+
+pub fn check_tensor_parallel(dir: &Path, config: &ModelConfig, world: usize) -> anyhow::Result<()> {
+    config.check_tensor_parallel(world).map_err(|e| {
+        InvalidInput(format!(
+            "{}: tensor parallelism over {world} ranks: {e}",
+            dir.display()
+        ))
+    })?;
+    Ok(())
 }
 
 #[cfg(test)]

@@ -47,6 +47,7 @@ pub struct LogitsArgs {
 
 pub fn logits(args: LogitsArgs) -> Result<()> {
     let (dir, TokenIds(tokens), out) = (&args.checkpoint, &args.tokens, &args.out);
+    args.backend.check_available()?;
     let opened = Checkpoint::open(dir)?;
     let config = opened.model_config().clone();
     check_tensor_parallel(dir, &config, args.tp.world())?;

@@ -12,19 +12,18 @@ pub mod plan;
 pub mod run;
 pub mod serving;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 use kernels::mla::cache::KvCacheDtype;
 
-use crate::arch::config::{ConfigError, KvCacheQuant, ModelConfig};
+use crate::arch::config::{ConfigError, KvCacheQuant};
 use crate::arch::presets::Preset;
-use crate::arch::shard::TpShard;
 use crate::checkpoint::tensor_file::TensorFileError;
-use crate::checkpoint::weights::Model;
-use crate::checkpoint::{Checkpoint, CheckpointError, WeightPlacement};
+use crate::checkpoint::{Checkpoint, CheckpointError};
+pub use crate::checkpoint::{check_tensor_parallel, load_model as load};
 use crate::exec::ExecError;
 use crate::exec::tp::RankFailed;
 use crate::input::InvalidInput;
@@ -307,39 +306,4 @@ pub fn kv_dtype_for(arg: KvDtypeArg, asked: Option<KvCacheQuant>) -> KvCacheDtyp
             None => KvCacheDtype::Bf16,
         },
     }
-}
-
-/// Opens `dir` and loads the weights of `shard` of it, where `placement` says (the CPU
-/// backend's choice; the mapping elsewhere).
-pub fn load(
-    dir: &Path,
-    shard: TpShard,
-    placement: impl FnOnce(&Checkpoint) -> WeightPlacement,
-) -> Result<Model> {
-    let mut checkpoint = Checkpoint::open(dir)?;
-    let config = checkpoint.model_config().clone();
-    check_tensor_parallel(dir, &config, shard.world)?;
-    let asked = placement(&checkpoint);
-    if let Some(copied) = checkpoint.place_weights_timed(asked)
-        && shard.rank == 0
-    {
-        eprintln!(
-            "weights: a copy on 2 MiB pages ({copied}; --weights mapped reads the files' mapping)"
-        );
-    }
-    let weights = checkpoint
-        .load_weights()?
-        .shard(&config, shard)
-        .map_err(InvalidInput)?;
-    Ok(Model::new(config, weights))
-}
-
-pub fn check_tensor_parallel(dir: &Path, config: &ModelConfig, world: usize) -> Result<()> {
-    config.check_tensor_parallel(world).map_err(|e| {
-        InvalidInput(format!(
-            "{}: tensor parallelism over {world} ranks: {e}",
-            dir.display()
-        ))
-    })?;
-    Ok(())
 }

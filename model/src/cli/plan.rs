@@ -72,7 +72,8 @@ pub struct LaunchListArgs {
 }
 
 pub fn launch_list_command(args: LaunchListArgs) -> Result<()> {
-    use crate::exec::device::{DryStep, decode_tactics};
+    use crate::exec::device::DryStep;
+    use crate::exec::tactics::TacticSelector;
     let config = args.preset.model_config();
     if args.rank >= args.tp {
         bail!(InvalidInput(format!(
@@ -93,15 +94,21 @@ pub fn launch_list_command(args: LaunchListArgs) -> Result<()> {
             args.context, config.max_position_embeddings
         )));
     }
-    let (tactics, tactics_source) = decode_tactics(
+    let (selector, warning) = TacticSelector::from_cache(
         args.tactics.as_deref(),
         args.sm,
         &config,
-        args.tp,
-        args.batch,
-        args.context,
         kv_dtype,
-    )?;
+        args.tp,
+        kernels::blas::DenseTactic::default(),
+    );
+    if let Some(w) = &warning {
+        eprintln!("{w}");
+    }
+    let tactics_source = match (&args.tactics, &warning) {
+        (Some(path), None) => format!("per step from the tactic cache {}", path.display()),
+        _ => "heuristic defaults".to_string(),
+    };
     let step = DryStep {
         model: args.preset.id().into(),
         config,
@@ -113,7 +120,7 @@ pub fn launch_list_command(args: LaunchListArgs) -> Result<()> {
         batch: args.batch,
         context: args.context,
         kv_dtype,
-        tactics,
+        selector,
         tactics_source,
     }
     .record()?;

@@ -136,6 +136,7 @@ fn run_requests(args: &RunArgs, c: &ModelConfig, dir: &Path) -> Result<Vec<Gener
 }
 
 pub fn run(args: RunArgs) -> Result<()> {
+    args.backend.check_available()?;
     let dir = match &args.checkpoint {
         Some(dir) => dir.clone(),
         None => default_checkpoint(args.cache_dir.clone())?,

@@ -177,6 +177,9 @@ pub struct ServeArgs {
 
 pub fn run_serve(args: ServeArgs) -> Result<()> {
     let runtime_options = args.engine.runtime_options()?;
+    if runtime_options.is_follower() {
+        return runtime_options.follow();
+    }
     let name = match &args.served_model_name {
         Some(name) => name.clone(),
         None if args.engine.checkpoint.is_none() => "kimi-chat-tiny".to_string(),
@@ -236,6 +239,9 @@ impl Style {
 pub fn run_chat(args: ChatArgs) -> Result<()> {
     let mut options = args.engine.runtime_options()?;
     options.max_num_seqs = 1;
+    if options.is_follower() {
+        return options.follow();
+    }
     let started = Instant::now();
     let runtime = Runtime::load(&options)?;
     runtime.wait_ready()?;
@@ -331,6 +337,7 @@ async fn answer(
             n: 1,
             stream: true,
             include_usage: false,
+            ignore_eos: false,
         },
     };
     let (prompt, thinking, parse_tools) = runtime

@@ -14,7 +14,7 @@ use super::cpu::pool::CpuCompute;
 use super::cpu::{CpuOptions, cpu_runner};
 use super::device::{DeviceOptions, ShmAllReduce, StepCapacity, TpAllReduce, device_runner};
 use super::runner::ModelRunner;
-use super::tactics::RunnerTactics;
+use super::tactics::TacticSelector;
 use crate::checkpoint::weights::Model;
 use crate::input::InvalidInput;
 
@@ -197,24 +197,16 @@ fn fraction(text: &str) -> std::result::Result<f64, String> {
 }
 
 impl BackendArgs {
-    /// Refuses, before any work, what cannot run: `--backend cuda` in a binary without the
-    /// `cuda` feature or on a machine without the driver library, device options given to the
-    /// CPU backend, and an FP32 cache on a device.
-    pub fn check(&self, kv_dtype: KvCacheDtype) -> Result<()> {
+    /// Refuses, before anything is read, what cannot run: `--backend cuda` in a binary without
+    /// the `cuda` feature or on a machine without the driver library, and device options given
+    /// to the CPU backend.
+    pub fn check_available(&self) -> Result<()> {
         if self.backend == Backend::Cpu && self.dense_tactic != DenseTactic::Ours {
             return Err(InvalidInput(format!(
                 "--dense-tactic {} chooses the device executor's dense products; the CPU backend \
                  has its own (use --backend cuda or cuda-emulated)",
                 self.dense_tactic
             ))
-            .into());
-        }
-        if self.backend.is_device() && kv_dtype == KvCacheDtype::F32 {
-            return Err(InvalidInput(
-                "the device kernels read a bf16 or fp8 latent cache; pass --kv-dtype bf16 or fp8 \
-                 (f32 is the CPU reference's)"
-                    .into(),
-            )
             .into());
         }
         if self.backend != Backend::Cuda {
@@ -234,6 +226,21 @@ impl BackendArgs {
         Ok(())
     }
 
+    /// [`check_available`](Self::check_available), and a latent cache the backend reads: the
+    /// device kernels read BF16 and FP8, not the CPU reference's FP32.
+    pub fn check(&self, kv_dtype: KvCacheDtype) -> Result<()> {
+        self.check_available()?;
+        if self.backend.is_device() && kv_dtype == KvCacheDtype::F32 {
+            return Err(InvalidInput(
+                "the device kernels read a bf16 or fp8 latent cache; pass --kv-dtype bf16 or fp8 \
+                 (f32 is the CPU reference's)"
+                    .into(),
+            )
+            .into());
+        }
+        Ok(())
+    }
+
     /// Makes the runner of `model` (this rank's shard under tensor parallelism) on this
     /// backend, joining `group`'s all-reduce. Logs the device, the tactics and the memory held
     /// unless `quiet`.
@@ -245,7 +252,6 @@ impl BackendArgs {
         quiet: bool,
     ) -> Result<Box<dyn ModelRunner>> {
         let world = group.map_or(1, |g| g.world);
-        let tactics = RunnerTactics::load(self.tactics.as_deref(), quiet);
         match self.backend {
             Backend::Cpu => {
                 let tactic = self
@@ -278,7 +284,7 @@ impl BackendArgs {
             }
             Backend::CudaEmulated => {
                 let dev = cuda_host::HostDevice::new(self.emulate_sm);
-                let options = self.device_options(&tactics, model, world, sizing, quiet, &dev)?;
+                let options = self.device_options(model, world, sizing, quiet, &dev)?;
                 let mut runner = device_runner(dev, model, options).map_err(refuse)?;
                 if let Some(g) = group {
                     let joined = ShmAllReduce::join(
@@ -302,15 +308,14 @@ impl BackendArgs {
                 log_memory(&runner, sizing.kv_dtype, quiet);
                 Ok(Box::new(runner))
             }
-            Backend::Cuda => self.open_gpu(model, group, sizing, &tactics, quiet),
+            Backend::Cuda => self.open_gpu(model, group, sizing, quiet),
         }
     }
 
     /// The device executor's options for `dev`: the tactics for its SM and this rank's share
-    /// of `world`, logged.
+    /// of `world` (with `--tactics FILE`, chosen per step from the cache), logged.
     fn device_options<D: kernels::device::Device>(
         &self,
-        tactics: &RunnerTactics,
         model: &Model,
         world: usize,
         sizing: RunnerSizing,
@@ -318,24 +323,39 @@ impl BackendArgs {
         dev: &D,
     ) -> Result<DeviceOptions> {
         let sm = dev.sm()?;
-        let mut chosen = tactics
-            .executor(sm, &model.config, sizing.kv_dtype, world)
-            .map_err(refuse)?;
-        chosen.dense = self.dense_tactic;
+        let (selector, warning) = TacticSelector::from_cache(
+            self.tactics.as_deref(),
+            sm,
+            &model.config,
+            sizing.kv_dtype,
+            world,
+            self.dense_tactic,
+        );
+        if let Some(w) = warning.filter(|_| !quiet) {
+            eprintln!("{w}");
+        }
+        // The tactics of a one-sequence decode step, also what a run without a cache runs.
+        let first = selector.select(1, 4096).map_err(refuse)?.executor();
         if !quiet {
             eprintln!(
-                "device: {}; tactics: mla_decode {}, moe_gemm {}, dense {}",
+                "device: {}; tactics{}: mla_decode {}, moe_gemm {}, dense {}",
                 dev.describe(),
-                chosen.mla.id(),
-                chosen.moe.map_or("-".into(), |t| t.id()),
-                chosen.dense
+                if self.tactics.is_some() {
+                    " per step from the tactic cache, first"
+                } else {
+                    ""
+                },
+                first.mla.id(),
+                first.moe.map_or("-".into(), |t| t.id()),
+                first.dense
             );
         }
         Ok(DeviceOptions {
             kv_dtype: sizing.kv_dtype,
             cache_tokens: sizing.cache_tokens,
             capacity: sizing.capacity,
-            tactics: chosen,
+            tactics: first,
+            selector: self.tactics.is_some().then_some(selector),
             quiet,
         })
     }
@@ -347,14 +367,13 @@ impl BackendArgs {
         model: &Model,
         group: Option<&RankGroup>,
         sizing: RunnerSizing,
-        tactics: &RunnerTactics,
         quiet: bool,
     ) -> Result<Box<dyn ModelRunner>> {
         let ordinal = group.map_or(0, |g| g.rank);
         let world = group.map_or(1, |g| g.world);
         let dev = kernels::cuda::GpuContext::new(ordinal, &self.ptx_dir)
             .map_err(|e| InvalidInput(format!("--backend cuda: {e}")))?;
-        let options = self.device_options(tactics, model, world, sizing, quiet, &dev)?;
+        let options = self.device_options(model, world, sizing, quiet, &dev)?;
         let mut runner = device_runner(dev, model, options).map_err(refuse)?;
         if let Some(g) = group {
             let joined = super::device::IpcAllReduce::join(
@@ -386,7 +405,6 @@ impl BackendArgs {
         _: &Model,
         _: Option<&RankGroup>,
         _: RunnerSizing,
-        _: &RunnerTactics,
         _: bool,
     ) -> Result<Box<dyn ModelRunner>> {
         Err(InvalidInput(NO_CUDA.into()).into())

@@ -238,7 +238,7 @@ mod tests {
             let tactics =
                 ExecutorTactics::defaults_for_rank(Sm::Sm120, &c, kv_dtype, r.gpus).unwrap();
             let dev = DryDevice::new(Sm::Sm120);
-            let weights = DeviceWeights::zeroed(&dev, &c, shard, tactics.moe).unwrap();
+            let weights = DeviceWeights::zeroed(&dev, &c, shard, tactics.moe.as_slice()).unwrap();
             let runner = runner_with_weights(
                 dev,
                 &c,
@@ -251,6 +251,7 @@ mod tests {
                         logit_rows: r.max_num_seqs,
                     },
                     tactics,
+                    selector: None,
                     quiet: true,
                 },
             )

@@ -9,14 +9,19 @@
 
 use std::path::Path;
 
-use crate::arch::config::ModelConfig;
 use kernels::allreduce::tactic::AllReduceTactic;
 use kernels::arch::Sm;
+use kernels::blas::DenseTactic;
 use kernels::layers::LayersTactic;
 use kernels::mla::MlaSplitTactic;
+use kernels::mla::cache::KvCacheDtype;
 use kernels::moe_gemm::MoeGemmTactic;
-use kernels::tactic::cache::{self, CacheLookup, Expected};
+use kernels::tactic::cache::{self, CacheLookup, Chosen, Expected};
 use kernels::tactic::{KernelFamily, ProblemShape};
+
+use crate::arch::config::ModelConfig;
+use crate::exec::ExecError;
+use crate::exec::device::ExecutorTactics;
 
 /// Decode batches the lab tunes for.
 pub const BATCHES: [u32; 6] = [1, 4, 8, 16, 32, 64];
@@ -325,44 +330,255 @@ mod tests {
     }
 }
 
-/// The tuning lab's cache as a run reads it (`--tactics FILE`): each family's tactic for the
-/// run's device and shapes.
-#[derive(Clone, Debug, Default)]
-pub struct RunnerTactics {
-    path: Option<std::path::PathBuf>,
-    quiet: bool,
+/// The device families' tactics for one step: what the selector chose, and from where.
+#[derive(Clone, Debug)]
+pub struct StepSelection {
+    pub moe: Option<Chosen<MoeGemmTactic>>,
+    pub mla: Chosen<MlaSplitTactic>,
+    pub dense: DenseTactic,
 }
 
-impl RunnerTactics {
-    pub fn load(path: Option<&Path>, quiet: bool) -> Self {
-        Self {
-            path: path.map(Path::to_path_buf),
-            quiet,
+impl StepSelection {
+    /// The executor's tactics of this selection.
+    pub fn executor(&self) -> ExecutorTactics {
+        ExecutorTactics {
+            moe: self.moe.as_ref().map(|c| c.tactic),
+            mla: self.mla.tactic.kernel,
+            dense: self.dense,
         }
     }
 
-    /// The device executor's tactics on `sm` for a rank of `world`: the cache's winners where
-    /// it has them, each family's heuristic default elsewhere; logged with where each came
-    /// from.
-    pub fn executor(
-        &self,
+    /// One line per family: the tactic and its bucket (or that it is the default).
+    pub fn describe(&self) -> Vec<String> {
+        let mut lines = vec![self.mla.describe()];
+        if let Some(moe) = &self.moe {
+            lines.insert(0, moe.describe());
+        }
+        lines.push(format!("dense: {}", self.dense));
+        lines
+    }
+}
+
+/// The one selection of the device families' tactics for a step's shape, which the device
+/// runner makes for every step, `model launch-list` for the step it records and `autotune
+/// step-time` for the steps it prices: from the tuning lab's cache (`--tactics FILE`), the
+/// winner of the bucket nearest the step's batch and context; each family's heuristic default
+/// where the cache has none. Or fixed tactics, for a run that names them.
+#[derive(Clone, Debug)]
+pub struct TacticSelector {
+    sm: Sm,
+    config: ModelConfig,
+    /// Tensor-parallel ranks: a rank's heads and expert columns.
+    world: usize,
+    fp8_cache: bool,
+    dense: DenseTactic,
+    source: Source,
+}
+
+#[derive(Clone, Debug)]
+enum Source {
+    Cache(Box<CacheLookup>),
+    Fixed(ExecutorTactics),
+}
+
+impl TacticSelector {
+    /// The selector of a run on `sm` for a rank of `world`, from the cache at `path` (or the
+    /// defaults); a missing, corrupt or stale cache gives one warning line, returned.
+    pub fn from_cache(
+        path: Option<&Path>,
         sm: Sm,
         config: &ModelConfig,
-        kv_dtype: kernels::mla::cache::KvCacheDtype,
+        kv_dtype: KvCacheDtype,
         world: usize,
-    ) -> Result<crate::exec::device::ExecutorTactics, crate::exec::ExecError> {
-        let (tactics, source) = crate::exec::device::decode_tactics(
-            self.path.as_deref(),
+        dense: DenseTactic,
+    ) -> (Self, Option<String>) {
+        let lookup = match path {
+            Some(p) => cache::load(p, &Expected::for_sm(sm, None)),
+            None => CacheLookup::none(),
+        };
+        let warning = lookup.warning.clone();
+        (
+            Self::from_lookup(lookup, sm, config, kv_dtype, world, dense),
+            warning,
+        )
+    }
+
+    /// The selector over a cache already read.
+    pub fn from_lookup(
+        lookup: CacheLookup,
+        sm: Sm,
+        config: &ModelConfig,
+        kv_dtype: KvCacheDtype,
+        world: usize,
+        dense: DenseTactic,
+    ) -> Self {
+        Self {
             sm,
-            config,
-            world,
-            1,
-            4096,
-            kv_dtype,
-        )?;
-        if !self.quiet && self.path.is_some() {
-            eprintln!("tactics: {source}");
+            config: config.clone(),
+            world: world.max(1),
+            fp8_cache: kv_dtype == KvCacheDtype::Fp8E4m3,
+            dense,
+            source: Source::Cache(Box::new(lookup)),
         }
-        Ok(tactics)
+    }
+
+    /// Always `tactics`.
+    pub fn fixed(
+        sm: Sm,
+        config: &ModelConfig,
+        kv_dtype: KvCacheDtype,
+        world: usize,
+        tactics: ExecutorTactics,
+    ) -> Self {
+        Self {
+            sm,
+            config: config.clone(),
+            world: world.max(1),
+            fp8_cache: kv_dtype == KvCacheDtype::Fp8E4m3,
+            dense: tactics.dense,
+            source: Source::Fixed(tactics),
+        }
+    }
+
+    pub fn sm(&self) -> Sm {
+        self.sm
+    }
+
+    /// The tactics for a step of `batch` rows whose longest sequence attends over `context`
+    /// tokens.
+    pub fn select(&self, batch: usize, context: usize) -> Result<StepSelection, ExecError> {
+        let c = &self.config;
+        let (sm, world) = (self.sm, self.world);
+        let mla_shape = ProblemShape::mla(
+            batch.max(1) as u32,
+            (c.num_attention_heads / world) as u32,
+            context.max(1) as u32,
+            self.fp8_cache,
+            c.mla_dims(),
+        );
+        let (active, tokens_per_expert) = expert_load(c, batch.max(1) as u32);
+        let moe_shape = ProblemShape::Moe {
+            tokens_per_expert,
+            active_experts: active,
+            hidden: c.hidden_size as u32,
+            inter: crate::exec::device::device_expert_inter(c, world) as u32,
+        };
+        let unsupported = |why: String| ExecError::Unsupported {
+            backend: "device",
+            why,
+        };
+        let (moe, mla) = match &self.source {
+            Source::Fixed(t) => (
+                t.moe.map(|tactic| Chosen {
+                    tactic,
+                    figure: None,
+                    bucket: None,
+                }),
+                Chosen {
+                    tactic: MlaSplitTactic {
+                        kernel: t.mla,
+                        splits: 0,
+                    },
+                    figure: None,
+                    bucket: None,
+                },
+            ),
+            Source::Cache(lookup) => {
+                let defaults = ExecutorTactics::defaults_for_rank(
+                    sm,
+                    c,
+                    if self.fp8_cache {
+                        KvCacheDtype::Fp8E4m3
+                    } else {
+                        KvCacheDtype::Bf16
+                    },
+                    world,
+                )?;
+                let moe = (c.n_routed_experts > 0).then(|| {
+                    lookup
+                        .choose::<MoeGemmTactic>(sm, &moe_shape)
+                        .unwrap_or(Chosen {
+                            tactic: defaults.moe.expect("a MoE model has a default"),
+                            figure: None,
+                            bucket: None,
+                        })
+                });
+                let mla = lookup
+                    .choose::<MlaSplitTactic>(sm, &mla_shape)
+                    .filter(|m| m.tactic.kernel.dims == c.mla_dims())
+                    .ok_or_else(|| {
+                        unsupported(format!(
+                            "no MLA decode tactic for {sm} serves {mla_shape:?}"
+                        ))
+                    })?;
+                (moe, mla)
+            }
+        };
+        Ok(StepSelection {
+            moe,
+            mla,
+            dense: self.dense,
+        })
+    }
+
+    /// Every selection a run of up to `max_batch` rows and `max_context` tokens can make: the
+    /// lab's batch and context buckets within those bounds, and the bounds themselves. The
+    /// kernels of each are loaded, and the experts' scales uploaded in each layout, before
+    /// the first step.
+    pub fn candidates(
+        &self,
+        max_batch: usize,
+        max_context: usize,
+    ) -> Result<Vec<StepSelection>, ExecError> {
+        let mut batches: Vec<usize> = BATCHES
+            .iter()
+            .map(|&b| b as usize)
+            .filter(|&b| b <= max_batch)
+            .chain([1, max_batch.max(1)])
+            .collect();
+        batches.sort_unstable();
+        batches.dedup();
+        let mut contexts: Vec<usize> = CONTEXTS
+            .iter()
+            .map(|&c| c as usize)
+            .filter(|&c| c <= max_context)
+            .chain([1, max_context.max(1)])
+            .collect();
+        contexts.sort_unstable();
+        contexts.dedup();
+        let mut out = Vec::new();
+        for &b in &batches {
+            for &c in &contexts {
+                out.push(self.select(b, c)?);
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod selector_tests {
+    use super::*;
+    use crate::arch::presets::Preset;
+
+    /// Without a cache every shape gets the defaults; a fixed selector gives its tactics
+    /// whatever the shape; candidates cover one batch and context bucket at least.
+    #[test]
+    fn the_selector_falls_back_to_the_defaults_and_keeps_fixed_tactics() {
+        let c = Preset::KimiK25.model_config();
+        let kv = KvCacheDtype::Fp8E4m3;
+        let (selector, warning) =
+            TacticSelector::from_cache(None, Sm::Sm120, &c, kv, 8, DenseTactic::Ours);
+        assert!(warning.is_none());
+        let defaults = ExecutorTactics::defaults_for_rank(Sm::Sm120, &c, kv, 8).unwrap();
+        for (batch, context) in [(1, 4096), (64, 100_000)] {
+            let s = selector.select(batch, context).unwrap();
+            assert_eq!(s.executor().moe, defaults.moe);
+            assert!(s.mla.figure.is_none() && s.mla.tactic.kernel.kind.is_fp8());
+        }
+        let fixed = TacticSelector::fixed(Sm::Sm120, &c, kv, 8, defaults.clone());
+        assert_eq!(fixed.select(7, 123).unwrap().executor(), defaults);
+        let candidates = selector.candidates(64, 65_536).unwrap();
+        assert!(candidates.len() >= BATCHES.len() * CONTEXTS.len());
     }
 }

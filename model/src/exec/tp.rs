@@ -293,12 +293,37 @@ pub struct TpLeader {
 }
 
 impl TpLeader {
+    /// The follower that exited, if one did.
+    fn failed_follower(&self) -> Option<String> {
+        self.followers
+            .failed
+            .lock()
+            .ok()
+            .and_then(|f| f.as_ref().map(ToString::to_string))
+    }
+
+    /// A step that failed as a group: named after the follower that died, where one did (the
+    /// watcher sees an exit within tens of milliseconds; a collective may notice first).
+    fn blame(&self, e: ExecError) -> ExecError {
+        if !e.is_fatal() {
+            return e;
+        }
+        let deadline = std::time::Instant::now() + Duration::from_millis(500);
+        loop {
+            if let Some(f) = self.failed_follower() {
+                return ExecError::AllReduce(format!("{f}; {e}"));
+            }
+            if std::time::Instant::now() > deadline {
+                return e;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// Fails if a follower has exited; else sends `command` to every follower.
     fn send(&mut self, command: &TpCommand) -> Result<(), ExecError> {
-        if let Ok(failed) = self.followers.failed.lock()
-            && let Some(f) = failed.as_ref()
-        {
-            return Err(ExecError::AllReduce(f.to_string()));
+        if let Some(f) = self.failed_follower() {
+            return Err(ExecError::AllReduce(f));
         }
         let mut line = serde_json::to_string(command)
             .map_err(|e| ExecError::Device(format!("encoding a rank command: {e}")))?;
@@ -365,7 +390,7 @@ impl ModelRunner for TpLeader {
             inputs: wire_inputs(inputs),
             draws: draws.iter().map(Draw::from).collect(),
         })?;
-        self.local.step(inputs, draws)
+        self.local.step(inputs, draws).map_err(|e| self.blame(e))
     }
 
     fn logits(&mut self, inputs: &[SeqInput<'_>], rows: LogitRows) -> Result<Logits, ExecError> {
@@ -373,7 +398,7 @@ impl ModelRunner for TpLeader {
             inputs: wire_inputs(inputs),
             all_rows: rows == LogitRows::All,
         })?;
-        self.local.logits(inputs, rows)
+        self.local.logits(inputs, rows).map_err(|e| self.blame(e))
     }
 
     fn profile_ops(&mut self) {
@@ -386,7 +411,7 @@ impl ModelRunner for TpLeader {
 
     fn warm_up(&mut self, max_batch: usize) -> Result<(), ExecError> {
         self.send(&TpCommand::WarmUp { max_batch })?;
-        self.local.warm_up(max_batch)
+        self.local.warm_up(max_batch).map_err(|e| self.blame(e))
     }
 }
 

@@ -14,6 +14,7 @@ use rayon::prelude::*;
 use serde_json::json;
 
 use crate::arch::config::ModelConfig;
+use crate::arch::names;
 use crate::arch::presets::Preset;
 use crate::checkpoint::KIMI_K25_PREFIX;
 use crate::checkpoint::weights::*;
@@ -138,77 +139,53 @@ fn norm_tensor(name: String, values: &[f32]) -> OwnedTensor {
     OwnedTensor::bf16(name, vec![v.len()], &v)
 }
 
-/// Every non-routed-expert tensor of `weights`, named as in the checkpoint.
+/// Every non-routed-expert tensor of `weights`, named as in the checkpoint (`prefix` before
+/// each name: Kimi-K2.5's `language_model.`).
 pub fn non_expert_tensors(prefix: &str, weights: &ModelWeights) -> Vec<OwnedTensor> {
-    let mut t = vec![bf16_tensor(
-        format!("{prefix}model.embed_tokens.weight"),
-        &weights.embed,
-    )];
+    let named = |t: names::Tensor| format!("{prefix}{}", t.weight());
+    let mut t = vec![bf16_tensor(named(names::embed_tokens()), &weights.embed)];
     for (l, layer) in weights.layers.iter().enumerate() {
-        let p = format!("{prefix}model.layers.{l}");
+        let p = names::layer(l);
+        t.push(norm_tensor(named(p.input_layernorm()), &layer.input_norm));
         t.push(norm_tensor(
-            format!("{p}.input_layernorm.weight"),
-            &layer.input_norm,
-        ));
-        t.push(norm_tensor(
-            format!("{p}.post_attention_layernorm.weight"),
+            named(p.post_attention_layernorm()),
             &layer.post_attention_norm,
         ));
         let a = &layer.attention;
         match &a.q {
             QueryProjection::LowRank { a: qa, norm, b } => {
-                t.push(bf16_tensor(format!("{p}.self_attn.q_a_proj.weight"), qa));
-                t.push(norm_tensor(
-                    format!("{p}.self_attn.q_a_layernorm.weight"),
-                    norm,
-                ));
-                t.push(bf16_tensor(format!("{p}.self_attn.q_b_proj.weight"), b));
+                t.push(bf16_tensor(named(p.q_a_proj()), qa));
+                t.push(norm_tensor(named(p.q_a_layernorm()), norm));
+                t.push(bf16_tensor(named(p.q_b_proj()), b));
             }
-            QueryProjection::Full(q) => {
-                t.push(bf16_tensor(format!("{p}.self_attn.q_proj.weight"), q))
-            }
+            QueryProjection::Full(q) => t.push(bf16_tensor(named(p.q_proj()), q)),
         }
-        t.push(bf16_tensor(
-            format!("{p}.self_attn.kv_a_proj_with_mqa.weight"),
-            &a.kv_a,
-        ));
-        t.push(norm_tensor(
-            format!("{p}.self_attn.kv_a_layernorm.weight"),
-            &a.kv_a_norm,
-        ));
-        t.push(bf16_tensor(
-            format!("{p}.self_attn.kv_b_proj.weight"),
-            &a.kv_b,
-        ));
-        t.push(bf16_tensor(format!("{p}.self_attn.o_proj.weight"), &a.o));
-        let dense = |t: &mut Vec<OwnedTensor>, prefix: String, d: &DenseMlpWeights| {
-            t.push(bf16_tensor(format!("{prefix}.gate_proj.weight"), &d.gate));
-            t.push(bf16_tensor(format!("{prefix}.up_proj.weight"), &d.up));
-            t.push(bf16_tensor(format!("{prefix}.down_proj.weight"), &d.down));
+        t.push(bf16_tensor(named(p.kv_a_proj_with_mqa()), &a.kv_a));
+        t.push(norm_tensor(named(p.kv_a_layernorm()), &a.kv_a_norm));
+        t.push(bf16_tensor(named(p.kv_b_proj()), &a.kv_b));
+        t.push(bf16_tensor(named(p.o_proj()), &a.o));
+        let dense = |t: &mut Vec<OwnedTensor>, mlp: names::Mlp, d: &DenseMlpWeights| {
+            t.push(bf16_tensor(named(mlp.gate_proj()), &d.gate));
+            t.push(bf16_tensor(named(mlp.up_proj()), &d.up));
+            t.push(bf16_tensor(named(mlp.down_proj()), &d.down));
         };
         match &layer.mlp {
-            MlpWeights::Dense(d) => dense(&mut t, format!("{p}.mlp"), d),
+            MlpWeights::Dense(d) => dense(&mut t, p.mlp(), d),
             MlpWeights::Moe(m) => {
-                t.push(bf16_tensor(format!("{p}.mlp.gate.weight"), &m.router));
+                t.push(bf16_tensor(named(p.router()), &m.router));
                 t.push(OwnedTensor::f32(
-                    format!("{p}.mlp.gate.e_score_correction_bias"),
+                    format!("{prefix}{}", p.e_score_correction_bias()),
                     vec![m.correction_bias.len()],
                     &m.correction_bias,
                 ));
                 if let Some(s) = &m.shared {
-                    dense(&mut t, format!("{p}.mlp.shared_experts"), s);
+                    dense(&mut t, p.shared_experts(), s);
                 }
             }
         }
     }
-    t.push(norm_tensor(
-        format!("{prefix}model.norm.weight"),
-        &weights.norm,
-    ));
-    t.push(bf16_tensor(
-        format!("{prefix}lm_head.weight"),
-        &weights.lm_head,
-    ));
+    t.push(norm_tensor(named(names::norm()), &weights.norm));
+    t.push(bf16_tensor(named(names::lm_head()), &weights.lm_head));
     t
 }
 

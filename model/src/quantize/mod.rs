@@ -17,6 +17,7 @@ use safetensors::Dtype;
 use serde_json::{Value, json};
 
 use crate::arch::config::ModelConfig;
+use crate::arch::names::{self, is_routed_expert_weight};
 use crate::checkpoint::weights::Model;
 use crate::checkpoint::weights::{ExpertMatrix, ExpertWeights, MlpWeights};
 use crate::checkpoint::writer::{OutputKind, OwnedTensor, StagedOutput, write_sharded};
@@ -77,8 +78,9 @@ pub fn quantize_expert(
     expert: &ExpertWeights,
     amax_in: f32,
     amax_down: f32,
-    what: &str,
+    expert_names: &names::Mlp,
 ) -> Result<QuantizedExpert> {
+    let what = expert_names.path().as_str();
     let (gate, up, down) = (
         bf16_values(&expert.gate, what)?,
         bf16_values(&expert.up, what)?,
@@ -86,27 +88,31 @@ pub fn quantize_expert(
     );
     let (rows, cols) = (expert.gate.view().rows(), expert.gate.view().cols());
     let shared = global_scale_for_amax(amax(&gate).max(amax(&up)));
-    let quantize =
-        |values: &[f32], rows, cols, global: Option<f32>, name: &str| -> Result<Nvfp4Matrix> {
-            match global {
-                Some(g) => Nvfp4Matrix::quantize_with_global_scale(values, rows, cols, g),
-                None => Nvfp4Matrix::quantize_weight(values, rows, cols),
-            }
-            .map_err(|e| anyhow!("{what}.{name}: {e}"))
-        };
-    let positive = |a: f32, name: &str| -> Result<f32> {
+    let quantize = |values: &[f32],
+                    rows,
+                    cols,
+                    global: Option<f32>,
+                    name: names::Tensor|
+     -> Result<Nvfp4Matrix> {
+        match global {
+            Some(g) => Nvfp4Matrix::quantize_with_global_scale(values, rows, cols, g),
+            None => Nvfp4Matrix::quantize_weight(values, rows, cols),
+        }
+        .map_err(|e| anyhow!("{name}: {e}"))
+    };
+    let positive = |a: f32, name: String| -> Result<f32> {
         if a > 0.0 && a.is_finite() {
             Ok(global_scale_for_amax(a))
         } else {
-            bail!("{what}.{name}: calibrated amax is {a}")
+            bail!("{name}: calibrated amax is {a}")
         }
     };
     Ok(QuantizedExpert {
-        gate: quantize(&gate, rows, cols, Some(shared), "gate_proj")?,
-        up: quantize(&up, rows, cols, Some(shared), "up_proj")?,
-        down: quantize(&down, cols, rows, None, "down_proj")?,
-        gate_up_input_scale: positive(amax_in, "gate_proj.input_scale")?,
-        down_input_scale: positive(amax_down, "down_proj.input_scale")?,
+        gate: quantize(&gate, rows, cols, Some(shared), expert_names.gate_proj())?,
+        up: quantize(&up, rows, cols, Some(shared), expert_names.up_proj())?,
+        down: quantize(&down, cols, rows, None, expert_names.down_proj())?,
+        gate_up_input_scale: positive(amax_in, expert_names.gate_proj().input_scale())?,
+        down_input_scale: positive(amax_down, expert_names.down_proj().input_scale())?,
     })
 }
 
@@ -137,12 +143,7 @@ pub fn quantize_experts(
                 let pick = |v: f32, fallback: f32| if v > 0.0 { v } else { fallback };
                 let a_in = pick(amax.gate_up.get(e).copied().unwrap_or(0.0), layer_in);
                 let a_down = pick(amax.down.get(e).copied().unwrap_or(0.0), layer_down);
-                quantize_expert(
-                    expert,
-                    a_in,
-                    a_down,
-                    &format!("model.layers.{layer}.mlp.experts.{e}"),
-                )
+                quantize_expert(expert, a_in, a_down, &names::layer(layer).routed_expert(e))
             })
             .collect::<Result<Vec<_>>>()?;
         out.push((layer, experts));
@@ -158,30 +159,30 @@ pub fn expert_tensors(
     q: &QuantizedExpert,
 ) -> Vec<OwnedTensor> {
     let mut tensors = Vec::new();
-    for (proj, m, input_scale) in [
-        ("gate_proj", &q.gate, q.gate_up_input_scale),
-        ("up_proj", &q.up, q.gate_up_input_scale),
-        ("down_proj", &q.down, q.down_input_scale),
+    let [(_, gate), (_, up), (_, down)] = names::layer(layer).routed_expert(e).projections();
+    for (name, m, input_scale) in [
+        (gate, &q.gate, q.gate_up_input_scale),
+        (up, &q.up, q.gate_up_input_scale),
+        (down, &q.down, q.down_input_scale),
     ] {
-        let base = format!("{prefix}model.layers.{layer}.mlp.experts.{e}.{proj}");
         tensors.push(OwnedTensor::new(
-            format!("{base}.weight"),
+            format!("{prefix}{}", name.weight()),
             Dtype::U8,
             vec![m.rows, m.cols / 2],
             m.packed.clone(),
         ));
         tensors.push(OwnedTensor::new(
-            format!("{base}.weight_scale"),
+            format!("{prefix}{}", name.weight_scale()),
             Dtype::F8_E4M3,
             vec![m.rows, m.cols / NVFP4_BLOCK],
             m.block_scales.clone(),
         ));
         tensors.push(OwnedTensor::f32_scalar(
-            format!("{base}.weight_scale_2"),
+            format!("{prefix}{}", name.weight_scale_2()),
             m.global_scale,
         ));
         tensors.push(OwnedTensor::f32_scalar(
-            format!("{base}.input_scale"),
+            format!("{prefix}{}", name.input_scale()),
             input_scale,
         ));
     }
@@ -190,15 +191,7 @@ pub fn expert_tensors(
 
 /// `hf_quant_config.json` as ModelOpt writes it.
 pub fn hf_quant_config(prefix: &str, config: &ModelConfig) -> Value {
-    let mut exclude = vec![
-        format!("{prefix}lm_head"),
-        "*self_attn*".to_string(),
-        "*shared_experts*".into(),
-        "*mlp.gate".into(),
-    ];
-    exclude.extend(
-        (0..config.first_k_dense_replace).map(|l| format!("{prefix}model.layers.{l}.mlp*")),
-    );
+    let exclude = names::unquantized_patterns(prefix, config.first_k_dense_replace);
     json!({
         "producer": {"name": "modelopt", "version": "0.47.0"},
         "quantization": {
@@ -208,11 +201,6 @@ pub fn hf_quant_config(prefix: &str, config: &ModelConfig) -> Value {
             "exclude_modules": exclude
         }
     })
-}
-
-/// Whether `name` is a routed expert's projection weight: `…layers.L.mlp.experts.E.P.weight`.
-fn is_routed_expert_weight(name: &str) -> bool {
-    name.contains(".mlp.experts.") && name.ends_with("_proj.weight")
 }
 
 /// Refuses a calibration length the model cannot run as one sequence: zero, beyond the

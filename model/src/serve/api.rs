@@ -106,6 +106,8 @@ pub struct SamplingRequest {
     pub n: usize,
     pub stream: bool,
     pub include_usage: bool,
+    /// vLLM's `ignore_eos`: generate `max_tokens` past the stop tokens (benchmarks).
+    pub ignore_eos: bool,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -307,6 +309,7 @@ fn parse_sampling(
         ));
     }
     let stream = opt_bool(body, "stream")?.unwrap_or(false);
+    let ignore_eos = opt_bool(body, "ignore_eos")?.unwrap_or(false);
     let include_usage = match present(body, "stream_options") {
         None => false,
         Some(Value::Object(o)) => opt_bool(o, "include_usage")
@@ -340,6 +343,7 @@ fn parse_sampling(
         n: n as usize,
         stream,
         include_usage,
+        ignore_eos,
     })
 }
 

@@ -26,6 +26,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use api::{ApiError, PromptInput, SamplingRequest, parse_body, parse_chat, parse_completion};
+use engine::EngineState;
 use runtime::{ChoiceEnd, Delta, OutputMode, Runtime, drive_choice};
 
 pub use runtime::RuntimeOptions;
@@ -141,7 +142,8 @@ pub fn serve_until(
         state.runtime.engine.shutdown();
         Ok::<(), anyhow::Error>(())
     })?;
-    // In-flight work was cancelled with the connections; the engine thread stops on its own.
+    // In-flight work was cancelled with the connections; the engine thread ends with it, and
+    // its runner with it (over tensor-parallel ranks: the followers then stop).
     Ok(())
 }
 
@@ -175,11 +177,22 @@ fn check_accepting(state: &AppState) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// 200 once the engine is ready (the weights loaded, every decode graph captured, a first step
+/// run) and until it stops; 503 with the reason before, after a failure (a tensor-parallel
+/// rank or the device died) and while shutting down.
 async fn health(State(state): State<Shared>) -> Response {
+    let unavailable = |status: &str, why: Option<String>| {
+        let body = json!({"status": status, "reason": why});
+        (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response()
+    };
     if state.shutting_down.load(Ordering::SeqCst) {
-        return StatusCode::SERVICE_UNAVAILABLE.into_response();
+        return unavailable("shutting down", None);
     }
-    StatusCode::OK.into_response()
+    match state.runtime.engine.state() {
+        EngineState::Ready => StatusCode::OK.into_response(),
+        EngineState::Starting => unavailable("starting", None),
+        EngineState::Failed(why) => unavailable("failed", Some(why)),
+    }
 }
 
 async fn metrics(State(state): State<Shared>) -> Response {

@@ -10,11 +10,12 @@ use kernels::mla::cache::KvCacheDtype;
 use serde_json::Value;
 use tokio::sync::mpsc;
 
-use crate::checkpoint::Checkpoint;
-use crate::checkpoint::weights::Model;
-use crate::exec::backend::{BackendArgs, RunnerSizing, TpArgs};
+use crate::checkpoint::{Checkpoint, WeightPlacement};
+use crate::exec::backend::{Backend, BackendArgs, RunnerSizing, TpArgs};
 use crate::exec::device::StepCapacity;
 use crate::exec::sampler::SamplingParams;
+use crate::exec::tp::{RankRole, open_ranks};
+use crate::input::InvalidInput;
 use crate::serve::engine::{
     EngineConfig, EngineHandle, EngineRequest, FinishReason, SubmitError, TokenEvent, start_engine,
 };
@@ -53,32 +54,98 @@ pub struct Runtime {
     pub checkpoint: PathBuf,
 }
 
+/// What every rank of a serving group derives alike from the options and the checkpoint: the
+/// model's shape, the context, and the runner's sizing.
+struct ServingPlan {
+    config: crate::arch::config::ModelConfig,
+    max_model_len: usize,
+    sizing: RunnerSizing,
+    placement: WeightPlacement,
+}
+
+impl RuntimeOptions {
+    fn plan(&self, checkpoint: &Checkpoint) -> Result<ServingPlan> {
+        let config = checkpoint.model_config().clone();
+        crate::checkpoint::check_tensor_parallel(&self.checkpoint, &config, self.tp.world())?;
+        let kv_dtype = self.kv_dtype.unwrap_or_else(|| checkpoint.kv_cache_dtype());
+        let max_model_len = self
+            .max_model_len
+            .unwrap_or(config.max_position_embeddings.min(8192));
+        if max_model_len > config.max_position_embeddings {
+            return Err(InvalidInput(format!(
+                "--max-model-len {max_model_len} exceeds the model's max_position_embeddings {}",
+                config.max_position_embeddings
+            ))
+            .into());
+        }
+        self.backend.check(kv_dtype)?;
+        let max_num_seqs = self.max_num_seqs.max(1);
+        let sizing = RunnerSizing {
+            kv_dtype,
+            cache_tokens: self.kv_cache_tokens.unwrap_or(max_num_seqs * max_model_len),
+            capacity: StepCapacity {
+                tokens: self.max_num_batched_tokens.max(1).max(max_num_seqs),
+                logit_rows: max_num_seqs,
+            },
+        };
+        // The weights where the backend reads them (the CPU: by default on huge pages where
+        // they fit).
+        let placement = match self.backend.backend {
+            Backend::Cpu => self.backend.cpu.placement(checkpoint),
+            _ => WeightPlacement::Mapped,
+        };
+        Ok(ServingPlan {
+            config,
+            max_model_len,
+            sizing,
+            placement,
+        })
+    }
+
+    /// Whether this process is a follower rank of a serving group (started by rank 0, which
+    /// serves).
+    pub fn is_follower(&self) -> bool {
+        self.tp.tp_rank.is_some_and(|r| r > 0)
+    }
+
+    /// A follower rank's work: its shard loaded, rank 0's calls followed until it stops.
+    pub fn follow(&self) -> Result<()> {
+        let checkpoint = Checkpoint::open(&self.checkpoint)?;
+        let plan = self.plan(&checkpoint)?;
+        drop(checkpoint);
+        let dir = self.checkpoint.clone();
+        match open_ranks(
+            &self.backend,
+            &self.tp,
+            plan.sizing,
+            |shard| crate::checkpoint::load_model(&dir, shard, |_| plan.placement),
+            true,
+        )? {
+            RankRole::Followed => Ok(()),
+            RankRole::Lead(_) => bail!("rank 0 serves; a follower only follows"),
+        }
+    }
+}
+
 impl Runtime {
+    /// Loads the tokenizer and the template, and starts the engine, whose thread makes the
+    /// runner (over `--tp` ranks: starting the followers) and warms it up.
     pub fn load(options: &RuntimeOptions) -> Result<Self> {
+        options.backend.check_available()?;
         let dir = &options.checkpoint;
         let tokenizer = Tokenizer::from_dir(dir)
             .with_context(|| format!("{}: loading the tokenizer", dir.display()))?;
         let template = ChatTemplate::from_dir(dir)?;
-        let mut checkpoint = Checkpoint::open(dir)?;
-        let config = checkpoint.model_config().clone();
+        let checkpoint = Checkpoint::open(dir)?;
+        let plan = options.plan(&checkpoint)?;
+        drop(checkpoint);
+        let config = &plan.config;
         if tokenizer.vocab_size() > config.vocab_size {
             bail!(
                 "{}: the tokenizer has {} ids but the model's vocabulary is {}",
                 dir.display(),
                 tokenizer.vocab_size(),
                 config.vocab_size
-            );
-        }
-        let kv_dtype = options
-            .kv_dtype
-            .unwrap_or_else(|| checkpoint.kv_cache_dtype());
-        let max_model_len = options
-            .max_model_len
-            .unwrap_or(config.max_position_embeddings.min(8192));
-        if max_model_len > config.max_position_embeddings {
-            bail!(
-                "--max-model-len {max_model_len} exceeds the model's max_position_embeddings {}",
-                config.max_position_embeddings
             );
         }
         let mut stop_ids = config.eos_token_ids.clone();
@@ -89,53 +156,38 @@ impl Runtime {
                 stop_ids.push(id);
             }
         }
-        options.backend.check(kv_dtype)?;
-        if options.tp.tp > 1 {
-            bail!(
-                "--tp {}: serving over tensor-parallel ranks runs rank processes that follow \
-                 the engine's steps (see `model serve --help`)",
-                options.tp.tp
-            );
-        }
-        let max_num_seqs = options.max_num_seqs.max(1);
-        let max_batched_tokens = options.max_num_batched_tokens.max(1);
-        let sizing = RunnerSizing {
-            kv_dtype,
-            cache_tokens: options
-                .kv_cache_tokens
-                .unwrap_or(max_num_seqs * max_model_len),
-            capacity: StepCapacity {
-                tokens: max_batched_tokens.max(max_num_seqs),
-                logit_rows: max_num_seqs,
-            },
-        };
-        let backend = options.backend.clone();
-        // The weights where the backend reads them (the CPU: by default on huge pages where they
-        // fit), the runner made on the engine's thread, which steps it.
-        let placement = match backend.backend {
-            crate::exec::backend::Backend::Cpu => backend.cpu.placement(&checkpoint),
-            _ => crate::checkpoint::WeightPlacement::Mapped,
-        };
-        if let Some(copied) = checkpoint.place_weights_timed(placement) {
-            eprintln!("weights: a copy on 2 MiB pages ({copied})");
-        }
-        let model = Model::new(config, checkpoint.load_weights()?);
+        let (backend, tp, load_dir) = (options.backend.clone(), options.tp.clone(), dir.clone());
+        let (sizing, placement) = (plan.sizing, plan.placement);
         let engine = start_engine(
-            move || backend.open_runner(&model, None, sizing, false),
+            move || {
+                let load = |shard| crate::checkpoint::load_model(&load_dir, shard, |_| placement);
+                match open_ranks(&backend, &tp, sizing, load, false)? {
+                    RankRole::Lead(runner) => Ok(runner),
+                    RankRole::Followed => bail!("a follower rank does not serve"),
+                }
+            },
             EngineConfig {
-                max_num_seqs,
-                max_model_len,
-                max_batched_tokens,
+                max_num_seqs: options.max_num_seqs.max(1),
+                max_model_len: plan.max_model_len,
+                max_batched_tokens: options.max_num_batched_tokens.max(1),
                 max_waiting: options.max_waiting,
                 warm_up: options.warm_up,
             },
         )?;
+        eprintln!(
+            "latent cache: {} tokens ({}, {} pages of {}); context {} tokens",
+            engine.cache_tokens(),
+            sizing.kv_dtype.id(),
+            engine.cache_tokens() / kernels::mla::cache::PAGE_TOKENS,
+            kernels::mla::cache::PAGE_TOKENS,
+            plan.max_model_len,
+        );
         Ok(Self {
             tokenizer: Arc::new(tokenizer),
             template,
             engine,
             stop_ids,
-            max_model_len,
+            max_model_len: plan.max_model_len,
             checkpoint: dir.clone(),
         })
     }
@@ -199,7 +251,11 @@ impl Runtime {
                         top_p: sampling.top_p,
                         seed: base_seed.wrapping_add(i as u64),
                     },
-                    stop_ids: self.stop_ids.clone(),
+                    stop_ids: if sampling.ignore_eos {
+                        Vec::new()
+                    } else {
+                        self.stop_ids.clone()
+                    },
                     events: tx,
                 })
                 .map_err(|e| match e {

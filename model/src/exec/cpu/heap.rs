@@ -104,7 +104,7 @@ mod tests {
         // The arenas are fixed once threads have allocated, and a test binary's threads have:
         // the check runs in a child process of this test binary, this test alone.
         if std::env::var_os(CHILD).is_none() {
-            let name = "heap::tests::a_pool_thread_reuses_freed_activations_beyond_one_arena_heap";
+            let name = "exec::cpu::heap::tests::a_pool_thread_reuses_freed_activations_beyond_one_arena_heap";
             let out = std::process::Command::new(std::env::current_exe().expect("test binary"))
                 .args([name, "--exact", "--nocapture", "--test-threads=1"])
                 .env(CHILD, "1")

@@ -15,12 +15,13 @@ use kernels::mla::cache::KvCacheDtype;
 
 use super::{
     CountingDevice, DeviceBytes, DeviceKinds, DeviceOptions, DeviceTraffic, DeviceWeights,
-    DryAllReduce, ExecutorTactics, LaunchEntry, StepCapacity, runner_with_weights, unsupported,
+    DryAllReduce, LaunchEntry, StepCapacity, device_moe_tactics, runner_with_weights, unsupported,
 };
 use crate::arch::config::ModelConfig;
 use crate::arch::shard::TpShard;
 use crate::exec::ops::{SeqInput, StepOutput};
 use crate::exec::runner::ModelRunner;
+use crate::exec::tactics::TacticSelector;
 use crate::exec::weights::{Mlp, Weights};
 use crate::exec::{ExecError, LogitRows};
 
@@ -41,7 +42,8 @@ pub struct DryStep {
     /// Tokens every sequence attends over in the decode step (its new token included).
     pub context: usize,
     pub kv_dtype: KvCacheDtype,
-    pub tactics: ExecutorTactics,
+    /// Chooses the step's tactics for its batch and context, as a run does.
+    pub selector: TacticSelector,
     /// For the header: where the tactics came from.
     pub tactics_source: String,
 }
@@ -50,6 +52,8 @@ pub struct DryStep {
 #[derive(Clone, Debug)]
 pub struct RecordedStep {
     pub request: DryStep,
+    /// The tactics the decode step ran with.
+    pub tactics: super::ExecutorTactics,
     pub traffic: DeviceTraffic,
     pub held: DeviceBytes,
     /// Weight bytes any decode step of this rank must read: see [`weights_every_step_reads`].
@@ -67,69 +71,6 @@ pub struct KernelTotals {
     pub written: u64,
 }
 
-/// The executor's tactics for a decode step of `batch` sequences at `context` tokens on rank of
-/// `world`: the tactic cache's winners at `path` for those shapes, each family falling back
-/// to the heuristic default; and a line saying where they came from.
-pub fn decode_tactics(
-    path: Option<&std::path::Path>,
-    sm: Sm,
-    config: &ModelConfig,
-    world: usize,
-    batch: usize,
-    context: usize,
-    kv_dtype: KvCacheDtype,
-) -> Result<(ExecutorTactics, String), ExecError> {
-    use kernels::mla::MlaSplitTactic;
-    use kernels::moe_gemm::MoeGemmTactic;
-    use kernels::tactic::ProblemShape;
-    use kernels::tactic::cache::{self, Expected};
-    let defaults = ExecutorTactics::defaults_for_rank(sm, config, kv_dtype, world)?;
-    let Some(path) = path else {
-        return Ok((defaults, "heuristic defaults".into()));
-    };
-    let lookup = cache::load(path, &Expected::for_sm(sm, None));
-    let world = world.max(1) as u32;
-    let (active, tokens_per_expert) = crate::exec::tactics::expert_load(config, batch as u32);
-    let moe_shape = ProblemShape::Moe {
-        tokens_per_expert,
-        active_experts: active,
-        hidden: config.hidden_size as u32,
-        inter: super::device_expert_inter(config, world as usize) as u32,
-    };
-    let mla_shape = ProblemShape::mla(
-        batch as u32,
-        config.num_attention_heads as u32 / world,
-        context as u32,
-        kv_dtype == KvCacheDtype::Fp8E4m3,
-        config.mla_dims(),
-    );
-    let moe = lookup.choose::<MoeGemmTactic>(sm, &moe_shape);
-    let mla = lookup.choose::<MlaSplitTactic>(sm, &mla_shape);
-    let from = |found: bool| if found { "tactic cache" } else { "default" };
-    let source = format!(
-        "{}{}: moe_gemm from the {}, mla from the {}",
-        path.file_name()
-            .map_or(String::new(), |n| n.to_string_lossy().into_owned()),
-        lookup
-            .warning
-            .as_ref()
-            .map_or(String::new(), |w| format!(" ({w})")),
-        from(moe.as_ref().is_some_and(|c| c.figure.is_some())),
-        from(mla.as_ref().is_some_and(|c| c.figure.is_some())),
-    );
-    Ok((
-        ExecutorTactics {
-            moe: match (defaults.moe, moe) {
-                (Some(_), Some(chosen)) => Some(chosen.tactic),
-                (default, _) => default,
-            },
-            mla: mla.map_or(defaults.mla, |chosen| chosen.tactic.kernel),
-            dense: defaults.dense,
-        },
-        source,
-    ))
-}
-
 impl DryStep {
     /// Records the step (see the module documentation).
     pub fn record(&self) -> Result<RecordedStep, ExecError> {
@@ -141,24 +82,22 @@ impl DryStep {
             ));
         }
         let dev = CountingDevice::new(DryDevice::new(self.sm));
-        let weights = DeviceWeights::zeroed(&dev, c, self.shard, self.tactics.moe)?;
+        let tactics = self.selector.select(1, self.context)?.executor();
         let prefill_rows = (self.context - 1).clamp(1, PREFILL_CHUNK);
         let capacity = StepCapacity {
             tokens: prefill_rows.max(self.batch),
             logit_rows: self.batch,
         };
-        let mut ex = runner_with_weights(
-            dev,
-            c,
-            weights,
-            DeviceOptions {
-                kv_dtype: self.kv_dtype,
-                cache_tokens: self.batch * self.context,
-                capacity,
-                tactics: self.tactics.clone(),
-                quiet: true,
-            },
-        )?;
+        let options = DeviceOptions {
+            kv_dtype: self.kv_dtype,
+            cache_tokens: self.batch * self.context,
+            capacity,
+            tactics,
+            selector: Some(self.selector.clone()),
+            quiet: true,
+        };
+        let weights = DeviceWeights::zeroed(&dev, c, self.shard, &device_moe_tactics(&options)?)?;
+        let mut ex = runner_with_weights(dev, c, weights, options)?;
         if world > 1 {
             let largest_message = capacity.tokens * c.hidden_size * 4;
             let all_reduce =
@@ -184,9 +123,11 @@ impl DryStep {
             .collect();
         ex.run(&inputs, LogitRows::Last, StepOutput::Greedy, &[])?;
         let traffic = ex.ops().device().take();
+        let tactics = ex.ops().step_tactics();
         let (dense, expert_bound) = weights_every_step_reads(ex.weights(), c, self.batch);
         Ok(RecordedStep {
             request: self.clone(),
+            tactics,
             traffic,
             held: ex.ops().device_bytes(),
             weights_every_step_reads: dense,
@@ -307,8 +248,8 @@ impl RecordedStep {
             "# Tactics ({}): mla {}, moe_gemm {}. Weights are zeroed placeholders of the rank's \
              shapes{}.",
             r.tactics_source,
-            r.tactics.mla.id(),
-            r.tactics.moe.map_or("-".into(), |m| m.id()),
+            self.tactics.mla.id(),
+            self.tactics.moe.map_or("-".into(), |m| m.id()),
             if r.shard.world > 1 {
                 format!(
                     "; the all-reduce is the GPU path's launch (one-shot pull); the rank holds \
@@ -391,8 +332,14 @@ mod tests {
     fn kimi_tp8_rank0(batch: usize, kv_dtype: KvCacheDtype) -> RecordedStep {
         let config = Preset::KimiK25.model_config();
         let world = 8;
-        let (tactics, tactics_source) =
-            decode_tactics(None, Sm::Sm120, &config, world, batch, 4096, kv_dtype).unwrap();
+        let (selector, _) = TacticSelector::from_cache(
+            None,
+            Sm::Sm120,
+            &config,
+            kv_dtype,
+            world,
+            kernels::blas::DenseTactic::default(),
+        );
         DryStep {
             model: "kimi-k2.5".into(),
             config,
@@ -401,8 +348,8 @@ mod tests {
             batch,
             context: 4096,
             kv_dtype,
-            tactics,
-            tactics_source,
+            selector,
+            tactics_source: "heuristic defaults".into(),
         }
         .record()
         .unwrap()

@@ -31,9 +31,7 @@ mod workspace;
 pub use all_reduce::IpcAllReduce;
 pub use all_reduce::{DryAllReduce, HostAddressed, ShmAllReduce, TpAllReduce};
 pub use counting::{CountingDevice, DeviceTraffic, LaunchEntry};
-pub use launch_list::{
-    DryStep, KernelTotals, RecordedStep, decode_tactics, weights_every_step_reads,
-};
+pub use launch_list::{DryStep, KernelTotals, RecordedStep, weights_every_step_reads};
 pub use weights::{DeviceHeads, DeviceKinds, DeviceMatrix, DeviceWeights, WeightsError};
 pub use workspace::{
     SPLIT_ROWS, StepCapacity, WorkspaceShape, max_pages, workspace_buffer_bytes, workspace_bytes,
@@ -59,6 +57,7 @@ use self::products::Products;
 use self::workspace::Workspace;
 use super::ops::{Buf, GraphKey, StepOps, StepOutput, StepResult, StepRows, Sublayer};
 use super::runner::Runner;
+use super::tactics::TacticSelector;
 use super::{ExecError, Logits};
 use crate::arch::config::ModelConfig;
 use crate::checkpoint::weights::Model;
@@ -142,49 +141,74 @@ impl ExecutorTactics {
     }
 }
 
-/// The kernels a step launches, loaded (and so checked against the device) for a tactic set.
+/// The kernels a run launches, loaded (and so checked against the device) for every tactic it
+/// may select: the MLA kernels of each MLA tactic, the MoE kernels of each MoE tactic.
 struct StepKernels<D: Device> {
-    mla: MlaKernels<D>,
-    moe: Option<MoeKernels<D>>,
-    layers: LayerKernels<D>,
+    mla: Vec<MlaKernels<D>>,
+    moe: Vec<MoeKernels<D>>,
 }
 
 impl<D: Device> StepKernels<D> {
     fn load(
         dev: &D,
         config: &ModelConfig,
-        tactics: &ExecutorTactics,
+        tactics: &[ExecutorTactics],
         kv_dtype: KvCacheDtype,
     ) -> Result<Self, ExecError> {
-        let mla = MlaKernels::load(dev, tactics.mla)?;
-        if mla.tactic.dims != config.mla_dims() {
+        let mut kernels = Self {
+            mla: Vec::new(),
+            moe: Vec::new(),
+        };
+        for t in tactics {
+            kernels.mla_index(dev, config, t.mla, kv_dtype)?;
+            if let Some(moe) = t.moe {
+                kernels.moe_index(dev, moe)?;
+            }
+            if t.dense == DenseTactic::CublasLt {
+                dev.blas_ready()?;
+            }
+        }
+        Ok(kernels)
+    }
+
+    /// The loaded MLA kernels of `tactic`, loaded now if they were not.
+    fn mla_index(
+        &mut self,
+        dev: &D,
+        config: &ModelConfig,
+        tactic: MlaTactic,
+        kv_dtype: KvCacheDtype,
+    ) -> Result<usize, ExecError> {
+        if let Some(i) = self.mla.iter().position(|k| k.tactic == tactic) {
+            return Ok(i);
+        }
+        if tactic.dims != config.mla_dims() {
             return Err(unsupported(format!(
                 "MLA tactic {} reads cache rows of {}, the model's are {}",
-                mla.tactic.id(),
-                mla.tactic.dims,
+                tactic.id(),
+                tactic.dims,
                 config.mla_dims()
             )));
         }
-        if mla.tactic.kind.is_fp8() != (kv_dtype == KvCacheDtype::Fp8E4m3) {
+        if tactic.kind.is_fp8() != (kv_dtype == KvCacheDtype::Fp8E4m3) {
             return Err(unsupported(format!(
                 "MLA tactic {} reads a {} cache, the executor's is {}",
-                mla.tactic.id(),
-                if mla.tactic.kind.is_fp8() {
-                    "FP8"
-                } else {
-                    "BF16"
-                },
+                tactic.id(),
+                if tactic.kind.is_fp8() { "FP8" } else { "BF16" },
                 kv_dtype.id()
             )));
         }
-        if tactics.dense == DenseTactic::CublasLt {
-            dev.blas_ready()?;
+        self.mla.push(MlaKernels::load(dev, tactic)?);
+        Ok(self.mla.len() - 1)
+    }
+
+    /// The loaded MoE kernels of `tactic`, loaded now if they were not.
+    fn moe_index(&mut self, dev: &D, tactic: MoeGemmTactic) -> Result<usize, ExecError> {
+        if let Some(i) = self.moe.iter().position(|k| k.tactic == tactic) {
+            return Ok(i);
         }
-        Ok(Self {
-            mla,
-            moe: tactics.moe.map(|t| MoeKernels::load(dev, t)).transpose()?,
-            layers: LayerKernels::load(dev)?,
-        })
+        self.moe.push(MoeKernels::load(dev, tactic)?);
+        Ok(self.moe.len() - 1)
     }
 }
 
@@ -236,9 +260,34 @@ pub struct DeviceOptions {
     /// Latent cache capacity in tokens, over every sequence.
     pub cache_tokens: usize,
     pub capacity: StepCapacity,
+    /// The tactics of every step, unless `selector` chooses them per step.
     pub tactics: ExecutorTactics,
-    /// No progress bar while uploading.
+    /// Chooses each step's tactics for its batch and context (`--tactics FILE`).
+    pub selector: Option<TacticSelector>,
+    /// Logs the tactics a step runs with whenever they change; no upload progress bar.
     pub quiet: bool,
+}
+
+impl DeviceOptions {
+    /// Every tactic set the runner may run: the fixed one, or each the selector can choose for
+    /// this capacity and cache.
+    fn tactic_sets(&self) -> Result<Vec<ExecutorTactics>, ExecError> {
+        let mut sets = vec![self.tactics.clone()];
+        if let Some(selector) = &self.selector {
+            let max_batch = self.capacity.tokens.max(self.capacity.logit_rows);
+            for s in selector.candidates(max_batch, self.cache_tokens)? {
+                let t = s.executor();
+                if !sets.contains(&t) {
+                    sets.push(t);
+                }
+            }
+        }
+        Ok(sets)
+    }
+
+    fn moe_tactics(sets: &[ExecutorTactics]) -> Vec<MoeGemmTactic> {
+        sets.iter().filter_map(|t| t.moe).collect()
+    }
 }
 
 /// Uploads `model`'s weights to `dev` (a progress bar unless `quiet`) and makes its runner: a
@@ -250,13 +299,16 @@ pub fn device_runner<D: Device>(
 ) -> Result<Runner<DeviceOps<D>>, ExecError> {
     check_supported(&model.config)?;
     // The tactics are refused before the weights are uploaded, not after.
-    let kernels = StepKernels::load(&dev, &model.config, &options.tactics, options.kv_dtype)?;
-    let weights = DeviceWeights::upload(&dev, model, options.tactics.moe, options.quiet)?;
+    let sets = options.tactic_sets()?;
+    let kernels = StepKernels::load(&dev, &model.config, &sets, options.kv_dtype)?;
+    let moe = DeviceOptions::moe_tactics(&sets);
+    let weights = DeviceWeights::upload(&dev, model, &moe, options.quiet)?;
     DeviceOps::assemble(dev, &model.config, weights, kernels, options)
 }
 
-/// A device runner over weights already on `dev` (made for `options.tactics.moe`'s scale
-/// layout): uploaded, or [`DeviceWeights::zeroed`] for a dry run.
+/// A device runner over weights already on `dev` (with the scale layouts of every MoE tactic
+/// `options` may run: [`device_moe_tactics`]): uploaded, or [`DeviceWeights::zeroed`] for a dry
+/// run.
 pub fn runner_with_weights<D: Device>(
     dev: D,
     config: &ModelConfig,
@@ -264,8 +316,14 @@ pub fn runner_with_weights<D: Device>(
     options: DeviceOptions,
 ) -> Result<Runner<DeviceOps<D>>, ExecError> {
     check_supported(config)?;
-    let kernels = StepKernels::load(&dev, config, &options.tactics, options.kv_dtype)?;
+    let sets = options.tactic_sets()?;
+    let kernels = StepKernels::load(&dev, config, &sets, options.kv_dtype)?;
     DeviceOps::assemble(dev, config, weights, kernels, options)
+}
+
+/// The MoE tactics `options` may run, whose scale layouts the weights must hold.
+pub fn device_moe_tactics(options: &DeviceOptions) -> Result<Vec<MoeGemmTactic>, ExecError> {
+    Ok(DeviceOptions::moe_tactics(&options.tactic_sets()?))
 }
 
 /// The step being run: its shape, decided on the host.
@@ -280,6 +338,9 @@ struct StepShape {
     output: StepOutput,
     /// Cache tokens the rows attend over (launch traffic accounting only).
     cached_tokens: usize,
+    /// The step's MLA and MoE kernels: indices into the loaded ones.
+    mla: usize,
+    moe: Option<usize>,
 }
 
 /// The device backend's [`StepOps`]. See the module documentation.
@@ -290,9 +351,12 @@ pub struct DeviceOps<D: Device> {
     ranks: usize,
     weights_bytes: usize,
     layers: LayerKernels<D>,
-    mla: MlaKernels<D>,
-    moe: Option<MoeKernels<D>>,
+    kernels: StepKernels<D>,
     tactics: ExecutorTactics,
+    selector: Option<TacticSelector>,
+    /// What the last step ran, as logged (a new line when it changes).
+    logged: Option<Vec<String>>,
+    quiet: bool,
     caches: Vec<DeviceCache<D>>,
     pages: PageTables,
     kv_dtype: KvCacheDtype,
@@ -302,7 +366,8 @@ pub struct DeviceOps<D: Device> {
     softmax_scale: f32,
     eps: f32,
     router: Option<RouterShape>,
-    graphs: HashMap<GraphKey, D::Graph>,
+    /// Decode graphs by shape and the tactics they launch.
+    graphs: HashMap<(GraphKey, usize, Option<usize>), D::Graph>,
     step: StepShape,
     /// Row width of the last product written into [`Buf::GateUp`] (`2 · inter`).
     gate_up_width: usize,
@@ -319,7 +384,8 @@ impl<D: Device> DeviceOps<D> {
         options: DeviceOptions,
     ) -> Result<Runner<DeviceOps<D>>, ExecError> {
         let c = config.clone();
-        let StepKernels { mla, moe, layers } = kernels;
+        let mut kernels = kernels;
+        let layers = LayerKernels::load(&dev)?;
         let DeviceWeights { weights, bytes, .. } = weights;
         let pages = PageTables::new(options.cache_tokens.div_ceil(PAGE_TOKENS).max(1));
         let caches = (0..c.num_hidden_layers)
@@ -333,7 +399,12 @@ impl<D: Device> DeviceOps<D> {
                 rows: options.capacity.tokens.max(1),
                 heads: weights.heads,
                 max_pages: max_pages(&c, pages.total_slots()),
-                max_splits: mla.tactic.max_splits as usize,
+                max_splits: kernels
+                    .mla
+                    .iter()
+                    .map(|k| k.tactic.max_splits as usize)
+                    .max()
+                    .unwrap_or(1),
                 logit_rows: options.capacity.logit_rows,
                 ranks,
                 vendor_dense: options.tactics.dense == DenseTactic::CublasLt,
@@ -352,6 +423,12 @@ impl<D: Device> DeviceOps<D> {
         if let Some(r) = &router {
             r.validate()?;
         }
+        let mla = kernels.mla_index(&dev, &c, options.tactics.mla, options.kv_dtype)?;
+        let moe = options
+            .tactics
+            .moe
+            .map(|t| kernels.moe_index(&dev, t))
+            .transpose()?;
         let ops = Self {
             attention_factor: rope.attention_factor(),
             softmax_scale: c.softmax_scale(),
@@ -361,9 +438,11 @@ impl<D: Device> DeviceOps<D> {
             weights_bytes: bytes,
             dev,
             layers,
-            mla,
-            moe,
+            kernels,
             tactics: options.tactics,
+            selector: options.selector,
+            logged: None,
+            quiet: options.quiet,
             caches,
             pages,
             kv_dtype: options.kv_dtype,
@@ -378,6 +457,8 @@ impl<D: Device> DeviceOps<D> {
                 splits: 1,
                 output: StepOutput::Logits,
                 cached_tokens: 0,
+                mla,
+                moe,
             },
             gate_up_width: 0,
             all_reduce: None,
@@ -415,6 +496,15 @@ impl<D: Device> DeviceOps<D> {
         &self.tactics
     }
 
+    /// The tactics the last step ran with.
+    pub fn step_tactics(&self) -> ExecutorTactics {
+        ExecutorTactics {
+            moe: self.step.moe.map(|i| self.kernels.moe[i].tactic),
+            mla: self.kernels.mla[self.step.mla].tactic,
+            dense: self.tactics.dense,
+        }
+    }
+
     pub fn kv_dtype(&self) -> KvCacheDtype {
         self.kv_dtype
     }
@@ -426,6 +516,62 @@ impl<D: Device> DeviceOps<D> {
             cache: self.caches.iter().map(|c| c.device_bytes()).sum(),
             workspace: self.ws.device_bytes(),
         }
+    }
+
+    /// The step's MLA and MoE kernels (indices into the loaded ones) and the tuned MLA split
+    /// count: the selector's choice for a step of `batch` sequences and `rows` rows whose
+    /// longest sequence attends over `context` tokens, or the run's fixed tactics. A choice
+    /// whose kernels are not loaded yet is loaded here (never while a graph is captured); a
+    /// MoE tactic whose scale layout the weights do not hold falls back to the run's own.
+    /// Logs what runs when it changes.
+    fn select(
+        &mut self,
+        batch: usize,
+        rows: usize,
+        context: usize,
+    ) -> Result<(usize, Option<usize>, Option<u32>), ExecError> {
+        let Some(selector) = &self.selector else {
+            return Ok((self.step.mla, self.step.moe, None));
+        };
+        // Prefill steps are shaped by their rows, decode steps by their sequences.
+        let selection = selector.select(batch.max(rows.min(SPLIT_ROWS)), context)?;
+        let mla = self.kernels.mla_index(
+            &self.dev,
+            &self.config,
+            selection.mla.tactic.kernel,
+            self.kv_dtype,
+        )?;
+        let moe = match (&selection.moe, self.tactics.moe) {
+            (Some(chosen), Some(own)) if chosen.tactic.scale_load == own.scale_load => {
+                Some(self.kernels.moe_index(&self.dev, chosen.tactic)?)
+            }
+            (_, Some(own)) => Some(self.kernels.moe_index(&self.dev, own)?),
+            (_, None) => None,
+        };
+        let tuned_splits = selection
+            .mla
+            .figure
+            .is_some()
+            .then_some(selection.mla.tactic.splits);
+        if !self.quiet {
+            let mut lines = selection.describe();
+            if let (Some(chosen), Some(i)) = (&selection.moe, moe)
+                && self.kernels.moe[i].tactic != chosen.tactic
+            {
+                lines.push(format!(
+                    "moe_gemm: {} instead (the weights hold its scale layout)",
+                    self.kernels.moe[i].tactic.id()
+                ));
+            }
+            if self.logged.as_ref() != Some(&lines) {
+                eprintln!("step tactics (batch {batch}, context {context}):");
+                for line in &lines {
+                    eprintln!("  {line}");
+                }
+                self.logged = Some(lines);
+            }
+        }
+        Ok((mla, moe, tuned_splits))
     }
 
     fn mem(&self, b: Buf) -> &D::Memory {
@@ -584,18 +730,23 @@ impl<D: Device> StepOps for DeviceOps<D> {
             )?;
         }
         self.write_step_inputs(step)?;
+        let longest = step.rows.iter().map(|&(_, pos)| pos + 1).max().unwrap_or(1);
+        let (mla, moe, tuned_splits) = self.select(step.selected.len().max(1), n, longest)?;
         // A decode step's launches depend on its batch size alone (the split count is planned
         // for the cache's capacity, not the current lengths), so one graph serves every step
-        // of that size.
+        // of that size and selection.
         let context = if step.decode {
             self.pages.total_slots()
         } else {
-            step.rows.iter().map(|&(_, pos)| pos + 1).max().unwrap_or(1)
+            longest
         };
+        let tactic = &self.kernels.mla[mla].tactic;
         let splits = if n > self.ws.split_rows {
             1
+        } else if let Some(tuned) = tuned_splits {
+            tuned.clamp(1, tactic.max_splits)
         } else {
-            self.mla.tactic.plan_splits(
+            tactic.plan_splits(
                 n,
                 self.heads,
                 context,
@@ -609,6 +760,8 @@ impl<D: Device> StepOps for DeviceOps<D> {
             splits,
             output: step.output,
             cached_tokens: step.rows.iter().map(|&(_, pos)| pos + 1).sum(),
+            mla,
+            moe,
         };
         Ok(())
     }
@@ -621,7 +774,7 @@ impl<D: Device> StepOps for DeviceOps<D> {
     }
 
     fn replay(&mut self, key: GraphKey) -> Result<bool, ExecError> {
-        match self.graphs.get(&key) {
+        match self.graphs.get(&(key, self.step.mla, self.step.moe)) {
             Some(graph) => {
                 self.dev.replay(graph)?;
                 Ok(true)
@@ -637,7 +790,8 @@ impl<D: Device> StepOps for DeviceOps<D> {
 
     fn end_capture(&mut self, key: GraphKey) -> Result<(), ExecError> {
         let graph = self.dev.end_capture()?;
-        self.graphs.insert(key, graph);
+        self.graphs
+            .insert((key, self.step.mla, self.step.moe), graph);
         Ok(())
     }
 
@@ -782,7 +936,7 @@ impl<D: Device> StepOps for DeviceOps<D> {
         key_rope: Buf,
         norm: &D::Memory,
     ) -> Result<(), ExecError> {
-        self.mla.append_io(
+        self.kernels.mla[self.step.mla].append_io(
             &self.dev,
             &mut self.caches[layer],
             buffer(&self.ws, self.step.every_row, latent),
@@ -869,7 +1023,7 @@ impl<D: Device> StepOps for DeviceOps<D> {
             part_lse: &ws.part_lse,
             cached_tokens: self.step.cached_tokens,
         };
-        self.mla.decode_io(
+        self.kernels.mla[self.step.mla].decode_io(
             &self.dev,
             &self.caches[layer],
             &io,
@@ -955,7 +1109,7 @@ impl<D: Device> StepOps for DeviceOps<D> {
         out: Buf,
     ) -> Result<(), ExecError> {
         let router = self.router.as_ref().expect("MoE layers have a router");
-        let moe = self.moe.as_ref().expect("MoE layers have MoE kernels");
+        let moe = &self.kernels.moe[self.step.moe.expect("MoE layers have MoE kernels")];
         let (n, hidden) = (self.step.rows, self.config.hidden_size);
         self.layers.to_bf16_strided(
             &self.dev,

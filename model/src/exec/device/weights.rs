@@ -14,12 +14,13 @@ use indicatif::ProgressBar;
 use kernels::device::{Device, DeviceError, DeviceExt, DeviceMemory};
 use kernels::formats::nvfp4::Nvfp4View;
 use kernels::matrix::MatrixView;
-use kernels::moe_gemm::MoeGemmTactic;
 use kernels::moe_gemm::launch::{
     ExpertWeights as KernelExpert, MoeDeviceWeights, MoeWeightsHost, MoeWeightsShape,
 };
+use kernels::moe_gemm::{MoeGemmTactic, ScaleLoad};
 
 use crate::arch::config::ModelConfig;
+use crate::arch::names;
 use crate::arch::shard::TpShard;
 use crate::checkpoint::weights::{
     Bf16Weight, DenseMlpWeights, ExpertWeights, MlpWeights, Model, MoeWeights, QueryProjection,
@@ -179,17 +180,17 @@ impl<D: Device> Builder<'_, D> {
     /// Gate and up rows concatenated, then down: `inter` rows of this rank.
     fn dense_mlp(
         &mut self,
-        prefix: &str,
+        mlp: &names::Mlp,
         hidden: usize,
         inter: usize,
         host: Option<&DenseMlpWeights>,
     ) -> Result<DenseMlp<DeviceKinds<D>>, WeightsError> {
         let gate_up = match host {
             Some(w) => {
-                for (name, m) in [("gate_proj", &w.gate), ("up_proj", &w.up)] {
+                for (name, m) in [(mlp.gate_proj(), &w.gate), (mlp.up_proj(), &w.up)] {
                     if (m.rows, m.cols) != (inter, hidden) {
                         return Err(mismatch(
-                            format!("{prefix}.{name}"),
+                            name.to_string(),
                             format!("is [{}, {}], not [{inter}, {hidden}]", m.rows, m.cols),
                         ));
                     }
@@ -204,7 +205,7 @@ impl<D: Device> Builder<'_, D> {
         Ok(DenseMlp {
             gate_up: DeviceMatrix {
                 memory: self.values(
-                    format!("{prefix}.gate_proj/up_proj"),
+                    format!("{} and {}", mlp.gate_proj(), mlp.up_proj()),
                     2 * inter * hidden,
                     gate_up.as_deref(),
                 )?,
@@ -212,7 +213,7 @@ impl<D: Device> Builder<'_, D> {
                 cols: hidden,
             },
             down: self.matrix(
-                format!("{prefix}.down_proj"),
+                mlp.down_proj().to_string(),
                 [hidden, inter],
                 host.map(|w| &w.down),
             )?,
@@ -221,24 +222,24 @@ impl<D: Device> Builder<'_, D> {
 
     fn experts(
         &mut self,
-        prefix: &str,
+        layer: &names::Layer,
         shape: MoeWeightsShape,
         host: Option<&MoeWeights>,
-        tactic: MoeGemmTactic,
+        layouts: &[ScaleLoad],
     ) -> Result<MoeDeviceWeights<D>, WeightsError> {
-        let tensor = format!("{prefix}.experts");
+        let tensor = layer.routed_experts().to_string();
         let device = match host {
             Some(w) => {
-                let packed = pack_experts(prefix, w)?.padded_inter(shape.inter);
+                let packed = pack_experts(layer, w)?.padded_inter(shape.inter);
                 if packed.shape() != shape {
                     return Err(mismatch(
                         tensor,
                         format!("are {:?}, not {shape:?}", packed.shape()),
                     ));
                 }
-                MoeDeviceWeights::upload(self.dev, &packed, &[tactic.scale_load])
+                MoeDeviceWeights::upload(self.dev, &packed, layouts)
             }
-            None => MoeDeviceWeights::zeroed(self.dev, shape, &[tactic.scale_load]),
+            None => MoeDeviceWeights::zeroed(self.dev, shape, layouts),
         }
         .map_err(Self::upload_error(&tensor))?;
         self.bytes += device.device_bytes();
@@ -253,9 +254,9 @@ impl<D: Device> Builder<'_, D> {
 }
 
 /// A layer's routed experts (NVFP4, with their input scales) in the MoE kernels' layout.
-fn pack_experts(prefix: &str, w: &MoeWeights) -> Result<MoeWeightsHost, WeightsError> {
+fn pack_experts(layer: &names::Layer, w: &MoeWeights) -> Result<MoeWeightsHost, WeightsError> {
     let unsupported = |e: usize, why: &str| WeightsError::Unsupported {
-        tensor: format!("{prefix}.experts.{e}"),
+        tensor: layer.routed_expert(e).path().to_string(),
         why: why.to_string(),
     };
     fn nvfp4<'a>(m: MatrixView<'a>) -> Option<Nvfp4View<'a>> {
@@ -290,19 +291,19 @@ fn pack_experts(prefix: &str, w: &MoeWeights) -> Result<MoeWeightsHost, WeightsE
         })
         .collect::<Result<Vec<_>, WeightsError>>()?;
     MoeWeightsHost::from_experts(&views).map_err(|e| WeightsError::Unsupported {
-        tensor: format!("{prefix}.experts"),
+        tensor: layer.routed_experts().to_string(),
         why: e.to_string(),
     })
 }
 
 impl<D: Device> DeviceWeights<D> {
     /// Uploads every weight of `model` (the whole model, or one rank's
-    /// [`ModelWeights::shard`](crate::checkpoint::weights::ModelWeights::shard) of it); `moe_tactic`
-    /// decides the experts' scale layout.
+    /// [`ModelWeights::shard`](crate::checkpoint::weights::ModelWeights::shard) of it);
+    /// `moe_tactics` decide the experts' scale layouts (each layout one of them reads).
     pub fn upload(
         dev: &D,
         model: &Model,
-        moe_tactic: Option<MoeGemmTactic>,
+        moe_tactics: &[MoeGemmTactic],
         quiet: bool,
     ) -> Result<Self, WeightsError> {
         let c = &model.config;
@@ -314,7 +315,7 @@ impl<D: Device> DeviceWeights<D> {
             .map_or(c.num_attention_heads, |l| l.attention.kv_b.rows / kv_rows);
         if heads == 0 || !c.num_attention_heads.is_multiple_of(heads) {
             return Err(mismatch(
-                "model.layers.0.self_attn.kv_b_proj".into(),
+                names::layer(0).kv_b_proj().to_string(),
                 format!(
                     "holds {heads} heads, not a share of the config's {}",
                     c.num_attention_heads
@@ -325,14 +326,14 @@ impl<D: Device> DeviceWeights<D> {
         let vocab_rows = &model.weights.vocab_rows;
         let shard = TpShard::holding_vocab_rows(world, c.vocab_size, vocab_rows).ok_or_else(|| {
             mismatch(
-                "model.embed_tokens".into(),
+                names::embed_tokens().to_string(),
                 format!(
                     "holds vocabulary rows {vocab_rows:?}, no rank's share of {} over {world} ranks",
                     c.vocab_size
                 ),
             )
         })?;
-        Self::build(dev, c, shard, Some(model), moe_tactic, quiet)
+        Self::build(dev, c, shard, Some(model), moe_tactics, quiet)
     }
 
     /// Zeroed allocations of every weight rank `shard.rank` of `shard.world` holds, of the
@@ -343,7 +344,7 @@ impl<D: Device> DeviceWeights<D> {
         dev: &D,
         config: &ModelConfig,
         shard: TpShard,
-        moe_tactic: Option<MoeGemmTactic>,
+        moe_tactics: &[MoeGemmTactic],
     ) -> Result<Self, WeightsError> {
         if shard.world > 1 {
             config
@@ -359,7 +360,7 @@ impl<D: Device> DeviceWeights<D> {
                 why: format!("rank {} of {}", shard.rank, shard.world),
             });
         }
-        Self::build(dev, config, shard, None, moe_tactic, true)
+        Self::build(dev, config, shard, None, moe_tactics, true)
     }
 
     /// The one walk over the tensors (see [`Builder`]): shapes from `c` split as
@@ -369,7 +370,7 @@ impl<D: Device> DeviceWeights<D> {
         c: &ModelConfig,
         shard: TpShard,
         host: Option<&Model>,
-        moe_tactic: Option<MoeGemmTactic>,
+        moe_tactics: &[MoeGemmTactic],
         quiet: bool,
     ) -> Result<Self, WeightsError> {
         let world = shard.world.max(1);
@@ -379,11 +380,14 @@ impl<D: Device> DeviceWeights<D> {
         let vocab_rows = shard.vocab_rows(c.vocab_size);
         let (nope, v_dim, qk) = (c.qk_nope_head_dim, c.v_head_dim, c.qk_head_dim());
         let w = host.map(|m| &m.weights);
+        let mut layouts: Vec<ScaleLoad> = moe_tactics.iter().map(|t| t.scale_load).collect();
+        layouts.sort_by_key(|l| l.macro_value());
+        layouts.dedup();
         if let Some(w) = w
             && w.layers.len() != c.num_hidden_layers
         {
             return Err(mismatch(
-                "model.layers".into(),
+                names::LAYERS.trim_end_matches('.').to_string(),
                 format!("has {} layers, not {}", w.layers.len(), c.num_hidden_layers),
             ));
         }
@@ -398,13 +402,13 @@ impl<D: Device> DeviceWeights<D> {
             allocations: Vec::new(),
         };
         let embed = up.matrix(
-            "model.embed_tokens".into(),
+            names::embed_tokens().to_string(),
             [vocab_rows.len(), hidden],
             w.map(|w| &w.embed),
         )?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
-            let p = format!("model.layers.{i}");
+            let p = names::layer(i);
             let lw = w.map(|w| &w.layers[i]);
             let at = lw.map(|l| &l.attention);
             let (q_a, q_b) = match c.q_lora_rank {
@@ -413,26 +417,22 @@ impl<D: Device> DeviceWeights<D> {
                         .map(|a| match &a.q {
                             QueryProjection::LowRank { a, norm, b } => Ok((a, norm, b)),
                             QueryProjection::Full(_) => Err(mismatch(
-                                format!("{p}.self_attn.q_proj"),
+                                p.q_proj().to_string(),
                                 "is a full query projection, the config has q_lora_rank".into(),
                             )),
                         })
                         .transpose()?;
                     (
                         Some((
-                            up.matrix(
-                                format!("{p}.self_attn.q_a_proj"),
-                                [rank, hidden],
-                                low.map(|l| l.0),
-                            )?,
+                            up.matrix(p.q_a_proj().to_string(), [rank, hidden], low.map(|l| l.0))?,
                             up.norm(
-                                format!("{p}.self_attn.q_a_layernorm"),
+                                p.q_a_layernorm().to_string(),
                                 rank,
                                 low.map(|l| l.1.as_slice()),
                             )?,
                         )),
                         up.matrix(
-                            format!("{p}.self_attn.q_b_proj"),
+                            p.q_b_proj().to_string(),
                             [heads * qk, rank],
                             low.map(|l| l.2),
                         )?,
@@ -443,14 +443,14 @@ impl<D: Device> DeviceWeights<D> {
                         .map(|a| match &a.q {
                             QueryProjection::Full(q) => Ok(q),
                             QueryProjection::LowRank { .. } => Err(mismatch(
-                                format!("{p}.self_attn.q_a_proj"),
+                                p.q_a_proj().to_string(),
                                 "is a low-rank query, the config has no q_lora_rank".into(),
                             )),
                         })
                         .transpose()?;
                     (
                         None,
-                        up.matrix(format!("{p}.self_attn.q_proj"), [heads * qk, hidden], full)?,
+                        up.matrix(p.q_proj().to_string(), [heads * qk, hidden], full)?,
                     )
                 }
             };
@@ -458,7 +458,7 @@ impl<D: Device> DeviceWeights<D> {
                 && a.kv_a.rows != latent + rope
             {
                 return Err(mismatch(
-                    format!("{p}.self_attn.kv_a_proj_with_mqa"),
+                    p.kv_a_proj_with_mqa().to_string(),
                     format!(
                         "has {} rows, not kv_lora_rank + qk_rope_head_dim = {}",
                         a.kv_a.rows,
@@ -473,23 +473,23 @@ impl<D: Device> DeviceWeights<D> {
                 q_a,
                 q_b,
                 kv_a_latent: up.matrix(
-                    format!("{p}.self_attn.kv_a_proj_with_mqa[:{latent}]"),
+                    format!("{}[:{latent}]", p.kv_a_proj_with_mqa()),
                     [latent, hidden],
                     kv_a_latent.as_ref(),
                 )?,
                 kv_a_rope: up.matrix(
-                    format!("{p}.self_attn.kv_a_proj_with_mqa[{latent}:]"),
+                    format!("{}[{latent}:]", p.kv_a_proj_with_mqa()),
                     [rope, hidden],
                     kv_a_rope.as_ref(),
                 )?,
                 kv_a_norm: up.norm(
-                    format!("{p}.self_attn.kv_a_layernorm"),
+                    p.kv_a_layernorm().to_string(),
                     c.kv_lora_rank,
                     at.map(|a| a.kv_a_norm.as_slice()),
                 )?,
                 w_uk_t: DeviceHeads {
                     memory: up.values(
-                        format!("{p}.self_attn.kv_b_proj (W_UK)"),
+                        format!("{} (W_UK)", p.kv_b_proj()),
                         heads * latent * nope,
                         w_uk_t.as_deref(),
                     )?,
@@ -501,7 +501,7 @@ impl<D: Device> DeviceWeights<D> {
                 },
                 w_uv: DeviceHeads {
                     memory: up.bf16(
-                        format!("{p}.self_attn.kv_b_proj"),
+                        p.kv_b_proj().to_string(),
                         [heads * (nope + v_dim), latent],
                         at.map(|a| &a.kv_b),
                     )?,
@@ -512,7 +512,7 @@ impl<D: Device> DeviceWeights<D> {
                     cols: latent,
                 },
                 o: up.matrix(
-                    format!("{p}.self_attn.o_proj"),
+                    p.o_proj().to_string(),
                     [hidden, heads * v_dim],
                     at.map(|a| &a.o),
                 )?,
@@ -522,15 +522,17 @@ impl<D: Device> DeviceWeights<D> {
                     .map(|l| match &l.mlp {
                         MlpWeights::Moe(m) => Ok(m),
                         MlpWeights::Dense(_) => Err(mismatch(
-                            format!("{p}.mlp"),
+                            p.mlp().path().to_string(),
                             "is a dense MLP, the config makes it a MoE layer".into(),
                         )),
                     })
                     .transpose()?;
-                let tactic = moe_tactic.ok_or_else(|| WeightsError::Unsupported {
-                    tensor: format!("{p}.mlp"),
-                    why: "is a MoE layer, but no MoE tactic was given".into(),
-                })?;
+                if layouts.is_empty() {
+                    return Err(WeightsError::Unsupported {
+                        tensor: p.mlp().path().to_string(),
+                        why: "is a MoE layer, but no MoE tactic was given".into(),
+                    });
+                }
                 let experts = MoeWeightsShape {
                     experts: c.n_routed_experts,
                     hidden,
@@ -541,7 +543,7 @@ impl<D: Device> DeviceWeights<D> {
                     && m.shared.is_some() != (c.n_shared_experts > 0)
                 {
                     return Err(mismatch(
-                        format!("{p}.mlp.shared_experts"),
+                        p.shared_experts().path().to_string(),
                         format!(
                             "are {}, the config has n_shared_experts {}",
                             if m.shared.is_some() {
@@ -555,20 +557,20 @@ impl<D: Device> DeviceWeights<D> {
                 }
                 Mlp::Moe(Moe {
                     router: up.matrix(
-                        format!("{p}.mlp.gate"),
+                        p.router().to_string(),
                         [c.n_routed_experts, hidden],
                         m.map(|m| &m.router),
                     )?,
                     correction_bias: up.values(
-                        format!("{p}.mlp.gate.e_score_correction_bias"),
+                        p.e_score_correction_bias(),
                         c.n_routed_experts,
                         m.map(|m| m.correction_bias.as_slice()),
                     )?,
-                    experts: up.experts(&format!("{p}.mlp"), experts, m, tactic)?,
+                    experts: up.experts(&p, experts, m, &layouts)?,
                     shared: (c.n_shared_experts > 0)
                         .then(|| {
                             up.dense_mlp(
-                                &format!("{p}.mlp.shared_experts"),
+                                &p.shared_experts(),
                                 hidden,
                                 shared_inter,
                                 m.and_then(|m| m.shared.as_ref()),
@@ -581,27 +583,22 @@ impl<D: Device> DeviceWeights<D> {
                     .map(|l| match &l.mlp {
                         MlpWeights::Dense(d) => Ok(d),
                         MlpWeights::Moe(_) => Err(mismatch(
-                            format!("{p}.mlp"),
+                            p.mlp().path().to_string(),
                             "is a MoE layer, the config makes it dense".into(),
                         )),
                     })
                     .transpose()?;
-                Mlp::Dense(up.dense_mlp(
-                    &format!("{p}.mlp"),
-                    hidden,
-                    c.intermediate_size / world,
-                    d,
-                )?)
+                Mlp::Dense(up.dense_mlp(&p.mlp(), hidden, c.intermediate_size / world, d)?)
             };
             layers.push(Layer {
                 input_norm: up.norm(
-                    format!("{p}.input_layernorm"),
+                    p.input_layernorm().to_string(),
                     hidden,
                     lw.map(|l| l.input_norm.as_slice()),
                 )?,
                 attention,
                 post_attention_norm: up.norm(
-                    format!("{p}.post_attention_layernorm"),
+                    p.post_attention_layernorm().to_string(),
                     hidden,
                     lw.map(|l| l.post_attention_norm.as_slice()),
                 )?,
@@ -609,9 +606,13 @@ impl<D: Device> DeviceWeights<D> {
             });
             bar.inc(1);
         }
-        let norm = up.norm("model.norm".into(), hidden, w.map(|w| w.norm.as_slice()))?;
+        let norm = up.norm(
+            names::norm().to_string(),
+            hidden,
+            w.map(|w| w.norm.as_slice()),
+        )?;
         let lm_head = up.matrix(
-            "lm_head".into(),
+            names::lm_head().to_string(),
             [vocab_rows.len(), hidden],
             w.map(|w| &w.lm_head),
         )?;
