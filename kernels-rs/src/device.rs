@@ -208,6 +208,11 @@ pub trait Device {
     fn sm(&self) -> Result<Sm>;
     /// Dynamic shared memory a block may opt into.
     fn max_dynamic_shared(&self) -> usize;
+    /// `(free, total)` bytes of device memory now, where the device has a fixed amount (a GPU);
+    /// `None` for memory that is the host's.
+    fn memory_info(&self) -> Option<(usize, usize)> {
+        None
+    }
 
     fn alloc_zeroed(&self, bytes: usize) -> Result<Self::Memory>;
     fn upload_bytes(&self, bytes: &[u8]) -> Result<Self::Memory>;

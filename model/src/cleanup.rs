@@ -5,11 +5,14 @@
 //! so other handlers of the same signals still run). On one of them a dedicated thread removes
 //! every registered item, then ends the process with the signal's default action, so the exit
 //! status still says which signal ended it. Processes that never register anything keep the
-//! default signal behaviour. SIGKILL cannot be caught: staged outputs carry their writer's pid
+//! default signal behaviour. A process that drains on SIGINT and SIGTERM itself leaves the
+//! first of them to its own handler ([`leave_interruptions_to_the_process`]); a
+//! tensor-parallel follower ignores them while rank 0 lives ([`interruptions_follow_parent`]).
+//! SIGKILL cannot be caught: staged outputs carry their writer's pid
 //! in their name, and the next writer into the same folder sweeps those of dead processes.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, Once};
 
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
@@ -23,6 +26,28 @@ static ITEMS: Mutex<Vec<(u64, Item)>> = Mutex::new(Vec::new());
 static NEXT_ID: AtomicU64 = AtomicU64::new(0);
 static INSTALL: Once = Once::new();
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+static PROCESS_DRAINS: AtomicBool = AtomicBool::new(false);
+
+/// For a process that handles SIGINT and SIGTERM itself by draining its work and ending in
+/// order (the server), which removes what it registered on the way: the first of those
+/// signals is left to it. A second one, or SIGHUP, removes every item and ends the process as
+/// usual, so an operator can still cut a drain short.
+pub fn leave_interruptions_to_the_process() {
+    PROCESS_DRAINS.store(true, Ordering::SeqCst);
+}
+
+/// The parent a tensor-parallel follower takes its interruptions from; 0 for none.
+static FOLLOWED_PARENT: AtomicU32 = AtomicU32::new(0);
+
+/// For a tensor-parallel follower: SIGINT and SIGTERM are ignored while its parent (rank 0)
+/// lives, because rank 0 decides when the group stops (a terminal's Ctrl-C, or a service
+/// manager's SIGTERM to every process of the group, reaches the followers too, and a follower
+/// that died would fail the drain rank 0 is running). Once the parent is gone (the
+/// parent-death signal) the signal ends the process as usual.
+pub fn interruptions_follow_parent() {
+    FOLLOWED_PARENT.store(std::os::unix::process::parent_id(), Ordering::SeqCst);
+    install();
+}
 
 /// Keeps an item registered until dropped (dropping does not remove the item itself).
 #[must_use = "the item is forgotten when the registration is dropped"]
@@ -98,7 +123,21 @@ fn install() {
         let spawned = std::thread::Builder::new()
             .name("cleanup-on-signal".into())
             .spawn(move || {
-                if let Some(signal) = signals.forever().next() {
+                let mut drain_left_to_the_process = true;
+                for signal in signals.forever() {
+                    let parent = FOLLOWED_PARENT.load(Ordering::SeqCst);
+                    if parent != 0
+                        && signal != SIGHUP
+                        && std::os::unix::process::parent_id() == parent
+                    {
+                        continue;
+                    }
+                    if signal != SIGHUP
+                        && PROCESS_DRAINS.load(Ordering::SeqCst)
+                        && std::mem::take(&mut drain_left_to_the_process)
+                    {
+                        continue;
+                    }
                     INTERRUPTED.store(true, Ordering::SeqCst);
                     remove_all();
                     let _ = signal_hook::low_level::emulate_default_handler(signal);

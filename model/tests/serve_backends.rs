@@ -2,7 +2,7 @@
 //! model: `--backend cuda-emulated --tp 2` (two rank processes, the device executor's kernels
 //! run by the host execution layer) answers the seeds' curl as the CPU server does, serves
 //! concurrent requests as it serves them one at a time, and stops answering `/health` with 200
-//! and fails its requests when a rank dies.
+//! and fails its requests when a rank dies, and drains every rank on SIGTERM.
 
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, Stdio};
@@ -227,14 +227,10 @@ fn a_dead_rank_fails_the_requests_and_health() {
         }
     });
     assert!(killed);
-    let last_chunk = json_of(&events[events.len() - 2]);
-    assert_eq!(
-        last_chunk["choices"][0]["finish_reason"], "error",
-        "{events:?}"
-    );
-    let message = last_chunk["choices"][0]["error"]
-        .as_str()
-        .unwrap_or_default();
+    // As vLLM streams a failure: an error frame, then `[DONE]`.
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let error = json_of(&events[events.len() - 2]);
+    let message = error["error"]["message"].as_str().unwrap_or_default();
     assert!(message.contains("rank 1 of 2"), "{message}");
     let (status, body) = server.get("/health");
     assert_eq!(status, 503, "{body}");
@@ -244,4 +240,75 @@ fn a_dead_rank_fails_the_requests_and_health() {
     );
     let (status, body) = server.post(&question(0));
     assert_eq!(status, 503, "{body}");
+}
+
+/// SIGTERM lets the in-flight request finish on every rank, then stops them all: the stream
+/// ends with its own finish reason, the server exits 0, and no rank or shared-memory segment
+/// is left. The follower gets SIGTERM too, as a service manager stopping the whole group
+/// sends it (and a terminal's Ctrl-C its SIGINT): it keeps following rank 0 through the drain.
+#[test]
+fn sigterm_drains_every_rank_then_stops_them() {
+    let mut server = Server::start(&[
+        "--backend",
+        "cuda-emulated",
+        "--tp",
+        "2",
+        "--shutdown-grace-secs",
+        "120",
+    ]);
+    let followers = children_of(server.child.id());
+    assert_eq!(followers.len(), 1, "{followers:?}");
+    let pid = server.child.id();
+    let request = json!({"messages": [{"role": "user", "content": "Tell me a story."}],
+                         "max_tokens": 48, "ignore_eos": true, "temperature": 0,
+                         "stream": true});
+    let mut signalled = false;
+    let events = server.stream(&request, |data| {
+        if !signalled && data.contains("\"delta\"") {
+            for process in [pid, followers[0]] {
+                // SAFETY: a signal to a process of this test.
+                assert_eq!(unsafe { libc::kill(process as i32, libc::SIGTERM) }, 0);
+            }
+            signalled = true;
+        }
+    });
+    assert!(signalled);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let finish = events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .filter_map(|c| c["choices"][0]["finish_reason"].as_str().map(String::from))
+        .next_back();
+    assert_eq!(finish.as_deref(), Some("length"), "{events:?}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = server.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "the server did not stop");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status:?}");
+    let gone = |pid: u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |stat| {
+            stat.rsplit(')')
+                .next()
+                .unwrap_or("")
+                .trim_start()
+                .starts_with('Z')
+        })
+    };
+    while !gone(followers[0]) {
+        assert!(Instant::now() < deadline, "rank 1 outlived the server");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let tag = format!("model-tp-{pid}-");
+    let left: Vec<_> = std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.filter_map(|e| e.ok()?.file_name().into_string().ok())
+                .filter(|n| n.contains(&tag))
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(left.is_empty(), "{left:?}");
 }

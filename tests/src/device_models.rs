@@ -83,6 +83,7 @@ pub fn device_options<D: Device>(
         tactics: ExecutorTactics::defaults_for_rank(dev.sm().unwrap(), &model.config, dtype, world)
             .unwrap(),
         selector: None,
+        fill_memory: None,
         quiet: true,
     }
 }

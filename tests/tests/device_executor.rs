@@ -54,6 +54,7 @@ fn the_cublaslt_dense_tactic_runs_the_model_and_replays_bit_for_bit() {
                 capacity,
                 tactics,
                 selector: None,
+                fill_memory: None,
                 quiet: true,
             },
         )
@@ -358,6 +359,7 @@ fn a_model_the_kernels_cannot_run_is_refused_with_the_reason() {
                 capacity,
                 tactics,
                 selector: None,
+                fill_memory: None,
                 quiet: true,
             },
         )
@@ -413,6 +415,7 @@ fn graph_replay_equals_eager_bit_for_bit() {
                 capacity,
                 tactics,
                 selector: None,
+                fill_memory: None,
                 quiet: true,
             },
         )
@@ -522,6 +525,7 @@ fn the_plan_and_the_executors_allocation_agree_within_one_percent() {
                 capacity,
                 tactics,
                 selector: None,
+                fill_memory: None,
                 quiet: true,
             },
         )
@@ -625,6 +629,7 @@ fn tensor_parallel_ranks_replay_their_graphs_bit_for_bit_and_transfer_only_input
                                 capacity,
                                 tactics,
                                 selector: None,
+                                fill_memory: None,
                                 quiet: true,
                             },
                         )
@@ -841,6 +846,7 @@ fn a_dry_decode_step_records_the_launches_the_emulated_step_runs() {
             capacity,
             tactics,
             selector: None,
+            fill_memory: None,
             quiet: true,
         },
     )

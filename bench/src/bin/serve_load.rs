@@ -1,13 +1,17 @@
 //! A bounded load test of `model serve` on loopback: the server runs in this process on the
-//! embedded trained chat model (CPU), clients on threads send a fixed mix of streaming and
+//! embedded trained chat model, clients on threads send a fixed mix of streaming and
 //! non-streaming chat requests, completions, streams cancelled mid-way and malformed
 //! requests; then an overload burst past the queue bound. Every valid request must be
 //! answered (200, or 429 in the burst), every malformed one must get a 4xx, the server must
-//! stay up. Writes `bench/results/serve_load.txt`.
+//! stay up. Before the mix, phase 0 sends one request at a time as soon as `/health` says
+//! ready: the first request must decode as fast as the later ones. Writes
+//! `bench/results/serve_load.txt` (CPU backend; `--backend cuda-emulated` writes
+//! `serve_load-cuda-emulated.txt`).
 //!
 //! ```sh
 //! cargo run --release -p bench --bin serve-load
 //! cargo run --release -p bench --bin serve-load -- --clients 8 --requests-per-client 4 --no-write
+//! cargo run --release -p bench --bin serve-load -- --backend cuda-emulated --no-warm-up --no-write
 //! ```
 
 use std::fmt::Write as _;
@@ -18,6 +22,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use bench::{cpu_model, load_average, utc_date};
 use model::cli::serving::default_chat_checkpoint;
+use model::exec::backend::{Backend, BackendArgs};
 use model::serve::{RuntimeOptions, ServeOptions, serve_until};
 use serde_json::{Value, json};
 
@@ -168,6 +173,51 @@ fn run_one(base: &str, kind: Kind, i: usize) -> Outcome {
     outcome
 }
 
+/// One request alone: time to its first token and its decode rate after it.
+struct Alone {
+    ttft: f64,
+    decode_tok_s: f64,
+}
+
+/// `count` identical streaming requests, one at a time (greedy, 64 tokens past the stop).
+fn one_at_a_time(base: &str, count: usize) -> Result<Vec<Alone>> {
+    (0..count)
+        .map(|_| {
+            let body = json!({"stream": true, "temperature": 0, "max_tokens": 64,
+                "ignore_eos": true, "stream_options": {"include_usage": true},
+                "messages": [{"role": "user", "content": QUESTIONS[0]}]});
+            let start = Instant::now();
+            let (status, body) = post(base, "/v1/chat/completions", &body.to_string())?;
+            anyhow::ensure!(status == 200, "status {status}");
+            let (mut first, mut last, mut tokens) = (None, start, 0.0);
+            for line in BufReader::new(body.into_reader()).lines() {
+                let line = line?;
+                let Some(data) = line.strip_prefix("data: ") else {
+                    continue;
+                };
+                if data == "[DONE]" {
+                    break;
+                }
+                let chunk: Value = serde_json::from_str(data)?;
+                if let Some(n) = chunk["usage"]["completion_tokens"].as_f64() {
+                    tokens = n;
+                }
+                let delta = &chunk["choices"][0]["delta"];
+                let text = delta["content"].as_str().or(delta["reasoning"].as_str());
+                if text.is_some_and(|t| !t.is_empty()) {
+                    last = Instant::now();
+                    first.get_or_insert(last);
+                }
+            }
+            let first = first.context("no token arrived")?;
+            Ok(Alone {
+                ttft: (first - start).as_secs_f64(),
+                decode_tok_s: (tokens - 1.0) / (last - first).as_secs_f64(),
+            })
+        })
+        .collect()
+}
+
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
@@ -195,6 +245,15 @@ fn main() -> Result<()> {
     let per_client = value("--requests-per-client", 24);
     let burst = value("--burst", 64);
     let write = !args.iter().any(|a| a == "--no-write");
+    let warm_up = !args.iter().any(|a| a == "--no-warm-up");
+    let backend = match args.iter().position(|a| a == "--backend") {
+        Some(i) => match args.get(i + 1).map(String::as_str) {
+            Some("cpu") => Backend::Cpu,
+            Some("cuda-emulated") => Backend::CudaEmulated,
+            other => bail!("--backend {other:?}: cpu or cuda-emulated"),
+        },
+        None => Backend::Cpu,
+    };
     let max_num_seqs = 8;
     let max_waiting = 16;
 
@@ -212,9 +271,12 @@ fn main() -> Result<()> {
                 max_waiting,
                 kv_cache_tokens: None,
                 kv_dtype: None,
-                backend: Default::default(),
+                backend: BackendArgs {
+                    backend,
+                    ..BackendArgs::default()
+                },
                 tp: Default::default(),
-                warm_up: true,
+                warm_up,
             },
             ServeOptions {
                 host: "127.0.0.1".into(),
@@ -234,6 +296,18 @@ fn main() -> Result<()> {
         .recv_timeout(Duration::from_secs(300))
         .context("the server did not start")?;
     let base = format!("http://{addr}");
+    while agent()
+        .get(format!("{base}/health"))
+        .call()?
+        .status()
+        .as_u16()
+        != 200
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+
+    // Phase 0: the first requests after ready, one at a time.
+    let alone = one_at_a_time(&base, 12)?;
 
     // Phase 1: the mix, `clients` threads, each `per_client` requests in turn.
     let kinds = [
@@ -316,7 +390,9 @@ fn main() -> Result<()> {
     let mut out = String::new();
     writeln!(
         out,
-        "# model serve load test on loopback (measured; CPU backend, kimi-chat-tiny)"
+        "# model serve load test on loopback (measured; {} backend{}, kimi-chat-tiny)",
+        backend.name(),
+        if warm_up { "" } else { ", warm-up off" }
     )?;
     writeln!(
         out,
@@ -327,6 +403,20 @@ fn main() -> Result<()> {
     writeln!(
         out,
         "# server: --max-num-seqs {max_num_seqs} --max-waiting {max_waiting} --max-model-len 1024 --max-num-batched-tokens 256"
+    )?;
+    let mut later: Vec<f64> = alone[1..].iter().map(|a| a.decode_tok_s).collect();
+    later.sort_by(f64::total_cmp);
+    let mut later_ttft: Vec<f64> = alone[1..].iter().map(|a| a.ttft).collect();
+    later_ttft.sort_by(f64::total_cmp);
+    writeln!(
+        out,
+        "phase 0 (one request at a time from ready, 64 greedy tokens): first request {:.1} tok/s, time to first token {:.3} s; requests 2-{}: median {:.1} tok/s, {:.3} s; first / later {:.2}",
+        alone[0].decode_tok_s,
+        alone[0].ttft,
+        alone.len(),
+        percentile(&later, 50.0),
+        percentile(&later_ttft, 50.0),
+        alone[0].decode_tok_s / percentile(&later, 50.0)
     )?;
     writeln!(
         out,
@@ -398,7 +488,13 @@ fn main() -> Result<()> {
     }
     print!("{out}");
     if write {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("results/serve_load.txt");
+        let name = match backend {
+            Backend::Cpu => "serve_load.txt".to_string(),
+            other => format!("serve_load-{}.txt", other.name()),
+        };
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("results")
+            .join(name);
         std::fs::write(&path, &out).with_context(|| format!("writing {}", path.display()))?;
         println!("wrote {}", path.display());
     }

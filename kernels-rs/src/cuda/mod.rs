@@ -371,6 +371,10 @@ impl Device for GpuContext {
         GpuContext::sm(self)
     }
 
+    fn memory_info(&self) -> Option<(usize, usize)> {
+        self.ctx.mem_get_info().ok()
+    }
+
     fn max_dynamic_shared(&self) -> usize {
         self.info.smem_optin_per_block
     }

@@ -15,6 +15,10 @@ pub enum Preset {
     /// ~400 MB with Kimi's attention shapes (512 latent + 64 RoPE, 128/64/128 head dims) and
     /// 64 experts: makes the CPU decode loop a meaningful benchmark.
     Mini,
+    /// `mini`'s widths at Kimi-K2.5's 61 layers (~2.8 GB, ~50,000 tensors): loading
+    /// benchmarks (`bench --bin load-rate`).
+    #[value(name = "mini-deep")]
+    MiniDeep,
     /// The real Kimi-K2.5 dimensions (1 T parameters): for `model plan` only.
     #[value(name = "kimi-k2.5")]
     KimiK25,
@@ -25,6 +29,7 @@ impl Preset {
         match self {
             Self::Tiny => "tiny",
             Self::Mini => "mini",
+            Self::MiniDeep => "mini-deep",
             Self::KimiK25 => "kimi-k2.5",
         }
     }
@@ -54,7 +59,7 @@ impl Preset {
         };
         match self {
             Self::KimiK25 => {}
-            Self::Mini => set(
+            Self::Mini | Self::MiniDeep => set(
                 &mut t,
                 &[
                     ("vocab_size", json!(32768)),
@@ -91,6 +96,9 @@ impl Preset {
                     ("eos_token_id", json!(501)),
                 ],
             ),
+        }
+        if self == Self::MiniDeep {
+            t["num_hidden_layers"] = json!(61);
         }
         t
     }

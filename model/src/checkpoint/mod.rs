@@ -364,7 +364,7 @@ impl Checkpoint {
     pub fn place_weights(&mut self, placement: WeightPlacement) -> WeightPlacement {
         if placement == WeightPlacement::HugePages {
             let total: usize = self.shards.iter().map(|s| s.file_bytes()).sum();
-            let progress = progress_bar(total as u64, "copying weights into huge pages");
+            let progress = bytes_progress(Some(total as u64), "copying weights into huge pages");
             let mut copies = Vec::with_capacity(self.shards.len());
             for shard in &self.shards {
                 match shard.copy_into_huge_pages() {
@@ -399,10 +399,11 @@ impl Checkpoint {
     /// reason).
     pub fn populate(&self) {
         use rayon::prelude::*;
-        let progress = progress_bar(self.shards.len() as u64, "mapping weights into memory");
+        let total = self.file_bytes() as u64;
+        let progress = bytes_progress(Some(total), "reading weights");
         self.shards.par_iter().for_each(|shard| {
             shard.populate();
-            progress.inc(1);
+            progress.inc(shard.file_bytes() as u64);
         });
         progress.finish_and_clear();
     }
@@ -582,6 +583,27 @@ fn check_layers_and_experts<'a>(
 }
 
 /// A progress bar on stderr that stays silent when stderr is not a terminal.
+/// A progress bar over `len` bytes (or an open count where `len` is `None`), with the rate.
+pub fn bytes_progress(len: Option<u64>, what: &str) -> ProgressBar {
+    let (bar, template) = match len {
+        Some(len) => (
+            ProgressBar::new(len),
+            "{msg:>16} [{bar:40}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} ({elapsed})",
+        ),
+        None => (
+            ProgressBar::no_length(),
+            "{msg:>16} {binary_bytes} {binary_bytes_per_sec} ({elapsed})",
+        ),
+    };
+    bar.set_style(
+        ProgressStyle::with_template(template)
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar.set_message(what.to_string());
+    bar
+}
+
 pub fn progress_bar(len: u64, what: &str) -> ProgressBar {
     let bar = ProgressBar::new(len);
     bar.set_style(

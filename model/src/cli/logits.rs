@@ -10,8 +10,8 @@ use safetensors::tensor::TensorView;
 
 use super::{KvDtypeArg, check_tensor_parallel, kv_dtype_for, load, resolve_kv_dtype};
 use crate::arch::config::ModelConfig;
+use crate::checkpoint::Checkpoint;
 use crate::checkpoint::writer::{OutputKind, StagedOutput};
-use crate::checkpoint::{Checkpoint, WeightPlacement};
 use crate::exec::backend::{Backend, BackendArgs, RunnerSizing, TpArgs, parse_sm};
 use crate::exec::device::StepCapacity;
 use crate::exec::tp::{RankRole, open_ranks};
@@ -66,10 +66,7 @@ pub fn logits(args: LogitsArgs) -> Result<()> {
             kv_dtype,
         );
     }
-    let placement = match args.backend.backend {
-        Backend::Cpu => args.backend.cpu.placement(&opened),
-        _ => WeightPlacement::Mapped,
-    };
+    let placement = args.backend.weight_placement(&opened);
     drop(opened);
     // Checked here, before any work; the file itself is written by rank 0 at the end.
     if !quiet {
@@ -82,6 +79,7 @@ pub fn logits(args: LogitsArgs) -> Result<()> {
             tokens: tokens.len(),
             logit_rows: tokens.len(),
         },
+        fill_memory: false,
     };
     let role = open_ranks(
         &args.backend,

@@ -10,7 +10,7 @@ use super::{
     KvDtypeArg, at_least_one, check_tensor_parallel, kv_dtype_for, load, resolve_kv_dtype,
 };
 use crate::arch::config::ModelConfig;
-use crate::checkpoint::{Checkpoint, WeightPlacement};
+use crate::checkpoint::Checkpoint;
 use crate::exec::backend::{Backend, BackendArgs, RunnerSizing, TpArgs, parse_sm};
 use crate::exec::device::StepCapacity;
 use crate::exec::forward_bytes;
@@ -160,10 +160,7 @@ pub fn run(args: RunArgs) -> Result<()> {
             kv_dtype,
         );
     }
-    let placement = match args.backend.backend {
-        Backend::Cpu => args.backend.cpu.placement(&opened),
-        _ => WeightPlacement::Mapped,
-    };
+    let placement = args.backend.weight_placement(&opened);
     drop(opened);
     // Pages are per sequence: round each sequence up to whole pages.
     let total_tokens: usize = requests
@@ -177,6 +174,7 @@ pub fn run(args: RunArgs) -> Result<()> {
             tokens: requests[0].prompt.len().max(args.batch),
             logit_rows: args.batch,
         },
+        fill_memory: false,
     };
     let ignore_eos = args.ignore_eos;
     let role = open_ranks(

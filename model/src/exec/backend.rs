@@ -16,6 +16,7 @@ use super::device::{DeviceOptions, ShmAllReduce, StepCapacity, TpAllReduce, devi
 use super::runner::ModelRunner;
 use super::tactics::TacticSelector;
 use crate::checkpoint::weights::Model;
+use crate::checkpoint::{Checkpoint, WeightPlacement};
 use crate::input::InvalidInput;
 
 /// Where the forward pass runs.
@@ -178,6 +179,9 @@ pub struct RunnerSizing {
     pub cache_tokens: usize,
     /// Tokens per step and rows of logits per step.
     pub capacity: StepCapacity,
+    /// On a GPU, the cache takes what `--gpu-memory-utilization` leaves (at least
+    /// `cache_tokens`), as a server's does; else exactly `cache_tokens`, as a run's.
+    pub fill_memory: bool,
 }
 
 pub fn parse_sm(s: &str) -> std::result::Result<Sm, String> {
@@ -239,6 +243,15 @@ impl BackendArgs {
             .into());
         }
         Ok(())
+    }
+
+    /// Where this backend reads `checkpoint`'s weights from: the CPU as `--weights` asks; a
+    /// device uploads from the populated file mapping (a host copy would only be read once).
+    pub fn weight_placement(&self, checkpoint: &Checkpoint) -> WeightPlacement {
+        match self.backend {
+            Backend::Cpu => self.cpu.placement(checkpoint),
+            Backend::Cuda | Backend::CudaEmulated => WeightPlacement::Mapped,
+        }
     }
 
     /// Makes the runner of `model` (this rank's shard under tensor parallelism) on this
@@ -356,6 +369,7 @@ impl BackendArgs {
             capacity: sizing.capacity,
             tactics: first,
             selector: self.tactics.is_some().then_some(selector),
+            fill_memory: sizing.fill_memory.then_some(self.gpu_memory_utilization),
             quiet,
         })
     }

@@ -37,6 +37,9 @@ pub enum ExecError {
     ContextTooLong { pos: usize, max: usize },
     #[error("tensor-parallel all-reduce failed: {0}")]
     AllReduce(String),
+    /// A tensor-parallel rank exited or stopped taking commands; the message names it.
+    #[error("{0}")]
+    RankLost(String),
     /// The first place whose output holds NaN or Inf: a damaged weight, or values the model
     /// cannot represent. Nothing after it would mean anything.
     #[error(
@@ -71,7 +74,10 @@ impl ExecError {
     /// Whether the runner cannot go on after it: the device failed, or a tensor-parallel rank
     /// (or its collective) did.
     pub fn is_fatal(&self) -> bool {
-        matches!(self, Self::Device(_) | Self::AllReduce(_))
+        matches!(
+            self,
+            Self::Device(_) | Self::AllReduce(_) | Self::RankLost(_)
+        )
     }
 
     /// Whether the model or its options are outside what the backend runs (refused before any

@@ -252,6 +252,7 @@ mod tests {
                     },
                     tactics,
                     selector: None,
+                    fill_memory: None,
                     quiet: true,
                 },
             )

@@ -14,7 +14,8 @@
 //! Followers die with rank 0, however it ends: each gets SIGTERM as its parent-death signal
 //! (`PR_SET_PDEATHSIG`, set between fork and exec), and a watchdog thread in each also stops it
 //! when its parent changes (the signal's blind spots: a parent that died before the signal was
-//! armed). Either way a rank unlinks the all-reduce segment name on its way out, so nothing is
+//! armed). While rank 0 lives, a follower ignores SIGINT and SIGTERM: rank 0 decides when the
+//! group stops (the server drains first). Either way a rank unlinks the all-reduce segment name on its way out, so nothing is
 //! left in `/dev/shm`.
 
 use std::io::{BufRead, Write};
@@ -95,6 +96,7 @@ pub fn open_ranks(
     }
     if let Some(rank) = tp.tp_rank.filter(|&r| r > 0) {
         watch_parent(Duration::from_millis(100));
+        crate::cleanup::interruptions_follow_parent();
         // Load (and shard) before joining the collective, so a model that cannot be split
         // fails alone instead of leaving its peers waiting.
         let model = load(tp.shard())?;
@@ -284,6 +286,35 @@ fn wire_inputs(inputs: &[SeqInput<'_>]) -> Vec<(u32, Vec<u32>)> {
         .collect()
 }
 
+/// Writes `bytes` into a follower's command pipe, a dead follower giving `EPIPE` rather than
+/// the SIGPIPE that would kill rank 0 without a word (`model` commands other than `serve` take
+/// SIGPIPE's default action, so that output into a closed pipe ends them quietly). The
+/// signal is blocked for this thread while it writes, and one the write raised is consumed
+/// before it is unblocked.
+fn write_without_sigpipe(pipe: &mut ChildStdin, bytes: &[u8]) -> std::io::Result<()> {
+    // SAFETY: plain signal-mask calls on this thread's mask with initialised sets.
+    unsafe {
+        let mut pipe_signal: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut pipe_signal);
+        libc::sigaddset(&mut pipe_signal, libc::SIGPIPE);
+        let mut previous: libc::sigset_t = std::mem::zeroed();
+        libc::pthread_sigmask(libc::SIG_BLOCK, &pipe_signal, &mut previous);
+        let written = pipe.write_all(bytes).and_then(|()| pipe.flush());
+        if written
+            .as_ref()
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
+        {
+            let no_wait = libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            };
+            libc::sigtimedwait(&pipe_signal, std::ptr::null_mut(), &no_wait);
+        }
+        libc::pthread_sigmask(libc::SIG_SETMASK, &previous, std::ptr::null_mut());
+        written
+    }
+}
+
 /// Rank 0's runner: every call goes to each follower first, then to the local runner.
 pub struct TpLeader {
     local: Box<dyn ModelRunner>,
@@ -311,7 +342,7 @@ impl TpLeader {
         let deadline = std::time::Instant::now() + Duration::from_millis(500);
         loop {
             if let Some(f) = self.failed_follower() {
-                return ExecError::AllReduce(format!("{f}; {e}"));
+                return ExecError::RankLost(format!("{f}; on rank 0: {e}"));
             }
             if std::time::Instant::now() > deadline {
                 return e;
@@ -323,20 +354,18 @@ impl TpLeader {
     /// Fails if a follower has exited; else sends `command` to every follower.
     fn send(&mut self, command: &TpCommand) -> Result<(), ExecError> {
         if let Some(f) = self.failed_follower() {
-            return Err(ExecError::AllReduce(f));
+            return Err(ExecError::RankLost(f));
         }
         let mut line = serde_json::to_string(command)
             .map_err(|e| ExecError::Device(format!("encoding a rank command: {e}")))?;
         line.push('\n');
         for (rank, pipe) in &mut self.followers.pipes {
-            pipe.write_all(line.as_bytes())
-                .and_then(|()| pipe.flush())
-                .map_err(|e| {
-                    ExecError::AllReduce(format!(
-                        "tensor-parallel rank {rank} of {} stopped taking commands: {e}",
-                        self.followers.world
-                    ))
-                })?;
+            write_without_sigpipe(pipe, line.as_bytes()).map_err(|e| {
+                ExecError::RankLost(format!(
+                    "tensor-parallel rank {rank} of {} stopped taking commands: {e}",
+                    self.followers.world
+                ))
+            })?;
         }
         Ok(())
     }

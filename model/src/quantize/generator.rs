@@ -261,17 +261,30 @@ pub fn cache_base(cache_dir: Option<std::path::PathBuf>) -> std::path::PathBuf {
 /// The default model of `model run`: the `mini` preset, generated once into `cache_dir`
 /// (default `$XDG_CACHE_HOME/kimi-sm120` or `~/.cache/kimi-sm120`) and reused afterwards.
 pub fn default_checkpoint(cache_dir: Option<std::path::PathBuf>) -> Result<std::path::PathBuf> {
+    generated_checkpoint(Preset::Mini, cache_dir)
+}
+
+/// `preset`'s random-weight model, generated once into `cache_dir` (as
+/// [`default_checkpoint`]) and reused afterwards.
+pub fn generated_checkpoint(
+    preset: Preset,
+    cache_dir: Option<std::path::PathBuf>,
+) -> Result<std::path::PathBuf> {
     let base = cache_base(cache_dir);
     // The folder name carries the crate version so a changed generator makes a new model.
-    let dir = base.join(format!("mini-{}", env!("CARGO_PKG_VERSION")));
+    let dir = base.join(format!("{}-{}", preset.id(), env!("CARGO_PKG_VERSION")));
     if dir.join(".complete").exists() {
         return Ok(dir);
     }
-    eprintln!("generating the mini model into {} (once)…", dir.display());
+    eprintln!(
+        "generating the {} model into {} (once)…",
+        preset.id(),
+        dir.display()
+    );
     // Staged aside and renamed into place, so an interrupted run never leaves a half model;
     // what is there without `.complete` is an older layout, replaced.
     let stage = StagedOutput::new(&dir, &[], OutputKind::Folder, true)?;
-    write_checkpoint(Preset::Mini, stage.path(), 20261129)?;
+    write_checkpoint(preset, stage.path(), 20261129)?;
     std::fs::write(stage.path().join(".complete"), b"")?;
     stage
         .commit()

@@ -85,7 +85,11 @@ pub fn serve_until(
     stop: impl std::future::Future<Output = ()> + Send + 'static,
     ready: impl FnOnce(SocketAddr),
 ) -> Result<()> {
+    // The server drains on SIGTERM and SIGINT itself; the orderly end below removes what an
+    // interruption would have to.
+    crate::cleanup::leave_interruptions_to_the_process();
     let runtime = Runtime::load(&runtime_options)?;
+    let engine = runtime.engine.clone();
     let tokio = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -142,8 +146,10 @@ pub fn serve_until(
         state.runtime.engine.shutdown();
         Ok::<(), anyhow::Error>(())
     })?;
-    // In-flight work was cancelled with the connections; the engine thread ends with it, and
-    // its runner with it (over tensor-parallel ranks: the followers then stop).
+    // What was still in flight was cancelled with the connections. The engine thread ends,
+    // dropping its runner: over tensor-parallel ranks the followers' command pipes close and
+    // each stops after its last step.
+    engine.join();
     Ok(())
 }
 
@@ -420,8 +426,8 @@ async fn completions_inner(state: Shared, body: Bytes) -> Result<Response, ApiEr
 }
 
 /// An SSE response: per choice a role delta first (chat), then its deltas, then a final chunk
-/// with its finish reason; with `include_usage` a usage chunk with empty `choices`; always
-/// `data: [DONE]` last. A client that goes away drops the stream, which stops every choice.
+/// with its finish reason, or an error frame (`{"error": {…}}`) where the engine failed; with
+/// `include_usage` a usage chunk with empty `choices`; always `data: [DONE]` last. A client that goes away drops the stream, which stops every choice.
 #[allow(clippy::too_many_arguments)]
 fn stream_response(
     state: Shared,
@@ -488,10 +494,14 @@ fn stream_response(
             if end.finish_reason == "abort" {
                 return None;
             }
-            let last = if let Some(message) = &end.error {
-                json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": "error",
-                       "error": message})
-            } else if chat {
+            if let Some(message) = &end.error {
+                // As vLLM streams a failure: an error frame, then `[DONE]` (the OpenAI
+                // clients raise on it rather than return a truncated answer).
+                let error = ApiError::internal(message.clone()).body();
+                let _ = tx.send(Ok(Event::default().data(error.to_string()))).await;
+                return Some(end);
+            }
+            let last = if chat {
                 json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": end.finish_reason})
             } else {
                 json!({"index": index, "text": "", "logprobs": null, "finish_reason": end.finish_reason})

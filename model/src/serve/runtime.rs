@@ -11,7 +11,7 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 
 use crate::checkpoint::{Checkpoint, WeightPlacement};
-use crate::exec::backend::{Backend, BackendArgs, RunnerSizing, TpArgs};
+use crate::exec::backend::{BackendArgs, RunnerSizing, TpArgs};
 use crate::exec::device::StepCapacity;
 use crate::exec::sampler::SamplingParams;
 use crate::exec::tp::{RankRole, open_ranks};
@@ -87,13 +87,10 @@ impl RuntimeOptions {
                 tokens: self.max_num_batched_tokens.max(1).max(max_num_seqs),
                 logit_rows: max_num_seqs,
             },
+            fill_memory: self.kv_cache_tokens.is_none(),
         };
-        // The weights where the backend reads them (the CPU: by default on huge pages where
-        // they fit).
-        let placement = match self.backend.backend {
-            Backend::Cpu => self.backend.cpu.placement(checkpoint),
-            _ => WeightPlacement::Mapped,
-        };
+        // The CPU reads its weights by default from huge pages where they fit.
+        let placement = self.backend.weight_placement(checkpoint);
         Ok(ServingPlan {
             config,
             max_model_len,

@@ -93,6 +93,10 @@ impl<D: Device> Device for CountingDevice<D> {
         self.inner.sm()
     }
 
+    fn memory_info(&self) -> Option<(usize, usize)> {
+        self.inner.memory_info()
+    }
+
     fn max_dynamic_shared(&self) -> usize {
         self.inner.max_dynamic_shared()
     }

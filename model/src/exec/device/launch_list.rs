@@ -94,6 +94,7 @@ impl DryStep {
             capacity,
             tactics,
             selector: Some(self.selector.clone()),
+            fill_memory: None,
             quiet: true,
         };
         let weights = DeviceWeights::zeroed(&dev, c, self.shard, &device_moe_tactics(&options)?)?;

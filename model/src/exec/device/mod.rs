@@ -264,6 +264,10 @@ pub struct DeviceOptions {
     pub tactics: ExecutorTactics,
     /// Chooses each step's tactics for its batch and context (`--tactics FILE`).
     pub selector: Option<TacticSelector>,
+    /// The latent cache takes what this share of the device's memory leaves after the weights
+    /// and the workspace (vLLM's `gpu_memory_utilization`), at least `cache_tokens`; on a
+    /// device without fixed memory (the host execution layer) it is `cache_tokens`.
+    pub fill_memory: Option<f64>,
     /// Logs the tactics a step runs with whenever they change; no upload progress bar.
     pub quiet: bool,
 }
@@ -326,6 +330,65 @@ pub fn device_moe_tactics(options: &DeviceOptions) -> Result<Vec<MoeGemmTactic>,
     Ok(DeviceOptions::moe_tactics(&options.tactic_sets()?))
 }
 
+/// Latent cache tokens for `options`: `cache_tokens`, or with `fill_memory` what the device's
+/// memory leaves after the weights (already held) and the workspace (sized for the longest
+/// context the model takes), rounded down to whole pages.
+fn cache_tokens_for<D: Device>(
+    dev: &D,
+    c: &ModelConfig,
+    heads: usize,
+    kernels: &StepKernels<D>,
+    options: &DeviceOptions,
+) -> Result<usize, ExecError> {
+    let (Some(share), Some((free, total))) = (options.fill_memory, dev.memory_info()) else {
+        return Ok(options.cache_tokens);
+    };
+    let workspace = workspace_bytes(
+        c,
+        &WorkspaceShape {
+            rows: options.capacity.tokens.max(1),
+            heads,
+            max_pages: max_pages(c, usize::MAX),
+            max_splits: kernels
+                .mla
+                .iter()
+                .map(|k| k.tactic.max_splits as usize)
+                .max()
+                .unwrap_or(1),
+            logit_rows: options.capacity.logit_rows,
+            ranks: 1,
+            vendor_dense: options.tactics.dense == DenseTactic::CublasLt,
+        },
+    );
+    let kept_back = (total as f64 * (1.0 - share)) as usize;
+    let budget = free.saturating_sub(workspace + kept_back);
+    let per_token = options
+        .kv_dtype
+        .bytes_per_token(&kernels::mla::cache::LatentCacheShape {
+            layers: c.num_hidden_layers,
+            latent_dim: c.kv_lora_rank,
+            rope_dim: c.qk_rope_head_dim,
+        })
+        * c.num_hidden_layers;
+    let tokens = budget / per_token.max(1) / PAGE_TOKENS * PAGE_TOKENS;
+    if tokens < options.cache_tokens {
+        return Err(ExecError::Device(format!(
+            "the latent cache needs {} tokens ({:.2} GiB), but {:.0}% of the device's {:.2} GiB \
+             leaves {:.2} GiB after the weights and {:.2} GiB of workspace: raise \
+             --gpu-memory-utilization or lower --max-num-seqs / --max-model-len",
+            options.cache_tokens,
+            (options.cache_tokens * per_token) as f64 / GIB,
+            share * 100.0,
+            total as f64 / GIB,
+            budget as f64 / GIB,
+            workspace as f64 / GIB,
+        )));
+    }
+    Ok(tokens)
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
 /// The step being run: its shape, decided on the host.
 #[derive(Clone, Copy, Debug)]
 struct StepShape {
@@ -387,7 +450,8 @@ impl<D: Device> DeviceOps<D> {
         let mut kernels = kernels;
         let layers = LayerKernels::load(&dev)?;
         let DeviceWeights { weights, bytes, .. } = weights;
-        let pages = PageTables::new(options.cache_tokens.div_ceil(PAGE_TOKENS).max(1));
+        let cache_tokens = cache_tokens_for(&dev, &c, weights.heads, &kernels, &options)?;
+        let pages = PageTables::new(cache_tokens.div_ceil(PAGE_TOKENS).max(1));
         let caches = (0..c.num_hidden_layers)
             .map(|_| DeviceCache::alloc(&dev, options.kv_dtype, c.mla_dims(), pages.total_slots()))
             .collect::<Result<Vec<_>, _>>()?;

@@ -87,6 +87,8 @@ type Shape = [usize; 2];
 /// the host tensor has that shape); without, a zeroed allocation of that shape stands in.
 struct Builder<'a, D: Device> {
     dev: &'a D,
+    /// Counts the bytes uploaded.
+    progress: ProgressBar,
     bytes: usize,
     /// Name and bytes of every allocation, in walk order.
     allocations: Vec<(String, usize)>,
@@ -102,6 +104,7 @@ fn mismatch(tensor: String, what: String) -> WeightsError {
 impl<D: Device> Builder<'_, D> {
     fn keep(&mut self, tensor: String, memory: D::Memory) -> D::Memory {
         self.bytes += memory.len();
+        self.progress.inc(memory.len() as u64);
         self.allocations.push((tensor, memory.len()));
         memory
     }
@@ -243,6 +246,7 @@ impl<D: Device> Builder<'_, D> {
         }
         .map_err(Self::upload_error(&tensor))?;
         self.bytes += device.device_bytes();
+        self.progress.inc(device.device_bytes() as u64);
         self.allocations.extend(
             device
                 .buffer_bytes()
@@ -391,13 +395,13 @@ impl<D: Device> DeviceWeights<D> {
                 format!("has {} layers, not {}", w.layers.len(), c.num_hidden_layers),
             ));
         }
-        let bar = if quiet {
-            ProgressBar::hidden()
-        } else {
-            crate::checkpoint::progress_bar(c.num_hidden_layers as u64 + 1, "upload")
-        };
         let mut up = Builder {
             dev,
+            progress: if quiet {
+                ProgressBar::hidden()
+            } else {
+                crate::checkpoint::bytes_progress(None, "uploading weights")
+            },
             bytes: 0,
             allocations: Vec::new(),
         };
@@ -604,7 +608,6 @@ impl<D: Device> DeviceWeights<D> {
                 )?,
                 mlp,
             });
-            bar.inc(1);
         }
         let norm = up.norm(
             names::norm().to_string(),
@@ -616,8 +619,7 @@ impl<D: Device> DeviceWeights<D> {
             [vocab_rows.len(), hidden],
             w.map(|w| &w.lm_head),
         )?;
-        bar.inc(1);
-        bar.finish_and_clear();
+        up.progress.finish_and_clear();
         Ok(Self {
             weights: Weights {
                 embed,
