@@ -736,6 +736,7 @@ pub fn yarn_mscale(factor: f64, mscale: f64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::arch::names;
     use serde_json::json;
 
     fn kimi_k25_json() -> Value {
@@ -763,7 +764,7 @@ mod tests {
     fn kimi_k25_config_and_softmax_scale() {
         let quant = json!({"producer": {"name": "modelopt", "version": "0.37.0"},
             "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8", "group_size": 16,
-                             "exclude_modules": ["lm_head", "*self_attn*", "*shared_experts*", "*mlp.gate"]}});
+                             "exclude_modules": names::unquantized_patterns("", 0)}});
         let c = CheckpointConfig::from_json(
             Path::new("config.json"),
             &kimi_k25_json(),
@@ -780,9 +781,11 @@ mod tests {
         );
         let q = c.quant.unwrap();
         assert_eq!(q.kv_cache_quant_algo, Some(KvCacheQuant::Fp8));
-        assert!(q.is_excluded("language_model.model.layers.3.self_attn.q_a_proj"));
-        assert!(q.is_excluded("language_model.model.layers.3.mlp.gate"));
-        assert!(!q.is_excluded("language_model.model.layers.3.mlp.experts.7.up_proj"));
+        let in_kimi = |t: names::Tensor| format!("{}{t}", names::KIMI_K25_PREFIX);
+        let layer = names::layer(3);
+        assert!(q.is_excluded(&in_kimi(layer.q_a_proj())));
+        assert!(q.is_excluded(&in_kimi(layer.router())));
+        assert!(!q.is_excluded(&in_kimi(layer.routed_expert(7).up_proj())));
     }
 
     #[test]
@@ -916,11 +919,11 @@ mod tests {
 
     #[test]
     fn globs_match_like_fnmatch() {
-        assert!(glob_match("*self_attn*", "model.layers.0.self_attn.o_proj"));
-        assert!(glob_match("lm_head", "lm_head"));
-        assert!(!glob_match("lm_head", "language_model.lm_head"));
+        assert!(glob_match("*attn*", "model.layers.0.attn.out"));
+        assert!(glob_match("head", "head"));
+        assert!(!glob_match("head", "prefix.head"));
         assert!(glob_match("*.mlp.gate", "a.mlp.gate"));
-        assert!(!glob_match("*.mlp.gate", "a.mlp.gate_proj"));
+        assert!(!glob_match("*.mlp.gate", "a.mlp.gate_up"));
         assert!(glob_match("layers.?.x", "layers.3.x"));
     }
 }

@@ -15,11 +15,36 @@ pub const LAYERS: &str = "model.layers.";
 /// Between a MoE layer's name and its routed experts' indices.
 pub const ROUTED_EXPERTS: &str = "mlp.experts.";
 
+// The leaf names of the layer's parts, also the labels the tactic lab and the runner give the
+// products and places they stand for.
+pub const SELF_ATTN: &str = "self_attn";
+pub const Q_PROJ: &str = "q_proj";
+pub const Q_A_PROJ: &str = "q_a_proj";
+pub const Q_A_LAYERNORM: &str = "q_a_layernorm";
+pub const Q_B_PROJ: &str = "q_b_proj";
+pub const KV_A_PROJ_WITH_MQA: &str = "kv_a_proj_with_mqa";
+pub const KV_A_LAYERNORM: &str = "kv_a_layernorm";
+pub const KV_B_PROJ: &str = "kv_b_proj";
+pub const O_PROJ: &str = "o_proj";
+pub const MLP: &str = "mlp";
+pub const GATE_PROJ: &str = "gate_proj";
+pub const UP_PROJ: &str = "up_proj";
+pub const DOWN_PROJ: &str = "down_proj";
+pub const EMBED_TOKENS: &str = "embed_tokens";
+pub const LM_HEAD: &str = "lm_head";
+
 /// A linear layer (or a norm) by its name without the suffix: `X` of `X.weight`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Tensor(String);
 
 impl Tensor {
+    /// The layer whose values are `weight_name` (`X` of `X.weight`), if it names values.
+    pub fn of_weight(weight_name: &str) -> Option<Tensor> {
+        weight_name
+            .strip_suffix(".weight")
+            .map(|x| Tensor(x.to_string()))
+    }
+
     pub fn as_str(&self) -> &str {
         &self.0
     }
@@ -56,7 +81,7 @@ impl std::fmt::Display for Tensor {
 }
 
 pub fn embed_tokens() -> Tensor {
-    Tensor("model.embed_tokens".into())
+    Tensor(format!("model.{EMBED_TOKENS}"))
 }
 
 /// The final norm.
@@ -65,7 +90,7 @@ pub fn norm() -> Tensor {
 }
 
 pub fn lm_head() -> Tensor {
-    Tensor("lm_head".into())
+    Tensor(LM_HEAD.into())
 }
 
 /// Layer `layer`'s tensors.
@@ -83,6 +108,10 @@ impl Layer {
         &self.0
     }
 
+    fn attention(&self, part: &str) -> Tensor {
+        self.0.child(&format!("{SELF_ATTN}.{part}"))
+    }
+
     pub fn input_layernorm(&self) -> Tensor {
         self.0.child("input_layernorm")
     }
@@ -93,62 +122,62 @@ impl Layer {
 
     /// The full query projection (models without a query LoRA).
     pub fn q_proj(&self) -> Tensor {
-        self.0.child("self_attn.q_proj")
+        self.attention(Q_PROJ)
     }
 
     pub fn q_a_proj(&self) -> Tensor {
-        self.0.child("self_attn.q_a_proj")
+        self.attention(Q_A_PROJ)
     }
 
     pub fn q_a_layernorm(&self) -> Tensor {
-        self.0.child("self_attn.q_a_layernorm")
+        self.attention(Q_A_LAYERNORM)
     }
 
     pub fn q_b_proj(&self) -> Tensor {
-        self.0.child("self_attn.q_b_proj")
+        self.attention(Q_B_PROJ)
     }
 
     /// The compressed KV's latent and RoPE-key rows, `[kv_lora_rank + rope, hidden]`.
     pub fn kv_a_proj_with_mqa(&self) -> Tensor {
-        self.0.child("self_attn.kv_a_proj_with_mqa")
+        self.attention(KV_A_PROJ_WITH_MQA)
     }
 
     pub fn kv_a_layernorm(&self) -> Tensor {
-        self.0.child("self_attn.kv_a_layernorm")
+        self.attention(KV_A_LAYERNORM)
     }
 
     /// Every head's W_UK over its W_UV, `[heads · (nope + v), kv_lora_rank]`.
     pub fn kv_b_proj(&self) -> Tensor {
-        self.0.child("self_attn.kv_b_proj")
+        self.attention(KV_B_PROJ)
     }
 
     pub fn o_proj(&self) -> Tensor {
-        self.0.child("self_attn.o_proj")
+        self.attention(O_PROJ)
     }
 
     /// The MLP of a dense layer (`model.layers.L.mlp`).
     pub fn mlp(&self) -> Mlp {
-        Mlp(self.0.child("mlp"))
+        Mlp(self.0.child(MLP))
     }
 
     /// The router of a MoE layer (`mlp.gate`, `[experts, hidden]`).
     pub fn router(&self) -> Tensor {
-        self.0.child("mlp.gate")
+        self.0.child(&format!("{MLP}.gate"))
     }
 
     /// The router's correction bias, added to the scores to choose experts only.
     pub fn e_score_correction_bias(&self) -> String {
-        format!("{}.mlp.gate.e_score_correction_bias", self.0)
+        format!("{}.e_score_correction_bias", self.router())
     }
 
     /// The shared experts of a MoE layer, one MLP.
     pub fn shared_experts(&self) -> Mlp {
-        Mlp(self.0.child("mlp.shared_experts"))
+        Mlp(self.0.child(&format!("{MLP}.shared_experts")))
     }
 
     /// Every routed expert of a MoE layer, as a group (`mlp.experts`).
     pub fn routed_experts(&self) -> Tensor {
-        self.0.child("mlp.experts")
+        self.0.child(ROUTED_EXPERTS.trim_end_matches('.'))
     }
 
     /// Routed expert `expert` of a MoE layer.
@@ -167,23 +196,23 @@ impl Mlp {
     }
 
     pub fn gate_proj(&self) -> Tensor {
-        self.0.child("gate_proj")
+        self.0.child(GATE_PROJ)
     }
 
     pub fn up_proj(&self) -> Tensor {
-        self.0.child("up_proj")
+        self.0.child(UP_PROJ)
     }
 
     pub fn down_proj(&self) -> Tensor {
-        self.0.child("down_proj")
+        self.0.child(DOWN_PROJ)
     }
 
     /// `(projection name, tensor)` of gate, up and down, in that order.
     pub fn projections(&self) -> [(&'static str, Tensor); 3] {
         [
-            ("gate_proj", self.gate_proj()),
-            ("up_proj", self.up_proj()),
-            ("down_proj", self.down_proj()),
+            (GATE_PROJ, self.gate_proj()),
+            (UP_PROJ, self.up_proj()),
+            (DOWN_PROJ, self.down_proj()),
         ]
     }
 }
@@ -194,9 +223,9 @@ impl Mlp {
 pub fn unquantized_patterns(prefix: &str, dense_layers: usize) -> Vec<String> {
     let mut patterns = vec![
         format!("{prefix}{}", lm_head()),
-        "*self_attn*".to_string(),
+        format!("*{SELF_ATTN}*"),
         "*shared_experts*".into(),
-        "*mlp.gate".into(),
+        format!("*{MLP}.gate"),
     ];
     patterns.extend((0..dense_layers).map(|l| format!("{prefix}{}*", layer(l).mlp().path())));
     patterns

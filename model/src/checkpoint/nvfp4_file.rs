@@ -5,14 +5,19 @@
 use kernels::formats::nvfp4::{NVFP4_BLOCK, Nvfp4Matrix};
 use safetensors::Dtype;
 
+use crate::arch::names::Tensor;
 use crate::checkpoint::tensor_file::{TensorFile, TensorFileError};
 
-/// Reads the NVFP4 triple whose packed weight is `weight_name` (ending in `weight`), checking
+/// Reads the NVFP4 triple whose packed weight is `weight_name` (ending in `.weight`), checking
 /// dtypes, shapes and that the global scale is positive and finite.
 pub fn read_nvfp4(file: &TensorFile, weight_name: &str) -> Result<Nvfp4Matrix, TensorFileError> {
-    let prefix = weight_name.strip_suffix("weight").unwrap_or(weight_name);
-    let scale_name = format!("{prefix}weight_scale");
-    let scale2_name = format!("{prefix}weight_scale_2");
+    let tensor = Tensor::of_weight(weight_name).ok_or_else(|| {
+        file.bad_value(
+            weight_name,
+            "an NVFP4 weight's name ends in `.weight`".into(),
+        )
+    })?;
+    let (scale_name, scale2_name) = (tensor.weight_scale(), tensor.weight_scale_2());
     let info = file.info(weight_name)?;
     if info.shape.len() != 2 {
         return Err(file.bad_value(
@@ -38,7 +43,7 @@ pub fn read_nvfp4(file: &TensorFile, weight_name: &str) -> Result<Nvfp4Matrix, T
 /// Names `X.weight` in the file that have a `X.weight_scale` beside them.
 pub fn nvfp4_weight_names(file: &TensorFile) -> Vec<String> {
     file.names()
-        .filter(|n| n.ends_with("weight") && file.contains(&format!("{n}_scale")))
+        .filter(|n| Tensor::of_weight(n).is_some_and(|t| file.contains(&t.weight_scale())))
         .map(str::to_string)
         .collect()
 }

@@ -19,6 +19,7 @@ use kernels::mla::cache::{PageTables, SeqId};
 use super::profile::Measured;
 use super::sampler::SampleRow;
 use super::{ExecError, Logits};
+use crate::arch::names;
 
 /// The activations a step passes between its operations. Shapes per row of the step (`rows`),
 /// or per row that gets logits (`logit rows`); `heads` is this rank's.
@@ -80,9 +81,9 @@ pub enum Sublayer {
 impl std::fmt::Display for Sublayer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Self::Embedding => write!(f, "embed_tokens"),
-            Self::Attention(layer) => write!(f, "layer {layer} (self_attn)"),
-            Self::Mlp(layer) => write!(f, "layer {layer} (mlp)"),
+            Self::Embedding => f.write_str(names::EMBED_TOKENS),
+            Self::Attention(layer) => write!(f, "layer {layer} ({})", names::SELF_ATTN),
+            Self::Mlp(layer) => write!(f, "layer {layer} ({})", names::MLP),
         }
     }
 }

@@ -20,6 +20,7 @@ use kernels::tactic::cache::{self, CacheLookup, Chosen, Expected};
 use kernels::tactic::{KernelFamily, ProblemShape};
 
 use crate::arch::config::ModelConfig;
+use crate::arch::names;
 use crate::exec::ExecError;
 use crate::exec::device::ExecutorTactics;
 
@@ -67,20 +68,20 @@ pub fn dense_products(cfg: &ModelConfig, tp: u32) -> Vec<DenseProduct> {
     let mut out = vec![
         // Replicated on every rank (their outputs feed every head).
         DenseProduct {
-            name: "q_a_proj",
+            name: names::Q_A_PROJ,
             n: q_rank,
             k: h,
             per_step: layers,
         },
         DenseProduct {
-            name: "kv_a_proj_with_mqa",
+            name: names::KV_A_PROJ_WITH_MQA,
             n: latent + rope,
             k: h,
             per_step: layers,
         },
         // Head-sharded.
         DenseProduct {
-            name: "q_b_proj",
+            name: names::Q_B_PROJ,
             n: heads * (nope + rope),
             k: q_rank,
             per_step: layers,
@@ -99,7 +100,7 @@ pub fn dense_products(cfg: &ModelConfig, tp: u32) -> Vec<DenseProduct> {
             per_step: layers,
         },
         DenseProduct {
-            name: "o_proj",
+            name: names::O_PROJ,
             n: h,
             k: heads * v,
             per_step: layers,
@@ -123,7 +124,7 @@ pub fn dense_products(cfg: &ModelConfig, tp: u32) -> Vec<DenseProduct> {
             per_step: moe_layers,
         },
         DenseProduct {
-            name: "lm_head",
+            name: names::LM_HEAD,
             n: cfg.vocab_size as u32 / tp,
             k: h,
             per_step: 1,
@@ -325,7 +326,7 @@ mod tests {
                 .all(|s| matches!(s, ProblemShape::Mla { heads: 8, .. }))
         );
         let dense = dense_products(&cfg, 8);
-        let lm = dense.iter().find(|p| p.name == "lm_head").unwrap();
+        let lm = dense.iter().find(|p| p.name == names::LM_HEAD).unwrap();
         assert_eq!((lm.n, lm.k), (20480, 7168));
     }
 }
