@@ -404,8 +404,10 @@ impl FromStr for CpuTactic {
 /// this binary was built from them: a tactic cache records it, and a cache tuned on other
 /// sources is stale.
 pub fn cpu_kernel_source_hash() -> String {
-    let sources: [&[u8]; 8] = [
+    let sources: [&[u8]; 10] = [
         include_bytes!("cpu_tactic.rs"),
+        include_bytes!("isa.rs"),
+        include_bytes!("prefetch.rs"),
         include_bytes!("dense/mod.rs"),
         include_bytes!("dense/bf16_tile.rs"),
         include_bytes!("dense/bf16_panel.rs"),

@@ -18,8 +18,8 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::path::PathBuf;
 
+use crate::arch::Sm;
 use crate::blas::BlasGemm;
-use crate::moe_gemm::Sm;
 use crate::tactic::ProblemShape;
 
 pub mod dry;

@@ -19,6 +19,9 @@
 //!
 //! [`formats`] holds the number formats every family shares: E2M1, E4M3/UE4M3, NVFP4
 //! two-level quantization and the scale-factor swizzle; [`matrix`] the borrowed weight views.
+//! [`isa`] and [`prefetch`] say what every family's CPU kernels run: the instruction set and
+//! how far ahead they prefetch, detected once per process; [`rng`] is the seeded generator of
+//! every test problem, check and closed-form golden.
 
 pub mod allreduce;
 pub mod arch;
@@ -30,9 +33,12 @@ pub mod dense;
 pub mod device;
 pub mod formats;
 pub mod guided;
+pub mod isa;
 pub mod layers;
 pub mod matrix;
 pub mod mla;
 pub mod moe_gemm;
+pub mod prefetch;
+pub mod rng;
 mod scratch;
 pub mod tactic;

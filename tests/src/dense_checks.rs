@@ -15,7 +15,7 @@ use half::bf16;
 use kernels::blas::BlasGemm;
 use kernels::device::{Device, DeviceExt, DeviceMemory};
 use kernels::layers::{DenseOutput, LayerKernels};
-use kernels::moe_gemm::check::Rng;
+use kernels::rng::Rng;
 use model::arch::config::ModelConfig;
 use model::arch::presets::Preset;
 

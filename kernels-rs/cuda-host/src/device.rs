@@ -3,9 +3,9 @@
 
 use std::sync::Mutex;
 
+use kernels::arch::Sm;
 use kernels::blas::BlasGemm;
 use kernels::device::{Device, DeviceError, DeviceMemory, KernelParams, LaunchConfig, Result};
-use kernels::moe_gemm::Sm;
 
 use crate::{DeviceBuffer, Function, LaunchOptions, LaunchStats, Module, Schedule, launch};
 

@@ -38,7 +38,7 @@ use half::bf16;
 use kernels::cuda::{GpuContext, default_ptx_dir, median};
 use kernels::formats::nvfp4::Nvfp4Matrix;
 use kernels::moe_gemm::check::{
-    Case, Compare, MAX_ABS_TOL, REL_L2_TOL, Rng, check_case, compare, kernel_model, random_case,
+    Case, Compare, MAX_ABS_TOL, REL_L2_TOL, check_case, compare, kernel_model, random_case,
 };
 use kernels::moe_gemm::launch::{
     ExpertWeights, GroupedRouting, MoeDeviceActivations, MoeDeviceRouting, MoeDeviceWeights,
@@ -46,6 +46,7 @@ use kernels::moe_gemm::launch::{
 };
 use kernels::moe_gemm::reference::Routing;
 use kernels::moe_gemm::{KernelVariant, MoeGemmTactic, ScaleLoad};
+use kernels::rng::Rng;
 use kernels::tactic::Tactic;
 use kernels::tactic::timing::random_moe_weights;
 use serde_json::{Value, json};

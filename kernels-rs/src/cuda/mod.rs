@@ -28,7 +28,7 @@ use crate::blas::BlasGemm;
 use crate::device::{Device, DeviceMemory, KernelParams, LaunchConfig};
 
 mod blas;
-use crate::moe_gemm::Sm;
+use crate::arch::Sm;
 pub use blas::library_present as cublaslt_present;
 
 pub use crate::tactic::timing::PTX_DIR_ENV;

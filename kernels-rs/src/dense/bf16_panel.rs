@@ -40,7 +40,7 @@
 use half::bf16;
 
 use super::bf16_tile::{LANES, SETS};
-use crate::moe_gemm::cpu_simd::Isa;
+use crate::isa::Isa;
 
 /// Elements one step of every set covers.
 const STEP: usize = LANES * SETS;

@@ -15,6 +15,7 @@ use crate::formats::nvfp4::{Nvfp4Matrix, amax, global_scale_for_amax};
 use crate::matrix::MatrixView;
 use crate::moe_gemm::ScaleLoad;
 use crate::moe_gemm::reference::{ExpertInputAmax, ExpertView, Routing, moe_reference};
+use crate::rng::Rng;
 
 /// Largest accepted `‖out − ref‖₂ / ‖ref‖₂`. The kernels and the reference quantize the same
 /// activations the same way and differ only in f32 summation order (a correct kernel lands
@@ -25,32 +26,6 @@ pub const REL_L2_TOL: f64 = 1e-3;
 pub const MAX_ABS_TOL: f64 = 1e-2;
 /// Largest accepted relative L2 difference between two runs on the same inputs.
 pub const RUN_TO_RUN_TOL: f64 = 1e-5;
-
-/// SplitMix64: a dependency-free generator, good enough for test data.
-pub struct Rng(pub u64);
-
-impl Rng {
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [-1, 1).
-    pub fn sym(&mut self) -> f32 {
-        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-    pub fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
-    pub fn fill_bytes(&mut self, out: &mut [u8]) {
-        for chunk in out.chunks_mut(8) {
-            let v = self.next_u64().to_le_bytes();
-            chunk.copy_from_slice(&v[..chunk.len()]);
-        }
-    }
-}
 
 /// A correctness case: NVFP4 experts, BF16 activations, routing and the reference output.
 pub struct Case {

@@ -1166,7 +1166,8 @@ pub fn launch_configs(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::moe_gemm::{KernelVariant, Sm};
+    use crate::arch::Sm;
+    use crate::moe_gemm::KernelVariant;
 
     /// A zeroed placeholder has every buffer of the size an upload of real experts makes, in
     /// both scale layouts, for sizes the swizzle pads (48 rows, 3 scale columns) and not.
@@ -1300,7 +1301,8 @@ mod tests {
         seed: u64,
         shape: [usize; 5],
     ) -> (crate::moe_gemm::check::Case, GroupedRouting, Vec<f32>) {
-        use crate::moe_gemm::check::{Rng, random_case};
+        use crate::moe_gemm::check::random_case;
+        use crate::rng::Rng;
         let [tokens, top_k, experts, hidden, inter] = shape;
         let case = random_case(
             "random",

@@ -22,4 +22,4 @@ pub mod mma_sm120;
 pub mod reference;
 pub mod tactic;
 
-pub use tactic::{KernelVariant, MoeGemmTactic, ScaleLoad, Sm, SmemFootprint};
+pub use tactic::{KernelVariant, MoeGemmTactic, ScaleLoad, SmemFootprint};

@@ -11,11 +11,8 @@
 use std::fmt;
 use std::str::FromStr;
 
-pub use crate::arch::{
-    MAX_REGS_PER_THREAD, MAX_THREADS_PER_BLOCK, SM90_SMEM_OPTIN_PER_BLOCK,
-    SM120_SMEM_OPTIN_PER_BLOCK, STATIC_SMEM_LIMIT, Sm, WARP_SIZE,
-};
-pub use crate::tactic::TacticError;
+use crate::arch::{MAX_THREADS_PER_BLOCK, Sm, WARP_SIZE};
+use crate::tactic::TacticError;
 
 /// NVFP4 elements per block scale.
 const SF_VEC: usize = 16;
@@ -408,6 +405,7 @@ impl FromStr for MoeGemmTactic {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::arch::SM120_SMEM_OPTIN_PER_BLOCK;
 
     fn decode() -> MoeGemmTactic {
         MoeGemmTactic {

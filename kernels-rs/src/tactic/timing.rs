@@ -15,8 +15,8 @@ use std::path::{Path, PathBuf};
 use crate::allreduce::tactic::AllReduceTactic;
 use crate::arch::Sm;
 use crate::device::{Device, DeviceError, Result};
-use crate::moe_gemm::check::Rng;
 use crate::moe_gemm::launch::MoeWeightsHost;
+use crate::rng::Rng;
 
 /// Environment variable that overrides where kernel images are looked for.
 pub const PTX_DIR_ENV: &str = "KIMI_PTX_DIR";

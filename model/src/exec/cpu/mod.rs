@@ -14,10 +14,10 @@ use std::ops::Range;
 use std::sync::Mutex;
 
 use kernels::allreduce::{AllReduce, CpuCommunicator};
+use kernels::isa::Isa;
 use kernels::matrix::MatrixView;
 use kernels::mla::cache::{KvCacheDtype, PageTables, PagedLatentCache, SeqId};
 use kernels::mla::reference::{AttentionQuery, MlaProblem};
-use kernels::moe_gemm::cpu_simd::Isa;
 use kernels::moe_gemm::reference::{ExpertInputAmax, ExpertView, Routing, silu};
 
 use self::pool::CpuCompute;
