@@ -15,7 +15,9 @@
 //!   implements it on a GPU through the CUDA driver, the `cuda-host` crate on the CPU.
 //!
 //! [`arch`] holds the SM targets, their limits and the reference GPUs' figures; [`tactic`]
-//! the tactic abstraction every family implements and the tactic cache the runtime reads.
+//! the tactic abstraction every family implements, the problem shapes and the tactic cache the
+//! runtime reads, naming no family; [`timed_device`], above the families, the device with a
+//! clock through which the tuning lab and the CUDA sweeps time any family's tactics.
 //!
 //! [`formats`] holds the number formats every family shares: E2M1, E4M3/UE4M3, NVFP4
 //! two-level quantization and the scale-factor swizzle; [`matrix`] the borrowed weight views.
@@ -42,3 +44,4 @@ pub mod prefetch;
 pub mod rng;
 mod scratch;
 pub mod tactic;
+pub mod timed_device;

@@ -13,9 +13,8 @@ use std::time::Instant;
 use cuda_host::{HostDevice, Schedule};
 use kernels::arch::Sm;
 use kernels::moe_gemm::check::check_case_with;
-use kernels::moe_gemm::launch::{
-    GroupedRouting, MoeDeviceRouting, MoeDeviceWeights, MoeKernels, check_problem,
-};
+use kernels::moe_gemm::launch::{GroupedRouting, MoeDeviceRouting, MoeDeviceWeights, MoeKernels};
+use kernels::moe_gemm::tactic::check_problem;
 use kernels::moe_gemm::{MoeGemmTactic, ScaleLoad};
 use project_tests::moe_goldens::kernel_golden_cases;
 

@@ -15,8 +15,9 @@
 
 pub mod sampling;
 
+use crate::arch::Sm;
 use crate::device::{Device, DeviceError, DeviceMemory, KernelParams, LaunchConfig, Result};
-use crate::tactic::ProblemShape;
+use crate::tactic::{KernelFamily, ProblemShape, Tactic, TacticError};
 
 pub const FAMILY: &str = "layers";
 /// The only image of the family.
@@ -32,6 +33,44 @@ const WARPS: u32 = THREADS / 32;
 pub const MAX_EXPERTS: usize = 1024;
 /// Expert groups `route_noaux_tc` handles (a 64-bit mask of the kept ones).
 pub const MAX_GROUPS: usize = 64;
+
+impl Tactic for LayersTactic {
+    const FAMILY: KernelFamily = KernelFamily::Layers;
+
+    fn tactic_id(&self) -> String {
+        IMAGE.to_string()
+    }
+
+    fn parse_id(id: &str) -> std::result::Result<Self, TacticError> {
+        if id == IMAGE {
+            Ok(LayersTactic)
+        } else {
+            Err(TacticError::Parse(id.to_string()))
+        }
+    }
+
+    fn validate_for(&self, _sm: Sm) -> std::result::Result<(), TacticError> {
+        Ok(())
+    }
+
+    /// `route_noaux_tc`'s dynamic shared memory at its largest (one f32 score and one
+    /// selection score per expert).
+    fn smem_bytes(&self) -> usize {
+        2 * 4 * MAX_EXPERTS
+    }
+
+    fn space(_sm: Sm) -> Vec<Self> {
+        vec![LayersTactic]
+    }
+
+    fn serves(&self, shape: &ProblemShape) -> bool {
+        matches!(shape, ProblemShape::Dense { .. })
+    }
+
+    fn heuristic_default(_sm: Sm, shape: &ProblemShape) -> Option<Self> {
+        matches!(shape, ProblemShape::Dense { .. }).then_some(LayersTactic)
+    }
+}
 
 const KERNELS: [&str; 14] = [
     "embed_gather",
@@ -928,5 +967,15 @@ impl<D: Device> LayerKernels<D> {
         // SAFETY: `gather_rows(const float*, const int*, int, float*)`; sizes checked above;
         // the caller guarantees the row indices (the executor builds them from its own rows).
         unsafe { dev.launch(self.kernel(K), rows_config(selected, K)?, &p) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_space_round_trips() {
+        crate::tactic::assert_space_round_trips::<LayersTactic>();
     }
 }

@@ -1,7 +1,8 @@
 //! Correctness checking of the MoE kernels on any [`Device`], one harness for the GPU (the
 //! `gpu-check` binary, the GPU tests) and the host execution layer (the host tests): random
 //! Kimi-shaped problems with their CPU reference, poisoned buffers, two runs, and the
-//! comparison with its tolerance.
+//! comparison with its tolerance. Timing uses random weights of its own kind
+//! ([`random_moe_weights`]).
 
 use half::bf16;
 use serde_json::{Value, json};
@@ -179,6 +180,37 @@ pub fn random_case(
         x_bf16,
         reference: out,
     }
+}
+
+/// One layer's routed experts with random NVFP4 codes and valid scales: timing needs
+/// real-looking bytes (no zeros, no NaN scales), not meaningful values.
+pub fn random_moe_weights(
+    seed: u64,
+    experts: usize,
+    hidden: usize,
+    inter: usize,
+) -> MoeWeightsHost {
+    let mut rng = Rng(seed);
+    let mut w = MoeWeightsHost {
+        experts,
+        hidden,
+        inter,
+        w13: vec![0; experts * 2 * inter * hidden / 2],
+        w13_sf: vec![0; experts * 2 * inter * hidden / 16],
+        w2: vec![0; experts * hidden * inter / 2],
+        w2_sf: vec![0; experts * hidden * inter / 16],
+        w13_gs: vec![1e-3; experts],
+        a13_gs: vec![1e-3; experts],
+        w2_gs: vec![1e-3; experts],
+        a2_gs: vec![1e-3; experts],
+    };
+    rng.fill_bytes(&mut w.w13);
+    rng.fill_bytes(&mut w.w2);
+    // UE4M3 codes 0x28..0x47: 2^-2 .. 2^1, far from NaN (0x7F) and subnormals.
+    for b in w.w13_sf.iter_mut().chain(w.w2_sf.iter_mut()) {
+        *b = 0x28 + (rng.next_u64() % 32) as u8;
+    }
+    w
 }
 
 #[derive(Clone, Debug, Default)]
@@ -393,4 +425,16 @@ pub fn kernel_model(
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timing_weights_have_valid_scales() {
+        let w = random_moe_weights(1, 2, 256, 128);
+        w.check().unwrap();
+        assert!(w.w13_sf.iter().all(|&b| (0x28..0x48).contains(&b)));
+    }
 }

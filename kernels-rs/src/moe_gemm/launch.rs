@@ -27,6 +27,7 @@ use crate::device::{
 use crate::formats::nvfp4::Nvfp4View;
 use crate::formats::swizzle::{SWIZZLE_ROWS, SWIZZLE_SCALE_COLS, SwizzledScales, round_up};
 use crate::moe_gemm::reference::Routing;
+use crate::moe_gemm::tactic::check_problem;
 use crate::moe_gemm::{MoeGemmTactic, ScaleLoad, SmemFootprint};
 
 pub const FAMILY: &str = "moe_gemm";
@@ -447,49 +448,6 @@ impl MoeGroupingBounds {
     pub fn token_tiles(&self, tile_m: u32) -> u32 {
         self.tokens_per_pass.div_ceil(tile_m as usize).max(1) as u32
     }
-}
-
-/// Shape constraints of `moe_gemm.cu` that it does not check itself: violating one makes the
-/// kernels skip rows or K tails, or issue misaligned `cp.async`, silently.
-pub fn check_problem(tactic: &MoeGemmTactic, hidden: usize, inter: usize) -> Result<()> {
-    let bad = |why: String| {
-        Err(DeviceError::Shape {
-            tactic: tactic.id(),
-            why,
-        })
-    };
-    let (tn, tk, sk) = (
-        tactic.tile_n as usize,
-        tactic.tile_k as usize,
-        tactic.split_k as usize,
-    );
-    if !hidden.is_multiple_of(tk) {
-        return bad(format!("hidden {hidden} is not a multiple of tile_k {tk}"));
-    }
-    if !hidden.is_multiple_of(tn) {
-        return bad(format!(
-            "hidden {hidden} is not a multiple of tile_n {tn} (moe_down grid)"
-        ));
-    }
-    if !inter.is_multiple_of(tn / 2) {
-        return bad(format!(
-            "inter {inter} is not a multiple of tile_n/2 = {} (moe_gate_up grid)",
-            tn / 2
-        ));
-    }
-    if !inter.is_multiple_of(sk) || !(inter / sk).is_multiple_of(tk) {
-        return bad(format!(
-            "inter {inter} / split_k {sk} is not a multiple of tile_k {tk}"
-        ));
-    }
-    // Rows of h_q (I/2 bytes) are read in 16-byte cp.async chunks and rows of h_sf (I/16
-    // bytes) and of row-major weight scales (K/16 bytes) in 4-byte ones.
-    if !inter.is_multiple_of(64) || !hidden.is_multiple_of(64) {
-        return bad(format!(
-            "hidden {hidden} and inter {inter} must be multiples of 64"
-        ));
-    }
-    Ok(())
 }
 
 /// Weights on a device; scales in each layout that was asked for.
@@ -1167,7 +1125,6 @@ pub fn launch_configs(
 mod tests {
     use super::*;
     use crate::arch::Sm;
-    use crate::moe_gemm::KernelVariant;
 
     /// A zeroed placeholder has every buffer of the size an upload of real experts makes, in
     /// both scale layouts, for sizes the swizzle pads (48 rows, 3 scale columns) and not.
@@ -1236,26 +1193,6 @@ mod tests {
             }
         );
         assert!(GroupedRouting::new(&routing(), 2).is_err());
-    }
-
-    #[test]
-    fn problem_shapes_are_checked_against_the_tactic() {
-        for t in MoeGemmTactic::enumerate(Sm::Sm90)
-            .into_iter()
-            .chain(MoeGemmTactic::enumerate(Sm::Sm120))
-        {
-            // Kimi-K2.5 at TP8 and at TP4, and the full expert.
-            for inter in [256, 512, 2048] {
-                check_problem(&t, 7168, inter).unwrap();
-            }
-        }
-        let t = MoeGemmTactic::enumerate(Sm::Sm90)
-            .into_iter()
-            .find(|t| t.tile_n == 256 && t.variant == KernelVariant::Portable)
-            .unwrap();
-        let msg = check_problem(&t, 7168, 192).unwrap_err().to_string();
-        assert!(msg.contains(&t.id()) && msg.contains("inter 192"), "{msg}");
-        assert!(check_problem(&t, 7168 + 64, 256).is_err());
     }
 
     #[test]
