@@ -4,8 +4,9 @@
 use std::sync::Mutex;
 
 use kernels::arch::Sm;
-use kernels::blas::BlasGemm;
-use kernels::device::{Device, DeviceError, DeviceMemory, KernelParams, LaunchConfig, Result};
+use kernels::device::{
+    BlasGemm, Device, DeviceError, DeviceMemory, KernelParams, LaunchConfig, Result,
+};
 
 use crate::{DeviceBuffer, Function, LaunchOptions, LaunchStats, Module, Schedule, launch};
 

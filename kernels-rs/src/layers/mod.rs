@@ -772,37 +772,6 @@ impl<D: Device> LayerKernels<D> {
         unsafe { dev.launch(self.kernel(K), rows_config(rows, K)?, &p) }
     }
 
-    /// `ids [rows]` = one draw per row of `logits [rows][vocab]` under `params [rows]`
-    /// ([`sampling::SampleRow`]). Rows with a temperature above 0 are overwritten with their
-    /// unnormalized probabilities. The CPU reference is [`sampling::sample_row`].
-    pub fn sample_rows(
-        &self,
-        dev: &D,
-        logits: &D::Memory,
-        rows: usize,
-        vocab: usize,
-        params: &D::Memory,
-        ids: &D::Memory,
-    ) -> Result<()> {
-        const K: &str = "sample_rows";
-        need(logits, rows * vocab * F32, K, "logits")?;
-        need(params, rows * sampling::SAMPLE_ROW_BYTES, K, "params")?;
-        need(ids, rows * I32, K, "ids")?;
-        let (l, s, i) = (logits.device_ptr(), params.device_ptr(), ids.device_ptr());
-        let vocab = as_i32(vocab, K, "vocab")?;
-        let mut p = KernelParams::new();
-        p.arg(&l).arg(&vocab).arg(&s).arg(&i);
-        // At a temperature the row is rewritten as probabilities; the key searches re-read it
-        // (from L2 on a GPU), which is not counted.
-        let row_bytes = rows * vocab as usize * F32;
-        p.traffic(
-            row_bytes + rows * sampling::SAMPLE_ROW_BYTES,
-            row_bytes + rows * I32,
-        );
-        // SAFETY: `sample_rows(float*, int, const SampleRow*, int*)`; sizes checked above.
-        unsafe { dev.launch(self.kernel(K), rows_config(rows, K)?, &p) }
-    }
-
     /// Per head `h < heads`: `y[t, h] = x[t, h] · W_hᵀ` for `t < tokens`, with `W_h` the BF16
     /// `[n][k]` matrix at element `w_offset + h · w_head_stride` of `w`. `x` (FP32, `k` values
     /// per head) and `y` (`n` values per head, `y_type`) are strided views ([`HeadRows`]); the

@@ -10,8 +10,8 @@
 //! only caps it (`max_splits`), which sizes the partial-result workspace; [`MlaSplitTactic`]
 //! fixes it instead, for the tuning lab.
 //!
-//! Both implement [`Tactic`](crate::tactic::Tactic) here, and the MLA problem shapes are built
-//! from an [`MlaDims`] here too ([`ProblemShape::mla`]), so the tactic layer needs no MLA type.
+//! Both implement [`Tactic`] here, and the MLA problem shapes are built from an [`MlaDims`]
+//! here too ([`ProblemShape::mla`]), so the tactic layer needs no MLA type.
 
 use std::fmt;
 

@@ -430,6 +430,89 @@ pub fn kernel_model(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::moe_gemm::launch::kernel_inter;
+
+    /// A random case ([`random_case`]: tokens, top-k, experts, hidden, inter), its
+    /// grouping and its BF16 input widened.
+    fn random_grouped(seed: u64, shape: [usize; 5]) -> (Case, GroupedRouting, Vec<f32>) {
+        let [tokens, top_k, experts, hidden, inter] = shape;
+        let case = random_case(
+            "random",
+            &mut Rng(seed),
+            tokens,
+            top_k,
+            experts,
+            hidden,
+            inter,
+        );
+        let g = GroupedRouting::new(&case.routing, case.experts()).unwrap();
+        let x = case
+            .x_bf16
+            .iter()
+            .map(|&b| half::bf16::from_bits(b).to_f32())
+            .collect();
+        (case, g, x)
+    }
+
+    #[test]
+    fn host_layout_read_as_the_kernels_do_matches_the_reference() {
+        // 2I = 192 rows and H = 160 rows: the swizzle's 128-row padding is exercised, and
+        // H/16 = 10 scale columns pads to 12.
+        let (case, g, x) = random_grouped(3, [6, 3, 6, 160, 96]);
+        for layout in [ScaleLoad::Swizzled128x4, ScaleLoad::RowMajor] {
+            let out = kernel_model(&case.weights, layout, &g, &x);
+            let c = compare(&out, &case.reference, &[]);
+            assert!(c.passed(), "{layout:?}: {c:?}");
+            assert!(c.rel_l2 < 1e-5, "{layout:?}: {c:?}");
+        }
+    }
+
+    /// Experts padded to the kernels' intermediate granularity (32 → 64 columns: a small
+    /// model's experts, or a TP rank's share) compute what the unpadded ones do, read as the
+    /// kernels read them, in both scale layouts; and padding is the identity where nothing is
+    /// missing.
+    #[test]
+    fn padded_experts_compute_the_unpadded_ones_output() {
+        assert_eq!(
+            [16, 32, 64, 128, 256, 2048].map(kernel_inter),
+            [64, 64, 64, 128, 256, 2048]
+        );
+        let (case, g, x) = random_grouped(5, [7, 2, 5, 128, 32]);
+        let padded = case.weights.clone().padded_inter(kernel_inter(32));
+        padded.check().unwrap();
+        assert_eq!(padded.inter, 64);
+        assert_eq!(
+            padded.clone().padded_inter(64).w13,
+            padded.w13,
+            "no-op padding"
+        );
+        for layout in [ScaleLoad::Swizzled128x4, ScaleLoad::RowMajor] {
+            let plain = kernel_model(&case.weights, layout, &g, &x);
+            let wide = kernel_model(&padded, layout, &g, &x);
+            assert_eq!(plain, wide, "{layout:?}");
+            let c = compare(&wide, &case.reference, &[]);
+            assert!(c.passed() && c.rel_l2 < 1e-5, "{layout:?}: {c:?}");
+        }
+        // The padded tensors hold the checkpoint's bytes where they were and zeros elsewhere.
+        let (h, i, ip) = (case.hidden, 32, 64);
+        for e in 0..case.experts() {
+            for half in 0..2 {
+                let src = &case.weights.w13[(2 * e + half) * i * h / 2..][..i * h / 2];
+                let dst = &padded.w13[(2 * e + half) * ip * h / 2..][..ip * h / 2];
+                assert_eq!(&dst[..i * h / 2], src);
+                assert!(dst[i * h / 2..].iter().all(|&b| b == 0));
+            }
+        }
+        for (row, padded_row) in case
+            .weights
+            .w2_sf
+            .chunks(i / 16)
+            .zip(padded.w2_sf.chunks(ip / 16))
+        {
+            assert_eq!(&padded_row[..i / 16], row);
+            assert!(padded_row[i / 16..].iter().all(|&b| b == 0));
+        }
+    }
 
     #[test]
     fn timing_weights_have_valid_scales() {

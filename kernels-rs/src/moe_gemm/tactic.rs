@@ -5,9 +5,9 @@
 //! shared-memory footprint is computed here and passed to nvcc, where a `static_assert` checks
 //! it against the kernel's own layout: the two cannot drift apart silently.
 //!
-//! The problem shapes a tactic can compute ([`check_problem`]) and the family's
-//! [`Tactic`](crate::tactic::Tactic) implementation (validation per SM, the space built for
-//! it, the heuristic default) are here too, so the tactic layer needs no MoE type.
+//! The problem shapes a tactic can compute ([`check_problem`]) and the family's [`Tactic`]
+//! implementation (validation per SM, the space built for it, the heuristic default) are here
+//! too, so the tactic layer needs no MoE type.
 //!
 //! [`id`]: MoeGemmTactic::id
 //! [`parse`]: MoeGemmTactic::parse

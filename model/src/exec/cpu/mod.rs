@@ -13,7 +13,8 @@ pub mod weights;
 use std::ops::Range;
 use std::sync::Mutex;
 
-use kernels::allreduce::{AllReduce, CpuCommunicator};
+use kernels::allreduce::AllReduce;
+use kernels::allreduce::cpu::CpuCommunicator;
 use kernels::isa::Isa;
 use kernels::matrix::MatrixView;
 use kernels::mla::cache::{KvCacheDtype, PageTables, PagedLatentCache, SeqId};
