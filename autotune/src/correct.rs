@@ -19,9 +19,8 @@ use kernels::mla::launch::{DecodeBatch, DeviceCache, MlaKernels};
 use kernels::mla::{KvCacheDtype, MlaSplitTactic};
 use kernels::moe_gemm::MoeGemmTactic;
 use kernels::moe_gemm::check::{self, check_case_with};
-use kernels::moe_gemm::launch::{
-    GroupedRouting, MoeDeviceRouting, MoeDeviceWeights, MoeKernels, check_problem,
-};
+use kernels::moe_gemm::launch::{GroupedRouting, MoeDeviceRouting, MoeDeviceWeights, MoeKernels};
+use kernels::moe_gemm::tactic::check_problem;
 use project_tests::{allreduce_host, golden_path, layer_checks, moe_goldens};
 
 /// The goldens the stage runs, loaded once.

@@ -25,8 +25,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use kernels::cpu_tactic::{
     CPU_SOURCES_KEY, DECODE_BUCKET_PREFIX, cpu_kernel_source_hash, decode_entry_shape,
 };
+use kernels::isa::Isa;
 use kernels::mla::MlaDims;
-use kernels::moe_gemm::cpu_simd::Isa;
 use kernels::tactic::cache::{
     CPU_TARGET, CacheEntry, FORMAT, FigureSource, NO_GPU, Provenance, TacticCache, TacticFigure,
     fnv1a64,

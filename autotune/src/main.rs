@@ -11,7 +11,7 @@ use bench::gpu_timing::TimingOptions;
 use clap::{Parser, Subcommand};
 use kernels::arch::Sm;
 use kernels::tactic::KernelFamily;
-use kernels::tactic::timing::{TimedDevice, WithTimedDevice, with_timed_device};
+use kernels::timed_device::{TimedDevice, WithTimedDevice, with_timed_device};
 use model::arch::config::CheckpointConfig;
 use model::arch::presets::Preset;
 

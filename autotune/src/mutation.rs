@@ -93,7 +93,7 @@ impl<D: Device> Device for Perturbed<'_, D> {
         self.inner.blas_ready()
     }
 
-    unsafe fn blas_gemm(&self, gemm: &kernels::blas::BlasGemm) -> Result<()> {
+    unsafe fn blas_gemm(&self, gemm: &kernels::device::BlasGemm) -> Result<()> {
         // SAFETY: forwarded; the vendor library is never perturbed.
         unsafe { self.inner.blas_gemm(gemm) }
     }

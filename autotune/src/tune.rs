@@ -23,10 +23,9 @@ use kernels::moe_gemm::MoeGemmTactic;
 use kernels::tactic::cache::{
     CacheEntry, FORMAT, NO_GPU, Provenance, TacticCache, TacticFigure, built_source_hashes,
 };
-use kernels::tactic::timing::{
-    DeviceIdentity, Samples, TimedDevice, WithTimedDevice, with_timed_device,
-};
+use kernels::tactic::timing::{DeviceIdentity, Samples};
 use kernels::tactic::{KernelFamily, ProblemShape, Tactic};
+use kernels::timed_device::{TimedDevice, WithTimedDevice, with_timed_device};
 use model::arch::config::ModelConfig;
 
 use crate::correct::{self, Goldens};

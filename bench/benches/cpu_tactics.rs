@@ -22,7 +22,7 @@ use bench::cpu_tactics::{CpuFamily, Shape};
 use bench::sweep::{Point, SweepChart, read_point};
 use criterion::{BenchmarkId, Criterion, SamplingMode};
 use kernels::cpu_tactic::{CpuTactic, CpuTacticSpace};
-use kernels::moe_gemm::cpu_simd::Isa;
+use kernels::isa::Isa;
 
 /// The sweep's subset of the tactic space: fewer dense and MLA points than autotune tries, so
 /// that the whole sweep takes a few minutes on two cores.

@@ -29,8 +29,8 @@ use kernels::arch::Sm;
 use kernels::layers::LayersTactic;
 use kernels::mla::MlaSplitTactic;
 use kernels::moe_gemm::MoeGemmTactic;
-use kernels::tactic::timing::{TimedDevice, WithTimedDevice, with_timed_device};
 use kernels::tactic::{KernelFamily, ProblemShape, Tactic};
+use kernels::timed_device::{TimedDevice, WithTimedDevice, with_timed_device};
 use model::arch::presets::Preset;
 use model::exec::tactics::shapes;
 

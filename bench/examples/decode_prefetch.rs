@@ -19,7 +19,7 @@ use bench::cpu_tactics::median_spread;
 use clap::Parser;
 use kernels::cpu_tactic::CpuTactic;
 use kernels::mla::cache::{KvCacheDtype, PAGE_TOKENS};
-use kernels::moe_gemm::cpu_simd::PrefetchReach;
+use kernels::prefetch::PrefetchReach;
 use model::exec::cpu::pool::CpuCompute;
 use model::exec::cpu::{CpuOptions, cpu_runner};
 use model::exec::sampler::SampleRow;

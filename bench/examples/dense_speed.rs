@@ -17,7 +17,7 @@
 use bench::cpu_tactics::median_spread;
 use kernels::dense::matmul_transposed;
 use kernels::matrix::MatrixView;
-use kernels::moe_gemm::cpu_simd::PrefetchReach;
+use kernels::prefetch::PrefetchReach;
 use std::time::Instant;
 
 /// Bytes of weights the calls rotate through: far beyond any last-level cache.

@@ -11,10 +11,11 @@
 use std::time::Instant;
 
 use kernels::formats::nvfp4::{NVFP4_BLOCK, Nvfp4View};
+use kernels::isa::Isa;
 use kernels::moe_gemm::cpu_int::{
     IntActs, IntKernel, nvfp4_rows_dots_int, padded_blocks, padded_cols, quantize_row_int,
 };
-use kernels::moe_gemm::cpu_simd::{Isa, interleave_blocks, nvfp4_rows_dots};
+use kernels::moe_gemm::cpu_simd::{interleave_blocks, nvfp4_rows_dots};
 
 fn main() {
     let reps = 40;

@@ -16,7 +16,7 @@ use kernels::cpu_tactic::CpuTactic;
 use kernels::mla::cache::{KvCacheDtype, LatentCacheShape, PAGE_TOKENS, PagedLatentCache};
 use kernels::mla::cpu::mla_attention_tuned;
 use kernels::mla::reference::{AttentionQuery, MlaProblem};
-use kernels::moe_gemm::check::Rng;
+use kernels::rng::Rng;
 
 const HEADS: usize = 8;
 const LATENT: usize = 512;

@@ -22,8 +22,8 @@ use std::time::Instant;
 use kernels::cpu_tactic::CpuTactic;
 use kernels::formats::nvfp4::Nvfp4View;
 use kernels::matrix::MatrixView;
-use kernels::moe_gemm::cpu_simd::PrefetchReach;
 use kernels::moe_gemm::reference::{ExpertView, Routing};
+use kernels::prefetch::PrefetchReach;
 use model::exec::cpu::pool::CpuCompute;
 
 fn main() {
@@ -108,7 +108,7 @@ fn main() {
                 backend.run(|| {
                     kernels::moe_gemm::cpu::moe_cpu_tuned(
                         &tactic,
-                        kernels::moe_gemm::cpu_simd::Isa::detect(),
+                        kernels::isa::Isa::detect(),
                         &x,
                         hidden,
                         &routing,

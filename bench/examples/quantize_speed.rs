@@ -7,8 +7,8 @@
 //! ```
 use std::time::Instant;
 
+use kernels::isa::Isa;
 use kernels::moe_gemm::cpu_int::{padded_blocks, padded_cols, quantize_row_int_with};
-use kernels::moe_gemm::cpu_simd::Isa;
 
 fn main() {
     for isa in Isa::all_supported() {

@@ -15,7 +15,7 @@
 use half::bf16;
 use kernels::dense::matmul_transposed;
 use kernels::matrix::MatrixView;
-use kernels::moe_gemm::cpu_simd::PrefetchHint;
+use kernels::prefetch::PrefetchHint;
 use rayon::prelude::*;
 use std::hint::black_box;
 use std::time::Instant;

@@ -9,14 +9,14 @@ use half::bf16;
 use kernels::cpu_tactic::{CpuTactic, CpuTacticSpace};
 use kernels::dense::matmul_transposed_tuned;
 use kernels::formats::nvfp4::Nvfp4Matrix;
+use kernels::isa::Isa;
 use kernels::matrix::MatrixView;
 use kernels::mla::cache::{KvCacheDtype, LatentCacheShape, PAGE_TOKENS, PagedLatentCache};
 use kernels::mla::cpu::mla_attention_tuned;
 use kernels::mla::reference::{AttentionQuery, MlaProblem};
-use kernels::moe_gemm::check::Rng;
 use kernels::moe_gemm::cpu::moe_cpu_tuned;
-use kernels::moe_gemm::cpu_simd::Isa;
 use kernels::moe_gemm::reference::{ExpertView, Routing};
+use kernels::rng::Rng;
 
 /// A CPU kernel family with its own knobs of [`CpuTactic`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -1,7 +1,7 @@
 //! Timing the GPU families' tactics on a device, one (tactic, problem shape) at a time: what
 //! the tuning lab's timed stage (`autotune`) and the CUDA sweeps
 //! (`cargo bench -p bench --bench gpu_tactics`) measure. Generic over
-//! [`TimedDevice`](kernels::tactic::timing::TimedDevice): compiled in every build, run where a
+//! [`TimedDevice`](kernels::timed_device::TimedDevice): compiled in every build, run where a
 //! GPU is present.
 //!
 //! Every timed run sits between two device timestamps after `warmup` untimed runs, with the L2
@@ -27,16 +27,16 @@ use kernels::layers::LayerKernels;
 use kernels::mla::cache::KvCacheDtype;
 use kernels::mla::launch::{DecodeIo, DeviceCache, MlaKernels};
 use kernels::mla::{MlaSplitTactic, MlaTactic};
+use kernels::moe_gemm::check::random_moe_weights;
 use kernels::moe_gemm::launch::{
     GroupedRouting, MoeDeviceActivations, MoeDeviceRouting, MoeDeviceWeights, MoeGroupingBounds,
     MoeKernels,
 };
 use kernels::moe_gemm::reference::Routing;
 use kernels::moe_gemm::{MoeGemmTactic, ScaleLoad};
-use kernels::tactic::timing::{
-    DeviceIdentity, RankGroup, Samples, TimedDevice, random_moe_weights,
-};
+use kernels::tactic::timing::{DeviceIdentity, Samples};
 use kernels::tactic::{KernelFamily, ProblemShape, Tactic};
+use kernels::timed_device::{RankGroup, TimedDevice};
 
 /// How each (tactic, shape) is timed.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -20,8 +20,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use kernels::allreduce::tactic::AllReduceTactic;
+use kernels::arch::Sm;
 use kernels::mla::MlaTactic;
-use kernels::moe_gemm::{MoeGemmTactic, Sm};
+use kernels::moe_gemm::MoeGemmTactic;
 
 struct Unit {
     family: &'static str,

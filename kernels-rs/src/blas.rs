@@ -8,18 +8,20 @@
 //! choice; the tuning lab will decide per shape later.
 //!
 //! A vendor product is one [`Device::blas_gemm`](crate::device::Device::blas_gemm) call with a
-//! [`BlasGemm`]. On a GPU (feature `cuda`) it is `cublasLtMatmul` on the device's stream,
-//! through cudarc with the library opened at run time; on the host execution layer it is
-//! [`BlasGemm::run_on_host`], a reference of cuBLASLt's semantics: the one place where the
-//! host layer stands in for something other than our CUDA sources.
+//! [`BlasGemm`], which the device seam defines (it is part of what every device runs); what
+//! the library accepts ([`BlasGemm::validate`]) and computes is this module's. On a GPU
+//! (feature `cuda`) it is `cublasLtMatmul` on the device's stream, through cudarc with the
+//! library opened at run time; on the host execution layer it is [`BlasGemm::run_on_host`], a
+//! reference of cuBLASLt's semantics: the one place where the host layer stands in for
+//! something other than our CUDA sources.
 
 use std::fmt;
 use std::str::FromStr;
 
 use half::bf16;
 
-use crate::device::{DeviceError, LaunchConfig, LaunchTraffic};
-use crate::tactic::{ProblemShape, TacticError};
+use crate::device::{BlasGemm, DeviceError, LaunchConfig};
+use crate::tactic::TacticError;
 
 /// The family a recorded vendor product is listed under (a launch list's `family/tactic
 /// kernel`).
@@ -79,24 +81,7 @@ impl FromStr for DenseTactic {
     }
 }
 
-/// One vendor product: `d[t][j] (+)= Σ_i a[j][i] · b[t][i]` for `t < m`, `j < n`, `i < k`,
-/// with `a` BF16 `[n][k]` (the weights, row-major), `b` BF16 `[m][k]` (the activations,
-/// row-major), accumulation in FP32 and `d` FP32 with row `t` at `d + t · ldd`. Addresses are
-/// device addresses of the device that runs it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct BlasGemm {
-    pub m: usize,
-    pub n: usize,
-    pub k: usize,
-    pub a: u64,
-    pub b: u64,
-    pub d: u64,
-    /// Elements between rows of `d` (at least `n`).
-    pub ldd: usize,
-    /// Add into `d` (β = 1) instead of overwriting it (β = 0).
-    pub accumulate: bool,
-}
-
+/// What the vendor library accepts and computes, on the seam's description of a product.
 impl BlasGemm {
     /// What the library and the reference take: sizes from 1 to `i32::MAX`, `ldd >= n`.
     pub fn validate(&self) -> Result<(), DeviceError> {
@@ -108,29 +93,6 @@ impl BlasGemm {
             )));
         }
         Ok(())
-    }
-
-    /// Bytes read and written at least: each operand once (the output too when accumulating).
-    pub fn traffic(&self) -> LaunchTraffic {
-        let out = (self.m * self.n * 4) as u64;
-        LaunchTraffic {
-            read: ((self.n + self.m) * self.k * 2) as u64 + if self.accumulate { out } else { 0 },
-            written: out,
-        }
-    }
-
-    /// The product's `m, n, k`, as dense launches name theirs.
-    pub fn problem(&self) -> ProblemShape {
-        ProblemShape::Dense {
-            m: self.m as u32,
-            n: self.n as u32,
-            k: self.k as u32,
-        }
-    }
-
-    /// Elements of `d` the product spans.
-    pub fn d_span(&self) -> usize {
-        (self.m - 1) * self.ldd + self.n
     }
 
     /// Runs the product on the host: the reference of cuBLASLt's semantics ([`reference`]).

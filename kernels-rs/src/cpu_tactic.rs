@@ -143,6 +143,10 @@ const MAX_PARALLEL_MIN_BYTES: usize = 1 << 40;
 const MAX_ROWS_PER_TASK: usize = 1 << 16;
 /// Above any batch a step takes: the panel is never used.
 const MAX_PANEL_MIN_TOKENS: usize = 1 << 20;
+/// The default of [`CpuTactic::dense_panel_min_tokens`]: below this many tokens a product
+/// takes the register tiles, since the panel costs a write and a read of f32 per weight,
+/// which only pays when the weights serve many tokens.
+pub const PANEL_MIN_TOKENS: usize = 8;
 const MAX_MLA_CHUNK: usize = 1 << 20;
 const MAX_TASKS_PER_THREAD: usize = 256;
 const MAX_THREADS: usize = 1024;
@@ -153,7 +157,7 @@ impl CpuTactic {
         moe_item_bytes: 128 * 1024,
         dense_parallel_min_bytes: 512 << 10,
         dense_rows_per_task: 64,
-        dense_panel_min_tokens: crate::dense::bf16_panel::PANEL_MIN_TOKENS,
+        dense_panel_min_tokens: PANEL_MIN_TOKENS,
         mla_min_chunk: 256,
         mla_tasks_per_thread: 4,
         threads: 0,
@@ -404,8 +408,10 @@ impl FromStr for CpuTactic {
 /// this binary was built from them: a tactic cache records it, and a cache tuned on other
 /// sources is stale.
 pub fn cpu_kernel_source_hash() -> String {
-    let sources: [&[u8]; 8] = [
+    let sources: [&[u8]; 10] = [
         include_bytes!("cpu_tactic.rs"),
+        include_bytes!("isa.rs"),
+        include_bytes!("prefetch.rs"),
         include_bytes!("dense/mod.rs"),
         include_bytes!("dense/bf16_tile.rs"),
         include_bytes!("dense/bf16_panel.rs"),

@@ -1,7 +1,9 @@
 //! The one seam between kernel launchers and what runs the kernels.
 //!
 //! A [`Device`] owns device memory, loads a kernel of a (family, tactic) and launches it with
-//! CUDA's kernel-parameter convention. Two implement it:
+//! CUDA's kernel-parameter convention, and runs the vendor library's dense products described
+//! by a [`BlasGemm`] (what the library accepts and computes is [`crate::blas`]'s). Three
+//! implement it:
 //! - `cuda::GpuContext` (feature `cuda`): a GPU through the CUDA driver (cudarc), with the
 //!   cubins of the compile gate;
 //! - `cuda_host::HostDevice` (crate `cuda-host`): the same `.cu` sources compiled for the CPU
@@ -18,8 +20,7 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::path::PathBuf;
 
-use crate::blas::BlasGemm;
-use crate::moe_gemm::Sm;
+use crate::arch::Sm;
 use crate::tactic::ProblemShape;
 
 pub mod dry;
@@ -93,6 +94,50 @@ pub struct LaunchConfig {
 pub struct LaunchTraffic {
     pub read: u64,
     pub written: u64,
+}
+
+/// One vendor product: `d[t][j] (+)= Σ_i a[j][i] · b[t][i]` for `t < m`, `j < n`, `i < k`,
+/// with `a` BF16 `[n][k]` (the weights, row-major), `b` BF16 `[m][k]` (the activations,
+/// row-major), accumulation in FP32 and `d` FP32 with row `t` at `d + t · ldd`. Addresses are
+/// device addresses of the device that runs it. What the library accepts and its host
+/// reference are [`crate::blas`]'s.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BlasGemm {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub a: u64,
+    pub b: u64,
+    pub d: u64,
+    /// Elements between rows of `d` (at least `n`).
+    pub ldd: usize,
+    /// Add into `d` (β = 1) instead of overwriting it (β = 0).
+    pub accumulate: bool,
+}
+
+impl BlasGemm {
+    /// Bytes read and written at least: each operand once (the output too when accumulating).
+    pub fn traffic(&self) -> LaunchTraffic {
+        let out = (self.m * self.n * 4) as u64;
+        LaunchTraffic {
+            read: ((self.n + self.m) * self.k * 2) as u64 + if self.accumulate { out } else { 0 },
+            written: out,
+        }
+    }
+
+    /// The product's `m, n, k`, as dense launches name theirs.
+    pub fn problem(&self) -> ProblemShape {
+        ProblemShape::Dense {
+            m: self.m as u32,
+            n: self.n as u32,
+            k: self.k as u32,
+        }
+    }
+
+    /// Elements of `d` the product spans.
+    pub fn d_span(&self) -> usize {
+        (self.m - 1) * self.ldd + self.n
+    }
 }
 
 /// Kernel arguments in CUDA's `kernelParams` form: one pointer per parameter, to a value laid

@@ -5,11 +5,10 @@
 use std::time::Duration;
 
 use half::bf16;
+use kernels::allreduce::cpu::{CpuCommunicator, CpuConfig};
 use kernels::allreduce::shm::{live_segments, unique_segment_name};
 use kernels::allreduce::testing::{rank_input, residual_input};
-use kernels::allreduce::{
-    Algorithm, CpuCommunicator, CpuConfig, Element, Islands, reference_reduce,
-};
+use kernels::allreduce::{Algorithm, Element, Islands, reference_reduce};
 use proptest::prelude::*;
 
 /// Runs every algorithm `rounds` times on one communicator per rank (exercising both buffer

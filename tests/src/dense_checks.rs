@@ -12,10 +12,9 @@
 //! `gpu_dense.rs` runs them on a GPU, where the vendor side is cuBLASLt, and times both.
 
 use half::bf16;
-use kernels::blas::BlasGemm;
-use kernels::device::{Device, DeviceExt, DeviceMemory};
+use kernels::device::{BlasGemm, Device, DeviceExt, DeviceMemory};
 use kernels::layers::{DenseOutput, LayerKernels};
-use kernels::moe_gemm::check::Rng;
+use kernels::rng::Rng;
 use model::arch::config::ModelConfig;
 use model::arch::presets::Preset;
 

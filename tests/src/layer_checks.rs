@@ -9,9 +9,9 @@
 use half::bf16;
 use kernels::device::{Device, DeviceExt};
 use kernels::layers::{DenseOutput, HeadRows, LayerKernels, OutputType, RopeSlices, RouterShape};
-use kernels::moe_gemm::check::Rng;
 use kernels::moe_gemm::launch::GroupedRouting;
 use kernels::moe_gemm::reference::{Routing, silu};
+use kernels::rng::Rng;
 use model::arch::config::ModelConfig;
 use model::arch::presets::Preset;
 use model::arch::rope::Rope;

@@ -16,12 +16,13 @@
 #![cfg(feature = "cuda")]
 
 use kernels::cuda::{GpuContext, default_ptx_dir};
-use kernels::moe_gemm::check::{Rng, check_case, random_case};
+use kernels::moe_gemm::check::{check_case, random_case};
 use kernels::moe_gemm::launch::{
     GroupedRouting, MoeDeviceActivations, MoeDeviceRouting, MoeDeviceWeights, MoeKernels,
 };
 use kernels::moe_gemm::reference::Routing;
 use kernels::moe_gemm::{MoeGemmTactic, ScaleLoad};
+use kernels::rng::Rng;
 
 /// The device; without one the test fails, naming why.
 fn gpu(test: &str, ptx_dir: std::path::PathBuf) -> GpuContext {

@@ -5,8 +5,8 @@
 //! `dense_bf16` against exact products.
 
 use cuda_host::HostDevice;
+use kernels::arch::Sm;
 use kernels::layers::LayerKernels;
-use kernels::moe_gemm::Sm;
 use project_tests::dense_checks::{check_products, kimi_products};
 
 /// Kimi-K2.5's TP8 decode products but the two widest (lm_head, the dense layer's gate/up),

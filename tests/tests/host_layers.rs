@@ -3,8 +3,8 @@
 //! `gpu_layers.rs` runs on a GPU).
 
 use cuda_host::HostDevice;
+use kernels::arch::Sm;
 use kernels::layers::LayerKernels;
-use kernels::moe_gemm::Sm;
 use project_tests::layer_checks;
 
 fn run(check: layer_checks::Check<HostDevice>) {

@@ -12,11 +12,11 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use cuda_host::{HostDevice, Schedule};
+use kernels::arch::Sm;
 use kernels::mla::cache::KvCacheDtype;
 use kernels::mla::check::{Golden, build_cache, check_append, check_decode, load_golden};
 use kernels::mla::launch::{DecodeBatch, DeviceCache, MlaKernels};
 use kernels::mla::{MlaDims, MlaTactic, PAGE_TOKENS};
-use kernels::moe_gemm::Sm;
 use project_tests::golden_path;
 
 /// RTX PRO 6000 Blackwell: the split planner's SM count.

@@ -11,11 +11,11 @@
 use std::time::Instant;
 
 use cuda_host::{HostDevice, Schedule};
+use kernels::arch::Sm;
 use kernels::moe_gemm::check::check_case_with;
-use kernels::moe_gemm::launch::{
-    GroupedRouting, MoeDeviceRouting, MoeDeviceWeights, MoeKernels, check_problem,
-};
-use kernels::moe_gemm::{MoeGemmTactic, ScaleLoad, Sm};
+use kernels::moe_gemm::launch::{GroupedRouting, MoeDeviceRouting, MoeDeviceWeights, MoeKernels};
+use kernels::moe_gemm::tactic::check_problem;
+use kernels::moe_gemm::{MoeGemmTactic, ScaleLoad};
 use project_tests::moe_goldens::kernel_golden_cases;
 
 #[test]
@@ -101,8 +101,9 @@ fn every_moe_tactic_matches_the_goldens_on_the_host() {
 /// Zero columns must change nothing: the same tolerance as the unpadded goldens.
 #[test]
 fn the_golden_models_padded_expert_shapes_match_on_the_host() {
-    use kernels::moe_gemm::check::{Case, Rng, random_case};
+    use kernels::moe_gemm::check::{Case, random_case};
     use kernels::moe_gemm::launch::kernel_inter;
+    use kernels::rng::Rng;
     use project_tests::moe_goldens::{WeightSource, kernel_case, load_file};
     let heavy = load_file("moe/small.safetensors", |_| WeightSource::Stored)
         .into_iter()

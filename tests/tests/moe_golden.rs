@@ -10,8 +10,8 @@
 //! few ulps). A larger error means different quantized values, i.e. different semantics.
 
 use kernels::cpu_tactic::{CpuTactic, MoeDot};
+use kernels::isa::Isa;
 use kernels::moe_gemm::cpu::{moe_cpu_tuned, moe_cpu_with};
-use kernels::moe_gemm::cpu_simd::Isa;
 use kernels::moe_gemm::reference::moe_reference;
 use model::checkpoint::tensor_file::TensorFile;
 use project_tests::golden_path;

@@ -23,10 +23,10 @@ use std::fmt::Write as _;
 
 use kernels::cpu_tactic::{CpuTactic, MoeDot};
 use kernels::formats::nvfp4::{NVFP4_BLOCK, Nvfp4View};
+use kernels::isa::Isa;
 use kernels::matrix::MatrixView;
 use kernels::moe_gemm::cpu::moe_cpu_tuned;
 use kernels::moe_gemm::cpu_int::IntKernel;
-use kernels::moe_gemm::cpu_simd::Isa;
 use kernels::moe_gemm::reference::{ExpertView, Routing, moe_reference};
 use rayon::prelude::*;
 

@@ -148,7 +148,7 @@ fn main() -> Result<()> {
         o.tactics.display(),
         cpu_model(),
         std::thread::available_parallelism().map_or(1, |n| n.get()),
-        kernels::moe_gemm::cpu_simd::Isa::detect(),
+        kernels::isa::Isa::detect(),
         utc_date(),
         load_average(),
         o.rounds,

@@ -3,9 +3,10 @@
 
 use std::sync::Mutex;
 
-use kernels::blas::BlasGemm;
-use kernels::device::{Device, DeviceError, DeviceMemory, KernelParams, LaunchConfig, Result};
-use kernels::moe_gemm::Sm;
+use kernels::arch::Sm;
+use kernels::device::{
+    BlasGemm, Device, DeviceError, DeviceMemory, KernelParams, LaunchConfig, Result,
+};
 
 use crate::{DeviceBuffer, Function, LaunchOptions, LaunchStats, Module, Schedule, launch};
 

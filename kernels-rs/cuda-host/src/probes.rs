@@ -193,10 +193,10 @@ pub fn convert<D: Device>(dev: &D, values: &[f32]) -> Result<Conversions> {
 
 /// Test inputs both the host tests and the GPU comparison use.
 pub mod inputs {
-    use kernels::moe_gemm::check::Rng;
     use kernels::moe_gemm::mma_sm120::{
         self, LaneOperands, MMA_K, MMA_M, MMA_N, MmaTile, SF_PER_K, ScaleSelector,
     };
+    use kernels::rng::Rng;
 
     /// Element i of a lane's fragment in the PTX ISA's m16n8k16 (BF16) and m16n8k32 (E4M3)
     /// layouts: `(row, col)` of A, `(k, n)` of B, `(row, col)` of C/D.

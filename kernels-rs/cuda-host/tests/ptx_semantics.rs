@@ -13,10 +13,10 @@ use cuda_host::{
     DeviceBuffer, Function, HostDevice, HostError, KernelParams, LaunchConfig, LaunchOptions,
     Module, Schedule, launch,
 };
+use kernels::arch::Sm;
 use kernels::formats::{e2m1_to_f32, e4m3_to_f32, ue4m3_to_f32};
-use kernels::moe_gemm::Sm;
-use kernels::moe_gemm::check::Rng;
 use kernels::moe_gemm::mma_sm120::{self, LaneOperands, MMA_K, MMA_M, MMA_N, ScaleSelector};
+use kernels::rng::Rng;
 
 fn probe(name: &str) -> Function {
     Module::find("ptx_probe", "default")
@@ -381,7 +381,7 @@ fn arguments_and_configurations_are_checked_before_running() {
 #[test]
 fn every_family_has_its_tactics_compiled() {
     let count = |f: &str| Module::family(f).len();
-    let moe: std::collections::BTreeSet<String> = kernels::moe_gemm::Sm::ALL
+    let moe: std::collections::BTreeSet<String> = kernels::arch::Sm::ALL
         .iter()
         .flat_map(|&sm| kernels::moe_gemm::MoeGemmTactic::enumerate(sm))
         .map(|t| t.id())

@@ -45,7 +45,6 @@ pub mod testing;
 pub mod topology;
 
 pub use algorithm::{Algorithm, Transfer, reference_reduce};
-pub use cpu::{CpuCommunicator, CpuConfig};
 pub use element::{DType, Element};
 pub use topology::{IslandLevel, Islands, LinkKind, Topology};
 

@@ -4,6 +4,7 @@
 //!
 //! One kernel image (cubin) serves every block count of an (algorithm, dtype, threads): the
 //! block count is only the launch's grid size, so the compile gate builds images, not tactics.
+//! [`AllReduceTactic`] implements [`Tactic`] here, with the default `CudaIpcConfig` runs.
 
 use std::fmt;
 
@@ -12,6 +13,8 @@ use super::algorithm::{Algorithm, Transfer};
 use super::cost::{Choice, Host, LinkParams};
 use super::element::DType;
 use super::layout::{LINE, MAX_PHASES, SegmentLayout};
+use crate::arch::Sm;
+use crate::tactic::{KernelFamily, ProblemShape, Tactic, TacticError};
 
 /// Kernel family name: the folder under `ptx/` and the manifest's `family`.
 pub const FAMILY: &str = "allreduce";
@@ -130,6 +133,70 @@ impl AllReduceTactic {
 impl fmt::Display for AllReduceTactic {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.id())
+    }
+}
+
+impl Tactic for AllReduceTactic {
+    const FAMILY: KernelFamily = KernelFamily::AllReduce;
+
+    fn tactic_id(&self) -> String {
+        self.id()
+    }
+
+    fn parse_id(id: &str) -> Result<Self, TacticError> {
+        AllReduceTactic::parse(id).ok_or_else(|| TacticError::Parse(id.to_string()))
+    }
+
+    fn image_id(&self) -> String {
+        AllReduceTactic::image_id(self)
+    }
+
+    /// Every image is built for both SMs; only the block count and threads are checked.
+    fn validate_for(&self, _sm: Sm) -> Result<(), TacticError> {
+        self.validate()
+            .map_err(|why| TacticError::invalid(self.id(), why))
+    }
+
+    /// The flag and status words of the kernel's static shared memory (the manifest's
+    /// `static_smem_bytes`: 136 B, 264 B for the hierarchical exchange).
+    fn smem_bytes(&self) -> usize {
+        match self.algorithm {
+            Algorithm::IslandHierarchical(_) => 264,
+            _ => 136,
+        }
+    }
+
+    fn space(_sm: Sm) -> Vec<Self> {
+        AllReduceTactic::enumerate()
+    }
+
+    fn serves(&self, shape: &ProblemShape) -> bool {
+        match shape {
+            ProblemShape::AllReduce { dtype, ranks, .. } => {
+                dtype == self.dtype.id()
+                    && (*ranks as usize) <= MAX_RANKS
+                    && (!matches!(self.algorithm, Algorithm::IslandHierarchical(_)) || *ranks >= 4)
+            }
+            _ => false,
+        }
+    }
+
+    /// What `CudaIpcConfig::default` runs: one-shot pull, 512 threads, blocks by size.
+    fn heuristic_default(_sm: Sm, shape: &ProblemShape) -> Option<Self> {
+        let ProblemShape::AllReduce {
+            elements, dtype, ..
+        } = shape
+        else {
+            return None;
+        };
+        let dtype: DType = dtype.parse().ok()?;
+        let bytes = *elements as usize * dtype.size();
+        Some(AllReduceTactic {
+            algorithm: Algorithm::OneShot(Transfer::Pull),
+            dtype,
+            threads: 512,
+            blocks: default_blocks(bytes),
+        })
     }
 }
 
@@ -724,5 +791,23 @@ mod tests {
             KernelStatus::decode(9u64 << 56),
             KernelStatus::Unknown(_)
         ));
+    }
+
+    #[test]
+    fn the_space_round_trips() {
+        crate::tactic::assert_space_round_trips::<AllReduceTactic>();
+    }
+
+    #[test]
+    fn the_default_serves_its_shape() {
+        let ar = ProblemShape::AllReduce {
+            elements: 7168,
+            dtype: "bf16".into(),
+            ranks: 8,
+        };
+        for sm in Sm::ALL {
+            let t = AllReduceTactic::heuristic_default(sm, &ar).unwrap();
+            assert!(t.serves(&ar) && t.blocks == 1);
+        }
     }
 }

@@ -2,23 +2,15 @@
 //! parent process can compute the expected result of ranks running elsewhere.
 
 use super::element::Element;
-
-/// splitmix64: tiny, seedable, and identical in every process.
-fn splitmix64(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
+use crate::rng::Rng;
 
 /// Rank `rank`'s input for `seed`: signed values spread over several binades, so that the
 /// reduction order changes the rounded result and an order bug shows up as different bits.
 pub fn rank_input<T: Element>(seed: u64, rank: usize, len: usize) -> Vec<T> {
-    let mut state = seed ^ (rank as u64).wrapping_mul(0xa076_1d64_78bd_642f);
+    let mut rng = Rng(seed ^ (rank as u64).wrapping_mul(0xa076_1d64_78bd_642f));
     (0..len)
         .map(|_| {
-            let bits = splitmix64(&mut state);
+            let bits = rng.next_u64();
             let mantissa = (bits & 0xffff) as f32 / 65536.0 + 0.5;
             let exponent = ((bits >> 16) % 12) as i32 - 4;
             let sign = if bits >> 63 == 1 { -1.0 } else { 1.0 };

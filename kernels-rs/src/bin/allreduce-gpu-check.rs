@@ -29,7 +29,7 @@ use kernels::allreduce::tactic::{AllReduceTactic, BLOCKS, ChoicePolicy};
 use kernels::allreduce::testing::{rank_input, residual_input};
 use kernels::allreduce::{Algorithm, AllReduceError, DType, Element, Islands, reference_reduce};
 use kernels::cuda::{default_ptx_dir, median};
-use kernels::tactic::timing::time_in_process;
+use kernels::timed_device::time_in_process;
 use serde_json::{Value, json};
 
 const CAPACITY: usize = 8 << 20;

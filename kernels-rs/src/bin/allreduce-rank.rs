@@ -18,10 +18,9 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use half::bf16;
+use kernels::allreduce::cpu::{CpuCommunicator, CpuConfig};
 use kernels::allreduce::testing::{digest, rank_input, residual_input};
-use kernels::allreduce::{
-    Algorithm, AllReduceError, CpuCommunicator, CpuConfig, DType, Element, Islands,
-};
+use kernels::allreduce::{Algorithm, AllReduceError, DType, Element, Islands};
 
 struct Args(HashMap<String, String>);
 

@@ -38,16 +38,18 @@ use half::bf16;
 use kernels::cuda::{GpuContext, default_ptx_dir, median};
 use kernels::formats::nvfp4::Nvfp4Matrix;
 use kernels::moe_gemm::check::{
-    Case, Compare, MAX_ABS_TOL, REL_L2_TOL, Rng, check_case, compare, kernel_model, random_case,
+    Case, Compare, MAX_ABS_TOL, REL_L2_TOL, check_case, compare, kernel_model, random_case,
+    random_moe_weights,
 };
 use kernels::moe_gemm::launch::{
     ExpertWeights, GroupedRouting, MoeDeviceActivations, MoeDeviceRouting, MoeDeviceWeights,
-    MoeKernels, MoeWeightsHost, check_problem,
+    MoeKernels, MoeWeightsHost,
 };
 use kernels::moe_gemm::reference::Routing;
+use kernels::moe_gemm::tactic::check_problem;
 use kernels::moe_gemm::{KernelVariant, MoeGemmTactic, ScaleLoad};
+use kernels::rng::Rng;
 use kernels::tactic::Tactic;
-use kernels::tactic::timing::random_moe_weights;
 use serde_json::{Value, json};
 
 const USAGE: &str = "usage: gpu-check [--ptx-dir DIR] [--golden-dir DIR] [--out DIR] [--device N]

@@ -19,8 +19,9 @@
 #[path = "ptx-gate/allreduce.rs"]
 mod allreduce;
 
+use kernels::arch::Sm;
 use kernels::mla::MlaTactic;
-use kernels::moe_gemm::{MoeGemmTactic, Sm};
+use kernels::moe_gemm::MoeGemmTactic;
 use kernels::tactic::{KernelFamily, Tactic};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;

@@ -13,8 +13,9 @@ use cudarc::cublaslt::result::{self as lt, CublasError};
 use cudarc::cublaslt::sys;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
-use super::{Context, CudaError, Result, no_panic};
-use crate::blas::{BlasGemm, FAMILY, KERNEL};
+use super::driver_errors::{Context, no_panic};
+use crate::blas::{FAMILY, KERNEL};
+use crate::device::{BlasGemm, DeviceError, Result};
 
 /// The workspace NVIDIA recommends for Hopper and later (SM90, SM120): 32 MiB.
 const WORKSPACE_BYTES: usize = 32 << 20;
@@ -28,8 +29,8 @@ pub fn library_present() -> bool {
     unsafe { sys::is_culib_present() }
 }
 
-fn lt_error(what: impl FnOnce() -> String) -> impl FnOnce(CublasError) -> CudaError {
-    move |e| CudaError::Driver {
+fn lt_error(what: impl FnOnce() -> String) -> impl FnOnce(CublasError) -> DeviceError {
+    move |e| DeviceError::Driver {
         what: what(),
         detail: format!("{e:?}"),
     }
@@ -85,7 +86,7 @@ impl Blas {
     /// Opens the library and allocates the workspace on `stream`'s context.
     pub(crate) fn open(stream: &Arc<CudaStream>) -> Result<Self> {
         if !library_present() {
-            return Err(CudaError::Driver {
+            return Err(DeviceError::Driver {
                 what: format!("{FAMILY}: opening libcublasLt"),
                 detail: "the library (libcublasLt.so) could not be opened; install the CUDA \
                          cuBLAS runtime or put its folder on LD_LIBRARY_PATH"

@@ -20,16 +20,17 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags, CUfunction_attribute};
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
-    DevicePtrMut, DriverError,
+    DevicePtrMut,
 };
 use cudarc::nvrtc::Ptx;
 
-use crate::blas::BlasGemm;
-use crate::device::{Device, DeviceMemory, KernelParams, LaunchConfig};
+use crate::device::{BlasGemm, Device, DeviceMemory, KernelParams, LaunchConfig};
 
 mod blas;
-use crate::moe_gemm::Sm;
+mod driver_errors;
+use crate::arch::Sm;
 pub use blas::library_present as cublaslt_present;
+use driver_errors::{Context, no_panic};
 
 pub use crate::tactic::timing::PTX_DIR_ENV;
 
@@ -38,43 +39,10 @@ pub use crate::device::DeviceError as CudaError;
 
 pub type Result<T> = std::result::Result<T, CudaError>;
 
-/// Attaches a description of the operation to a driver error.
-pub(crate) trait Context<T> {
-    fn during(self, what: impl FnOnce() -> String) -> Result<T>;
-}
-
-impl<T> Context<T> for std::result::Result<T, DriverError> {
-    fn during(self, what: impl FnOnce() -> String) -> Result<T> {
-        self.map_err(|err| CudaError::Driver {
-            what: what(),
-            detail: err.to_string(),
-        })
-    }
-}
-
 /// Whether the driver library can be opened. Cheap; never panics.
 pub fn driver_present() -> bool {
     // SAFETY: only tries to dlopen the library candidates and drops them again.
     unsafe { cudarc::driver::sys::is_culib_present() }
-}
-
-/// Runs `f`, turning a panic inside cudarc (missing library or symbol) into an error, so a
-/// broken driver installation is reported instead of aborting the caller.
-fn no_panic<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
-        Ok(r) => r,
-        Err(payload) => {
-            let detail = payload
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "unknown panic".into());
-            Err(CudaError::DriverPanic {
-                what: what.into(),
-                detail,
-            })
-        }
-    }
 }
 
 /// The SM whose cubins a device of compute capability `major.minor` runs. The `a` targets

@@ -40,15 +40,12 @@
 use half::bf16;
 
 use super::bf16_tile::{LANES, SETS};
-use crate::moe_gemm::cpu_simd::Isa;
+use crate::isa::Isa;
 
 /// Elements one step of every set covers.
 const STEP: usize = LANES * SETS;
 /// Rows of one tile.
 pub const TILE_ROWS: usize = 4;
-/// Below this many tokens a product takes the register tiles: the panel costs a write and a
-/// read of f32 per weight, which only pays when the weights serve many tokens.
-pub const PANEL_MIN_TOKENS: usize = 8;
 /// Bytes of f32 panel a task widens at once: rows beyond it are widened in further rounds, so
 /// the panel stays in the L2 of the smallest cores the project runs on (512 KiB on Zen 3),
 /// next to the token tile's activations.

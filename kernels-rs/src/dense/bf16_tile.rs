@@ -38,7 +38,8 @@
 
 use half::bf16;
 
-use crate::moe_gemm::cpu_simd::{Isa, PrefetchHint, PrefetchReach};
+use crate::isa::Isa;
+use crate::prefetch::{PrefetchHint, PrefetchReach};
 
 /// Lanes of a set (one `zmm` of f32).
 pub const LANES: usize = 16;

@@ -5,8 +5,8 @@
 use rayon::prelude::*;
 
 use crate::cpu_tactic::CpuTactic;
+use crate::isa::Isa;
 use crate::matrix::MatrixView;
-use crate::moe_gemm::cpu_simd::Isa;
 use crate::scratch::sized;
 
 pub mod bf16_panel;

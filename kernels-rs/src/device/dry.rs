@@ -12,9 +12,8 @@
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::{Device, DeviceError, DeviceMemory, KernelParams, LaunchConfig, Result};
+use super::{BlasGemm, Device, DeviceError, DeviceMemory, KernelParams, LaunchConfig, Result};
 use crate::arch::{MAX_BLOCK_DIM, MAX_GRID_DIM, MAX_THREADS_PER_BLOCK, Sm};
-use crate::blas::BlasGemm;
 
 /// Where the first allocation's fake address lies: far from null, so a zero address in a
 /// parameter block is never mistaken for one of these.

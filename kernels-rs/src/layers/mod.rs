@@ -15,8 +15,9 @@
 
 pub mod sampling;
 
+use crate::arch::Sm;
 use crate::device::{Device, DeviceError, DeviceMemory, KernelParams, LaunchConfig, Result};
-use crate::tactic::ProblemShape;
+use crate::tactic::{KernelFamily, ProblemShape, Tactic, TacticError};
 
 pub const FAMILY: &str = "layers";
 /// The only image of the family.
@@ -32,6 +33,44 @@ const WARPS: u32 = THREADS / 32;
 pub const MAX_EXPERTS: usize = 1024;
 /// Expert groups `route_noaux_tc` handles (a 64-bit mask of the kept ones).
 pub const MAX_GROUPS: usize = 64;
+
+impl Tactic for LayersTactic {
+    const FAMILY: KernelFamily = KernelFamily::Layers;
+
+    fn tactic_id(&self) -> String {
+        IMAGE.to_string()
+    }
+
+    fn parse_id(id: &str) -> std::result::Result<Self, TacticError> {
+        if id == IMAGE {
+            Ok(LayersTactic)
+        } else {
+            Err(TacticError::Parse(id.to_string()))
+        }
+    }
+
+    fn validate_for(&self, _sm: Sm) -> std::result::Result<(), TacticError> {
+        Ok(())
+    }
+
+    /// `route_noaux_tc`'s dynamic shared memory at its largest (one f32 score and one
+    /// selection score per expert).
+    fn smem_bytes(&self) -> usize {
+        2 * 4 * MAX_EXPERTS
+    }
+
+    fn space(_sm: Sm) -> Vec<Self> {
+        vec![LayersTactic]
+    }
+
+    fn serves(&self, shape: &ProblemShape) -> bool {
+        matches!(shape, ProblemShape::Dense { .. })
+    }
+
+    fn heuristic_default(_sm: Sm, shape: &ProblemShape) -> Option<Self> {
+        matches!(shape, ProblemShape::Dense { .. }).then_some(LayersTactic)
+    }
+}
 
 const KERNELS: [&str; 14] = [
     "embed_gather",
@@ -733,37 +772,6 @@ impl<D: Device> LayerKernels<D> {
         unsafe { dev.launch(self.kernel(K), rows_config(rows, K)?, &p) }
     }
 
-    /// `ids [rows]` = one draw per row of `logits [rows][vocab]` under `params [rows]`
-    /// ([`sampling::SampleRow`]). Rows with a temperature above 0 are overwritten with their
-    /// unnormalized probabilities. The CPU reference is [`sampling::sample_row`].
-    pub fn sample_rows(
-        &self,
-        dev: &D,
-        logits: &D::Memory,
-        rows: usize,
-        vocab: usize,
-        params: &D::Memory,
-        ids: &D::Memory,
-    ) -> Result<()> {
-        const K: &str = "sample_rows";
-        need(logits, rows * vocab * F32, K, "logits")?;
-        need(params, rows * sampling::SAMPLE_ROW_BYTES, K, "params")?;
-        need(ids, rows * I32, K, "ids")?;
-        let (l, s, i) = (logits.device_ptr(), params.device_ptr(), ids.device_ptr());
-        let vocab = as_i32(vocab, K, "vocab")?;
-        let mut p = KernelParams::new();
-        p.arg(&l).arg(&vocab).arg(&s).arg(&i);
-        // At a temperature the row is rewritten as probabilities; the key searches re-read it
-        // (from L2 on a GPU), which is not counted.
-        let row_bytes = rows * vocab as usize * F32;
-        p.traffic(
-            row_bytes + rows * sampling::SAMPLE_ROW_BYTES,
-            row_bytes + rows * I32,
-        );
-        // SAFETY: `sample_rows(float*, int, const SampleRow*, int*)`; sizes checked above.
-        unsafe { dev.launch(self.kernel(K), rows_config(rows, K)?, &p) }
-    }
-
     /// Per head `h < heads`: `y[t, h] = x[t, h] · W_hᵀ` for `t < tokens`, with `W_h` the BF16
     /// `[n][k]` matrix at element `w_offset + h · w_head_stride` of `w`. `x` (FP32, `k` values
     /// per head) and `y` (`n` values per head, `y_type`) are strided views ([`HeadRows`]); the
@@ -928,5 +936,15 @@ impl<D: Device> LayerKernels<D> {
         // SAFETY: `gather_rows(const float*, const int*, int, float*)`; sizes checked above;
         // the caller guarantees the row indices (the executor builds them from its own rows).
         unsafe { dev.launch(self.kernel(K), rows_config(selected, K)?, &p) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_space_round_trips() {
+        crate::tactic::assert_space_round_trips::<LayersTactic>();
     }
 }

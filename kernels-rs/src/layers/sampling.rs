@@ -1,4 +1,5 @@
-//! Sampling on the device (`sample_rows` in `layers.cu`) and its CPU reference.
+//! Sampling on the device (`sample_rows` in `layers.cu`, launched by
+//! [`LayerKernels::sample_rows`]) and its CPU reference.
 //!
 //! A draw is a pure function of the logits and one [`SampleRow`]: temperature, top-k, top-p,
 //! and a counter-based random number (Philox4x32-10 of the sequence's seed and the draw's
@@ -12,7 +13,8 @@
 //! combines them during the searches, a sequential scan for the draw), which
 //! [`sample_row`] reproduces bit for bit, `expf` included.
 
-use super::THREADS;
+use super::{F32, I32, LayerKernels, THREADS, as_i32, need, rows_config};
+use crate::device::{Device, DeviceMemory, KernelParams, Result};
 
 /// One row's sampling parameters, as `sample_rows` reads them (`struct SampleRow`).
 #[repr(C)]
@@ -32,6 +34,37 @@ pub struct SampleRow {
 
 /// Bytes of one [`SampleRow`] (the kernel asserts the same size).
 pub const SAMPLE_ROW_BYTES: usize = std::mem::size_of::<SampleRow>();
+
+/// The device's draw, beside its reference.
+impl<D: Device> LayerKernels<D> {
+    /// `ids [rows]` = one draw per row of `logits [rows][vocab]` under `params [rows]`
+    /// ([`SampleRow`]). Rows with a temperature above 0 are overwritten with their
+    /// unnormalized probabilities. The CPU reference is [`sample_row`].
+    pub fn sample_rows(
+        &self,
+        dev: &D,
+        logits: &D::Memory,
+        rows: usize,
+        vocab: usize,
+        params: &D::Memory,
+        ids: &D::Memory,
+    ) -> Result<()> {
+        const K: &str = "sample_rows";
+        need(logits, rows * vocab * F32, K, "logits")?;
+        need(params, rows * SAMPLE_ROW_BYTES, K, "params")?;
+        need(ids, rows * I32, K, "ids")?;
+        let (l, s, i) = (logits.device_ptr(), params.device_ptr(), ids.device_ptr());
+        let vocab = as_i32(vocab, K, "vocab")?;
+        let mut p = KernelParams::new();
+        p.arg(&l).arg(&vocab).arg(&s).arg(&i);
+        // At a temperature the row is rewritten as probabilities; the key searches re-read it
+        // (from L2 on a GPU), which is not counted.
+        let row_bytes = rows * vocab as usize * F32;
+        p.traffic(row_bytes + rows * SAMPLE_ROW_BYTES, row_bytes + rows * I32);
+        // SAFETY: `sample_rows(float*, int, const SampleRow*, int*)`; sizes checked above.
+        unsafe { dev.launch(self.kernel(K), rows_config(rows, K)?, &p) }
+    }
+}
 
 const PHILOX_M0: u64 = 0xD251_1F53;
 const PHILOX_M1: u64 = 0xCD9E_8D57;

@@ -20,7 +20,7 @@ use crate::cpu_tactic::{CpuTactic, MLA_TILE};
 use crate::formats::widen_bf16;
 #[cfg(target_arch = "x86_64")]
 use crate::formats::widen16_bf16;
-use crate::moe_gemm::cpu_simd::Isa;
+use crate::isa::Isa;
 use crate::scratch::sized;
 
 /// Tokens dequantized together and reused by every head.

@@ -642,10 +642,10 @@ fn score_tile(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::arch::Sm;
     use crate::mla::cache::{KvCacheDtype, LatentCacheShape, PagedLatentCache, fp8_token_scale};
     use crate::mla::reference::{AttentionQuery, MlaProblem, mla_attention_reference};
     use crate::mla::tactic::MlaDims;
-    use crate::moe_gemm::Sm;
 
     #[test]
     fn e4m3_to_bf16_widening_is_exact_for_every_code() {

@@ -7,12 +7,16 @@
 //!
 //! The split count of flash-decoding is a launch-time choice ([`MlaTactic::plan_splits`]): it
 //! depends on the batch, the lengths and the SM count, not on the compiled code. The tactic
-//! only caps it (`max_splits`), which sizes the partial-result workspace.
+//! only caps it (`max_splits`), which sizes the partial-result workspace; [`MlaSplitTactic`]
+//! fixes it instead, for the tuning lab.
+//!
+//! Both implement [`Tactic`] here, and the MLA problem shapes are built from an [`MlaDims`]
+//! here too ([`ProblemShape::mla`]), so the tactic layer needs no MLA type.
 
 use std::fmt;
 
 use crate::arch::{MAX_THREADS_PER_BLOCK, Sm, WARP_SIZE};
-use crate::tactic::TacticError;
+use crate::tactic::{KernelFamily, ProblemShape, Tactic, TacticError};
 
 /// The widths of a cached token's row: `latent` values (`kv_lora_rank`) and `rope` values
 /// (`qk_rope_head_dim`). Each kernel image is compiled for one (the tactic's); a model runs on
@@ -480,6 +484,148 @@ impl fmt::Display for MlaTactic {
     }
 }
 
+/// The MLA decode shapes, built from the family's cache-row widths.
+impl ProblemShape {
+    /// An MLA decode shape over cache rows of `dims`.
+    pub fn mla(batch: u32, heads: u32, context: u32, fp8_cache: bool, dims: MlaDims) -> Self {
+        ProblemShape::Mla {
+            batch,
+            heads,
+            context,
+            fp8_cache,
+            latent: dims.latent as u32,
+            rope: dims.rope as u32,
+        }
+    }
+
+    /// The cache row's widths of an MLA shape.
+    pub fn mla_dims(&self) -> Option<MlaDims> {
+        match *self {
+            ProblemShape::Mla { latent, rope, .. } => Some(MlaDims {
+                latent: latent as usize,
+                rope: rope as usize,
+            }),
+            _ => None,
+        }
+    }
+}
+
+impl Tactic for MlaTactic {
+    const FAMILY: KernelFamily = KernelFamily::MlaDecode;
+
+    fn tactic_id(&self) -> String {
+        self.id()
+    }
+
+    fn parse_id(id: &str) -> Result<Self, TacticError> {
+        MlaTactic::parse(id)
+    }
+
+    fn validate_for(&self, sm: Sm) -> Result<(), TacticError> {
+        self.validate()?;
+        let smem = self.smem().total;
+        if smem > sm.smem_optin_per_block() {
+            return Err(TacticError::invalid(
+                self.id(),
+                format!(
+                    "{smem} B of shared memory > {} B on {sm}",
+                    sm.smem_optin_per_block()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn smem_bytes(&self) -> usize {
+        self.smem().total
+    }
+
+    fn space(sm: Sm) -> Vec<Self> {
+        MlaTactic::enumerate(sm)
+    }
+
+    fn serves(&self, shape: &ProblemShape) -> bool {
+        match shape {
+            ProblemShape::Mla { fp8_cache, .. } => {
+                self.kind.is_fp8() == *fp8_cache && shape.mla_dims() == Some(self.dims)
+            }
+            _ => false,
+        }
+    }
+
+    /// The first gated tactic of the cache's kind (FP8 caches: the exact widening kind) and
+    /// widths.
+    fn heuristic_default(sm: Sm, shape: &ProblemShape) -> Option<Self> {
+        let ProblemShape::Mla { fp8_cache, .. } = shape else {
+            return None;
+        };
+        let kind = if *fp8_cache {
+            MlaKind::Fp8
+        } else {
+            MlaKind::Bf16
+        };
+        Self::space(sm)
+            .into_iter()
+            .find(|t| t.kind == kind && t.serves(shape))
+    }
+}
+
+/// MLA decode with a fixed split count: the family's tuned launch tactic (the kernel's image
+/// is [`MlaTactic`]'s).
+impl Tactic for MlaSplitTactic {
+    const FAMILY: KernelFamily = KernelFamily::MlaDecode;
+
+    fn tactic_id(&self) -> String {
+        self.id()
+    }
+
+    fn parse_id(id: &str) -> Result<Self, TacticError> {
+        MlaSplitTactic::parse(id)
+    }
+
+    fn image_id(&self) -> String {
+        self.kernel.id()
+    }
+
+    fn validate_for(&self, sm: Sm) -> Result<(), TacticError> {
+        self.validate()?;
+        self.kernel.validate_for(sm)
+    }
+
+    fn smem_bytes(&self) -> usize {
+        self.kernel.smem().total
+    }
+
+    fn space(sm: Sm) -> Vec<Self> {
+        MlaSplitTactic::enumerate(sm)
+    }
+
+    fn serves(&self, shape: &ProblemShape) -> bool {
+        self.kernel.serves(shape)
+    }
+
+    /// The default kernel with the split count the planner picks for the reference GPU.
+    fn heuristic_default(sm: Sm, shape: &ProblemShape) -> Option<Self> {
+        let kernel = MlaTactic::heuristic_default(sm, shape)?;
+        let ProblemShape::Mla {
+            batch,
+            heads,
+            context,
+            ..
+        } = *shape
+        else {
+            return None;
+        };
+        let splits = kernel.plan_splits(
+            batch as usize,
+            heads as usize,
+            context as usize,
+            sm.reference_gpu().sms as usize,
+        );
+        Some(MlaSplitTactic { kernel, splits })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -593,5 +739,56 @@ mod tests {
         assert_eq!(t.plan_splits(512, 64, 8192, 188), 1);
         // 64 splits × 8 heads × 513 f32 for one request.
         assert_eq!(t.workspace_bytes(1, 8), 4 * 64 * 8 * 513);
+    }
+
+    #[test]
+    fn the_spaces_round_trip_and_fit_where_they_are_built() {
+        crate::tactic::assert_space_round_trips::<MlaTactic>();
+        crate::tactic::assert_space_round_trips::<MlaSplitTactic>();
+    }
+
+    #[test]
+    fn a_tactic_that_overflows_sm120_is_refused_there() {
+        let t = MlaTactic::parse("bf16_h32_t32_w8_s3_sp64").unwrap();
+        assert!(t.fits_on(Sm::Sm90));
+        let e = t.validate_for(Sm::Sm120).unwrap_err();
+        assert!(e.to_string().contains("shared memory"), "{e}");
+    }
+
+    #[test]
+    fn defaults_serve_their_shape() {
+        for sm in Sm::ALL {
+            let mla = ProblemShape::mla(1, 8, 4096, true, MlaDims::KIMI);
+            let t = MlaTactic::heuristic_default(sm, &mla).unwrap();
+            assert!(t.serves(&mla) && t.kind.is_fp8());
+            assert_eq!(t.dims, MlaDims::KIMI);
+            // The small golden checkpoints' widths get their own images, which serve no
+            // Kimi-K2.5 shape.
+            let small = ProblemShape::mla(1, 4, 4096, false, MlaDims::GOLDEN_SMALL);
+            let s = MlaTactic::heuristic_default(sm, &small).unwrap();
+            assert!(s.serves(&small) && s.kind == MlaKind::Bf16);
+            assert_eq!(s.dims, MlaDims::GOLDEN_SMALL);
+            assert!(!s.serves(&mla) && !t.serves(&small));
+            assert_eq!(small.bucket(), "mla_l64r16_b1_h4_c4096_bf16");
+            assert_eq!(mla.bucket(), "mla_b1_h8_c4096_fp8");
+        }
+        // A shape of another family is served by none.
+        let moe = ProblemShape::Moe {
+            tokens_per_expert: 1,
+            active_experts: 8,
+            hidden: 7168,
+            inter: 256,
+        };
+        assert!(MlaTactic::heuristic_default(Sm::Sm120, &moe).is_none());
+    }
+
+    #[test]
+    fn shapes_that_name_no_widths_are_kimis() {
+        let implied = crate::tactic::IMPLIED_MLA_WIDTHS;
+        let kimi = MlaDims::KIMI;
+        assert_eq!((kimi.latent as u32, kimi.rope as u32), implied);
+        let json = r#"{"kind": "mla", "batch": 1, "heads": 8, "context": 128, "fp8_cache": false}"#;
+        let shape: ProblemShape = serde_json::from_str(json).unwrap();
+        assert_eq!(shape, ProblemShape::mla(1, 8, 128, false, kimi));
     }
 }

@@ -1,7 +1,8 @@
 //! Correctness checking of the MoE kernels on any [`Device`], one harness for the GPU (the
 //! `gpu-check` binary, the GPU tests) and the host execution layer (the host tests): random
 //! Kimi-shaped problems with their CPU reference, poisoned buffers, two runs, and the
-//! comparison with its tolerance.
+//! comparison with its tolerance. Timing uses random weights of its own kind
+//! ([`random_moe_weights`]).
 
 use half::bf16;
 use serde_json::{Value, json};
@@ -15,6 +16,7 @@ use crate::formats::nvfp4::{Nvfp4Matrix, amax, global_scale_for_amax};
 use crate::matrix::MatrixView;
 use crate::moe_gemm::ScaleLoad;
 use crate::moe_gemm::reference::{ExpertInputAmax, ExpertView, Routing, moe_reference};
+use crate::rng::Rng;
 
 /// Largest accepted `‖out − ref‖₂ / ‖ref‖₂`. The kernels and the reference quantize the same
 /// activations the same way and differ only in f32 summation order (a correct kernel lands
@@ -25,32 +27,6 @@ pub const REL_L2_TOL: f64 = 1e-3;
 pub const MAX_ABS_TOL: f64 = 1e-2;
 /// Largest accepted relative L2 difference between two runs on the same inputs.
 pub const RUN_TO_RUN_TOL: f64 = 1e-5;
-
-/// SplitMix64: a dependency-free generator, good enough for test data.
-pub struct Rng(pub u64);
-
-impl Rng {
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [-1, 1).
-    pub fn sym(&mut self) -> f32 {
-        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-    pub fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
-    pub fn fill_bytes(&mut self, out: &mut [u8]) {
-        for chunk in out.chunks_mut(8) {
-            let v = self.next_u64().to_le_bytes();
-            chunk.copy_from_slice(&v[..chunk.len()]);
-        }
-    }
-}
 
 /// A correctness case: NVFP4 experts, BF16 activations, routing and the reference output.
 pub struct Case {
@@ -204,6 +180,37 @@ pub fn random_case(
         x_bf16,
         reference: out,
     }
+}
+
+/// One layer's routed experts with random NVFP4 codes and valid scales: timing needs
+/// real-looking bytes (no zeros, no NaN scales), not meaningful values.
+pub fn random_moe_weights(
+    seed: u64,
+    experts: usize,
+    hidden: usize,
+    inter: usize,
+) -> MoeWeightsHost {
+    let mut rng = Rng(seed);
+    let mut w = MoeWeightsHost {
+        experts,
+        hidden,
+        inter,
+        w13: vec![0; experts * 2 * inter * hidden / 2],
+        w13_sf: vec![0; experts * 2 * inter * hidden / 16],
+        w2: vec![0; experts * hidden * inter / 2],
+        w2_sf: vec![0; experts * hidden * inter / 16],
+        w13_gs: vec![1e-3; experts],
+        a13_gs: vec![1e-3; experts],
+        w2_gs: vec![1e-3; experts],
+        a2_gs: vec![1e-3; experts],
+    };
+    rng.fill_bytes(&mut w.w13);
+    rng.fill_bytes(&mut w.w2);
+    // UE4M3 codes 0x28..0x47: 2^-2 .. 2^1, far from NaN (0x7F) and subnormals.
+    for b in w.w13_sf.iter_mut().chain(w.w2_sf.iter_mut()) {
+        *b = 0x28 + (rng.next_u64() % 32) as u8;
+    }
+    w
 }
 
 #[derive(Clone, Debug, Default)]
@@ -418,4 +425,99 @@ pub fn kernel_model(
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::moe_gemm::launch::kernel_inter;
+
+    /// A random case ([`random_case`]: tokens, top-k, experts, hidden, inter), its
+    /// grouping and its BF16 input widened.
+    fn random_grouped(seed: u64, shape: [usize; 5]) -> (Case, GroupedRouting, Vec<f32>) {
+        let [tokens, top_k, experts, hidden, inter] = shape;
+        let case = random_case(
+            "random",
+            &mut Rng(seed),
+            tokens,
+            top_k,
+            experts,
+            hidden,
+            inter,
+        );
+        let g = GroupedRouting::new(&case.routing, case.experts()).unwrap();
+        let x = case
+            .x_bf16
+            .iter()
+            .map(|&b| half::bf16::from_bits(b).to_f32())
+            .collect();
+        (case, g, x)
+    }
+
+    #[test]
+    fn host_layout_read_as_the_kernels_do_matches_the_reference() {
+        // 2I = 192 rows and H = 160 rows: the swizzle's 128-row padding is exercised, and
+        // H/16 = 10 scale columns pads to 12.
+        let (case, g, x) = random_grouped(3, [6, 3, 6, 160, 96]);
+        for layout in [ScaleLoad::Swizzled128x4, ScaleLoad::RowMajor] {
+            let out = kernel_model(&case.weights, layout, &g, &x);
+            let c = compare(&out, &case.reference, &[]);
+            assert!(c.passed(), "{layout:?}: {c:?}");
+            assert!(c.rel_l2 < 1e-5, "{layout:?}: {c:?}");
+        }
+    }
+
+    /// Experts padded to the kernels' intermediate granularity (32 → 64 columns: a small
+    /// model's experts, or a TP rank's share) compute what the unpadded ones do, read as the
+    /// kernels read them, in both scale layouts; and padding is the identity where nothing is
+    /// missing.
+    #[test]
+    fn padded_experts_compute_the_unpadded_ones_output() {
+        assert_eq!(
+            [16, 32, 64, 128, 256, 2048].map(kernel_inter),
+            [64, 64, 64, 128, 256, 2048]
+        );
+        let (case, g, x) = random_grouped(5, [7, 2, 5, 128, 32]);
+        let padded = case.weights.clone().padded_inter(kernel_inter(32));
+        padded.check().unwrap();
+        assert_eq!(padded.inter, 64);
+        assert_eq!(
+            padded.clone().padded_inter(64).w13,
+            padded.w13,
+            "no-op padding"
+        );
+        for layout in [ScaleLoad::Swizzled128x4, ScaleLoad::RowMajor] {
+            let plain = kernel_model(&case.weights, layout, &g, &x);
+            let wide = kernel_model(&padded, layout, &g, &x);
+            assert_eq!(plain, wide, "{layout:?}");
+            let c = compare(&wide, &case.reference, &[]);
+            assert!(c.passed() && c.rel_l2 < 1e-5, "{layout:?}: {c:?}");
+        }
+        // The padded tensors hold the checkpoint's bytes where they were and zeros elsewhere.
+        let (h, i, ip) = (case.hidden, 32, 64);
+        for e in 0..case.experts() {
+            for half in 0..2 {
+                let src = &case.weights.w13[(2 * e + half) * i * h / 2..][..i * h / 2];
+                let dst = &padded.w13[(2 * e + half) * ip * h / 2..][..ip * h / 2];
+                assert_eq!(&dst[..i * h / 2], src);
+                assert!(dst[i * h / 2..].iter().all(|&b| b == 0));
+            }
+        }
+        for (row, padded_row) in case
+            .weights
+            .w2_sf
+            .chunks(i / 16)
+            .zip(padded.w2_sf.chunks(ip / 16))
+        {
+            assert_eq!(&padded_row[..i / 16], row);
+            assert!(padded_row[i / 16..].iter().all(|&b| b == 0));
+        }
+    }
+
+    #[test]
+    fn timing_weights_have_valid_scales() {
+        let w = random_moe_weights(1, 2, 256, 128);
+        w.check().unwrap();
+        assert!(w.w13_sf.iter().all(|&b| (0x28..0x48).contains(&b)));
+    }
 }

@@ -37,10 +37,11 @@ use std::ops::Range;
 use super::cpu_int::{
     INT_GROUP, IntActs, nvfp4_rows_dots_int, padded_blocks, padded_cols, quantize_row_int,
 };
-use super::cpu_simd::{Isa, fake_quantize_row_fast, interleave_blocks, nvfp4_rows_dots};
+use super::cpu_simd::{fake_quantize_row_fast, interleave_blocks, nvfp4_rows_dots};
 use super::reference::{ExpertInputAmax, ExpertView, Routing, silu};
 use crate::cpu_tactic::{CpuTactic, MoeDot};
 use crate::dense::dot;
+use crate::isa::Isa;
 use crate::matrix::MatrixView;
 use crate::scratch::sized;
 
@@ -860,27 +861,7 @@ mod tests {
     use super::*;
     use crate::formats::nvfp4::Nvfp4Matrix;
     use crate::moe_gemm::reference::moe_reference;
-
-    /// SplitMix64: a tiny deterministic generator, enough for test data.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^ (z >> 31)
-        }
-        fn uniform(&mut self) -> f32 {
-            (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-        }
-        fn below(&mut self, n: usize) -> usize {
-            (self.next() % n as u64) as usize
-        }
-        fn values(&mut self, n: usize, scale: f32) -> Vec<f32> {
-            (0..n).map(|_| self.uniform() * scale).collect()
-        }
-    }
+    use crate::rng::Rng;
 
     struct Weights {
         mats: Vec<[Nvfp4Matrix; 3]>,
@@ -892,7 +873,7 @@ mod tests {
             let mats = (0..num_experts)
                 .map(|_| {
                     let q = |rng: &mut Rng, r, c| {
-                        Nvfp4Matrix::quantize_weight(&rng.values(r * c, 0.05), r, c).unwrap()
+                        Nvfp4Matrix::quantize_weight(&rng.sym_values(r * c, 0.05), r, c).unwrap()
                     };
                     [
                         q(rng, inter, hidden),
@@ -946,7 +927,7 @@ mod tests {
             }
             experts.extend(chosen.iter().map(|&e| e as u32));
         }
-        let weights = (0..tokens * top_k).map(|_| rng.uniform().abs()).collect();
+        let weights = (0..tokens * top_k).map(|_| rng.sym().abs()).collect();
         Routing {
             top_k,
             experts,
@@ -1074,7 +1055,7 @@ mod tests {
                     continue;
                 }
                 let routing = routing(&mut rng, tokens, top_k, num_experts, &empty, heavy);
-                let x = rng.values(tokens * hidden, 1.0);
+                let x = rng.sym_values(tokens * hidden, 1.0);
                 for isa in Isa::all_supported() {
                     check(
                         isa,
@@ -1095,7 +1076,7 @@ mod tests {
         let (hidden, inter, num_experts, tokens, top_k, shards) = (96, 64, 3, 4, 2, 2);
         let full = Weights::new(&mut rng, num_experts, hidden, inter);
         let routing = routing(&mut rng, tokens, top_k, num_experts, &[], None);
-        let x = rng.values(tokens * hidden, 1.0);
+        let x = rng.sym_values(tokens * hidden, 1.0);
         let isa = Isa::detect();
         let whole = check(isa, "full", &x, hidden, &routing, &full.views());
         let part = inter / shards;
@@ -1152,7 +1133,7 @@ mod tests {
         let (hidden, inter) = (40, 24);
         let mats: Vec<Vec<bf16>> = (0..6)
             .map(|_| {
-                rng.values(hidden * inter, 0.2)
+                rng.sym_values(hidden * inter, 0.2)
                     .iter()
                     .map(|&v| bf16::from_f32(v))
                     .collect()
@@ -1183,9 +1164,9 @@ mod tests {
         let routing = Routing {
             top_k: 2,
             experts: vec![1, 0, 1, 0, 0, 1],
-            weights: rng.values(6, 1.0),
+            weights: rng.sym_values(6, 1.0),
         };
-        let x = rng.values(3 * hidden, 1.0);
+        let x = rng.sym_values(3 * hidden, 1.0);
         for isa in Isa::all_supported() {
             check(isa, "bf16", &x, hidden, &routing, &experts);
         }
@@ -1225,7 +1206,7 @@ mod tests {
             let w = Weights::new(&mut rng, num_experts, hidden, inter);
             let experts = w.views();
             let routing = routing(&mut rng, tokens, top_k, num_experts, &[], heavy);
-            let x = rng.values(tokens * hidden, 1.0);
+            let x = rng.sym_values(tokens * hidden, 1.0);
             for isa in Isa::all_supported() {
                 let run = |split| {
                     let mut out = vec![f32::NAN; tokens * hidden];
@@ -1270,7 +1251,7 @@ mod tests {
             let w = Weights::new(&mut rng, num_experts, hidden, inter);
             let experts = w.views();
             let routing = routing(&mut rng, tokens, top_k, num_experts, &[], None);
-            let x = rng.values(tokens * hidden, 1.0);
+            let x = rng.sym_values(tokens * hidden, 1.0);
             let pool = tactic.build_pool().unwrap();
             for isa in Isa::all_supported() {
                 let mut want = vec![0.0; tokens * hidden];

@@ -45,9 +45,9 @@
 
 use std::ops::Range;
 
-use super::cpu_simd::Isa;
 use crate::formats::e4m3::e4m3_to_f32;
 use crate::formats::nvfp4::{NVFP4_BLOCK, Nvfp4View, block_dequant_factor, block_scale_code};
+use crate::isa::Isa;
 
 /// Blocks per group: one per 32-bit lane of an AVX-512 register.
 pub const GROUP_BLOCKS: usize = 16;
@@ -496,7 +496,8 @@ mod x86 {
     use super::{GROUP_BLOCKS, GROUP_BYTES, GROUP_ELEMENTS, IntActs, WEIGHT_TABLE};
     use super::{padded_blocks, padded_cols};
     use crate::formats::nvfp4::{NVFP4_BLOCK, Nvfp4View};
-    use crate::moe_gemm::cpu_simd::{Isa, PrefetchHint, PrefetchReach};
+    use crate::isa::Isa;
+    use crate::prefetch::{PrefetchHint, PrefetchReach};
 
     /// 2¹²⁰: an E4M3 code's bits shifted into an f32's exponent and mantissa fields give the
     /// value times 2⁻¹²⁰, exactly, subnormal codes included (as in `cpu_simd`).
@@ -515,7 +516,7 @@ mod x86 {
     /// faster there with AVX2 forced on an AVX-512 machine).
     const AVX2_PREFETCH_ROWS: usize = 4;
     /// Packed bytes ahead that the one-row AVX2 kernels prefetch at least under
-    /// [`PrefetchReach::Far`](crate::moe_gemm::cpu_simd::PrefetchReach) and `Off` (AMD's
+    /// [`PrefetchReach::Far`](crate::prefetch::PrefetchReach) and `Off` (AMD's
     /// defaults; `Off` leaves only the dense BF16 rows to the hardware), as far as the VNNI
     /// kernel reaches.
     const AVX2_FAR_PREFETCH_BYTES: usize = PREFETCH_BYTES;
@@ -1759,21 +1760,7 @@ mod x86 {
 mod tests {
     use super::*;
     use crate::formats::nvfp4::{Nvfp4Matrix, fake_quantize_row};
-
-    /// SplitMix64: a tiny deterministic generator, enough for test data.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^ (z >> 31)
-        }
-        fn uniform(&mut self) -> f32 {
-            (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-        }
-    }
+    use crate::rng::Rng;
 
     /// Quantized activation rows, owned.
     struct Quantized {
@@ -1855,7 +1842,7 @@ mod tests {
         // negatives (the "−0" code), infinities and NaN.
         let cols = 4096 + 48;
         let mut values: Vec<f32> = (0..cols)
-            .map(|i| rng.uniform() * [1.0, 1e-3, 40.0, 1e-7][i / 16 % 4])
+            .map(|i| rng.sym() * [1.0, 1e-3, 40.0, 1e-7][i / 16 % 4])
             .collect();
         let ties = [
             6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75,
@@ -1921,7 +1908,7 @@ mod tests {
     /// Weights with ragged block counts, random codes and a spread of block scales.
     fn weights(rng: &mut Rng, rows: usize, cols: usize) -> Nvfp4Matrix {
         let values: Vec<f32> = (0..rows * cols)
-            .map(|i| rng.uniform() * [1.0, 0.01, 30.0][i / 16 % 3])
+            .map(|i| rng.sym() * [1.0, 0.01, 30.0][i / 16 % 3])
             .collect();
         Nvfp4Matrix::quantize_weight(&values, rows, cols).unwrap()
     }
@@ -1930,7 +1917,7 @@ mod tests {
         let wm = weights(rng, rows, cols);
         let w = wm.view();
         let deq = wm.dequantize();
-        let x: Vec<f32> = (0..n * cols).map(|_| rng.uniform() * 3.0).collect();
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.sym() * 3.0).collect();
         let q = Quantized::new(&x, cols, scale);
         let acts = q.acts();
         // Rows 1.. into a wider stride: the rest of `out` must stay untouched.

@@ -27,6 +27,7 @@ use crate::device::{
 use crate::formats::nvfp4::Nvfp4View;
 use crate::formats::swizzle::{SWIZZLE_ROWS, SWIZZLE_SCALE_COLS, SwizzledScales, round_up};
 use crate::moe_gemm::reference::Routing;
+use crate::moe_gemm::tactic::check_problem;
 use crate::moe_gemm::{MoeGemmTactic, ScaleLoad, SmemFootprint};
 
 pub const FAMILY: &str = "moe_gemm";
@@ -447,49 +448,6 @@ impl MoeGroupingBounds {
     pub fn token_tiles(&self, tile_m: u32) -> u32 {
         self.tokens_per_pass.div_ceil(tile_m as usize).max(1) as u32
     }
-}
-
-/// Shape constraints of `moe_gemm.cu` that it does not check itself: violating one makes the
-/// kernels skip rows or K tails, or issue misaligned `cp.async`, silently.
-pub fn check_problem(tactic: &MoeGemmTactic, hidden: usize, inter: usize) -> Result<()> {
-    let bad = |why: String| {
-        Err(DeviceError::Shape {
-            tactic: tactic.id(),
-            why,
-        })
-    };
-    let (tn, tk, sk) = (
-        tactic.tile_n as usize,
-        tactic.tile_k as usize,
-        tactic.split_k as usize,
-    );
-    if !hidden.is_multiple_of(tk) {
-        return bad(format!("hidden {hidden} is not a multiple of tile_k {tk}"));
-    }
-    if !hidden.is_multiple_of(tn) {
-        return bad(format!(
-            "hidden {hidden} is not a multiple of tile_n {tn} (moe_down grid)"
-        ));
-    }
-    if !inter.is_multiple_of(tn / 2) {
-        return bad(format!(
-            "inter {inter} is not a multiple of tile_n/2 = {} (moe_gate_up grid)",
-            tn / 2
-        ));
-    }
-    if !inter.is_multiple_of(sk) || !(inter / sk).is_multiple_of(tk) {
-        return bad(format!(
-            "inter {inter} / split_k {sk} is not a multiple of tile_k {tk}"
-        ));
-    }
-    // Rows of h_q (I/2 bytes) are read in 16-byte cp.async chunks and rows of h_sf (I/16
-    // bytes) and of row-major weight scales (K/16 bytes) in 4-byte ones.
-    if !inter.is_multiple_of(64) || !hidden.is_multiple_of(64) {
-        return bad(format!(
-            "hidden {hidden} and inter {inter} must be multiples of 64"
-        ));
-    }
-    Ok(())
 }
 
 /// Weights on a device; scales in each layout that was asked for.
@@ -1166,7 +1124,7 @@ pub fn launch_configs(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::moe_gemm::{KernelVariant, Sm};
+    use crate::arch::Sm;
 
     /// A zeroed placeholder has every buffer of the size an upload of real experts makes, in
     /// both scale layouts, for sizes the swizzle pads (48 rows, 3 scale columns) and not.
@@ -1238,26 +1196,6 @@ mod tests {
     }
 
     #[test]
-    fn problem_shapes_are_checked_against_the_tactic() {
-        for t in MoeGemmTactic::enumerate(Sm::Sm90)
-            .into_iter()
-            .chain(MoeGemmTactic::enumerate(Sm::Sm120))
-        {
-            // Kimi-K2.5 at TP8 and at TP4, and the full expert.
-            for inter in [256, 512, 2048] {
-                check_problem(&t, 7168, inter).unwrap();
-            }
-        }
-        let t = MoeGemmTactic::enumerate(Sm::Sm90)
-            .into_iter()
-            .find(|t| t.tile_n == 256 && t.variant == KernelVariant::Portable)
-            .unwrap();
-        let msg = check_problem(&t, 7168, 192).unwrap_err().to_string();
-        assert!(msg.contains(&t.id()) && msg.contains("inter 192"), "{msg}");
-        assert!(check_problem(&t, 7168 + 64, 256).is_err());
-    }
-
-    #[test]
     fn swizzled_scales_match_the_kernel_offsets() {
         // moe_gemm.cu weight_sf_offset: ((rt·cols4 + col4)·32 + r%32)·16 + (r/32)·4 (+ j).
         let (e, h, i) = (2, 128, 64);
@@ -1291,94 +1229,6 @@ mod tests {
                     );
                 }
             }
-        }
-    }
-
-    /// A random case (`check::random_case`: tokens, top-k, experts, hidden, inter), its
-    /// grouping and its BF16 input widened.
-    fn random_grouped(
-        seed: u64,
-        shape: [usize; 5],
-    ) -> (crate::moe_gemm::check::Case, GroupedRouting, Vec<f32>) {
-        use crate::moe_gemm::check::{Rng, random_case};
-        let [tokens, top_k, experts, hidden, inter] = shape;
-        let case = random_case(
-            "random",
-            &mut Rng(seed),
-            tokens,
-            top_k,
-            experts,
-            hidden,
-            inter,
-        );
-        let g = GroupedRouting::new(&case.routing, case.experts()).unwrap();
-        let x = case
-            .x_bf16
-            .iter()
-            .map(|&b| half::bf16::from_bits(b).to_f32())
-            .collect();
-        (case, g, x)
-    }
-
-    #[test]
-    fn host_layout_read_as_the_kernels_do_matches_the_reference() {
-        use crate::moe_gemm::check::compare;
-        // 2I = 192 rows and H = 160 rows: the swizzle's 128-row padding is exercised, and
-        // H/16 = 10 scale columns pads to 12.
-        let (case, g, x) = random_grouped(3, [6, 3, 6, 160, 96]);
-        for layout in [ScaleLoad::Swizzled128x4, ScaleLoad::RowMajor] {
-            let out = crate::moe_gemm::check::kernel_model(&case.weights, layout, &g, &x);
-            let c = compare(&out, &case.reference, &[]);
-            assert!(c.passed(), "{layout:?}: {c:?}");
-            assert!(c.rel_l2 < 1e-5, "{layout:?}: {c:?}");
-        }
-    }
-
-    /// Experts padded to the kernels' intermediate granularity (32 → 64 columns: a small
-    /// model's experts, or a TP rank's share) compute what the unpadded ones do, read as the
-    /// kernels read them, in both scale layouts; and padding is the identity where nothing is
-    /// missing.
-    #[test]
-    fn padded_experts_compute_the_unpadded_ones_output() {
-        use crate::moe_gemm::check::compare;
-        assert_eq!(
-            [16, 32, 64, 128, 256, 2048].map(kernel_inter),
-            [64, 64, 64, 128, 256, 2048]
-        );
-        let (case, g, x) = random_grouped(5, [7, 2, 5, 128, 32]);
-        let padded = case.weights.clone().padded_inter(kernel_inter(32));
-        padded.check().unwrap();
-        assert_eq!(padded.inter, 64);
-        assert_eq!(
-            padded.clone().padded_inter(64).w13,
-            padded.w13,
-            "no-op padding"
-        );
-        for layout in [ScaleLoad::Swizzled128x4, ScaleLoad::RowMajor] {
-            let plain = crate::moe_gemm::check::kernel_model(&case.weights, layout, &g, &x);
-            let wide = crate::moe_gemm::check::kernel_model(&padded, layout, &g, &x);
-            assert_eq!(plain, wide, "{layout:?}");
-            let c = compare(&wide, &case.reference, &[]);
-            assert!(c.passed() && c.rel_l2 < 1e-5, "{layout:?}: {c:?}");
-        }
-        // The padded tensors hold the checkpoint's bytes where they were and zeros elsewhere.
-        let (h, i, ip) = (case.hidden, 32, 64);
-        for e in 0..case.experts() {
-            for half in 0..2 {
-                let src = &case.weights.w13[(2 * e + half) * i * h / 2..][..i * h / 2];
-                let dst = &padded.w13[(2 * e + half) * ip * h / 2..][..ip * h / 2];
-                assert_eq!(&dst[..i * h / 2], src);
-                assert!(dst[i * h / 2..].iter().all(|&b| b == 0));
-            }
-        }
-        for (row, padded_row) in case
-            .weights
-            .w2_sf
-            .chunks(i / 16)
-            .zip(padded.w2_sf.chunks(ip / 16))
-        {
-            assert_eq!(&padded_row[..i / 16], row);
-            assert!(padded_row[i / 16..].iter().all(|&b| b == 0));
         }
     }
 

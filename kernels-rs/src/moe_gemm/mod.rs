@@ -5,8 +5,8 @@
 //! - [`mma_sm120`]: a register-level CPU model of SM120's block-scaled FP4 `mma.sync`, the
 //!   instruction the native kernel is built on, and the fragment layouts its loaders must
 //!   produce.
-//! - [`tactic`]: the typed tactic space (tiles, stages, variants), shared-memory footprints and
-//!   per-SM limits.
+//! - [`tactic`]: the typed tactic space (tiles, stages, variants), shared-memory footprints,
+//!   per-SM limits and the problem shapes each tactic can compute.
 //! - `moe_gemm.cu` (beside this file): the CUDA source, templated on the tactic parameters.
 //! - [`launch`]: the kernels' argument struct, buffer layouts and launches on any
 //!   [`Device`](crate::device::Device) (a GPU, or the host execution layer).
@@ -22,4 +22,4 @@ pub mod mma_sm120;
 pub mod reference;
 pub mod tactic;
 
-pub use tactic::{KernelVariant, MoeGemmTactic, ScaleLoad, Sm, SmemFootprint};
+pub use tactic::{KernelVariant, MoeGemmTactic, ScaleLoad, SmemFootprint};

@@ -5,17 +5,19 @@
 //! shared-memory footprint is computed here and passed to nvcc, where a `static_assert` checks
 //! it against the kernel's own layout: the two cannot drift apart silently.
 //!
+//! The problem shapes a tactic can compute ([`check_problem`]) and the family's [`Tactic`]
+//! implementation (validation per SM, the space built for it, the heuristic default) are here
+//! too, so the tactic layer needs no MoE type.
+//!
 //! [`id`]: MoeGemmTactic::id
 //! [`parse`]: MoeGemmTactic::parse
 
 use std::fmt;
 use std::str::FromStr;
 
-pub use crate::arch::{
-    MAX_REGS_PER_THREAD, MAX_THREADS_PER_BLOCK, SM90_SMEM_OPTIN_PER_BLOCK,
-    SM120_SMEM_OPTIN_PER_BLOCK, STATIC_SMEM_LIMIT, Sm, WARP_SIZE,
-};
-pub use crate::tactic::TacticError;
+use crate::arch::{MAX_THREADS_PER_BLOCK, Sm, WARP_SIZE};
+use crate::device::{self, DeviceError};
+use crate::tactic::{KernelFamily, ProblemShape, Tactic, TacticError};
 
 /// NVFP4 elements per block scale.
 const SF_VEC: usize = 16;
@@ -405,9 +407,134 @@ impl FromStr for MoeGemmTactic {
     }
 }
 
+/// Shape constraints of `moe_gemm.cu` that it does not check itself: violating one makes the
+/// kernels skip rows or K tails, or issue misaligned `cp.async`, silently.
+pub fn check_problem(tactic: &MoeGemmTactic, hidden: usize, inter: usize) -> device::Result<()> {
+    let bad = |why: String| {
+        Err(DeviceError::Shape {
+            tactic: tactic.id(),
+            why,
+        })
+    };
+    let (tn, tk, sk) = (
+        tactic.tile_n as usize,
+        tactic.tile_k as usize,
+        tactic.split_k as usize,
+    );
+    if !hidden.is_multiple_of(tk) {
+        return bad(format!("hidden {hidden} is not a multiple of tile_k {tk}"));
+    }
+    if !hidden.is_multiple_of(tn) {
+        return bad(format!(
+            "hidden {hidden} is not a multiple of tile_n {tn} (moe_down grid)"
+        ));
+    }
+    if !inter.is_multiple_of(tn / 2) {
+        return bad(format!(
+            "inter {inter} is not a multiple of tile_n/2 = {} (moe_gate_up grid)",
+            tn / 2
+        ));
+    }
+    if !inter.is_multiple_of(sk) || !(inter / sk).is_multiple_of(tk) {
+        return bad(format!(
+            "inter {inter} / split_k {sk} is not a multiple of tile_k {tk}"
+        ));
+    }
+    // Rows of h_q (I/2 bytes) are read in 16-byte cp.async chunks and rows of h_sf (I/16
+    // bytes) and of row-major weight scales (K/16 bytes) in 4-byte ones.
+    if !inter.is_multiple_of(64) || !hidden.is_multiple_of(64) {
+        return bad(format!(
+            "hidden {hidden} and inter {inter} must be multiples of 64"
+        ));
+    }
+    Ok(())
+}
+
+impl Tactic for MoeGemmTactic {
+    const FAMILY: KernelFamily = KernelFamily::MoeGemm;
+
+    fn tactic_id(&self) -> String {
+        self.id()
+    }
+
+    fn parse_id(id: &str) -> Result<Self, TacticError> {
+        MoeGemmTactic::parse(id)
+    }
+
+    fn validate_for(&self, sm: Sm) -> Result<(), TacticError> {
+        self.validate()?;
+        if !self.variant.runs_on(sm) {
+            return Err(TacticError::invalid(
+                self.id(),
+                format!("variant {:?} is not built for {sm}", self.variant),
+            ));
+        }
+        let smem = self.smem().max();
+        if smem > sm.smem_optin_per_block() {
+            return Err(TacticError::invalid(
+                self.id(),
+                format!(
+                    "{smem} B of shared memory > {} B on {sm}",
+                    sm.smem_optin_per_block()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn smem_bytes(&self) -> usize {
+        self.smem().max()
+    }
+
+    fn space(sm: Sm) -> Vec<Self> {
+        MoeGemmTactic::enumerate(sm)
+    }
+
+    fn serves(&self, shape: &ProblemShape) -> bool {
+        match shape {
+            ProblemShape::Moe { hidden, inter, .. } => {
+                check_problem(self, *hidden as usize, *inter as usize).is_ok()
+            }
+            _ => false,
+        }
+    }
+
+    /// Decode shapes (≤ 32 tokens per expert): the weights-as-A tactic with the smallest
+    /// token tile that holds them, 128 weight rows, the fewest stages; prefill: the
+    /// tokens-as-A tactic.
+    fn heuristic_default(sm: Sm, shape: &ProblemShape) -> Option<Self> {
+        let ProblemShape::Moe {
+            tokens_per_expert, ..
+        } = shape
+        else {
+            return None;
+        };
+        let mut space: Vec<MoeGemmTactic> = Self::space(sm)
+            .into_iter()
+            .filter(|t| t.serves(shape))
+            .collect();
+        // 128 weight rows first: the 64-row tiles fill more SMs at tiny batches but lose at
+        // batch 32 (predicted), so they are left to the tuner, not made the default.
+        space.sort_by_key(|t| (t.tile_n < 128, t.tile_n, t.stages, t.tile_m));
+        let tpe = *tokens_per_expert;
+        if tpe > 32
+            && let Some(t) = space.iter().find(|t| !t.swap_ab)
+        {
+            return Some(*t);
+        }
+        space
+            .iter()
+            .filter(|t| t.swap_ab)
+            .find(|t| t.tile_m >= tpe.min(32))
+            .or_else(|| space.first())
+            .copied()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::arch::SM120_SMEM_OPTIN_PER_BLOCK;
 
     fn decode() -> MoeGemmTactic {
         MoeGemmTactic {
@@ -511,5 +638,52 @@ mod tests {
             sm90.iter()
                 .any(|t| t.variant == KernelVariant::Sm120EmulatedOnSm90)
         );
+    }
+
+    #[test]
+    fn the_space_round_trips_and_fits_where_it_is_built() {
+        crate::tactic::assert_space_round_trips::<MoeGemmTactic>();
+    }
+
+    #[test]
+    fn the_native_variant_is_never_offered_to_sm90() {
+        let native = MoeGemmTactic::enumerate(Sm::Sm120)[0];
+        assert!(!native.fits_on(Sm::Sm90));
+    }
+
+    #[test]
+    fn defaults_serve_their_shape() {
+        let moe = |tpe| ProblemShape::Moe {
+            tokens_per_expert: tpe,
+            active_experts: 8,
+            hidden: 7168,
+            inter: 256,
+        };
+        for sm in Sm::ALL {
+            for tpe in [1, 4, 16, 64] {
+                let t = MoeGemmTactic::heuristic_default(sm, &moe(tpe)).unwrap();
+                assert!(t.serves(&moe(tpe)) && t.fits_on(sm), "{t} for {tpe}");
+            }
+        }
+    }
+
+    #[test]
+    fn problem_shapes_are_checked_against_the_tactic() {
+        for t in MoeGemmTactic::enumerate(Sm::Sm90)
+            .into_iter()
+            .chain(MoeGemmTactic::enumerate(Sm::Sm120))
+        {
+            // Kimi-K2.5 at TP8 and at TP4, and the full expert.
+            for inter in [256, 512, 2048] {
+                check_problem(&t, 7168, inter).unwrap();
+            }
+        }
+        let t = MoeGemmTactic::enumerate(Sm::Sm90)
+            .into_iter()
+            .find(|t| t.tile_n == 256 && t.variant == KernelVariant::Portable)
+            .unwrap();
+        let msg = check_problem(&t, 7168, 192).unwrap_err().to_string();
+        assert!(msg.contains(&t.id()) && msg.contains("inter 192"), "{msg}");
+        assert!(check_problem(&t, 7168 + 64, 256).is_err());
     }
 }

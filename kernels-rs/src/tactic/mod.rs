@@ -9,20 +9,20 @@
 //! goldens needs the host execution layer or a GPU, so it lives with them (`autotune`'s
 //! correct stage), built on the same launchers and check harnesses as the tests.
 //!
-//! [`cache`] holds the tuning results (the tactic cache) the runtime reads; [`timing`] is the
-//! seam through which the lab's timed stage and the CUDA sweeps time tactics on a GPU.
+//! This module sits below the families and names none of their types: each family implements
+//! [`Tactic`] beside its tactic type (`moe_gemm::tactic`, `mla::tactic`, `allreduce::tactic`,
+//! `layers`), and a family whose shapes carry its own types adds their constructors to
+//! [`ProblemShape`] there (`ProblemShape::mla` in `mla::tactic`).
+//!
+//! [`cache`] holds the tuning results (the tactic cache) the runtime reads; [`timing`] the
+//! figures of timed runs and the device they were taken on (the timed device itself,
+//! `timed_device`, sits above the families it times).
 
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::allreduce::algorithm::{Algorithm, Transfer};
-use crate::allreduce::element::DType;
-use crate::allreduce::tactic::{AllReduceTactic, default_blocks};
 use crate::arch::Sm;
-use crate::layers::LayersTactic;
-use crate::mla::{MlaDims, MlaKind, MlaSplitTactic, MlaTactic};
-use crate::moe_gemm::MoeGemmTactic;
 
 pub mod cache;
 pub mod timing;
@@ -43,6 +43,13 @@ impl fmt::Display for TacticError {
 }
 
 impl std::error::Error for TacticError {}
+
+impl TacticError {
+    /// Tactic `id` is well-formed but cannot be used, because of `why`.
+    pub fn invalid(id: impl fmt::Display, why: impl fmt::Display) -> Self {
+        TacticError::Invalid(format!("{id}: {why}"))
+    }
+}
 
 /// The kernel families that have tactics.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -118,16 +125,17 @@ pub enum ProblemShape {
         inter: u32,
     },
     /// MLA decode of `batch` requests of `context` cached tokens with `heads` heads per rank,
-    /// over cache rows of `latent` + `rope` values (Kimi-K2.5's 512 + 64 when a cache file
-    /// written before the widths were recorded omits them).
+    /// over cache rows of `latent` + `rope` values ([`IMPLIED_MLA_WIDTHS`] when a cache file
+    /// written before the widths were recorded omits them). `mla::tactic` adds the
+    /// constructor from the family's `MlaDims` (`ProblemShape::mla`) and its inverse.
     Mla {
         batch: u32,
         heads: u32,
         context: u32,
         fp8_cache: bool,
-        #[serde(default = "kimi_latent")]
+        #[serde(default = "implied_mla_latent")]
         latent: u32,
-        #[serde(default = "kimi_rope")]
+        #[serde(default = "implied_mla_rope")]
         rope: u32,
     },
     /// One all-reduce of `elements` values over `ranks` GPUs.
@@ -140,38 +148,20 @@ pub enum ProblemShape {
     Dense { m: u32, n: u32, k: u32 },
 }
 
-fn kimi_latent() -> u32 {
-    MlaDims::KIMI.latent as u32
+/// The MLA cache row's widths (latent, RoPE values) a shape implies where it names none:
+/// Kimi-K2.5's (`MlaDims::KIMI`), the only ones before other widths were built. Cache files
+/// written then omit them, and the buckets of these widths keep not naming them.
+pub const IMPLIED_MLA_WIDTHS: (u32, u32) = (512, 64);
+
+fn implied_mla_latent() -> u32 {
+    IMPLIED_MLA_WIDTHS.0
 }
 
-fn kimi_rope() -> u32 {
-    MlaDims::KIMI.rope as u32
+fn implied_mla_rope() -> u32 {
+    IMPLIED_MLA_WIDTHS.1
 }
 
 impl ProblemShape {
-    /// An MLA decode shape over cache rows of `dims`.
-    pub fn mla(batch: u32, heads: u32, context: u32, fp8_cache: bool, dims: MlaDims) -> Self {
-        ProblemShape::Mla {
-            batch,
-            heads,
-            context,
-            fp8_cache,
-            latent: dims.latent as u32,
-            rope: dims.rope as u32,
-        }
-    }
-
-    /// The cache row's widths of an MLA shape.
-    pub fn mla_dims(&self) -> Option<MlaDims> {
-        match *self {
-            ProblemShape::Mla { latent, rope, .. } => Some(MlaDims {
-                latent: latent as usize,
-                rope: rope as usize,
-            }),
-            _ => None,
-        }
-    }
-
     /// The cache key of the shape: stable, readable, one per bucket.
     pub fn bucket(&self) -> String {
         match self {
@@ -189,10 +179,7 @@ impl ProblemShape {
                 latent,
                 rope,
             } => {
-                // Kimi-K2.5's widths are implied (the buckets of caches written before others
-                // were built); other widths are named.
-                let dims = self.mla_dims().expect("an MLA shape");
-                let widths = if dims == MlaDims::KIMI {
+                let widths = if (*latent, *rope) == IMPLIED_MLA_WIDTHS {
                     String::new()
                 } else {
                     format!("_l{latent}r{rope}")
@@ -240,383 +227,26 @@ pub trait Tactic: Clone + fmt::Debug + Sized {
     fn heuristic_default(sm: Sm, shape: &ProblemShape) -> Option<Self>;
 }
 
-fn invalid(id: String, why: impl fmt::Display) -> TacticError {
-    TacticError::Invalid(format!("{id}: {why}"))
-}
-
-impl Tactic for MoeGemmTactic {
-    const FAMILY: KernelFamily = KernelFamily::MoeGemm;
-
-    fn tactic_id(&self) -> String {
-        self.id()
-    }
-
-    fn parse_id(id: &str) -> Result<Self, TacticError> {
-        MoeGemmTactic::parse(id)
-    }
-
-    fn validate_for(&self, sm: Sm) -> Result<(), TacticError> {
-        self.validate()?;
-        if !self.variant.runs_on(sm) {
-            return Err(invalid(
-                self.id(),
-                format!("variant {:?} is not built for {sm}", self.variant),
-            ));
-        }
-        let smem = self.smem().max();
-        if smem > sm.smem_optin_per_block() {
-            return Err(invalid(
-                self.id(),
-                format!(
-                    "{smem} B of shared memory > {} B on {sm}",
-                    sm.smem_optin_per_block()
-                ),
-            ));
-        }
-        Ok(())
-    }
-
-    fn smem_bytes(&self) -> usize {
-        self.smem().max()
-    }
-
-    fn space(sm: Sm) -> Vec<Self> {
-        MoeGemmTactic::enumerate(sm)
-    }
-
-    fn serves(&self, shape: &ProblemShape) -> bool {
-        match shape {
-            ProblemShape::Moe { hidden, inter, .. } => {
-                crate::moe_gemm::launch::check_problem(self, *hidden as usize, *inter as usize)
-                    .is_ok()
-            }
-            _ => false,
+/// Asserts what every family's tactic space must satisfy on every SM: it is not empty, and
+/// each tactic's id parses back to it, fits the SM it is built for, and fits its shared
+/// memory; an unknown id is refused. Each family's tests run it on its tactic types.
+#[cfg(test)]
+pub(crate) fn assert_space_round_trips<T: Tactic + PartialEq>() {
+    for sm in Sm::ALL {
+        let space = T::space(sm);
+        assert!(!space.is_empty(), "{} on {sm}", T::FAMILY);
+        for t in space {
+            assert_eq!(T::parse_id(&t.tactic_id()).unwrap(), t);
+            assert!(t.fits_on(sm), "{} {} on {sm}", T::FAMILY, t.tactic_id());
+            assert!(t.smem_bytes() <= sm.smem_optin_per_block());
         }
     }
-
-    /// Decode shapes (≤ 32 tokens per expert): the weights-as-A tactic with the smallest
-    /// token tile that holds them, 128 weight rows, the fewest stages; prefill: the
-    /// tokens-as-A tactic.
-    fn heuristic_default(sm: Sm, shape: &ProblemShape) -> Option<Self> {
-        let ProblemShape::Moe {
-            tokens_per_expert, ..
-        } = shape
-        else {
-            return None;
-        };
-        let mut space: Vec<MoeGemmTactic> = Self::space(sm)
-            .into_iter()
-            .filter(|t| t.serves(shape))
-            .collect();
-        // 128 weight rows first: the 64-row tiles fill more SMs at tiny batches but lose at
-        // batch 32 (predicted), so they are left to the tuner, not made the default.
-        space.sort_by_key(|t| (t.tile_n < 128, t.tile_n, t.stages, t.tile_m));
-        let tpe = *tokens_per_expert;
-        if tpe > 32
-            && let Some(t) = space.iter().find(|t| !t.swap_ab)
-        {
-            return Some(*t);
-        }
-        space
-            .iter()
-            .filter(|t| t.swap_ab)
-            .find(|t| t.tile_m >= tpe.min(32))
-            .or_else(|| space.first())
-            .copied()
-    }
-}
-
-impl Tactic for MlaTactic {
-    const FAMILY: KernelFamily = KernelFamily::MlaDecode;
-
-    fn tactic_id(&self) -> String {
-        self.id()
-    }
-
-    fn parse_id(id: &str) -> Result<Self, TacticError> {
-        MlaTactic::parse(id)
-    }
-
-    fn validate_for(&self, sm: Sm) -> Result<(), TacticError> {
-        self.validate()?;
-        let smem = self.smem().total;
-        if smem > sm.smem_optin_per_block() {
-            return Err(invalid(
-                self.id(),
-                format!(
-                    "{smem} B of shared memory > {} B on {sm}",
-                    sm.smem_optin_per_block()
-                ),
-            ));
-        }
-        Ok(())
-    }
-
-    fn smem_bytes(&self) -> usize {
-        self.smem().total
-    }
-
-    fn space(sm: Sm) -> Vec<Self> {
-        MlaTactic::enumerate(sm)
-    }
-
-    fn serves(&self, shape: &ProblemShape) -> bool {
-        match shape {
-            ProblemShape::Mla { fp8_cache, .. } => {
-                self.kind.is_fp8() == *fp8_cache && shape.mla_dims() == Some(self.dims)
-            }
-            _ => false,
-        }
-    }
-
-    /// The first gated tactic of the cache's kind (FP8 caches: the exact widening kind) and
-    /// widths.
-    fn heuristic_default(sm: Sm, shape: &ProblemShape) -> Option<Self> {
-        let ProblemShape::Mla { fp8_cache, .. } = shape else {
-            return None;
-        };
-        let kind = if *fp8_cache {
-            MlaKind::Fp8
-        } else {
-            MlaKind::Bf16
-        };
-        Self::space(sm)
-            .into_iter()
-            .find(|t| t.kind == kind && t.serves(shape))
-    }
-}
-
-/// MLA decode with a fixed split count: the family's tuned launch tactic (the kernel's image
-/// is [`MlaTactic`]'s).
-impl Tactic for MlaSplitTactic {
-    const FAMILY: KernelFamily = KernelFamily::MlaDecode;
-
-    fn tactic_id(&self) -> String {
-        self.id()
-    }
-
-    fn parse_id(id: &str) -> Result<Self, TacticError> {
-        MlaSplitTactic::parse(id)
-    }
-
-    fn image_id(&self) -> String {
-        self.kernel.id()
-    }
-
-    fn validate_for(&self, sm: Sm) -> Result<(), TacticError> {
-        self.validate()?;
-        self.kernel.validate_for(sm)
-    }
-
-    fn smem_bytes(&self) -> usize {
-        self.kernel.smem().total
-    }
-
-    fn space(sm: Sm) -> Vec<Self> {
-        MlaSplitTactic::enumerate(sm)
-    }
-
-    fn serves(&self, shape: &ProblemShape) -> bool {
-        self.kernel.serves(shape)
-    }
-
-    /// The default kernel with the split count the planner picks for the reference GPU.
-    fn heuristic_default(sm: Sm, shape: &ProblemShape) -> Option<Self> {
-        let kernel = MlaTactic::heuristic_default(sm, shape)?;
-        let ProblemShape::Mla {
-            batch,
-            heads,
-            context,
-            ..
-        } = *shape
-        else {
-            return None;
-        };
-        let splits = kernel.plan_splits(
-            batch as usize,
-            heads as usize,
-            context as usize,
-            sm.reference_gpu().sms as usize,
-        );
-        Some(MlaSplitTactic { kernel, splits })
-    }
-}
-
-impl Tactic for AllReduceTactic {
-    const FAMILY: KernelFamily = KernelFamily::AllReduce;
-
-    fn tactic_id(&self) -> String {
-        self.id()
-    }
-
-    fn parse_id(id: &str) -> Result<Self, TacticError> {
-        AllReduceTactic::parse(id).ok_or_else(|| TacticError::Parse(id.to_string()))
-    }
-
-    fn image_id(&self) -> String {
-        AllReduceTactic::image_id(self)
-    }
-
-    /// Every image is built for both SMs; only the block count and threads are checked.
-    fn validate_for(&self, _sm: Sm) -> Result<(), TacticError> {
-        self.validate().map_err(|why| invalid(self.id(), why))
-    }
-
-    /// The flag and status words of the kernel's static shared memory (the manifest's
-    /// `static_smem_bytes`: 136 B, 264 B for the hierarchical exchange).
-    fn smem_bytes(&self) -> usize {
-        match self.algorithm {
-            Algorithm::IslandHierarchical(_) => 264,
-            _ => 136,
-        }
-    }
-
-    fn space(_sm: Sm) -> Vec<Self> {
-        AllReduceTactic::enumerate()
-    }
-
-    fn serves(&self, shape: &ProblemShape) -> bool {
-        match shape {
-            ProblemShape::AllReduce { dtype, ranks, .. } => {
-                dtype == self.dtype.id()
-                    && (*ranks as usize) <= crate::allreduce::tactic::MAX_RANKS
-                    && (!matches!(self.algorithm, Algorithm::IslandHierarchical(_)) || *ranks >= 4)
-            }
-            _ => false,
-        }
-    }
-
-    /// What `CudaIpcConfig::default` runs: one-shot pull, 512 threads, blocks by size.
-    fn heuristic_default(_sm: Sm, shape: &ProblemShape) -> Option<Self> {
-        let ProblemShape::AllReduce {
-            elements, dtype, ..
-        } = shape
-        else {
-            return None;
-        };
-        let dtype: DType = dtype.parse().ok()?;
-        let bytes = *elements as usize * dtype.size();
-        Some(AllReduceTactic {
-            algorithm: Algorithm::OneShot(Transfer::Pull),
-            dtype,
-            threads: 512,
-            blocks: default_blocks(bytes),
-        })
-    }
-}
-
-impl Tactic for LayersTactic {
-    const FAMILY: KernelFamily = KernelFamily::Layers;
-
-    fn tactic_id(&self) -> String {
-        crate::layers::IMAGE.to_string()
-    }
-
-    fn parse_id(id: &str) -> Result<Self, TacticError> {
-        if id == crate::layers::IMAGE {
-            Ok(LayersTactic)
-        } else {
-            Err(TacticError::Parse(id.to_string()))
-        }
-    }
-
-    fn validate_for(&self, _sm: Sm) -> Result<(), TacticError> {
-        Ok(())
-    }
-
-    /// `route_noaux_tc`'s dynamic shared memory at its largest (one f32 score and one
-    /// selection score per expert).
-    fn smem_bytes(&self) -> usize {
-        2 * 4 * crate::layers::MAX_EXPERTS
-    }
-
-    fn space(_sm: Sm) -> Vec<Self> {
-        vec![LayersTactic]
-    }
-
-    fn serves(&self, shape: &ProblemShape) -> bool {
-        matches!(shape, ProblemShape::Dense { .. })
-    }
-
-    fn heuristic_default(_sm: Sm, shape: &ProblemShape) -> Option<Self> {
-        matches!(shape, ProblemShape::Dense { .. }).then_some(LayersTactic)
-    }
+    assert!(T::parse_id("no_such_tactic").is_err());
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn round_trips<T: Tactic + PartialEq>() {
-        for sm in Sm::ALL {
-            let space = T::space(sm);
-            assert!(!space.is_empty(), "{} on {sm}", T::FAMILY);
-            for t in space {
-                assert_eq!(T::parse_id(&t.tactic_id()).unwrap(), t);
-                assert!(t.fits_on(sm), "{} {} on {sm}", T::FAMILY, t.tactic_id());
-                assert!(t.smem_bytes() <= sm.smem_optin_per_block());
-            }
-        }
-        assert!(T::parse_id("no_such_tactic").is_err());
-    }
-
-    #[test]
-    fn every_family_round_trips_and_fits_where_it_is_built() {
-        round_trips::<MoeGemmTactic>();
-        round_trips::<MlaTactic>();
-        round_trips::<MlaSplitTactic>();
-        round_trips::<AllReduceTactic>();
-        round_trips::<LayersTactic>();
-    }
-
-    #[test]
-    fn a_tactic_that_overflows_sm120_is_refused_there() {
-        let t = MlaTactic::parse("bf16_h32_t32_w8_s3_sp64").unwrap();
-        assert!(t.fits_on(Sm::Sm90));
-        let e = t.validate_for(Sm::Sm120).unwrap_err();
-        assert!(e.to_string().contains("shared memory"), "{e}");
-        // The native FP4 variant is never offered to SM90.
-        let native = MoeGemmTactic::enumerate(Sm::Sm120)[0];
-        assert!(!native.fits_on(Sm::Sm90));
-    }
-
-    #[test]
-    fn defaults_serve_their_shape() {
-        let moe = |tpe| ProblemShape::Moe {
-            tokens_per_expert: tpe,
-            active_experts: 8,
-            hidden: 7168,
-            inter: 256,
-        };
-        for sm in Sm::ALL {
-            for tpe in [1, 4, 16, 64] {
-                let t = MoeGemmTactic::heuristic_default(sm, &moe(tpe)).unwrap();
-                assert!(t.serves(&moe(tpe)) && t.fits_on(sm), "{t} for {tpe}");
-            }
-            let mla = ProblemShape::mla(1, 8, 4096, true, MlaDims::KIMI);
-            let t = MlaTactic::heuristic_default(sm, &mla).unwrap();
-            assert!(t.serves(&mla) && t.kind.is_fp8());
-            assert_eq!(t.dims, MlaDims::KIMI);
-            // The small golden checkpoints' widths get their own images, which serve no
-            // Kimi-K2.5 shape.
-            let small = ProblemShape::mla(1, 4, 4096, false, MlaDims::GOLDEN_SMALL);
-            let s = MlaTactic::heuristic_default(sm, &small).unwrap();
-            assert!(s.serves(&small) && s.kind == MlaKind::Bf16);
-            assert_eq!(s.dims, MlaDims::GOLDEN_SMALL);
-            assert!(!s.serves(&mla) && !t.serves(&small));
-            assert_eq!(small.bucket(), "mla_l64r16_b1_h4_c4096_bf16");
-            assert_eq!(mla.bucket(), "mla_b1_h8_c4096_fp8");
-            let ar = ProblemShape::AllReduce {
-                elements: 7168,
-                dtype: "bf16".into(),
-                ranks: 8,
-            };
-            let t = AllReduceTactic::heuristic_default(sm, &ar).unwrap();
-            assert!(t.serves(&ar) && t.blocks == 1);
-        }
-        // A shape of another family is served by none.
-        assert!(MlaTactic::heuristic_default(Sm::Sm120, &moe(1)).is_none());
-    }
 
     #[test]
     fn buckets_are_distinct_and_families_parse_back() {

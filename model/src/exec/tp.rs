@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use kernels::allreduce::{CpuCommunicator, CpuConfig};
+use kernels::allreduce::cpu::{CpuCommunicator, CpuConfig};
 use kernels::mla::cache::SeqId;
 use serde::{Deserialize, Serialize};
 

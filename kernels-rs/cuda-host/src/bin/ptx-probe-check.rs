@@ -21,11 +21,11 @@ use std::process::ExitCode;
 
 use cuda_host::HostDevice;
 use cuda_host::probes::{self, inputs};
+use kernels::arch::Sm;
 use kernels::cuda::{GpuContext, default_ptx_dir};
 use kernels::device::Device;
-use kernels::moe_gemm::Sm;
-use kernels::moe_gemm::check::Rng;
 use kernels::moe_gemm::mma_sm120::LaneOperands;
+use kernels::rng::Rng;
 use serde_json::{Value, json};
 
 const MMA_TOL: f64 = 1e-6;

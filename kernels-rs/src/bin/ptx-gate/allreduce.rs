@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 
 use kernels::allreduce::tactic::{AllReduceTactic, KERNEL, MAX_GLOBAL_ATOMICS, REQUIRED_SASS};
-use kernels::moe_gemm::Sm;
+use kernels::arch::Sm;
 use kernels::tactic::Tactic;
 use serde_json::{Value, json};
 

@@ -13,11 +13,12 @@ pub mod weights;
 use std::ops::Range;
 use std::sync::Mutex;
 
-use kernels::allreduce::{AllReduce, CpuCommunicator};
+use kernels::allreduce::AllReduce;
+use kernels::allreduce::cpu::CpuCommunicator;
+use kernels::isa::Isa;
 use kernels::matrix::MatrixView;
 use kernels::mla::cache::{KvCacheDtype, PageTables, PagedLatentCache, SeqId};
 use kernels::mla::reference::{AttentionQuery, MlaProblem};
-use kernels::moe_gemm::cpu_simd::Isa;
 use kernels::moe_gemm::reference::{ExpertInputAmax, ExpertView, Routing, silu};
 
 use self::pool::CpuCompute;

@@ -5,8 +5,8 @@
 use std::sync::Mutex;
 
 use kernels::arch::Sm;
-use kernels::blas::{self, BlasGemm};
-use kernels::device::{Device, KernelParams, LaunchConfig, LaunchTraffic, Result};
+use kernels::blas;
+use kernels::device::{BlasGemm, Device, KernelParams, LaunchConfig, LaunchTraffic, Result};
 use kernels::tactic::ProblemShape;
 
 /// One launch as the executor issued it.

@@ -1,7 +1,7 @@
 //! The device step's dense BF16 products under its [`DenseTactic`].
 
-use kernels::blas::{BlasGemm, DenseTactic};
-use kernels::device::{Device, DeviceError, DeviceMemory};
+use kernels::blas::DenseTactic;
+use kernels::device::{BlasGemm, Device, DeviceError, DeviceMemory};
 use kernels::layers::{DenseOutput, LayerKernels};
 
 /// A step's dense BF16 products under its [`DenseTactic`]: our `dense_bf16`, or the vendor
