@@ -91,22 +91,37 @@ fn resident_share(files: &[PathBuf]) -> Result<f64> {
     Ok(resident as f64 / pages.max(1) as f64)
 }
 
-/// Reads every file once with `read()` into a 16 MiB buffer; returns seconds.
-fn read_all(files: &[PathBuf]) -> Result<f64> {
-    let started = Instant::now();
+/// Reads `path` to its end with `read()` into a 16 MiB buffer.
+fn read_file(path: &Path) -> Result<()> {
     let mut buffer = vec![0u8; 16 << 20];
+    let mut file = std::fs::File::open(path)?;
     let mut sum = 0u64;
-    for f in files {
-        let mut file = std::fs::File::open(f)?;
-        loop {
-            let n = file.read(&mut buffer)?;
-            if n == 0 {
-                break;
-            }
-            sum = sum.wrapping_add(buffer[n - 1] as u64);
+    loop {
+        let n = file.read(&mut buffer)?;
+        if n == 0 {
+            break;
         }
+        sum = sum.wrapping_add(buffer[n - 1] as u64);
     }
     std::hint::black_box(sum);
+    Ok(())
+}
+
+/// Reads every file once, one after the other; returns seconds.
+fn read_all(files: &[PathBuf]) -> Result<f64> {
+    let started = Instant::now();
+    for f in files {
+        read_file(f)?;
+    }
+    Ok(started.elapsed().as_secs_f64())
+}
+
+/// Reads every file once, the files spread over the thread pool (as the loader populates
+/// its shards); returns seconds.
+fn read_all_parallel(files: &[PathBuf]) -> Result<f64> {
+    use rayon::prelude::*;
+    let started = Instant::now();
+    files.par_iter().try_for_each(|f| read_file(f))?;
     Ok(started.elapsed().as_secs_f64())
 }
 
@@ -199,19 +214,23 @@ fn main() -> Result<()> {
     )?;
 
     // The references: the disk (cold) and the page cache (warm), read sequentially.
-    let mut cold_read = Vec::new();
-    let mut evicted = Vec::new();
+    let (mut cold_sequential, mut cold_parallel, mut evicted) =
+        (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..repeats {
         evict(&files)?;
         evicted.push(resident_share(&files)?);
-        cold_read.push(read_all(&files)?);
+        cold_sequential.push(read_all(&files)?);
+        evict(&files)?;
+        cold_parallel.push(read_all_parallel(&files)?);
     }
     let warm_read = median(
         (0..repeats)
             .map(|_| read_all(&files))
             .collect::<Result<_>>()?,
     );
-    let cold_read = median(cold_read);
+    let (cold_sequential, cold_parallel) = (median(cold_sequential), median(cold_parallel));
+    // The disk's read rate: the faster of one reader and one reader per pool thread.
+    let cold_read = cold_sequential.min(cold_parallel);
     let evicted = evicted.iter().copied().fold(0.0, f64::max);
     writeln!(
         report,
@@ -233,8 +252,16 @@ fn main() -> Result<()> {
         )
     };
     row(
-        "cold: read() of the files (the disk's read rate)",
+        "cold: read() of the files, one after the other",
+        cold_sequential,
         cold_read,
+    )?;
+    row(
+        &format!(
+            "cold: read() of the files, {} at once",
+            rayon::current_num_threads()
+        ),
+        cold_parallel,
         cold_read,
     )?;
     for path in PATHS {
@@ -260,7 +287,7 @@ fn main() -> Result<()> {
     }
     writeln!(
         report,
-        "\n# x read rate: the load's GB/s over the reference's (the cold or warm read() above), measured"
+        "\n# x read rate: the load's GB/s over the reference's (cold: the faster cold read() above, the disk's read rate; warm: the warm read()), measured"
     )?;
     writeln!(report, "# load average after: {}", load_average())?;
     print!("{report}");

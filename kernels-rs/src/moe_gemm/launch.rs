@@ -310,9 +310,13 @@ impl MoeWeightsHost {
             ScaleLoad::Swizzled128x4 => {
                 let (h, i) = (self.hidden, self.inter);
                 let swizzle = |all: &[u8], rows: usize, cols: usize| -> Vec<u8> {
-                    all.chunks_exact(rows * cols)
-                        .flat_map(|one| SwizzledScales::from_row_major(one, rows, cols).data)
-                        .collect()
+                    let mut out = Vec::with_capacity(all.len());
+                    for one in all.chunks_exact(rows * cols) {
+                        out.extend_from_slice(
+                            &SwizzledScales::from_row_major(one, rows, cols).data,
+                        );
+                    }
+                    out
                 };
                 (
                     swizzle(&self.w13_sf, 2 * i, h / 16),
