@@ -14,8 +14,9 @@ use crate::checkpoint::Checkpoint;
 use crate::checkpoint::writer::{OutputKind, StagedOutput};
 use crate::exec::backend::{Backend, BackendArgs, RunnerSizing, TpArgs, parse_sm};
 use crate::exec::device::StepCapacity;
+use crate::exec::footprint::forward_bytes;
+use crate::exec::ops::{LogitRows, SeqInput};
 use crate::exec::tp::{RankRole, open_ranks};
-use crate::exec::{LogitRows, SeqInput, forward_bytes};
 use crate::input::{InvalidInput, TokenIds, check_memory, largest_fitting};
 
 #[derive(clap::Args, Clone)]

@@ -24,7 +24,7 @@ use crate::arch::presets::Preset;
 use crate::checkpoint::tensor_file::TensorFileError;
 use crate::checkpoint::{Checkpoint, CheckpointError};
 pub use crate::checkpoint::{check_tensor_parallel, load_model as load};
-use crate::exec::ExecError;
+use crate::exec::error::ExecError;
 use crate::exec::tp::RankFailed;
 use crate::input::InvalidInput;
 use crate::quantize::generator::generate_checkpoint;

@@ -13,7 +13,7 @@ use crate::arch::config::ModelConfig;
 use crate::checkpoint::Checkpoint;
 use crate::exec::backend::{Backend, BackendArgs, RunnerSizing, TpArgs, parse_sm};
 use crate::exec::device::StepCapacity;
-use crate::exec::forward_bytes;
+use crate::exec::footprint::forward_bytes;
 use crate::exec::generate::{GenerationRequest, generate};
 use crate::exec::sampler::SamplingParams;
 use crate::exec::tp::{RankRole, open_ranks};

@@ -12,8 +12,11 @@ use kernels::mla::cache::KvCacheDtype;
 use super::cpu::choice::CpuTacticArgs;
 use super::cpu::pool::CpuCompute;
 use super::cpu::{CpuOptions, cpu_runner};
-use super::device::{DeviceOptions, ShmAllReduce, StepCapacity, TpAllReduce, device_runner};
-use super::runner::ModelRunner;
+use super::device::{
+    DeviceOps, DeviceOptions, ShmAllReduce, StepCapacity, TpAllReduce, device_runner,
+};
+use super::error::ExecError;
+use super::runner::{ModelRunner, Runner};
 use super::tactics::TacticSelector;
 use crate::checkpoint::weights::Model;
 use crate::checkpoint::{Checkpoint, WeightPlacement};
@@ -435,7 +438,7 @@ fn largest_message(model: &Model, sizing: RunnerSizing) -> usize {
 }
 
 /// A model or option the device kernels do not run is refused before any work (exit code 2).
-fn refuse(e: super::ExecError) -> anyhow::Error {
+fn refuse(e: ExecError) -> anyhow::Error {
     if e.is_unsupported() {
         InvalidInput(e.to_string()).into()
     } else {
@@ -444,7 +447,7 @@ fn refuse(e: super::ExecError) -> anyhow::Error {
 }
 
 fn log_memory<D: kernels::device::Device>(
-    runner: &super::Runner<super::device::DeviceOps<D>>,
+    runner: &Runner<DeviceOps<D>>,
     kv_dtype: KvCacheDtype,
     quiet: bool,
 ) {

@@ -21,8 +21,8 @@ use kernels::tactic::{KernelFamily, ProblemShape};
 
 use crate::arch::config::ModelConfig;
 use crate::arch::names;
-use crate::exec::ExecError;
 use crate::exec::device::ExecutorTactics;
+use crate::exec::error::ExecError;
 
 /// Decode batches the lab tunes for.
 pub const BATCHES: [u32; 6] = [1, 4, 8, 16, 32, 64];

@@ -30,9 +30,10 @@ use kernels::mla::cache::SeqId;
 use serde::{Deserialize, Serialize};
 
 use super::backend::{BackendArgs, RankGroup, RunnerSizing, TpArgs};
+use super::error::ExecError;
+use super::ops::{LogitRows, Logits, SeqInput};
 use super::runner::ModelRunner;
 use super::sampler::SampleRow;
-use super::{ExecError, LogitRows, Logits, SeqInput};
 use crate::arch::config::ModelConfig;
 use crate::checkpoint::weights::Model;
 

@@ -19,11 +19,11 @@ use super::{
 };
 use crate::arch::config::ModelConfig;
 use crate::arch::shard::TpShard;
-use crate::exec::ops::{SeqInput, StepOutput};
+use crate::exec::error::ExecError;
+use crate::exec::ops::{LogitRows, SeqInput, StepOutput};
 use crate::exec::runner::ModelRunner;
 use crate::exec::tactics::TacticSelector;
 use crate::exec::weights::{Mlp, Weights};
-use crate::exec::{ExecError, LogitRows};
 
 /// Prefill rows per step when filling the cache to the context (the row kernels' grids take
 /// up to 65535 rows).

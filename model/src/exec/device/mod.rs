@@ -55,10 +55,10 @@ use kernels::tactic::{ProblemShape, Tactic};
 
 use self::products::Products;
 use self::workspace::Workspace;
-use super::ops::{Buf, GraphKey, StepOps, StepOutput, StepResult, StepRows, Sublayer};
+use super::error::ExecError;
+use super::ops::{Buf, GraphKey, Logits, StepOps, StepOutput, StepResult, StepRows, Sublayer};
 use super::runner::Runner;
 use super::tactics::TacticSelector;
-use super::{ExecError, Logits};
 use crate::arch::config::ModelConfig;
 use crate::checkpoint::weights::Model;
 

@@ -25,8 +25,7 @@ use crate::arch::shard::TpShard;
 use crate::checkpoint::weights::{
     Bf16Weight, DenseMlpWeights, ExpertWeights, MlpWeights, Model, MoeWeights, QueryProjection,
 };
-use crate::exec::ops::WeightKinds;
-use crate::exec::profile::Measured;
+use crate::exec::ops::{Measured, WeightKinds};
 use crate::exec::weights::{Attention, DenseMlp, Layer, Mlp, Moe, Weights, w_uk_transposed};
 
 #[derive(Debug, thiserror::Error)]
