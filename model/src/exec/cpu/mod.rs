@@ -133,7 +133,7 @@ impl CpuOps {
     }
 
     /// Makes this backend one rank of a tensor-parallel group summing over `communicator`
-    /// (its weights a rank's shard; see [`crate::exec::tp::join_cpu_group`]).
+    /// (its weights a rank's shard; see [`crate::exec::backend::join_cpu_group`]).
     pub fn set_communicator(
         &mut self,
         communicator: CpuCommunicator,
