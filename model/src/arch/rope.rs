@@ -1,7 +1,42 @@
 //! Interleaved RoPE with YaRN frequency scaling, computed as HF transformers' DeepSeek-V3 does
 //! (FP32 inverse frequencies, FP32 angles), so that logits agree with the reference.
+//!
+//! Its parameters are its own ([`RopeParams`], [`YarnScaling`]), below the config that parses
+//! them: the config checks its values by computing their RoPE, and a
+//! [`ModelConfig`](crate::arch::config::ModelConfig) converts into [`RopeParams`].
 
-use crate::arch::config::{ModelConfig, yarn_mscale};
+use serde::{Deserialize, Serialize};
+
+/// YaRN RoPE scaling, as DeepSeek-V3 and Kimi use it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct YarnScaling {
+    pub factor: f64,
+    pub original_max_position_embeddings: usize,
+    pub beta_fast: f64,
+    pub beta_slow: f64,
+    pub mscale: f64,
+    pub mscale_all_dim: f64,
+}
+
+/// YaRN's attention-temperature correction `0.1 · m · ln(factor) + 1` (1 for factor ≤ 1).
+pub fn yarn_mscale(factor: f64, mscale: f64) -> f64 {
+    if factor <= 1.0 {
+        1.0
+    } else {
+        0.1 * mscale * factor.ln() + 1.0
+    }
+}
+
+/// What RoPE is computed from: a model's `qk_rope_head_dim`, `rope_theta` and `rope_scaling`
+/// (a `&ModelConfig` converts into it).
+#[derive(Clone, Copy, Debug)]
+pub struct RopeParams<'a> {
+    /// Values rotated per head (`qk_rope_head_dim`).
+    pub dim: usize,
+    /// `rope_theta`.
+    pub theta: f64,
+    pub scaling: Option<&'a YarnScaling>,
+}
 
 #[derive(Clone, Debug)]
 pub struct Rope {
@@ -12,14 +47,15 @@ pub struct Rope {
 }
 
 impl Rope {
-    pub fn new(config: &ModelConfig) -> Self {
-        let dim = config.qk_rope_head_dim;
-        let base = config.rope_theta;
+    pub fn new<'a>(params: impl Into<RopeParams<'a>>) -> Self {
+        let params = params.into();
+        let dim = params.dim;
+        let base = params.theta;
         let half = dim / 2;
         let pos_freqs: Vec<f32> = (0..half)
             .map(|i| (base as f32).powf((2 * i) as f32 / dim as f32))
             .collect();
-        let Some(yarn) = &config.rope_scaling else {
+        let Some(yarn) = params.scaling else {
             return Self {
                 inv_freq: pos_freqs.iter().map(|p| 1.0 / p).collect(),
                 attention_factor: 1.0,
@@ -123,29 +159,19 @@ impl Rope {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::arch::config::YarnScaling;
 
-    fn config(yarn: Option<YarnScaling>) -> ModelConfig {
-        let text = serde_json::json!({
-            "model_type": "deepseek_v3", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
-            "moe_intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
-            "n_routed_experts": 2, "num_experts_per_tok": 1, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
-            "qk_rope_head_dim": 64, "v_head_dim": 8, "max_position_embeddings": 262144, "rope_theta": 50000.0
-        });
-        let mut c = crate::arch::config::CheckpointConfig::from_json(
-            std::path::Path::new("c"),
-            &text,
-            None,
-        )
-        .unwrap()
-        .model;
-        c.rope_scaling = yarn;
-        c
+    /// Kimi's RoPE part: 64 values per head, `rope_theta` 50000.
+    fn params(yarn: Option<&YarnScaling>) -> RopeParams<'_> {
+        RopeParams {
+            dim: 64,
+            theta: 50000.0,
+            scaling: yarn,
+        }
     }
 
     #[test]
     fn rotation_preserves_norm_and_relative_positions() {
-        let rope = Rope::new(&config(None));
+        let rope = Rope::new(params(None));
         let q: Vec<f32> = (0..64).map(|i| (i as f32 * 0.3).sin()).collect();
         let k: Vec<f32> = (0..64).map(|i| (i as f32 * 0.7).cos()).collect();
         let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
@@ -160,7 +186,7 @@ mod tests {
 
     #[test]
     fn heads_rotated_together_get_the_bits_of_each_alone() {
-        let rope = Rope::new(&config(None));
+        let rope = Rope::new(params(None));
         let heads: Vec<f32> = (0..3 * 64).map(|i| (i as f32 * 0.37).cos() * 3.0).collect();
         for pos in [0, 1, 17, 4095, 100_000] {
             let mut together = heads.clone();
@@ -190,8 +216,8 @@ mod tests {
             mscale: 1.0,
             mscale_all_dim: 1.0,
         };
-        let plain = Rope::new(&config(None));
-        let scaled = Rope::new(&config(Some(yarn)));
+        let plain = Rope::new(params(None));
+        let scaled = Rope::new(params(Some(&yarn)));
         assert_eq!(scaled.attention_factor, 1.0);
         assert_eq!(scaled.inv_freq[0], plain.inv_freq[0]);
         let last = plain.inv_freq.len() - 1;

@@ -8,14 +8,15 @@ use kernels::mla::cache::KvCacheDtype;
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 
-use super::{KvDtypeArg, check_tensor_parallel, kv_dtype_for, load, resolve_kv_dtype};
+use super::args::{KvDtypeArg, kv_dtype_for, resolve_kv_dtype};
 use crate::arch::config::ModelConfig;
-use crate::checkpoint::Checkpoint;
 use crate::checkpoint::writer::{OutputKind, StagedOutput};
+use crate::checkpoint::{Checkpoint, check_tensor_parallel, load_model as load};
 use crate::exec::backend::{Backend, BackendArgs, RunnerSizing, TpArgs, parse_sm};
 use crate::exec::device::StepCapacity;
+use crate::exec::footprint::forward_bytes;
+use crate::exec::ops::{LogitRows, SeqInput};
 use crate::exec::tp::{RankRole, open_ranks};
-use crate::exec::{LogitRows, SeqInput, forward_bytes};
 use crate::input::{InvalidInput, TokenIds, check_memory, largest_fitting};
 
 #[derive(clap::Args, Clone)]

@@ -5,6 +5,7 @@
 //! and 1 for a failure while working. A panic is a bug: it is reported the same way with exit
 //! code 1, never Rust's 101.
 
+pub mod args;
 pub mod compare;
 pub mod inspect;
 pub mod logits;
@@ -17,19 +18,21 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use kernels::mla::cache::KvCacheDtype;
 
-use crate::arch::config::{ConfigError, KvCacheQuant};
+use crate::arch::config::ConfigError;
 use crate::arch::presets::Preset;
+use crate::checkpoint::CheckpointError;
 use crate::checkpoint::tensor_file::TensorFileError;
-use crate::checkpoint::{Checkpoint, CheckpointError};
 pub use crate::checkpoint::{check_tensor_parallel, load_model as load};
-use crate::exec::ExecError;
+use crate::exec::error::ExecError;
 use crate::exec::tp::RankFailed;
 use crate::input::InvalidInput;
 use crate::quantize::generator::generate_checkpoint;
 use crate::quantize::quantize_checkpoint;
 
+pub use self::args::{
+    KvDtypeArg, at_least_one, fraction, kv_dtype_for, positive_finite, resolve_kv_dtype,
+};
 use self::logits::LogitsArgs;
 use self::plan::{LaunchListArgs, PlanArgs};
 use self::run::RunArgs;
@@ -44,16 +47,6 @@ use self::serving::{ChatArgs, ServeArgs, TokenizeArgs};
 pub struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
-}
-
-#[derive(Clone, Copy, Debug, clap::ValueEnum)]
-pub enum KvDtypeArg {
-    /// What the checkpoint asks for (`kv_cache_quant_algo`), else BF16.
-    Auto,
-    /// Full precision (a reference, not a deployment choice).
-    F32,
-    Bf16,
-    Fp8,
 }
 
 #[derive(Subcommand)]
@@ -124,27 +117,6 @@ pub enum Command {
     LaunchList(LaunchListArgs),
     /// Summarize a checkpoint directory or one safetensors file.
     Inspect { path: PathBuf },
-}
-
-pub fn at_least_one(text: &str) -> Result<usize, String> {
-    match text.parse::<usize>() {
-        Ok(n) if n >= 1 => Ok(n),
-        _ => Err("expected a whole number >= 1".into()),
-    }
-}
-
-pub fn positive_finite(text: &str) -> Result<f64, String> {
-    match text.parse::<f64>() {
-        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
-        _ => Err("expected a positive finite number".into()),
-    }
-}
-
-pub fn fraction(text: &str) -> Result<f64, String> {
-    match text.parse::<f64>() {
-        Ok(x) if x > 0.0 && x <= 1.0 => Ok(x),
-        _ => Err("expected a number in (0, 1]".into()),
-    }
 }
 
 /// The `model` binary.
@@ -281,29 +253,5 @@ fn dispatch(cli: Cli) -> Result<()> {
                 inspect::inspect_file(&path)
             }
         }
-    }
-}
-
-pub fn resolve_kv_dtype(arg: KvDtypeArg, checkpoint: &Checkpoint) -> KvCacheDtype {
-    let asked = checkpoint
-        .config
-        .quant
-        .as_ref()
-        .and_then(|q| q.kv_cache_quant_algo);
-    kv_dtype_for(arg, asked)
-}
-
-/// The cache dtype `arg` means: `Auto` follows the checkpoint's `kv_cache_quant_algo`
-/// (`asked`), else BF16. Memory estimates made before the weights are loaded pass `None`,
-/// which errs on the larger BF16 side.
-pub fn kv_dtype_for(arg: KvDtypeArg, asked: Option<KvCacheQuant>) -> KvCacheDtype {
-    match arg {
-        KvDtypeArg::F32 => KvCacheDtype::F32,
-        KvDtypeArg::Bf16 => KvCacheDtype::Bf16,
-        KvDtypeArg::Fp8 => KvCacheDtype::Fp8E4m3,
-        KvDtypeArg::Auto => match asked {
-            Some(KvCacheQuant::Fp8) => KvCacheDtype::Fp8E4m3,
-            None => KvCacheDtype::Bf16,
-        },
     }
 }

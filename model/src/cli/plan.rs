@@ -6,10 +6,10 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use kernels::mla::cache::KvCacheDtype;
 
-use super::{at_least_one, check_tensor_parallel, fraction, positive_finite};
+use super::args::{at_least_one, fraction, positive_finite};
 use crate::arch::presets::Preset;
 use crate::arch::shard::TpShard;
-use crate::checkpoint::Checkpoint;
+use crate::checkpoint::{Checkpoint, check_tensor_parallel};
 use crate::exec::backend::parse_sm;
 use crate::exec::plan::{PlanRequest, plan};
 use crate::input::InvalidInput;

@@ -6,14 +6,12 @@ use std::path::{Path, PathBuf};
 use anyhow::Result;
 use kernels::mla::cache::{KvCacheDtype, PAGE_TOKENS};
 
-use super::{
-    KvDtypeArg, at_least_one, check_tensor_parallel, kv_dtype_for, load, resolve_kv_dtype,
-};
+use super::args::{KvDtypeArg, at_least_one, kv_dtype_for, resolve_kv_dtype};
 use crate::arch::config::ModelConfig;
-use crate::checkpoint::Checkpoint;
+use crate::checkpoint::{Checkpoint, check_tensor_parallel, load_model as load};
 use crate::exec::backend::{Backend, BackendArgs, RunnerSizing, TpArgs, parse_sm};
 use crate::exec::device::StepCapacity;
-use crate::exec::forward_bytes;
+use crate::exec::footprint::forward_bytes;
 use crate::exec::generate::{GenerationRequest, generate};
 use crate::exec::sampler::SamplingParams;
 use crate::exec::tp::{RankRole, open_ranks};

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use kernels::allreduce::cpu::{CpuCommunicator, CpuConfig};
 use kernels::arch::Sm;
 use kernels::blas::DenseTactic;
 use kernels::mla::cache::KvCacheDtype;
@@ -12,8 +13,11 @@ use kernels::mla::cache::KvCacheDtype;
 use super::cpu::choice::CpuTacticArgs;
 use super::cpu::pool::CpuCompute;
 use super::cpu::{CpuOptions, cpu_runner};
-use super::device::{DeviceOptions, ShmAllReduce, StepCapacity, TpAllReduce, device_runner};
-use super::runner::ModelRunner;
+use super::device::{
+    DeviceOps, DeviceOptions, ShmAllReduce, StepCapacity, TpAllReduce, device_runner,
+};
+use super::error::ExecError;
+use super::runner::{ModelRunner, Runner};
 use super::tactics::TacticSelector;
 use crate::checkpoint::weights::Model;
 use crate::checkpoint::{Checkpoint, WeightPlacement};
@@ -281,7 +285,7 @@ impl BackendArgs {
                     },
                 );
                 if let Some(g) = group {
-                    let (communicator, registration) = super::tp::join_cpu_group(
+                    let (communicator, registration) = join_cpu_group(
                         &g.segment,
                         g.rank,
                         g.world,
@@ -429,13 +433,35 @@ impl BackendArgs {
 const NO_CUDA: &str = "--backend cuda: no CUDA driver support in this binary (built without the \
      `cuda` feature; rebuild with `cargo build --release -p model --features cuda`)";
 
+/// Joins the CPU all-reduce segment `segment` as `rank` of `world` (see
+/// [`CpuOps::set_communicator`](crate::exec::cpu::CpuOps::set_communicator)).
+/// `max_elements` bounds the largest partial sum (tokens per forward × hidden).
+pub fn join_cpu_group(
+    segment: &str,
+    rank: usize,
+    world: usize,
+    max_elements: usize,
+    timeout: Duration,
+) -> Result<(CpuCommunicator, crate::cleanup::Registration)> {
+    let config = CpuConfig {
+        timeout,
+        capacity_bytes: (max_elements * 4).max(1 << 16),
+        ..CpuConfig::default()
+    };
+    // Unlinks the segment name if this rank is interrupted before rank 0 has done so.
+    let registration = crate::cleanup::register_segment(segment);
+    let communicator = CpuCommunicator::new(segment, rank, world, config)
+        .with_context(|| format!("rank {rank} of {world}: joining all-reduce segment {segment}"))?;
+    Ok((communicator, registration))
+}
+
 /// Bytes of the largest partial sum a step all-reduces.
 fn largest_message(model: &Model, sizing: RunnerSizing) -> usize {
     sizing.capacity.tokens.max(sizing.capacity.logit_rows) * model.config.hidden_size * 4
 }
 
 /// A model or option the device kernels do not run is refused before any work (exit code 2).
-fn refuse(e: super::ExecError) -> anyhow::Error {
+fn refuse(e: ExecError) -> anyhow::Error {
     if e.is_unsupported() {
         InvalidInput(e.to_string()).into()
     } else {
@@ -444,7 +470,7 @@ fn refuse(e: super::ExecError) -> anyhow::Error {
 }
 
 fn log_memory<D: kernels::device::Device>(
-    runner: &super::Runner<super::device::DeviceOps<D>>,
+    runner: &Runner<DeviceOps<D>>,
     kv_dtype: KvCacheDtype,
     quiet: bool,
 ) {

@@ -5,7 +5,7 @@
 //! rank's partial sums are all-reduced where they join the residual stream, and the
 //! vocabulary-parallel head gathers the ranks' columns.
 
-use super::ExecError;
+use super::error::ExecError;
 use super::ops::{Buf, StepOps, StepOutput, Sublayer};
 use super::weights::{Attention, DenseMlp, Mlp, Weights};
 

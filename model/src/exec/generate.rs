@@ -3,9 +3,10 @@
 
 use std::time::{Duration, Instant};
 
+use super::error::ExecError;
+use super::ops::SeqInput;
 use super::runner::ModelRunner;
 use super::sampler::{SampleRow, Sampler, SamplingParams};
-use super::{ExecError, SeqInput};
 use crate::arch::config::ModelConfig;
 
 #[derive(Clone, Debug)]

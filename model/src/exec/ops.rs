@@ -16,9 +16,8 @@ use std::ops::Range;
 
 use kernels::mla::cache::{PageTables, SeqId};
 
-use super::profile::Measured;
+use super::error::ExecError;
 use super::sampler::SampleRow;
-use super::{ExecError, Logits};
 use crate::arch::names;
 
 /// The activations a step passes between its operations. Shapes per row of the step (`rows`),
@@ -107,6 +106,29 @@ pub enum StepResult {
     Ids(Vec<u32>),
 }
 
+/// Which rows get logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitRows {
+    /// The last token of every input (decoding).
+    Last,
+    /// Every token (scoring a prompt).
+    All,
+}
+
+/// Logits `[rows, vocab]`.
+#[derive(Clone, Debug)]
+pub struct Logits {
+    pub rows: usize,
+    pub vocab: usize,
+    pub values: Vec<f32>,
+}
+
+impl Logits {
+    pub fn row(&self, row: usize) -> &[f32] {
+        &self.values[row * self.vocab..(row + 1) * self.vocab]
+    }
+}
+
 /// What a step runs on: its rows (each a sequence's token at a position), the rows that get
 /// logits and how they are turned into the result.
 #[derive(Clone, Debug)]
@@ -123,6 +145,17 @@ pub struct StepRows<'a> {
     /// Every input is one new token (a decode step): its launches depend on the row count
     /// alone, so a backend may replay a captured graph.
     pub decode: bool,
+}
+
+/// What a weight handle tells the op profile ([`super::profile`]): a label of its kind and
+/// shape, and the bytes a pass over it reads.
+pub trait Measured {
+    fn label(&self) -> String;
+    fn bytes(&self) -> u64;
+    /// Matrices it holds (a layer's routed experts: one per expert).
+    fn count(&self) -> usize {
+        1
+    }
 }
 
 /// The weight handles of a backend: how it holds each kind of tensor the step reads.

@@ -12,19 +12,8 @@ use std::time::{Duration, Instant};
 
 use kernels::mla::cache::PageTables;
 
-use super::ExecError;
-use super::ops::{Buf, GraphKey, StepOps, StepResult, StepRows, Sublayer, WeightKinds};
-
-/// What the profile says of a weight: a label of its kind and shape, and the bytes a pass over
-/// it reads.
-pub trait Measured {
-    fn label(&self) -> String;
-    fn bytes(&self) -> u64;
-    /// Matrices it holds (a layer's routed experts: one per expert).
-    fn count(&self) -> usize {
-        1
-    }
-}
+use super::error::ExecError;
+use super::ops::{Buf, GraphKey, Measured, StepOps, StepResult, StepRows, Sublayer, WeightKinds};
 
 /// One row of the profile: an operation at one shape, at one number of rows per call.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]

@@ -3,13 +3,16 @@
 //! ([`Runner`]): sequences and their cache pages, a step over decode rows and prefill chunks,
 //! sampling where the logits are (only ids cross back from a device), decode graphs.
 
-use kernels::mla::cache::{CacheError, SeqId};
+use kernels::mla::cache::SeqId;
 
-use super::ops::{GraphKey, SeqInput, StepOps, StepOutput, StepResult, StepRows};
+use super::deepseek;
+use super::error::ExecError;
+use super::ops::{
+    GraphKey, LogitRows, Logits, SeqInput, StepOps, StepOutput, StepResult, StepRows,
+};
 use super::profile::{OpProfile, Profiled};
 use super::sampler::SampleRow;
 use super::weights::Weights;
-use super::{ExecError, LogitRows, Logits, deepseek};
 use crate::arch::config::ModelConfig;
 
 /// A model with its latent cache, stepped by the decode loop and the serving engine.
@@ -327,11 +330,5 @@ impl<O: StepOps> Runner<O> {
     /// next ones).
     pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<(), ExecError> {
         Ok(self.ops.pages_mut().truncate(seq, len)?)
-    }
-}
-
-impl From<CacheError> for ExecError {
-    fn from(e: CacheError) -> Self {
-        Self::Cache(e)
     }
 }

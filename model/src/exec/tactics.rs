@@ -21,8 +21,8 @@ use kernels::tactic::{KernelFamily, ProblemShape};
 
 use crate::arch::config::ModelConfig;
 use crate::arch::names;
-use crate::exec::ExecError;
-use crate::exec::device::ExecutorTactics;
+use crate::exec::device::support::{ExecutorTactics, device_expert_inter};
+use crate::exec::error::ExecError;
 
 /// Decode batches the lab tunes for.
 pub const BATCHES: [u32; 6] = [1, 4, 8, 16, 32, 64];
@@ -462,7 +462,7 @@ impl TacticSelector {
             tokens_per_expert,
             active_experts: active,
             hidden: c.hidden_size as u32,
-            inter: crate::exec::device::device_expert_inter(c, world) as u32,
+            inter: device_expert_inter(c, world) as u32,
         };
         let unsupported = |why: String| ExecError::Unsupported {
             backend: "device",

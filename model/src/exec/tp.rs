@@ -25,38 +25,16 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use kernels::allreduce::cpu::{CpuCommunicator, CpuConfig};
 use kernels::mla::cache::SeqId;
 use serde::{Deserialize, Serialize};
 
 use super::backend::{BackendArgs, RankGroup, RunnerSizing, TpArgs};
+use super::error::ExecError;
+use super::ops::{LogitRows, Logits, SeqInput};
 use super::runner::ModelRunner;
 use super::sampler::SampleRow;
-use super::{ExecError, LogitRows, Logits, SeqInput};
 use crate::arch::config::ModelConfig;
 use crate::checkpoint::weights::Model;
-
-/// Joins the CPU all-reduce segment `segment` as `rank` of `world` (see
-/// [`CpuOps::set_communicator`](crate::exec::cpu::CpuOps::set_communicator)).
-/// `max_elements` bounds the largest partial sum (tokens per forward × hidden).
-pub fn join_cpu_group(
-    segment: &str,
-    rank: usize,
-    world: usize,
-    max_elements: usize,
-    timeout: Duration,
-) -> Result<(CpuCommunicator, crate::cleanup::Registration)> {
-    let config = CpuConfig {
-        timeout,
-        capacity_bytes: (max_elements * 4).max(1 << 16),
-        ..CpuConfig::default()
-    };
-    // Unlinks the segment name if this rank is interrupted before rank 0 has done so.
-    let registration = crate::cleanup::register_segment(segment);
-    let communicator = CpuCommunicator::new(segment, rank, world, config)
-        .with_context(|| format!("rank {rank} of {world}: joining all-reduce segment {segment}"))?;
-    Ok((communicator, registration))
-}
 
 /// A tensor-parallel rank that failed, as rank 0 reports it.
 #[derive(Debug, thiserror::Error)]

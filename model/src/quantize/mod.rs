@@ -23,8 +23,9 @@ use crate::checkpoint::weights::{ExpertMatrix, ExpertWeights, MlpWeights};
 use crate::checkpoint::writer::{OutputKind, OwnedTensor, StagedOutput, write_sharded};
 use crate::checkpoint::{Checkpoint, INDEX_FILE};
 use crate::exec::cpu::{CpuOptions, cpu_runner};
+use crate::exec::footprint::forward_bytes;
+use crate::exec::ops::{LogitRows, SeqInput};
 use crate::exec::runner::ModelRunner;
-use crate::exec::{LogitRows, SeqInput, forward_bytes};
 use crate::input::{InvalidInput, check_memory, largest_fitting};
 use kernels::moe_gemm::reference::ExpertInputAmax;
 

@@ -20,7 +20,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::exec::SeqInput;
+use crate::exec::ops::SeqInput;
 use crate::exec::runner::ModelRunner;
 use crate::exec::sampler::{Sampler, SamplingParams};
 

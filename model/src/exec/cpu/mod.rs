@@ -26,10 +26,10 @@ use self::rows::{
     add_in_place, check_finite, for_rows, rms_norm_into, rms_norm_rows_into, round_to_bf16,
 };
 use self::weights::{CpuHeads, CpuKinds, CpuMatrix, cpu_weights};
-use super::ops::{Buf, GraphKey, StepOps, StepOutput, StepResult, StepRows, Sublayer};
+use super::error::ExecError;
+use super::ops::{Buf, GraphKey, Logits, StepOps, StepOutput, StepResult, StepRows, Sublayer};
 use super::runner::Runner;
 use super::sampler::{SampleRow, argmax, sample_row};
-use super::{ExecError, Logits};
 use crate::arch::config::ModelConfig;
 use crate::arch::rope::Rope;
 use crate::checkpoint::weights::{ExpertWeights, Model};
@@ -133,7 +133,7 @@ impl CpuOps {
     }
 
     /// Makes this backend one rank of a tensor-parallel group summing over `communicator`
-    /// (its weights a rank's shard; see [`crate::exec::tp::join_cpu_group`]).
+    /// (its weights a rank's shard; see [`crate::exec::backend::join_cpu_group`]).
     pub fn set_communicator(
         &mut self,
         communicator: CpuCommunicator,

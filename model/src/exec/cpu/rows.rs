@@ -1,7 +1,7 @@
 //! Row-wise work of a CPU step: norms, residual adds, rotations, the rows of a prefill in
 //! parallel and a decode step's few rows in order (each row the same computation either way).
 
-use crate::exec::ExecError;
+use crate::exec::error::ExecError;
 
 pub fn round_to_bf16(values: &mut [f32]) {
     for v in values {

@@ -9,8 +9,7 @@ use crate::checkpoint::weights::{
     Bf16Data, Bf16Weight, DenseMlpWeights, ExpertWeights, MlpWeights, Model, QueryProjection,
     derived_on_huge_pages,
 };
-use crate::exec::ops::WeightKinds;
-use crate::exec::profile::Measured;
+use crate::exec::ops::{Measured, WeightKinds};
 use crate::exec::weights::{Attention, DenseMlp, Layer, Mlp, Moe, Weights, w_uk_transpose_into};
 
 /// The CPU backend's handles.

@@ -45,6 +45,8 @@ use kernels::allreduce::{DType, Islands};
 use kernels::device::dry::Dry;
 use kernels::device::{Device, DeviceError, DeviceExt, DeviceMemory, KernelParams, LaunchConfig};
 
+use super::counting::CountingDevice;
+
 /// Sums partial results across the tensor-parallel ranks, on the device.
 pub trait TpAllReduce<D: Device> {
     /// Ranks taking part.
@@ -71,8 +73,8 @@ pub trait TpAllReduce<D: Device> {
 pub trait HostAddressed: Device {}
 
 impl HostAddressed for cuda_host::HostDevice {}
-impl<D: HostAddressed> HostAddressed for super::CountingDevice<D> {}
-impl<D: Dry> Dry for super::CountingDevice<D> {}
+impl<D: HostAddressed> HostAddressed for CountingDevice<D> {}
+impl<D: Dry> Dry for CountingDevice<D> {}
 
 /// Magic of a device all-reduce segment (not the CPU communicator's: the two never share one).
 const SEGMENT_MAGIC: u64 = 0x6465_7674_7061_7231; // "devtpar1"

@@ -13,17 +13,19 @@ use kernels::arch::Sm;
 use kernels::device::dry::DryDevice;
 use kernels::mla::cache::KvCacheDtype;
 
-use super::{
-    CountingDevice, DeviceBytes, DeviceKinds, DeviceOptions, DeviceTraffic, DeviceWeights,
-    DryAllReduce, LaunchEntry, StepCapacity, device_moe_tactics, runner_with_weights, unsupported,
-};
+use super::all_reduce::DryAllReduce;
+use super::counting::{CountingDevice, DeviceTraffic, LaunchEntry};
+use super::ops::{DeviceBytes, DeviceOptions, device_moe_tactics, runner_with_weights};
+use super::support::{ExecutorTactics, unsupported};
+use super::weights::{DeviceKinds, DeviceWeights};
+use super::workspace::StepCapacity;
 use crate::arch::config::ModelConfig;
 use crate::arch::shard::TpShard;
-use crate::exec::ops::{SeqInput, StepOutput};
+use crate::exec::error::ExecError;
+use crate::exec::ops::{LogitRows, SeqInput, StepOutput};
 use crate::exec::runner::ModelRunner;
 use crate::exec::tactics::TacticSelector;
 use crate::exec::weights::{Mlp, Weights};
-use crate::exec::{ExecError, LogitRows};
 
 /// Prefill rows per step when filling the cache to the context (the row kernels' grids take
 /// up to 65535 rows).
@@ -53,7 +55,7 @@ pub struct DryStep {
 pub struct RecordedStep {
     pub request: DryStep,
     /// The tactics the decode step ran with.
-    pub tactics: super::ExecutorTactics,
+    pub tactics: ExecutorTactics,
     pub traffic: DeviceTraffic,
     pub held: DeviceBytes,
     /// Weight bytes any decode step of this rank must read: see [`weights_every_step_reads`].

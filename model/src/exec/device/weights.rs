@@ -19,14 +19,15 @@ use kernels::moe_gemm::launch::{
 };
 use kernels::moe_gemm::{MoeGemmTactic, ScaleLoad};
 
+use super::support::{device_expert_inter, unsupported};
 use crate::arch::config::ModelConfig;
 use crate::arch::names;
 use crate::arch::shard::TpShard;
 use crate::checkpoint::weights::{
     Bf16Weight, DenseMlpWeights, ExpertWeights, MlpWeights, Model, MoeWeights, QueryProjection,
 };
-use crate::exec::ops::WeightKinds;
-use crate::exec::profile::Measured;
+use crate::exec::error::ExecError;
+use crate::exec::ops::{Measured, WeightKinds};
 use crate::exec::weights::{Attention, DenseMlp, Layer, Mlp, Moe, Weights, w_uk_transposed};
 
 #[derive(Debug, thiserror::Error)]
@@ -540,7 +541,7 @@ impl<D: Device> DeviceWeights<D> {
                 let experts = MoeWeightsShape {
                     experts: c.n_routed_experts,
                     hidden,
-                    inter: super::device_expert_inter(c, world),
+                    inter: device_expert_inter(c, world),
                 };
                 let shared_inter = c.moe_intermediate_size * c.n_shared_experts / world;
                 if let Some(m) = m
@@ -667,5 +668,14 @@ impl<D: Device> Measured for MoeDeviceWeights<D> {
 
     fn count(&self) -> usize {
         self.experts
+    }
+}
+
+impl From<WeightsError> for ExecError {
+    fn from(e: WeightsError) -> Self {
+        match e {
+            WeightsError::Unsupported { .. } => unsupported(e.to_string()),
+            WeightsError::Upload { .. } => ExecError::Device(e.to_string()),
+        }
     }
 }

@@ -6,7 +6,7 @@ use kernels::device::{Device, DeviceError};
 use kernels::layers::sampling::SAMPLE_ROW_BYTES;
 use kernels::mla::cache::PAGE_TOKENS;
 
-use super::device_expert_inter;
+use super::support::device_expert_inter;
 use crate::arch::config::ModelConfig;
 
 /// Everything a step may need, allocated for `rows` tokens (grown when a step needs more).

@@ -1,0 +1,62 @@
+//! What the subcommands' arguments share: the latent cache's dtype as the command line names
+//! it, and the parsers of numbers clap checks.
+
+use kernels::mla::cache::KvCacheDtype;
+
+use crate::arch::config::KvCacheQuant;
+use crate::checkpoint::Checkpoint;
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum KvDtypeArg {
+    /// What the checkpoint asks for (`kv_cache_quant_algo`), else BF16.
+    Auto,
+    /// Full precision (a reference, not a deployment choice).
+    F32,
+    Bf16,
+    Fp8,
+}
+
+pub fn at_least_one(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err("expected a whole number >= 1".into()),
+    }
+}
+
+pub fn positive_finite(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        _ => Err("expected a positive finite number".into()),
+    }
+}
+
+pub fn fraction(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(x) if x > 0.0 && x <= 1.0 => Ok(x),
+        _ => Err("expected a number in (0, 1]".into()),
+    }
+}
+
+pub fn resolve_kv_dtype(arg: KvDtypeArg, checkpoint: &Checkpoint) -> KvCacheDtype {
+    let asked = checkpoint
+        .config
+        .quant
+        .as_ref()
+        .and_then(|q| q.kv_cache_quant_algo);
+    kv_dtype_for(arg, asked)
+}
+
+/// The cache dtype `arg` means: `Auto` follows the checkpoint's `kv_cache_quant_algo`
+/// (`asked`), else BF16. Memory estimates made before the weights are loaded pass `None`,
+/// which errs on the larger BF16 side.
+pub fn kv_dtype_for(arg: KvDtypeArg, asked: Option<KvCacheQuant>) -> KvCacheDtype {
+    match arg {
+        KvDtypeArg::F32 => KvCacheDtype::F32,
+        KvDtypeArg::Bf16 => KvCacheDtype::Bf16,
+        KvDtypeArg::Fp8 => KvCacheDtype::Fp8E4m3,
+        KvDtypeArg::Auto => match asked {
+            Some(KvCacheQuant::Fp8) => KvCacheDtype::Fp8E4m3,
+            None => KvCacheDtype::Bf16,
+        },
+    }
+}
