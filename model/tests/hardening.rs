@@ -12,6 +12,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+mod common;
+use common::{children_of, shm_entries};
+
 fn golden_model(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../golden/data/models")
@@ -130,29 +133,6 @@ impl Drop for KillOnDrop {
             }
         }
     }
-}
-
-fn children_of(parent: u32) -> Vec<u32> {
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-                let after = stat.rsplit(')').next().unwrap_or("");
-                after.split_whitespace().nth(1) == Some(&parent.to_string())
-            })
-        })
-        .collect()
-}
-
-fn shm_entries(containing: &str) -> Vec<String> {
-    std::fs::read_dir("/dev/shm")
-        .map(|d| {
-            d.filter_map(|e| e.ok()?.file_name().into_string().ok())
-                .filter(|n| n.contains(containing))
-                .collect()
-        })
-        .unwrap_or_default()
 }
 
 /// Sets one element of a BF16 tensor of a checkpoint folder to NaN, in place.

@@ -4,116 +4,22 @@
 //! concurrent requests as it serves them one at a time, and stops answering `/health` with 200
 //! and fails its requests when a rank dies, and drains every rank on SIGTERM.
 
-use std::io::{BufRead, BufReader, Read};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
+mod common;
+use common::server::Server;
+use common::{children_of, exited, shm_entries};
+
 /// The seeds' curl at temperature 0.
 const SMOKE_GREEDY: &str = r#"{"model": "nvidia/Kimi-K2.5-NVFP4", "messages": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}], "max_tokens": 256, "temperature": 0}"#;
 
-struct Server {
-    child: Child,
-    base: String,
-    _cache: tempfile::TempDir,
-}
-
-impl Server {
-    fn start(extra: &[&str]) -> Self {
-        let cache = tempfile::tempdir().unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_model"))
-            .args(["serve", "--host", "127.0.0.1", "--port", "0"])
-            .args(["--served-model-name", "nvidia/Kimi-K2.5-NVFP4"])
-            .args(["--max-model-len", "512", "--max-num-seqs", "4"])
-            .args(extra)
-            .arg("--cache-dir")
-            .arg(cache.path())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        let deadline = Instant::now() + Duration::from_secs(300);
-        let base = loop {
-            line.clear();
-            assert!(
-                stdout.read_line(&mut line).unwrap() > 0,
-                "the server exited before listening"
-            );
-            if let Some(at) = line.find("http://") {
-                break line[at..].split_whitespace().next().unwrap().to_string();
-            }
-        };
-        std::thread::spawn(move || {
-            let mut rest = String::new();
-            let _ = stdout.read_to_string(&mut rest);
-        });
-        let server = Self {
-            child,
-            base,
-            _cache: cache,
-        };
-        while server.get("/health").0 != 200 {
-            assert!(Instant::now() < deadline, "not ready in time");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        server
-    }
-
-    fn agent() -> ureq::Agent {
-        ureq::Agent::new_with_config(
-            ureq::Agent::config_builder()
-                .http_status_as_error(false)
-                .timeout_global(Some(Duration::from_secs(600)))
-                .build(),
-        )
-    }
-
-    fn post(&self, body: &str) -> (u16, String) {
-        let mut response = Self::agent()
-            .post(format!("{}/v1/chat/completions", self.base))
-            .header("Content-Type", "application/json")
-            .send(body)
-            .unwrap();
-        let status = response.status().as_u16();
-        (status, response.body_mut().read_to_string().unwrap())
-    }
-
-    fn get(&self, path: &str) -> (u16, String) {
-        let mut response = Self::agent()
-            .get(format!("{}{path}", self.base))
-            .call()
-            .unwrap();
-        let status = response.status().as_u16();
-        (status, response.body_mut().read_to_string().unwrap())
-    }
-
-    /// The `data:` payloads of a streaming request, handed to `each` as they arrive.
-    fn stream(&self, body: &Value, mut each: impl FnMut(&str)) -> Vec<String> {
-        let response = Self::agent()
-            .post(format!("{}/v1/chat/completions", self.base))
-            .header("Content-Type", "application/json")
-            .send(body.to_string())
-            .unwrap();
-        assert_eq!(response.status().as_u16(), 200);
-        let mut events = Vec::new();
-        for line in BufReader::new(response.into_body().into_reader()).lines() {
-            if let Some(data) = line.unwrap().strip_prefix("data: ") {
-                each(data);
-                events.push(data.to_string());
-            }
-        }
-        events
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// `model serve EXTRA…` with a short context and four sequences.
+fn serve(extra: &[&str]) -> Server {
+    let mut args = vec!["--max-model-len", "512", "--max-num-seqs", "4"];
+    args.extend_from_slice(extra);
+    Server::start(&args)
 }
 
 fn json_of(text: &str) -> Value {
@@ -126,20 +32,6 @@ fn answer(body: &str) -> (String, String) {
     let message = &reply["choices"][0]["message"];
     let field = |f: &str| message[f].as_str().unwrap_or_default().to_string();
     (field("reasoning"), field("content"))
-}
-
-/// Processes whose parent is `parent`.
-fn children_of(parent: u32) -> Vec<u32> {
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-                let after = stat.rsplit(')').next().unwrap_or("");
-                after.split_whitespace().nth(1) == Some(&parent.to_string())
-            })
-        })
-        .collect()
 }
 
 fn question(i: usize) -> String {
@@ -156,15 +48,17 @@ fn question(i: usize) -> String {
 
 #[test]
 fn cuda_emulated_over_two_ranks_serves_the_cpus_answers() {
-    let cpu = Server::start(&[]);
-    let (status, body) = cpu.post(SMOKE_GREEDY);
+    let cpu = serve(&[]);
+    let (status, body) = cpu.post("/v1/chat/completions", SMOKE_GREEDY);
     assert_eq!(status, 200, "{body}");
     let on_cpu = answer(&body);
-    let cpu_answers: Vec<String> = (0..4).map(|i| cpu.post(&question(i)).1).collect();
+    let cpu_answers: Vec<String> = (0..4)
+        .map(|i| cpu.post("/v1/chat/completions", &question(i)).1)
+        .collect();
     drop(cpu);
 
-    let device = Server::start(&["--backend", "cuda-emulated", "--tensor-parallel-size", "2"]);
-    let (status, body) = device.post(SMOKE_GREEDY);
+    let device = serve(&["--backend", "cuda-emulated", "--tensor-parallel-size", "2"]);
+    let (status, body) = device.post("/v1/chat/completions", SMOKE_GREEDY);
     assert_eq!(status, 200, "{body}");
     let (reasoning, content) = answer(&body);
     println!("cuda-emulated --tp 2: reasoning {reasoning:?}, content {content:?}");
@@ -174,7 +68,7 @@ fn cuda_emulated_over_two_ranks_serves_the_cpus_answers() {
     // Streaming gives the same text.
     let mut streaming = json_of(SMOKE_GREEDY);
     streaming["stream"] = json!(true);
-    let events = device.stream(&streaming, |_| {});
+    let events = device.stream("/v1/chat/completions", &streaming, |_| {});
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
     let streamed: String = events[..events.len() - 1]
         .iter()
@@ -191,7 +85,7 @@ fn cuda_emulated_over_two_ranks_serves_the_cpus_answers() {
         let handles: Vec<_> = (0..4)
             .map(|i| {
                 let device = &device;
-                s.spawn(move || device.post(&question(i)).1)
+                s.spawn(move || device.post("/v1/chat/completions", &question(i)).1)
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
@@ -211,7 +105,7 @@ fn cuda_emulated_over_two_ranks_serves_the_cpus_answers() {
 
 #[test]
 fn a_dead_rank_fails_the_requests_and_health() {
-    let server = Server::start(&["--tp", "2", "--tp-timeout-secs", "30"]);
+    let server = serve(&["--tp", "2", "--tp-timeout-secs", "30"]);
     let followers = children_of(server.child.id());
     assert_eq!(followers.len(), 1, "{followers:?}");
     // A long answer: kill the follower when its first token arrives.
@@ -219,7 +113,7 @@ fn a_dead_rank_fails_the_requests_and_health() {
                          "max_tokens": 400, "ignore_eos": true, "temperature": 0,
                          "stream": true});
     let mut killed = false;
-    let events = server.stream(&request, |data| {
+    let events = server.stream("/v1/chat/completions", &request, |data| {
         if !killed && data.contains("\"delta\"") {
             // SAFETY: a signal to a process of this test.
             assert_eq!(unsafe { libc::kill(followers[0] as i32, libc::SIGKILL) }, 0);
@@ -238,7 +132,7 @@ fn a_dead_rank_fails_the_requests_and_health() {
         body.contains("failed") && body.contains("rank 1 of 2"),
         "{body}"
     );
-    let (status, body) = server.post(&question(0));
+    let (status, body) = server.post("/v1/chat/completions", &question(0));
     assert_eq!(status, 503, "{body}");
 }
 
@@ -248,7 +142,7 @@ fn a_dead_rank_fails_the_requests_and_health() {
 /// sends it (and a terminal's Ctrl-C its SIGINT): it keeps following rank 0 through the drain.
 #[test]
 fn sigterm_drains_every_rank_then_stops_them() {
-    let mut server = Server::start(&[
+    let mut server = serve(&[
         "--backend",
         "cuda-emulated",
         "--tp",
@@ -263,7 +157,7 @@ fn sigterm_drains_every_rank_then_stops_them() {
                          "max_tokens": 48, "ignore_eos": true, "temperature": 0,
                          "stream": true});
     let mut signalled = false;
-    let events = server.stream(&request, |data| {
+    let events = server.stream("/v1/chat/completions", &request, |data| {
         if !signalled && data.contains("\"delta\"") {
             for process in [pid, followers[0]] {
                 // SAFETY: a signal to a process of this test.
@@ -289,26 +183,10 @@ fn sigterm_drains_every_rank_then_stops_them() {
         std::thread::sleep(Duration::from_millis(50));
     };
     assert!(status.success(), "{status:?}");
-    let gone = |pid: u32| {
-        std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |stat| {
-            stat.rsplit(')')
-                .next()
-                .unwrap_or("")
-                .trim_start()
-                .starts_with('Z')
-        })
-    };
-    while !gone(followers[0]) {
+    while !exited(followers[0]) {
         assert!(Instant::now() < deadline, "rank 1 outlived the server");
         std::thread::sleep(Duration::from_millis(50));
     }
-    let tag = format!("model-tp-{pid}-");
-    let left: Vec<_> = std::fs::read_dir("/dev/shm")
-        .map(|d| {
-            d.filter_map(|e| e.ok()?.file_name().into_string().ok())
-                .filter(|n| n.contains(&tag))
-                .collect()
-        })
-        .unwrap_or_default();
+    let left = shm_entries(&format!("model-tp-{pid}-"));
     assert!(left.is_empty(), "{left:?}");
 }

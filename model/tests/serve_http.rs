@@ -2,128 +2,16 @@
 //! test's curl body verbatim, streaming, tool calls, every kind of bad input, the other
 //! endpoints, and a graceful SIGTERM.
 
-use std::io::{BufRead, BufReader, Read};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::io::{BufRead, BufReader};
+use std::time::Duration;
 
 use serde_json::{Value, json};
 
+mod common;
+use common::server::Server;
+
 /// The seeds' smoke test, byte for byte.
 const SMOKE_BODY: &str = r#"{"model": "nvidia/Kimi-K2.5-NVFP4", "messages": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}], "max_tokens": 256, "temperature": 0.6}"#;
-
-struct Server {
-    child: Child,
-    base: String,
-    _cache: tempfile::TempDir,
-}
-
-impl Server {
-    fn start(extra: &[&str]) -> Self {
-        let cache = tempfile::tempdir().unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_model"))
-            .args(["serve", "--host", "127.0.0.1", "--port", "0"])
-            .args(["--served-model-name", "nvidia/Kimi-K2.5-NVFP4"])
-            .args(extra)
-            .arg("--cache-dir")
-            .arg(cache.path())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        let deadline = Instant::now() + Duration::from_secs(120);
-        let base = loop {
-            line.clear();
-            assert!(
-                stdout.read_line(&mut line).unwrap() > 0,
-                "the server exited before listening"
-            );
-            if let Some(at) = line.find("http://") {
-                let addr = line[at..].split_whitespace().next().unwrap().to_string();
-                break addr;
-            }
-            assert!(Instant::now() < deadline);
-        };
-        std::thread::spawn(move || {
-            let mut rest = String::new();
-            let _ = stdout.read_to_string(&mut rest);
-        });
-        let server = Self {
-            child,
-            base,
-            _cache: cache,
-        };
-        server.wait_ready(deadline);
-        server
-    }
-
-    /// Waits until `/health` answers 200: the runner warmed up. Before, it answers 503 with the
-    /// engine's state.
-    fn wait_ready(&self, deadline: Instant) {
-        loop {
-            let (status, body) = self.get("/health");
-            if status == 200 {
-                return;
-            }
-            assert_eq!(status, 503, "{body}");
-            assert!(body.contains("starting"), "{body}");
-            assert!(Instant::now() < deadline, "not ready in time: {body}");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn agent() -> ureq::Agent {
-        ureq::Agent::new_with_config(
-            ureq::Agent::config_builder()
-                .http_status_as_error(false)
-                .timeout_global(Some(Duration::from_secs(300)))
-                .build(),
-        )
-    }
-
-    fn post(&self, path: &str, body: &str) -> (u16, String) {
-        let mut response = Self::agent()
-            .post(format!("{}{path}", self.base))
-            .header("Content-Type", "application/json")
-            .send(body)
-            .unwrap();
-        let status = response.status().as_u16();
-        (status, response.body_mut().read_to_string().unwrap())
-    }
-
-    fn get(&self, path: &str) -> (u16, String) {
-        let mut response = Self::agent()
-            .get(format!("{}{path}", self.base))
-            .call()
-            .unwrap();
-        let status = response.status().as_u16();
-        (status, response.body_mut().read_to_string().unwrap())
-    }
-
-    /// Posts a streaming request and returns every `data:` payload in order.
-    fn stream(&self, path: &str, body: &Value) -> Vec<String> {
-        let response = Self::agent()
-            .post(format!("{}{path}", self.base))
-            .header("Content-Type", "application/json")
-            .send(body.to_string())
-            .unwrap();
-        assert_eq!(response.status().as_u16(), 200);
-        let reader = BufReader::new(response.into_body().into_reader());
-        reader
-            .lines()
-            .map(Result::unwrap)
-            .filter_map(|l| l.strip_prefix("data: ").map(String::from))
-            .collect()
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn json_of(text: &str) -> Value {
     serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"))
@@ -156,7 +44,7 @@ fn serve_answers_the_smoke_test_and_speaks_openai() {
     let mut request = json_of(SMOKE_BODY);
     request["stream"] = json!(true);
     request["stream_options"] = json!({"include_usage": true});
-    let events = server.stream("/v1/chat/completions", &request);
+    let events = server.stream("/v1/chat/completions", &request, |_| {});
     assert_eq!(events.last().unwrap(), "[DONE]");
     let chunks: Vec<Value> = events[..events.len() - 1]
         .iter()
@@ -220,7 +108,7 @@ fn serve_answers_the_smoke_test_and_speaks_openai() {
     assert_eq!(args, json!({"city": "Oslo"}));
     let mut streaming = tool_request.clone();
     streaming["stream"] = json!(true);
-    let events = server.stream("/v1/chat/completions", &streaming);
+    let events = server.stream("/v1/chat/completions", &streaming, |_| {});
     let deltas: Vec<Value> = events[..events.len() - 1]
         .iter()
         .map(|e| json_of(e))

@@ -268,7 +268,6 @@ impl BackendArgs {
         sizing: RunnerSizing,
         quiet: bool,
     ) -> Result<Box<dyn ModelRunner>> {
-        let world = group.map_or(1, |g| g.world);
         match self.backend {
             Backend::Cpu => {
                 let tactic = self
@@ -301,11 +300,9 @@ impl BackendArgs {
             }
             Backend::CudaEmulated => {
                 let dev = cuda_host::HostDevice::new(self.emulate_sm);
-                let options = self.device_options(model, world, sizing, quiet, &dev)?;
-                let mut runner = device_runner(dev, model, options).map_err(refuse)?;
-                if let Some(g) = group {
+                self.open_device(dev, model, group, sizing, quiet, |dev, g| {
                     let joined = ShmAllReduce::join(
-                        runner.ops().device(),
+                        dev,
                         &g.segment,
                         g.rank,
                         g.world,
@@ -318,15 +315,33 @@ impl BackendArgs {
                             g.rank, g.world
                         )
                     })?;
-                    runner
-                        .ops_mut()
-                        .set_all_reduce(Box::new(joined) as Box<dyn TpAllReduce<_>>)?;
-                }
-                log_memory(&runner, sizing.kv_dtype, quiet);
-                Ok(Box::new(runner))
+                    Ok(Box::new(joined))
+                })
             }
             Backend::Cuda => self.open_gpu(model, group, sizing, quiet),
         }
+    }
+
+    /// The device executor of `model` on `dev`, joined to `group`'s all-reduce through `join`
+    /// (each device kind has its own), its memory logged unless `quiet`.
+    fn open_device<D: kernels::device::Device + 'static>(
+        &self,
+        dev: D,
+        model: &Model,
+        group: Option<&RankGroup>,
+        sizing: RunnerSizing,
+        quiet: bool,
+        join: impl FnOnce(&D, &RankGroup) -> Result<Box<dyn TpAllReduce<D>>>,
+    ) -> Result<Box<dyn ModelRunner>> {
+        let world = group.map_or(1, |g| g.world);
+        let options = self.device_options(model, world, sizing, quiet, &dev)?;
+        let mut runner = device_runner(dev, model, options).map_err(refuse)?;
+        if let Some(g) = group {
+            let joined = join(runner.ops().device(), g)?;
+            runner.ops_mut().set_all_reduce(joined)?;
+        }
+        log_memory(&runner, sizing.kv_dtype, quiet);
+        Ok(Box::new(runner))
     }
 
     /// The device executor's options for `dev`: the tactics for its SM and this rank's share
@@ -388,12 +403,9 @@ impl BackendArgs {
         quiet: bool,
     ) -> Result<Box<dyn ModelRunner>> {
         let ordinal = group.map_or(0, |g| g.rank);
-        let world = group.map_or(1, |g| g.world);
         let dev = kernels::cuda::GpuContext::new(ordinal, &self.ptx_dir)
             .map_err(|e| InvalidInput(format!("--backend cuda: {e}")))?;
-        let options = self.device_options(model, world, sizing, quiet, &dev)?;
-        let mut runner = device_runner(dev, model, options).map_err(refuse)?;
-        if let Some(g) = group {
+        self.open_device(dev, model, group, sizing, quiet, |_, g| {
             let joined = super::device::IpcAllReduce::join(
                 ordinal,
                 &self.ptx_dir,
@@ -409,12 +421,8 @@ impl BackendArgs {
                     g.rank, g.world
                 )
             })?;
-            runner
-                .ops_mut()
-                .set_all_reduce(Box::new(joined) as Box<dyn TpAllReduce<_>>)?;
-        }
-        log_memory(&runner, sizing.kv_dtype, quiet);
-        Ok(Box::new(runner))
+            Ok(Box::new(joined))
+        })
     }
 
     #[cfg(not(feature = "cuda"))]
