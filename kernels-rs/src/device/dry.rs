@@ -58,6 +58,8 @@ pub struct DryDevice {
     sm: Sm,
     next_address: AtomicU64,
     allocated: AtomicU64,
+    /// Bytes of device memory it reports having, where it stands for a GPU of that size.
+    memory: Option<u64>,
     capture: Mutex<Option<DryGraph>>,
 }
 
@@ -86,7 +88,17 @@ impl DryDevice {
             sm,
             next_address: AtomicU64::new(FIRST_ADDRESS),
             allocated: AtomicU64::new(0),
+            memory: None,
             capture: Mutex::new(None),
+        }
+    }
+
+    /// A dry device that reports `bytes` of device memory, less what it allocated, as a GPU
+    /// of that size does ([`Device::memory_info`]); allocations beyond it still succeed.
+    pub fn with_memory(sm: Sm, bytes: u64) -> Self {
+        Self {
+            memory: Some(bytes),
+            ..Self::new(sm)
         }
     }
 
@@ -158,6 +170,14 @@ impl Device for DryDevice {
 
     fn max_dynamic_shared(&self) -> usize {
         self.sm.smem_optin_per_block()
+    }
+
+    fn memory_info(&self) -> Option<(usize, usize)> {
+        let total = self.memory?;
+        Some((
+            total.saturating_sub(self.allocated_bytes()) as usize,
+            total as usize,
+        ))
     }
 
     fn alloc_zeroed(&self, bytes: usize) -> Result<DryMemory> {

@@ -284,6 +284,65 @@ mod tests {
         }
     }
 
+    /// `--gpu-memory-utilization`: on a GPU the latent cache takes what the weights and the
+    /// step workspace leave of that share of the device's memory, to the page.
+    #[test]
+    fn the_cache_fills_the_memory_share_the_weights_and_workspace_leave() {
+        use crate::exec::ModelRunner;
+        use crate::exec::device::{
+            DeviceOptions, DeviceWeights, ExecutorTactics, StepCapacity, runner_with_weights,
+        };
+        use kernels::arch::Sm;
+        use kernels::device::dry::DryDevice;
+        use kernels::mla::cache::PAGE_TOKENS;
+        let c = Preset::KimiK25.model_config();
+        // An RTX PRO 6000's 97,887 MiB.
+        let total = 97_887u64 << 20;
+        let share = 0.9;
+        let shard = TpShard { rank: 0, world: 8 };
+        for kv_dtype in [KvCacheDtype::Bf16, KvCacheDtype::Fp8E4m3] {
+            let tactics = ExecutorTactics::defaults_for_rank(Sm::Sm120, &c, kv_dtype, 8).unwrap();
+            let dev = DryDevice::with_memory(Sm::Sm120, total);
+            let weights = DeviceWeights::zeroed(&dev, &c, shard, tactics.moe.as_slice()).unwrap();
+            let runner = runner_with_weights(
+                dev,
+                &c,
+                weights,
+                DeviceOptions {
+                    kv_dtype,
+                    cache_tokens: 1,
+                    capacity: StepCapacity {
+                        tokens: 8192,
+                        logit_rows: 256,
+                    },
+                    tactics,
+                    selector: None,
+                    fill_memory: Some(share),
+                    quiet: true,
+                },
+            )
+            .unwrap();
+            let got = runner.ops().device_bytes();
+            let held = (got.weights + got.cache + got.workspace) as f64;
+            let budget = share * total as f64;
+            let page = got.cache as f64 / runner.total_pages() as f64;
+            println!(
+                "Kimi-K2.5 TP8 rank 0 on 97,887 MiB at 0.9, {} cache: {} tokens ({:.2} GiB), \
+                 {:.2} GiB held of {:.2} GiB",
+                kv_dtype.id(),
+                runner.total_pages() * PAGE_TOKENS,
+                got.cache as f64 / GIB,
+                held / GIB,
+                budget / GIB
+            );
+            assert!(held <= budget, "{held} > {budget}");
+            assert!(
+                budget - held < page + (64 << 20) as f64,
+                "pages left unused"
+            );
+        }
+    }
+
     #[test]
     fn kimi_on_eight_rtx_pro_6000_matches_the_deployment() {
         let c = Preset::KimiK25.model_config();

@@ -17,7 +17,7 @@ use kernels::mla::MlaSplitTactic;
 use kernels::mla::cache::KvCacheDtype;
 use kernels::moe_gemm::MoeGemmTactic;
 use kernels::tactic::cache::{self, CacheLookup, Chosen, Expected};
-use kernels::tactic::{KernelFamily, ProblemShape};
+use kernels::tactic::{KernelFamily, ProblemShape, Tactic};
 
 use crate::arch::config::ModelConfig;
 use crate::arch::names;
@@ -255,39 +255,28 @@ pub fn tactic_lines(path: Option<&Path>, cfg: &ModelConfig, run: &RunShapes) -> 
         n: cfg.q_lora_rank.unwrap_or(cfg.hidden_size) as u32,
         k: cfg.hidden_size as u32,
     };
-    let describe = |line: Option<String>, family: &str, shape: &ProblemShape| {
-        line.unwrap_or_else(|| format!("{family}: no tactic serves {}", shape.bucket()))
-    };
-    lines.push(describe(
-        lookup
-            .choose::<MoeGemmTactic>(run.sm, &moe)
-            .map(|c| c.describe()),
-        "moe_gemm",
-        &moe,
-    ));
-    lines.push(describe(
-        lookup
-            .choose::<MlaSplitTactic>(run.sm, &mla)
-            .map(|c| c.describe()),
-        "mla",
-        &mla,
-    ));
+    fn describe<T: Tactic>(
+        lookup: &CacheLookup,
+        sm: Sm,
+        family: &str,
+        shape: &ProblemShape,
+    ) -> String {
+        lookup.choose::<T>(sm, shape).map_or_else(
+            || format!("{family}: no tactic serves {}", shape.bucket()),
+            |c| c.describe(),
+        )
+    }
+    lines.push(describe::<MoeGemmTactic>(&lookup, run.sm, "moe_gemm", &moe));
+    lines.push(describe::<MlaSplitTactic>(&lookup, run.sm, "mla", &mla));
     if tp > 1 {
-        lines.push(describe(
-            lookup
-                .choose::<AllReduceTactic>(run.sm, &ar)
-                .map(|c| c.describe()),
+        lines.push(describe::<AllReduceTactic>(
+            &lookup,
+            run.sm,
             "allreduce",
             &ar,
         ));
     }
-    lines.push(describe(
-        lookup
-            .choose::<LayersTactic>(run.sm, &dense)
-            .map(|c| c.describe()),
-        "layers",
-        &dense,
-    ));
+    lines.push(describe::<LayersTactic>(&lookup, run.sm, "layers", &dense));
     lines
 }
 

@@ -197,6 +197,32 @@ pub fn device_moe_tactics(options: &DeviceOptions) -> Result<Vec<MoeGemmTactic>,
     Ok(DeviceOptions::moe_tactics(&options.tactic_sets()?))
 }
 
+/// The step workspace's shape for `options`, this rank's `heads` of `ranks`, and a latent cache
+/// of `cache_slots` tokens.
+fn workspace_shape<D: Device>(
+    c: &ModelConfig,
+    options: &DeviceOptions,
+    kernels: &StepKernels<D>,
+    heads: usize,
+    cache_slots: usize,
+    ranks: usize,
+) -> WorkspaceShape {
+    WorkspaceShape {
+        rows: options.capacity.tokens.max(1),
+        heads,
+        max_pages: max_pages(c, cache_slots),
+        max_splits: kernels
+            .mla
+            .iter()
+            .map(|k| k.tactic.max_splits as usize)
+            .max()
+            .unwrap_or(1),
+        logit_rows: options.capacity.logit_rows,
+        ranks,
+        vendor_dense: options.tactics.dense == DenseTactic::CublasLt,
+    }
+}
+
 /// Latent cache tokens for `options`: `cache_tokens`, or with `fill_memory` what the device's
 /// memory leaves after the weights (already held) and the workspace (sized for the longest
 /// context the model takes), rounded down to whole pages.
@@ -204,6 +230,7 @@ fn cache_tokens_for<D: Device>(
     dev: &D,
     c: &ModelConfig,
     heads: usize,
+    ranks: usize,
     kernels: &StepKernels<D>,
     options: &DeviceOptions,
 ) -> Result<usize, ExecError> {
@@ -212,20 +239,7 @@ fn cache_tokens_for<D: Device>(
     };
     let workspace = workspace_bytes(
         c,
-        &WorkspaceShape {
-            rows: options.capacity.tokens.max(1),
-            heads,
-            max_pages: max_pages(c, usize::MAX),
-            max_splits: kernels
-                .mla
-                .iter()
-                .map(|k| k.tactic.max_splits as usize)
-                .max()
-                .unwrap_or(1),
-            logit_rows: options.capacity.logit_rows,
-            ranks: 1,
-            vendor_dense: options.tactics.dense == DenseTactic::CublasLt,
-        },
+        &workspace_shape(c, options, kernels, heads, usize::MAX, ranks),
     );
     let kept_back = (total as f64 * (1.0 - share)) as usize;
     let budget = free.saturating_sub(workspace + kept_back);
@@ -317,29 +331,23 @@ impl<D: Device> DeviceOps<D> {
         let mut kernels = kernels;
         let layers = LayerKernels::load(&dev)?;
         let DeviceWeights { weights, bytes, .. } = weights;
-        let cache_tokens = cache_tokens_for(&dev, &c, weights.heads, &kernels, &options)?;
+        let ranks = weights.shard.world.max(1);
+        let cache_tokens = cache_tokens_for(&dev, &c, weights.heads, ranks, &kernels, &options)?;
         let pages = PageTables::new(cache_tokens.div_ceil(PAGE_TOKENS).max(1));
         let caches = (0..c.num_hidden_layers)
             .map(|_| DeviceCache::alloc(&dev, options.kv_dtype, c.mla_dims(), pages.total_slots()))
             .collect::<Result<Vec<_>, _>>()?;
-        let ranks = weights.shard.world.max(1);
         let ws = Workspace::new(
             &dev,
             &c,
-            WorkspaceShape {
-                rows: options.capacity.tokens.max(1),
-                heads: weights.heads,
-                max_pages: max_pages(&c, pages.total_slots()),
-                max_splits: kernels
-                    .mla
-                    .iter()
-                    .map(|k| k.tactic.max_splits as usize)
-                    .max()
-                    .unwrap_or(1),
-                logit_rows: options.capacity.logit_rows,
+            workspace_shape(
+                &c,
+                &options,
+                &kernels,
+                weights.heads,
+                pages.total_slots(),
                 ranks,
-                vendor_dense: options.tactics.dense == DenseTactic::CublasLt,
-            },
+            ),
         )?;
         let rope = Rope::new(&c);
         let rope_inv_freq = dev.upload(rope.inv_freq())?;
