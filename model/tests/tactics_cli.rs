@@ -207,3 +207,47 @@ fn missing_corrupt_and_stale_caches_warn_once_and_run_with_the_defaults() {
         );
     }
 }
+
+/// On a device backend the cache reaches the run: each decode step runs, per family, the
+/// cache's tactic for its batch and context, and the log names it with its bucket.
+#[test]
+fn a_device_run_logs_the_tactic_each_step_ran_and_its_bucket() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cache, tuned) = fresh_cache();
+    let path = dir.path().join("tactics.json");
+    std::fs::write(&path, cache.to_json()).unwrap();
+    let err = run_with(
+        &[
+            "run",
+            "--backend",
+            "cuda-emulated",
+            "--kv-dtype",
+            "bf16",
+            "--prompt-len",
+            "4",
+            "--max-new-tokens",
+            "3",
+        ],
+        &path,
+    );
+    println!("{err}");
+    let step = err
+        .find("step tactics (batch 1, context")
+        .unwrap_or_else(|| panic!("no step's tactics logged: {err}"));
+    let mla = err[step..]
+        .lines()
+        .find(|l| l.trim_start().starts_with("mla:"))
+        .unwrap();
+    assert!(
+        mla.contains(&format!("{tuned} (tactic cache, bucket ")),
+        "{mla}"
+    );
+    for family in ["moe_gemm", "dense"] {
+        assert!(
+            err[step..]
+                .lines()
+                .any(|l| l.trim_start().starts_with(family)),
+            "{family}: {err}"
+        );
+    }
+}
