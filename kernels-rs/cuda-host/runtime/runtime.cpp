@@ -58,8 +58,10 @@ constexpr unsigned kMaxGroupsPerWarp = 4;
 
 extern "C" {
 // Dynamic shared memory of the block running on this thread. Every kernel's
-// `extern __shared__ T name[]` is bound to this symbol by the generated module files.
-alignas(128) __thread unsigned char cuhost_dynamic_shared[kMaxDynamicShared + kSharedCanary];
+// `extern __shared__ T name[]` is bound to this symbol by the generated module files. The
+// kernels ask for 16-byte alignment; 64 is the most a library loaded at run time (the stand-in
+// driver, kernels-rs/cuda-stub) may give its initial-exec TLS under glibc.
+alignas(64) __thread unsigned char cuhost_dynamic_shared[kMaxDynamicShared + kSharedCanary];
 }
 
 namespace cuhost {
