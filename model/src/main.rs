@@ -278,7 +278,7 @@ struct DeviceArgs {
     #[arg(long, default_value = "120", value_parser = parse_sm)]
     emulate_sm: kernels::arch::Sm,
     /// The compiled kernel images (`scripts/compile-gates.sh` writes them) for `--backend cuda`.
-    #[arg(long, default_value = "ptx")]
+    #[arg(long, env = "KIMI_PTX_DIR", default_value = "ptx")]
     ptx_dir: PathBuf,
     /// Who runs the device executor's dense BF16 products: `dense_bf16` (our kernel) or
     /// `cublaslt` (activations rounded to BF16; on `cuda-emulated`, a reference of cuBLASLt's
@@ -420,7 +420,11 @@ fn open_gpu<J: DeviceJob>(
     group: Option<&DeviceRank<'_>>,
     job: J,
 ) -> Result<J::Output> {
-    let ordinal = group.map_or(0, |g| g.rank);
+    let ordinal = match group {
+        Some(g) => kernels::cuda::rank_device(g.rank)
+            .map_err(|e| InvalidInput(format!("--backend cuda: {e}")))?,
+        None => 0,
+    };
     let dev = kernels::cuda::GpuContext::new(ordinal, &args.ptx_dir)
         .map_err(|e| InvalidInput(format!("--backend cuda: {e}")))?;
     let all_reduce = match group {
@@ -483,6 +487,10 @@ fn executor_on<D: kernels::device::Device>(
     };
     let describe = dev.describe();
     let sm = dev.sm()?;
+    let (dense, fallback) = dense.available_on(&dev)?;
+    if let Some(why) = fallback {
+        eprintln!("{why}");
+    }
     let tactics = ExecutorTactics {
         dense,
         ..ExecutorTactics::defaults_for_rank(sm, &model.config, kv_dtype, world).map_err(refuse)?

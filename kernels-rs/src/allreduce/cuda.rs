@@ -126,7 +126,9 @@ struct Region {
 }
 
 impl Region {
-    fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self, AllReduceError> {
+    /// `bytes` of zeros, on `stream`'s context.
+    fn new(stream: &Arc<CudaStream>, bytes: usize) -> Result<Self, AllReduceError> {
+        let ctx = stream.context();
         ctx.bind_to_thread().map_err(dev_err)?;
         let mut ptr: CUdeviceptr = 0;
         // SAFETY: out-parameter call on the bound context.
@@ -136,9 +138,16 @@ impl Region {
             ctx: ctx.clone(),
         };
         // Flags must start at generation 0 and slots are compared bitwise nowhere, but zero
-        // everything: cheap, once, and deterministic.
-        // SAFETY: the allocation is `bytes` long.
-        check("cuMemsetD8", unsafe { sys::cuMemsetD8_v2(ptr, 0, bytes) })?;
+        // everything: cheap, once, and deterministic. On the stream the kernels run on: the
+        // synchronous cuMemsetD8 goes to the legacy stream, which the communicator's
+        // (non-blocking) stream does not wait for, so a first collective could read flags
+        // the memset has not cleared yet.
+        // SAFETY: the allocation is `bytes` long; the stream belongs to its context.
+        check("cuMemsetD8Async", unsafe {
+            sys::cuMemsetD8Async(ptr, 0, bytes, stream.cu_stream())
+        })?;
+        // Zero before any peer can see the region (its handle is published next).
+        stream.synchronize().map_err(dev_err)?;
         Ok(region)
     }
 }
@@ -421,7 +430,7 @@ impl CudaIpcCommunicator {
         let gpu = GpuContext::new(config.device, config.ptx_dir.clone()).map_err(dev_err)?;
         let ctx = gpu.context().clone();
         let stream = gpu.stream().clone();
-        let region = Region::new(&ctx, offsets.region_bytes)?;
+        let region = Region::new(&stream, offsets.region_bytes)?;
         let deadline = Instant::now() + config.timeout;
 
         // Rendezvous: publish handle and bus id, wait for everyone, open the peers.
@@ -632,7 +641,7 @@ impl CudaIpcCommunicator {
         for _ in 0..world {
             let gpu = GpuContext::new(config.device, config.ptx_dir.clone()).map_err(dev_err)?;
             let stream = gpu.context().new_stream().map_err(dev_err)?;
-            let region = Region::new(gpu.context(), offsets.region_bytes)?;
+            let region = Region::new(&stream, offsets.region_bytes)?;
             parts.push(Parts {
                 gpu,
                 stream,
@@ -672,7 +681,7 @@ impl CudaIpcCommunicator {
             let gpu = GpuContext::new(config.device, config.ptx_dir.clone()).map_err(dev_err)?;
             let stream = gpu.stream().clone();
             // Our kernels never run here; a page keeps `assemble` uniform.
-            let region = Region::new(gpu.context(), 4096)?;
+            let region = Region::new(&stream, 4096)?;
             let nccl = nccl::init(stream.clone(), rank, world, id)?;
             let config = CudaIpcConfig {
                 policy: ChoicePolicy::fixed(Choice::Nccl),

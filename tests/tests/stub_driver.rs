@@ -1,0 +1,95 @@
+//! The `cuda` backend end to end on the stand-in CUDA driver (`kernels-rs/cuda-stub`): the
+//! trained `kimi-chat-tiny` decoded greedily by `model run --backend cuda` — `GpuContext`, the
+//! device executor, graph capture and replay of every decode step — prints the CPU backend's
+//! tokens; so does `--tp 2`, two rank processes summing over the CUDA IPC all-reduce, on one
+//! device shared by both and on two SM90 devices.
+
+use std::process::Command;
+
+use project_tests::golden_path;
+use project_tests::stub_driver::StubDriver;
+use serde_json::Value;
+
+/// The first golden chat prompt's token ids.
+fn prompt() -> String {
+    let golden: Value = serde_json::from_str(
+        &std::fs::read_to_string(golden_path("serving").join("chat_model_golden.json")).unwrap(),
+    )
+    .unwrap();
+    golden["cases"][0]["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap().to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Runs `model run` with `extra` arguments; its `sequence` lines, and its log.
+fn run(mut cmd: Command, extra: &[&str]) -> (Vec<String>, String) {
+    let dir = golden_path("models").join("kimi-chat-tiny");
+    let out = cmd
+        .arg("run")
+        .arg("--checkpoint")
+        .arg(&dir)
+        .args(["--prompt", &prompt(), "--max-new-tokens", "24"])
+        .args(extra)
+        .output()
+        .unwrap();
+    let log = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "model run {extra:?}:\n{log}");
+    let lines = log
+        .lines()
+        .filter(|l| l.starts_with("sequence"))
+        .map(str::to_string)
+        .collect();
+    (lines, log)
+}
+
+/// What a run is, its arguments and its environment.
+type Case = (
+    &'static str,
+    &'static [&'static str],
+    &'static [(&'static str, &'static str)],
+);
+
+#[test]
+fn greedy_decode_on_the_cuda_backend_prints_the_cpus_tokens() {
+    let stub = StubDriver::get();
+    let (cpu, _) = run(stub.model_without_driver(), &["--backend", "cpu"]);
+    assert_eq!(cpu.len(), 1, "one sequence: {cpu:?}");
+    let cases: [Case; 3] = [
+        ("one RTX PRO 6000", &["--backend", "cuda"], &[]),
+        (
+            "--tp 2 on one device",
+            &["--backend", "cuda", "--tp", "2"],
+            &[],
+        ),
+        (
+            "--tp 2 on two H100s",
+            &["--backend", "cuda", "--tp", "2"],
+            &[
+                ("CUDA_STUB_DEVICE", "h100"),
+                ("CUDA_STUB_DEVICE_COUNT", "2"),
+            ],
+        ),
+    ];
+    for (what, args, env) in cases {
+        let mut cmd = stub.model();
+        cmd.envs(env.iter().copied());
+        let (cuda, log) = run(cmd, args);
+        // It ran on the stand-in's device, not on a fallback.
+        assert!(
+            log.contains("(cuda-stub)"),
+            "{what}: no stand-in device in\n{log}"
+        );
+        assert_eq!(
+            cuda, cpu,
+            "{what}: the device's greedy tokens differ from the CPU's"
+        );
+    }
+}
