@@ -180,6 +180,9 @@ pub unsafe extern "C" fn cuEventQuery(event: *mut c_void) -> CUresult {
         let ev = lookup(event)?;
         ev.refuse_if_captured("cuEventQuery")?;
         if ev.done() {
+            if let Some(p) = ev.point() {
+                crate::hazard::observed(&p);
+            }
             Ok(())
         } else {
             Err(E::CUDA_ERROR_NOT_READY)
@@ -192,8 +195,9 @@ pub unsafe extern "C" fn cuEventSynchronize(event: *mut c_void) -> CUresult {
     api("cuEventSynchronize", || {
         let ev = lookup(event)?;
         ev.refuse_if_captured("cuEventSynchronize")?;
-        if let Some((p, seq)) = ev.point() {
-            p.wait(seq);
+        if let Some(point) = ev.point() {
+            point.0.wait(point.1);
+            crate::hazard::observed(&point);
         }
         Ok(())
     })

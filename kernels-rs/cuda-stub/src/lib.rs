@@ -35,6 +35,7 @@ pub mod error;
 pub mod event;
 pub mod graph;
 pub mod handles;
+pub mod hazard;
 pub mod ipc;
 pub mod memory;
 pub mod module;

@@ -268,6 +268,7 @@ pub fn at(ptr: u64) -> Option<Arc<Alloc>> {
 
 /// Forgets an allocation; its pages go when the last reference (a queued item) does.
 pub fn release(a: &Arc<Alloc>) {
+    crate::hazard::forget(a.base);
     if registry().write().unwrap().remove(&a.base).is_some()
         && a.kind != Kind::Imported
         && let Some(u) = used().lock().unwrap().get_mut(&a.device)

@@ -374,6 +374,35 @@ impl Launch {
         self.func.ctx
     }
 
+    /// `kernel (family/tactic)`.
+    pub fn name(&self) -> String {
+        format!(
+            "{} ({}/{})",
+            self.func.host.name(),
+            self.func.module.image.family,
+            self.func.module.image.tactic
+        )
+    }
+
+    /// Every aligned 8-byte word of the parameters: the device addresses among them are the
+    /// memory the kernel may touch.
+    pub fn pointer_words(&self) -> Vec<u64> {
+        let mut words = Vec::new();
+        for &(at, n) in &self.offsets {
+            let first = at / 16;
+            for w in 0..n / 8 {
+                let v = self.params[first + w / 2];
+                words.push(if w % 2 == 0 {
+                    v as u64
+                } else {
+                    (v >> 64) as u64
+                });
+            }
+        }
+        words.retain(|&w| w != 0);
+        words
+    }
+
     pub fn run(&self, ctx: &Context) -> Result<(), Failure> {
         let bytes: &[u8] = {
             let p = &self.params;

@@ -117,6 +117,7 @@ impl Stream {
             progress: progress.clone(),
             capture: Mutex::new(None),
         });
+        crate::hazard::stream_made(stream.id, &(stream.progress.clone(), 0));
         let name = format!("cuda-stub s{}", stream.id);
         std::thread::Builder::new()
             .name(name)
@@ -165,18 +166,29 @@ impl Stream {
             StreamKind::NonBlocking => {}
         }
         let mut q = self.queue.lock().unwrap();
+        let tx = q.tx.as_ref().ok_or(E::CUDA_ERROR_INVALID_HANDLE)?.clone();
         q.submitted += 1;
         let seq = q.submitted;
-        let tx = q.tx.as_ref().ok_or(E::CUDA_ERROR_INVALID_HANDLE)?;
+        crate::hazard::issue(self.id, self.label(), seq, &after, &work);
         tx.send(Item { seq, after, work })
             .map_err(|_| E::CUDA_ERROR_INVALID_HANDLE)?;
         Ok((self.progress.clone(), seq))
     }
 
-    /// Waits for the work issued so far.
+    /// Waits for the work issued so far (a host synchronization).
     pub fn wait_idle(&self) {
-        let (p, seq) = self.tail();
-        p.wait(seq);
+        let tail = self.tail();
+        tail.0.wait(tail.1);
+        crate::hazard::observed(&tail);
+    }
+
+    fn label(&self) -> &'static str {
+        match self.kind {
+            StreamKind::Legacy => "the legacy stream",
+            StreamKind::PerThread => "a per-thread stream",
+            StreamKind::Blocking => "a blocking stream",
+            StreamKind::NonBlocking => "a non-blocking stream",
+        }
     }
 }
 
@@ -206,8 +218,9 @@ pub fn submit(stream: &Arc<Stream>, work: Work, after: Vec<Point>) -> R<Submitte
 
 /// Issues `work` and waits until it has run (a copy the host must see finished).
 pub fn submit_and_wait(stream: &Arc<Stream>, work: Work) -> R {
-    if let Submitted::Queued((p, seq)) = submit(stream, work, Vec::new())? {
-        p.wait(seq);
+    if let Submitted::Queued(point) = submit(stream, work, Vec::new())? {
+        point.0.wait(point.1);
+        crate::hazard::observed(&point);
     }
     stream.ctx.sticky().map_or(Ok(()), Err)
 }
@@ -324,11 +337,12 @@ pub unsafe extern "C" fn cuStreamQuery(stream: *mut c_void) -> CUresult {
     api("cuStreamQuery", || {
         let s = resolve(stream)?;
         crate::capture::refuse_sync_of(&s, "cuStreamQuery")?;
-        let (p, seq) = s.tail();
+        let tail = s.tail();
         if let Some(code) = s.ctx.sticky() {
             return Err(code);
         }
-        if p.reached(seq) {
+        if tail.0.reached(tail.1) {
+            crate::hazard::observed(&tail);
             Ok(())
         } else {
             Err(E::CUDA_ERROR_NOT_READY)

@@ -230,7 +230,7 @@ fn refusals_carry_the_real_drivers_codes() {
             "upload",
             sys::cuMemcpyHtoD_v2(d_logits, logits.as_ptr().cast(), 32),
         );
-        ok("bias", sys::cuMemsetD32_v2(d_bias, 0, 8));
+        ok("bias", sys::cuMemsetD32Async(d_bias, 0, 8, nb));
         let (mut a0, mut a1, mut a8, mut a9) = (d_logits, d_bias, d_ids, d_weights);
         let (mut experts, mut groups, mut topk_group, mut top_k, mut norm) =
             (8i32, 1i32, 1i32, 2i32, 1i32);
@@ -568,5 +568,63 @@ fn streams_events_and_graphs_run_in_the_drivers_order() {
             info.result,
             sys::CUgraphExecUpdateResult::CU_GRAPH_EXEC_UPDATE_ERROR_TOPOLOGY_CHANGED
         );
+    }
+}
+
+/// A memset on the legacy stream (asynchronous to the host) and a kernel on a non-blocking
+/// stream reading the same memory: nothing orders them, and the stand-in stops the process
+/// saying so; an event wait orders them, and it runs.
+#[test]
+fn an_unordered_memset_stops_the_process_an_event_orders_it() {
+    const TEST: &str = "an_unordered_memset_stops_the_process_an_event_orders_it";
+    let Some(role) = role() else {
+        let out = child(TEST, "unordered").output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && stderr.contains("RACE: kernel argmax_rows"),
+            "the unordered memset was not reported ({}):\n{stderr}",
+            out.status
+        );
+        expect_success("the ordered child", &mut child(TEST, "ordered"));
+        return;
+    };
+    // SAFETY (whole body): raw driver calls with valid out-pointers and handles made here.
+    unsafe {
+        let (dev, _) = primary_context(0);
+        let mut major = 0;
+        ok(
+            "compute capability",
+            sys::cuDeviceGetAttribute(
+                &mut major,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+                dev,
+            ),
+        );
+        let sm = if major == 12 { "sm_120a" } else { "sm_90a" };
+        let f = function(load_module("layers", "default", sm), "argmax_rows");
+        let s = stream(NON_BLOCKING);
+        let (logits, ids) = (alloc(4096), alloc(4));
+        ok("memset", sys::cuMemsetD32_v2(logits, 0, 1024));
+        if role == "ordered" {
+            let mut ev = null_mut();
+            ok("event", sys::cuEventCreate(&mut ev, 0));
+            ok(
+                "record on the legacy stream",
+                sys::cuEventRecord(ev, null_mut()),
+            );
+            ok("wait", sys::cuStreamWaitEvent(s, ev, 0));
+        }
+        let (mut pl, mut v, mut pi) = (logits, 1024i32, ids);
+        let mut params = [
+            (&mut pl as *mut u64).cast::<c_void>(),
+            (&mut v as *mut i32).cast(),
+            (&mut pi as *mut u64).cast(),
+        ];
+        ok(
+            "launch",
+            sys::cuLaunchKernel(f, 1, 1, 1, 256, 1, 1, 0, s, params.as_mut_ptr(), null_mut()),
+        );
+        ok("sync", sys::cuStreamSynchronize(s));
+        assert_eq!(download::<i32>(ids, 1), [0], "all zeros: the first index");
     }
 }
