@@ -12,6 +12,14 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
+/// Set in a test's child process (see [`StubDriver::this_test`]).
+pub const CHILD: &str = "KIMI_STUB_CHILD";
+
+/// Whether this process is a test's child on the stand-in.
+pub fn is_child() -> bool {
+    std::env::var_os(CHILD).is_some()
+}
+
 pub struct StubDriver {
     /// Holds `libcuda.so.1` and `libcuda.so`, links to the stand-in.
     libs: tempfile::TempDir,
@@ -85,6 +93,14 @@ impl StubDriver {
             .env("KIMI_PTX_DIR", &self.images)
             .env_remove("CUDA_STUB_DEVICE")
             .env_remove("CUDA_STUB_DEVICE_COUNT");
+        cmd
+    }
+
+    /// The calling test binary, filtered to `test`, on the stand-in, with [`CHILD`] set: the
+    /// test's body runs there (see [`is_child`]).
+    pub fn this_test(&self, test: &str) -> Command {
+        let mut cmd = self.command(std::env::current_exe().unwrap());
+        cmd.args([test, "--exact", "--nocapture"]).env(CHILD, "1");
         cmd
     }
 

@@ -2,12 +2,15 @@
 //! trained `kimi-chat-tiny` decoded greedily by `model run --backend cuda` — `GpuContext`, the
 //! device executor, graph capture and replay of every decode step — prints the CPU backend's
 //! tokens; so does `--tp 2`, two rank processes summing over the CUDA IPC all-reduce, on one
-//! device shared by both and on two SM90 devices.
+//! device shared by both and on two SM90 devices. And `GpuContext` used from threads other
+//! than the one that made it: the driver needs the context current on each.
 
 use std::process::Command;
 
+use kernels::cuda::{GpuContext, default_ptx_dir};
+use kernels::device::{Device, DeviceExt, DeviceMemory, KernelParams, LaunchConfig};
 use project_tests::golden_path;
-use project_tests::stub_driver::StubDriver;
+use project_tests::stub_driver::{StubDriver, is_child};
 use serde_json::Value;
 
 /// The first golden chat prompt's token ids.
@@ -92,4 +95,51 @@ fn greedy_decode_on_the_cuda_backend_prints_the_cpus_tokens() {
             "{what}: the device's greedy tokens differ from the CPU's"
         );
     }
+}
+
+#[test]
+fn a_gpu_context_binds_its_context_on_every_thread_that_calls_the_driver() {
+    const TEST: &str = "a_gpu_context_binds_its_context_on_every_thread_that_calls_the_driver";
+    if !is_child() {
+        let out = StubDriver::get().this_test(TEST).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        return;
+    }
+    let gpu = GpuContext::new(0, default_ptx_dir()).unwrap();
+    let kernel = gpu
+        .load_kernel("layers", "default", "argmax_rows", 0)
+        .unwrap();
+    let logits: Vec<f32> = (0..1000).map(|i| ((i * 7919) % 1009) as f32).collect();
+    let d_logits = gpu.upload(&logits).unwrap();
+    let mut ids = gpu.alloc_elements::<i32>(1).unwrap();
+    // Each call on a thread of its own, which has never had a context current.
+    std::thread::scope(|s| {
+        s.spawn(|| gpu.fill_prefix(&mut ids, 4, 0xff).unwrap())
+            .join()
+            .unwrap()
+    });
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let (pl, vocab, pi) = (d_logits.device_ptr(), 1000i32, ids.device_ptr());
+            let mut p = KernelParams::new();
+            p.arg(&pl).arg(&vocab).arg(&pi);
+            let cfg = LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: argmax_rows(const float*, int, int*) with a row of 1000 values and one id.
+            unsafe { gpu.launch(&kernel, cfg, &p) }.unwrap();
+        })
+        .join()
+        .unwrap()
+    });
+    let best = logits.iter().cloned().fold(f32::MIN, f32::max);
+    let want = logits.iter().position(|&x| x == best).unwrap() as i32;
+    assert_eq!(gpu.download::<i32>(&ids).unwrap(), [want]);
 }
