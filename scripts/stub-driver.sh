@@ -8,7 +8,8 @@
 #   scripts/stub-driver.sh cargo test -p project-tests --features cuda --test gpu_layers -- --ignored
 #
 # It builds the stand-in (and the command, when it names a workspace binary: model, autotune,
-# gpu-check, mla-gpu-check, allreduce-gpu-check, allreduce-rank, ptx-probe-check), links
+# gpu-check, mla-gpu-check, allreduce-gpu-check, allreduce-rank, gpu-preflight,
+# ptx-probe-check), links
 # `libcuda.so.1` to it in a folder of its own, writes its kernel images (one per entry of
 # ptx/manifest.json, plus the layers and probe images), and runs the command with:
 #   LD_LIBRARY_PATH   that folder first: the stand-in is never on the default library path,
@@ -27,6 +28,7 @@
 #   CUDA_STUB_QUIET=1       no explanation of refused calls on stderr
 #   STUB_PROFILE            release (default) or debug: which build of the stand-in and the
 #                           named binaries
+#   STUB_NO_BUILD=1         use the stand-in already built (CI, after `cargo test --workspace`)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 [[ $# -gt 0 ]] || { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//' >&2; exit 2; }
@@ -41,14 +43,18 @@ target="${CARGO_TARGET_DIR:-$ROOT/target}"
 out="$target/$profile"
 dir="$target/stub-driver"
 
-cargo_build() { (cd "$ROOT" && cargo build --locked --quiet "${build[@]}" "$@"); }
-cargo_build -p cuda-stub
-case "$1" in
-  model | autotune) cargo_build -p "$1" ;;
-  gpu-check | mla-gpu-check | allreduce-gpu-check | allreduce-rank)
-    cargo_build -p kernels --features cuda --bin "$1" ;;
-  ptx-probe-check) cargo_build -p cuda-host --features cuda --bin "$1" ;;
-esac
+# One cargo invocation with the stand-in, so that both resolve the same features (and share one
+# build of the host execution layer).
+cargo_build() { (cd "$ROOT" && cargo build --locked --quiet "${build[@]}" -p cuda-stub "$@"); }
+if [[ "${STUB_NO_BUILD:-0}" != 1 ]]; then
+  case "$1" in
+    model | autotune) cargo_build -p "$1" ;;
+    gpu-check | mla-gpu-check | allreduce-gpu-check | allreduce-rank | gpu-preflight)
+      cargo_build -p kernels --features kernels/cuda ;;
+    ptx-probe-check) cargo_build -p cuda-host --features cuda-host/cuda ;;
+    *) cargo_build ;;
+  esac
+fi
 
 mkdir -p "$dir/lib"
 ln -sfn "$out/libcuda_stub.so" "$dir/lib/libcuda.so.1"

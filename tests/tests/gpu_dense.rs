@@ -52,6 +52,11 @@ fn gpu_dense_ours_and_cublaslt_agree_and_are_timed() {
             None => println!("PASS {line}"),
         }
     }
+    if std::env::var("GPU_DENSE_TIMING").as_deref() == Ok("0") {
+        // `gpu-check.sh --first-run`: the checks above only.
+        println!("timing skipped (GPU_DENSE_TIMING=0)");
+        return;
+    }
     let vendor = vendor_ready(&gpu).is_ok();
     println!("timing (measured, median of {ITERS} runs; weight bytes read / time):");
     let mut totals = [[0.0f64; 2]; TOKENS.len()];

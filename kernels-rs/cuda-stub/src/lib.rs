@@ -70,6 +70,7 @@ pub unsafe extern "C" fn cuInit(flags: u32) -> CUresult {
             return Err(E::CUDA_ERROR_NO_DEVICE);
         }
         memory::raise_fd_limit();
+        work::stats::start();
         INITIALIZED.store(true, Ordering::Release);
         Ok(())
     })

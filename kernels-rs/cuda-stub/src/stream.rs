@@ -126,11 +126,22 @@ impl Stream {
                     for (p, seq) in &item.after {
                         p.wait(*seq);
                     }
+                    let start = std::time::Instant::now();
                     if ctx.sticky().is_none()
                         && let Err((code, why)) = item.work.run(&ctx)
                     {
-                        note(|| format!("{}: {why}", crate::error::name(code)));
+                        // Always told: the host layer's account of a fault is the only one.
+                        eprintln!("cuda-stub: {}: {why}", crate::error::name(code));
                         ctx.set_sticky(code);
+                    }
+                    match &item.work {
+                        Work::Launch(_) | Work::Graph(_) => {
+                            crate::work::stats::record(true, start.elapsed())
+                        }
+                        Work::Copy { .. } | Work::Fill { .. } => {
+                            crate::work::stats::record(false, start.elapsed())
+                        }
+                        _ => {}
                     }
                     progress.finish(item.seq);
                 }

@@ -49,6 +49,54 @@ pub enum Work {
     Nop,
 }
 
+/// Time the workers spent running items, by kind (`CUDA_STUB_STATS=1` prints it at exit): on
+/// the stand-in the kernels run on the CPU, so a run's wall time less its kernel time
+/// approximates what the same run costs beside a GPU.
+pub mod stats {
+    use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::time::{Duration, Instant};
+
+    static LAUNCHES: AtomicU64 = AtomicU64::new(0);
+    static LAUNCH_NS: AtomicU64 = AtomicU64::new(0);
+    static COPIES: AtomicU64 = AtomicU64::new(0);
+    static COPY_NS: AtomicU64 = AtomicU64::new(0);
+    static START: OnceLock<Instant> = OnceLock::new();
+
+    pub fn record(launch: bool, spent: Duration) {
+        let (n, ns) = if launch {
+            (&LAUNCHES, &LAUNCH_NS)
+        } else {
+            (&COPIES, &COPY_NS)
+        };
+        n.fetch_add(1, Ordering::Relaxed);
+        ns.fetch_add(spent.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    extern "C" fn print() {
+        let s = |ns: &AtomicU64| ns.load(Ordering::Relaxed) as f64 * 1e-9;
+        eprintln!(
+            "cuda-stub: stats: {} launches in {:.3} s, {} copies and memsets in {:.3} s, {:.3} s \
+             since cuInit",
+            LAUNCHES.load(Ordering::Relaxed),
+            s(&LAUNCH_NS),
+            COPIES.load(Ordering::Relaxed),
+            s(&COPY_NS),
+            START.get().map_or(0.0, |t| t.elapsed().as_secs_f64())
+        );
+    }
+
+    /// At `cuInit`: prints the totals when the process exits, if asked to.
+    pub fn start() {
+        if START.set(Instant::now()).is_ok()
+            && std::env::var_os("CUDA_STUB_STATS").is_some_and(|v| v != "0")
+        {
+            // SAFETY: registers a plain function with no arguments.
+            unsafe { libc::atexit(print) };
+        }
+    }
+}
+
 /// Why an item failed: the code the context keeps, and what to tell.
 pub type Failure = (CUresult, String);
 
