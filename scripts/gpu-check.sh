@@ -92,7 +92,7 @@ esac
 BIN="${GPU_CHECK_BIN:-}"
 if [[ -z "$BIN" ]]; then
   for c in ./gpu-check ./target/release/gpu-check; do
-    if [[ -x "$c" ]]; then BIN="$c"; break; fi
+    if [[ -f "$c" && -x "$c" ]]; then BIN="$c"; break; fi
   done
 fi
 [[ -n "$BIN" ]] || {
@@ -127,7 +127,8 @@ find_bin() {  # find_bin NAME [OVERRIDE]: the bundle's binary, or a checkout's r
   local name=$1 override=${2:-}
   if [[ -n "$override" ]]; then echo "$override"; return; fi
   for c in "./$name" "./target/release/$name"; do
-    if [[ -x "$c" ]]; then echo "$c"; return; fi
+    # A file: in a checkout ./model is the crate's folder.
+    if [[ -f "$c" && -x "$c" ]]; then echo "$c"; return; fi
   done
 }
 START_S=$SECONDS
@@ -376,11 +377,11 @@ if [[ -n "${STAND_IN:-}" ]]; then
   # Per stage: its wall time, and the time its kernels and copies took on the stand-in (from
   # the stats line each process printed): the difference is the host's share, which a GPU
   # run keeps; the kernels' share shrinks to the GPU's.
-  echo "stand-in rehearsal: stage, wall s, kernels and copies on the CPU s, the rest s"
+  echo "stand-in rehearsal: stage, wall s, s with device work running on the CPU, the rest s"
   for log in "$OUT_DIR"/*.log; do
     [[ $(basename "$log") == preflight.log ]] && continue
     awk -v name="$(basename "$log" .log)" -v wall="$(grep -h "^wall_s " "$log.wall" 2>/dev/null | cut -d' ' -f2)" '
-      /cuda-stub: stats:/ { for (i = 1; i <= NF; i++) if ($i == "in") { t += $(i + 1) } }
+      /cuda-stub: stats:/ { for (i = 1; i <= NF; i++) if ($i == "running" && $(i + 1) == "in") { t += $(i + 2) } }
       END { if (wall != "") printf "  %-20s %8.1f %8.1f %8.1f\n", name, wall, t, wall - t }' "$log"
   done
 fi

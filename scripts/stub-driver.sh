@@ -56,8 +56,13 @@ if [[ "${STUB_NO_BUILD:-0}" != 1 ]]; then
   esac
 fi
 
+# `cargo build` leaves the library in the build folder, a test build (cuda-stub's tests) in
+# deps/: the newer one.
+lib="$out/libcuda_stub.so"
+[[ "$out/deps/libcuda_stub.so" -nt "$lib" ]] && lib="$out/deps/libcuda_stub.so"
+[[ -f "$lib" ]] || { echo "stub-driver.sh: $lib is missing (build: cargo build -p cuda-stub)" >&2; exit 1; }
 mkdir -p "$dir/lib"
-ln -sfn "$out/libcuda_stub.so" "$dir/lib/libcuda.so.1"
+ln -sfn "$lib" "$dir/lib/libcuda.so.1"
 ln -sfn libcuda.so.1 "$dir/lib/libcuda.so"
 "$out/cuda-stub-images" --manifest "$ROOT/ptx/manifest.json" --out "$dir/ptx" >/dev/null
 

@@ -27,6 +27,15 @@ pub struct StubDriver {
     bin: PathBuf,
 }
 
+/// The most recently written of `paths` that exists.
+fn newest<const N: usize>(paths: [PathBuf; N]) -> Option<PathBuf> {
+    paths
+        .into_iter()
+        .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
+        .max_by_key(|(t, _)| *t)
+        .map(|(_, p)| p)
+}
+
 fn build_dir() -> PathBuf {
     // target/<profile>/deps/<test binary>
     let exe = std::env::current_exe().unwrap();
@@ -41,9 +50,11 @@ impl StubDriver {
 
     fn new() -> Self {
         let bin = build_dir();
-        let lib = bin.join("libcuda_stub.so");
+        // A test build leaves the library in deps/ (cuda-stub's tests build it); `cargo build`
+        // in the build folder itself.
+        let lib = || newest([bin.join("deps/libcuda_stub.so"), bin.join("libcuda_stub.so")]);
         let (images_bin, model) = (bin.join("cuda-stub-images"), bin.join("model"));
-        if ![&lib, &images_bin, &model].iter().all(|p| p.is_file()) {
+        if lib().is_none() || !images_bin.is_file() || !model.is_file() {
             let status = Command::new(env!("CARGO"))
                 .args(["build", "--quiet", "-p", "cuda-stub", "-p", "model"])
                 .current_dir(env!("CARGO_MANIFEST_DIR"))
@@ -51,6 +62,7 @@ impl StubDriver {
                 .unwrap();
             assert!(status.success(), "building the stand-in driver and model");
         }
+        let lib = lib().expect("built above");
         let libs = tempfile::tempdir().unwrap();
         for name in ["libcuda.so.1", "libcuda.so"] {
             std::os::unix::fs::symlink(&lib, libs.path().join(name)).unwrap();

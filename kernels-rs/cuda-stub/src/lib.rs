@@ -18,7 +18,10 @@
 //! - kernel images that name a (family, tactic) of the host execution layer (`cuda-host`),
 //!   whose builds of the same `.cu` sources run the launches; function attributes with the
 //!   48 KB dynamic shared memory opt-in enforced ([`module`]);
-//! - the driver's result codes, names and descriptions ([`error`]).
+//! - the driver's result codes, names and descriptions ([`error`]);
+//! - beyond the driver: a copy or memset that nothing orders against another stream's access
+//!   to the same memory stops the process with a report ([`hazard`]), and `CUDA_STUB_STATS=1`
+//!   prints how long device work ran on the CPU ([`work::stats`]).
 //!
 //! A kernel that faults (a guard page, a barrier some threads cannot reach, the time limit)
 //! makes its context's error sticky, as on a GPU: every later call in that context returns it.

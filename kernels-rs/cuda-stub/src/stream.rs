@@ -126,7 +126,14 @@ impl Stream {
                     for (p, seq) in &item.after {
                         p.wait(*seq);
                     }
-                    let start = std::time::Instant::now();
+                    let counted = match &item.work {
+                        Work::Launch(_) | Work::Graph(_) => Some(true),
+                        Work::Copy { .. } | Work::Fill { .. } => Some(false),
+                        _ => None,
+                    };
+                    if let Some(launch) = counted {
+                        crate::work::stats::begin(launch);
+                    }
                     if ctx.sticky().is_none()
                         && let Err((code, why)) = item.work.run(&ctx)
                     {
@@ -134,14 +141,8 @@ impl Stream {
                         eprintln!("cuda-stub: {}: {why}", crate::error::name(code));
                         ctx.set_sticky(code);
                     }
-                    match &item.work {
-                        Work::Launch(_) | Work::Graph(_) => {
-                            crate::work::stats::record(true, start.elapsed())
-                        }
-                        Work::Copy { .. } | Work::Fill { .. } => {
-                            crate::work::stats::record(false, start.elapsed())
-                        }
-                        _ => {}
+                    if counted.is_some() {
+                        crate::work::stats::end();
                     }
                     progress.finish(item.seq);
                 }

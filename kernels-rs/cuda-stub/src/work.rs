@@ -53,35 +53,46 @@ pub enum Work {
 /// the stand-in the kernels run on the CPU, so a run's wall time less its kernel time
 /// approximates what the same run costs beside a GPU.
 pub mod stats {
-    use std::sync::OnceLock;
     use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{Mutex, OnceLock};
     use std::time::{Duration, Instant};
 
     static LAUNCHES: AtomicU64 = AtomicU64::new(0);
-    static LAUNCH_NS: AtomicU64 = AtomicU64::new(0);
     static COPIES: AtomicU64 = AtomicU64::new(0);
-    static COPY_NS: AtomicU64 = AtomicU64::new(0);
     static START: OnceLock<Instant> = OnceLock::new();
+    /// Items running now, since when some have been, and the time with at least one running:
+    /// streams run concurrently, so their items' durations would add up to more than the wall
+    /// time they took.
+    static BUSY: Mutex<(u32, Option<Instant>, Duration)> = Mutex::new((0, None, Duration::ZERO));
 
-    pub fn record(launch: bool, spent: Duration) {
-        let (n, ns) = if launch {
-            (&LAUNCHES, &LAUNCH_NS)
-        } else {
-            (&COPIES, &COPY_NS)
-        };
-        n.fetch_add(1, Ordering::Relaxed);
-        ns.fetch_add(spent.as_nanos() as u64, Ordering::Relaxed);
+    /// An item starts: `launch` says which counter it adds to.
+    pub fn begin(launch: bool) {
+        if launch { &LAUNCHES } else { &COPIES }.fetch_add(1, Ordering::Relaxed);
+        let mut b = BUSY.lock().unwrap();
+        if b.0 == 0 {
+            b.1 = Some(Instant::now());
+        }
+        b.0 += 1;
+    }
+
+    pub fn end() {
+        let mut b = BUSY.lock().unwrap();
+        b.0 -= 1;
+        if b.0 == 0
+            && let Some(since) = b.1.take()
+        {
+            b.2 += since.elapsed();
+        }
     }
 
     extern "C" fn print() {
-        let s = |ns: &AtomicU64| ns.load(Ordering::Relaxed) as f64 * 1e-9;
+        let busy = BUSY.lock().map(|b| b.2).unwrap_or_default();
         eprintln!(
-            "cuda-stub: stats: {} launches in {:.3} s, {} copies and memsets in {:.3} s, {:.3} s \
-             since cuInit",
+            "cuda-stub: stats: {} launches and {} copies and memsets, device work running in \
+             {:.3} s of {:.3} s since cuInit",
             LAUNCHES.load(Ordering::Relaxed),
-            s(&LAUNCH_NS),
             COPIES.load(Ordering::Relaxed),
-            s(&COPY_NS),
+            busy.as_secs_f64(),
             START.get().map_or(0.0, |t| t.elapsed().as_secs_f64())
         );
     }
