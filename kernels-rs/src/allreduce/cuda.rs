@@ -161,6 +161,22 @@ impl Drop for Region {
     }
 }
 
+/// Where NCCL is missing (no libnccl, no NCCL id at the rendezvous, a build without feature
+/// `nccl`) the sizes the policy gives it go to our kernels, with one line saying so (rank 0).
+fn without_nccl(config: &mut CudaIpcConfig, rank: usize) {
+    if !config.policy.uses_nccl() {
+        return;
+    }
+    config.policy = config.policy.without_nccl();
+    if rank == 0 {
+        eprintln!(
+            "all-reduce: NCCL is unavailable (libnccl, or a build without feature `nccl`): the \
+             message sizes the policy gave it run on the custom kernels ({:?})",
+            config.policy.choices()
+        );
+    }
+}
+
 /// Rendezvous segment: header page, then one 256-byte line per rank.
 mod rdv {
     pub const MAGIC: u64 = 0x6172_6375_6461_6970; // "arcudaip"
@@ -600,6 +616,14 @@ impl CudaIpcCommunicator {
                 )));
             }
         }
+        #[cfg(feature = "nccl")]
+        let have_nccl = nccl.is_some();
+        #[cfg(not(feature = "nccl"))]
+        let have_nccl = false;
+        let mut config = config;
+        if custom_ok && !have_nccl {
+            without_nccl(&mut config, rank);
+        }
         let parts = Parts {
             gpu,
             stream,
@@ -629,7 +653,12 @@ impl CudaIpcCommunicator {
         no_panic("all-reduce setup", || Self::in_process_inner(world, config))
     }
 
-    fn in_process_inner(world: usize, config: CudaIpcConfig) -> Result<Vec<Self>, AllReduceError> {
+    fn in_process_inner(
+        world: usize,
+        mut config: CudaIpcConfig,
+    ) -> Result<Vec<Self>, AllReduceError> {
+        // One process: no NCCL group here.
+        without_nccl(&mut config, 0);
         if world == 0 || world > MAX_RANKS {
             return Err(AllReduceError::Setup(format!(
                 "world {world} (the kernels address 1..={MAX_RANKS} ranks)"
