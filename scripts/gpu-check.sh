@@ -46,11 +46,14 @@
 #
 # --first-run: the correctness stages only, without their timings (gpu-dense, MoE, MLA and
 # all-reduce checks run with --no-timing; autotune's timed stage and the sweeps are skipped),
-# in at most GPU_CHECK_TOTAL_S = 300 s. Predicted for one H100, from the estimates below and a
-# rehearsal on the stand-in driver (scripts/stub-driver.sh scripts/gpu-check.sh --first-run,
-# where each stage's wall time less the time its kernels took on the CPU approximates the
-# host's share): about 150 s, within the 5 minutes a task's device time leaves after the
-# machine's start. --full (the default) adds the timed stages when the 450 s allow.
+# in at most GPU_CHECK_TOTAL_S = 300 s. Predicted for one H100 at about 100 s, from a rehearsal
+# on the stand-in driver (scripts/stub-driver.sh scripts/gpu-check.sh --first-run, 2 cores),
+# which prints per stage the wall time and the time device work ran on the CPU: the host's
+# share left over was 62 s (gpu-dense's exact products 24, the all-reduce's IPC processes 14,
+# e2e's CPU runs and process starts ~15, MoE 6, the rest 3), to which a GPU adds its kernels
+# (milliseconds) and the driver's start in each of ~35 processes (~0.5 s each). Within the 5
+# minutes a task's device time leaves after the machine's start. --full (the default) adds the
+# timed stages when the 450 s allow.
 # Results: $OUT/gpu-check.{txt,json} when OUT is set, else bench/results/gpu/. The last line
 # of the output is "N passed, M failed". Exit status: 0 all passed, 1 a tactic failed,
 # 2 nothing could run (no driver/device, unsupported GPU), 124 the time limit below.
@@ -295,9 +298,15 @@ e2e() {
       [[ -n "${NO_SHARED_DEVICE:-}" ]] && continue
       "$model" logits --backend cuda --tp 2 --ptx-dir "$KIMI_PTX_DIR" --checkpoint "$ckpt" \
         --tokens "$tokens" --kv-dtype "$kv" --out "$dir/$name-cuda-tp2-$kv.safetensors" || status=1
-      [[ -f "$dir/$name-cuda-tp2-$kv.safetensors" ]] && { "$model" compare-logits \
-        "$dir/$name-cuda-tp2-$kv.safetensors" "$dir/$name-cuda-$kv.safetensors" \
-        --max-rel-l2 1e-3 || status=1; }
+      if [[ -f "$dir/$name-cuda-tp2-$kv.safetensors" ]]; then
+        # Judged as --tp 1 is: as close to HF's goldens as the CPU. Its distance from --tp 1 is
+        # printed, not judged: the sharded sums flip a near-tie of one kimi-kernel-dims position
+        # (rel L2 2.7e-2 there, median 1.6e-4), on the host execution layer as well.
+        "$model" compare-logits "$dir/$name-cuda-tp2-$kv.safetensors" "$golden" \
+          --as-close-as "$dir/$name-cpu-$kv.safetensors" || status=1
+        "$model" compare-logits "$dir/$name-cuda-tp2-$kv.safetensors" \
+          "$dir/$name-cuda-$kv.safetensors" || true
+      fi
     done
   done
   # The first golden chat prompt (golden/data/serving/chat_model_golden.json), greedy.

@@ -52,7 +52,12 @@ impl StubDriver {
         let bin = build_dir();
         // A test build leaves the library in deps/ (cuda-stub's tests build it); `cargo build`
         // in the build folder itself.
-        let lib = || newest([bin.join("deps/libcuda_stub.so"), bin.join("libcuda_stub.so")]);
+        let lib = || {
+            newest([
+                bin.join("deps/libcuda_stub.so"),
+                bin.join("libcuda_stub.so"),
+            ])
+        };
         let (images_bin, model) = (bin.join("cuda-stub-images"), bin.join("model"));
         if lib().is_none() || !images_bin.is_file() || !model.is_file() {
             let status = Command::new(env!("CARGO"))

@@ -143,3 +143,53 @@ fn a_gpu_context_binds_its_context_on_every_thread_that_calls_the_driver() {
     let want = logits.iter().position(|&x| x == best).unwrap() as i32;
     assert_eq!(gpu.download::<i32>(&ids).unwrap(), [want]);
 }
+
+#[test]
+fn an_all_reduce_whose_policy_picks_nccl_runs_without_it() {
+    const TEST: &str = "an_all_reduce_whose_policy_picks_nccl_runs_without_it";
+    if !is_child() {
+        let out = StubDriver::get().this_test(TEST).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{stderr}");
+        assert!(
+            stderr.contains("NCCL is unavailable"),
+            "no line saying so:\n{stderr}"
+        );
+        return;
+    }
+    use kernels::allreduce::cost::Choice;
+    use kernels::allreduce::cuda::{CudaIpcCommunicator, CudaIpcConfig};
+    use kernels::allreduce::tactic::ChoicePolicy;
+    use kernels::allreduce::testing::rank_input;
+    use kernels::allreduce::{AllReduce, Islands, reference_reduce};
+    let config = CudaIpcConfig {
+        policy: ChoicePolicy::fixed(Choice::Nccl),
+        islands: Some(Islands::contiguous(&[1, 1]).unwrap()),
+        ..CudaIpcConfig::default()
+    };
+    let mut comms = CudaIpcCommunicator::in_process_group(2, config).unwrap();
+    let inputs: Vec<Vec<f32>> = (0..2).map(|r| rank_input(5, r, 1000)).collect();
+    let refs: Vec<&[f32]> = inputs.iter().map(Vec::as_slice).collect();
+    let used = comms[0].choose(4000);
+    let Choice::Custom(algorithm) = used else {
+        panic!("the policy still picks {used:?}");
+    };
+    let expected = reference_reduce(algorithm, &refs, None, comms[0].islands());
+    let outs: Vec<Vec<f32>> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .iter_mut()
+            .zip(&inputs)
+            .map(|(c, x)| {
+                s.spawn(move || {
+                    let mut d = x.clone();
+                    c.all_reduce_f32(&mut d, None).unwrap();
+                    d
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for out in outs {
+        assert!(out == expected, "{algorithm}: not the reference sum");
+    }
+}

@@ -66,7 +66,10 @@ fn main() -> ExitCode {
         "device0_compute_capability={}.{}",
         info.compute_capability.0, info.compute_capability.1
     );
-    println!("device0_sm={}", info.sm.map_or("none".into(), |s| s.to_string()));
+    println!(
+        "device0_sm={}",
+        info.sm.map_or("none".into(), |s| s.to_string())
+    );
     println!("device0_compute_mode={}", compute_mode(mode));
     println!("device0_free_mib={}", free >> 20);
     println!("device0_total_mib={}", total >> 20);
