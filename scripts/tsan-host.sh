@@ -17,9 +17,22 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 export CARGO_TARGET_DIR="${TSAN_TARGET_DIR:-$ROOT/target/tsan}"
-export RUSTFLAGS="-C link-arg=-fsanitize=thread ${RUSTFLAGS:-}"
+# The TSan runtime linked statically and whole into every test executable (rustc links with
+# -nodefaultlibs, so -fsanitize=thread alone adds nothing); its interceptors then come before
+# libc's. An explicit --target keeps these flags off build scripts and proc macros.
+# libtsan_preinit.o starts the runtime before any library's constructor (as gcc's
+# -static-libtsan links it).
+tsan_lib="$(${CC:-gcc} -print-file-name=libtsan.a)"
+tsan_preinit="$(${CC:-gcc} -print-file-name=libtsan_preinit.o)"
+[[ -f "$tsan_lib" && -f "$tsan_preinit" ]] || {
+  echo "tsan-host.sh: no libtsan.a / libtsan_preinit.o (install the compiler's TSan runtime)" >&2
+  exit 2
+}
+target="$(rustc -vV | sed -n 's/^host: //p')"
+export RUSTFLAGS="-C link-arg=$tsan_preinit -C link-arg=-Wl,--whole-archive -C link-arg=$tsan_lib -C link-arg=-Wl,--no-whole-archive ${RUSTFLAGS:-}"
 # Reports stop the test; the fault handler's siglongjmp out of a kernel is expected.
 export TSAN_OPTIONS="halt_on_error=1 report_signal_unsafe=0 ${TSAN_OPTIONS:-}"
 args=("$@")
 [[ ${#args[@]} -gt 0 ]] || args=(--test host_layers)
-exec cargo test --locked -p project-tests --features cuda-host/tsan "${args[@]}" -- --test-threads 1
+exec cargo test --locked --target "$target" -p project-tests --features cuda-host/tsan "${args[@]}" \
+  -- --test-threads 1
