@@ -4,6 +4,8 @@
 #   BUNDLE/gpu-check                 release binary, feature `cuda` (driver opened at run time)
 #   BUNDLE/mla-gpu-check             the MLA decode check (same feature)
 #   BUNDLE/allreduce-gpu-check       the CUDA all-reduce check (same feature)
+#   BUNDLE/gpu-preflight             what the machine can run (driver, compute mode, memory,
+#                                    vendor libraries), asked first by gpu-check.sh
 #   BUNDLE/ptx-probe-check           the host execution layer's probe kernels on the GPU
 #                                    against the host layer (crate cuda-host, feature cuda)
 #   BUNDLE/ptx/moe_gemm/<sm>/*.cubin the compile gate's kernels (+ manifest; .ptx on request)
@@ -18,6 +20,9 @@
 #                                    bench of crate bench, feature cuda)
 #   BUNDLE/COMMIT                    the commit the bundle was built from (cache provenance)
 #   BUNDLE/scripts/gpu-check.sh      the runner (see its header for how to run)
+#
+# The bundle must travel to the device machine in one carry (64 MiB in all): it fails above
+# BUNDLE_MAX_MIB (default 48), leaving room for what a session carries beside it.
 #
 # Usage: scripts/build-gpu-bundle.sh [BUNDLE_DIR]   (default .gpu-bundle, git-ignored)
 # Env:   SKIP_GATES=1  reuse the cubins already under ptx/ instead of running the gate
@@ -39,7 +44,8 @@ fi
 n=$(find ptx/moe_gemm -name '*.cubin' 2>/dev/null | wc -l)
 [[ "$n" -gt 0 ]] || { echo "build-gpu-bundle: no cubins under ptx/moe_gemm (run the gate)" >&2; exit 1; }
 
-cargo build --release --features cuda -p kernels --bin gpu-check --bin mla-gpu-check --bin allreduce-gpu-check
+cargo build --release --features cuda -p kernels --bin gpu-check --bin mla-gpu-check \
+  --bin allreduce-gpu-check --bin gpu-preflight
 cargo build --release --features cuda -p cuda-host --bin ptx-probe-check
 cargo build --release --features cuda -p model --bin model
 cargo build --release --features cuda -p autotune --bin autotune
@@ -64,8 +70,8 @@ rm -rf "$BUNDLE"
 mkdir -p "$BUNDLE/scripts" "$BUNDLE/ptx"
 # Debug info (profile.release debug = 1) is most of the binary's size; the bundle must stay
 # well under the device tool's 64 MiB.
-for name in gpu-check mla-gpu-check allreduce-gpu-check ptx-probe-check gpu-layers gpu-dense model \
-  autotune gpu-sweeps; do
+for name in gpu-check mla-gpu-check allreduce-gpu-check gpu-preflight ptx-probe-check gpu-layers \
+  gpu-dense model autotune gpu-sweeps; do
   src="$ROOT/target/release/$name"
   [[ $name == gpu-layers ]] && src="$layers_test"
   [[ $name == gpu-dense ]] && src="$dense_test"
@@ -103,4 +109,13 @@ for family in moe mla; do
 done
 (cd "$BUNDLE" && find . -type f | sort | sed 's/^/  /')
 du -sh "$BUNDLE"
+max_mib="${BUNDLE_MAX_MIB:-48}"
+bytes=$(du -sb "$BUNDLE" | cut -f1)
+if (( bytes > max_mib * 1024 * 1024 )); then
+  echo "build-gpu-bundle: the bundle is $(( bytes >> 20 )) MiB, over the ${max_mib} MiB it may take \
+of the device tool's 64 MiB carry; the largest files:" >&2
+  (cd "$BUNDLE" && find . -type f -printf '%s %p\n' | sort -rn | head -5 \
+    | awk '{printf "  %6.1f MiB %s\n", $1 / 1048576, $2}') >&2
+  exit 1
+fi
 echo "build-gpu-bundle: run on the GPU machine: cd $(basename "$BUNDLE") && scripts/gpu-check.sh"

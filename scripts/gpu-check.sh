@@ -34,7 +34,26 @@
 #   COMMIT                    the commit the bundle was built from
 #
 # Run there, from the bundle root (or a checkout with target/release/gpu-check):
-#   scripts/gpu-check.sh [gpu-check flags...]     e.g. --tactics portable --iters 50
+#   scripts/gpu-check.sh --first-run              the correctness stages only (below)
+#   scripts/gpu-check.sh [--full] [gpu-check flags...]   everything, e.g. --tactics portable
+#
+# First a preflight (gpu-preflight, seconds): the driver's CUDA version, compute mode, free
+# memory, peer access, libcublasLt and libnccl. What cannot run is skipped with the reason
+# instead of failing: no driver or device, a driver older than CUDA 13.0 or a PROHIBITED
+# device stop the check (exit 2); EXCLUSIVE_PROCESS on a single device skips what needs two
+# processes on it (--tp 2, the IPC all-reduce); no libcublasLt skips the vendor half of the
+# dense products and the cuBLASLt decode; too little free memory skips the timed stages.
+#
+# --first-run: the correctness stages only, without their timings (gpu-dense, MoE, MLA and
+# all-reduce checks run with --no-timing; autotune's timed stage and the sweeps are skipped),
+# in at most GPU_CHECK_TOTAL_S = 300 s. Predicted for one H100 at about 100 s, from a rehearsal
+# on the stand-in driver (scripts/stub-driver.sh scripts/gpu-check.sh --first-run, 2 cores),
+# which prints per stage the wall time and the time device work ran on the CPU: the host's
+# share left over was 62 s (gpu-dense's exact products 24, the all-reduce's IPC processes 14,
+# e2e's CPU runs and process starts ~15, MoE 6, the rest 3), to which a GPU adds its kernels
+# (milliseconds) and the driver's start in each of ~35 processes (~0.5 s each). Within the 5
+# minutes a task's device time leaves after the machine's start. --full (the default) adds the
+# timed stages when the 450 s allow.
 # Results: $OUT/gpu-check.{txt,json} when OUT is set, else bench/results/gpu/. The last line
 # of the output is "N passed, M failed". Exit status: 0 all passed, 1 a tactic failed,
 # 2 nothing could run (no driver/device, unsupported GPU), 124 the time limit below.
@@ -67,10 +86,16 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
+MODE=full
+case "${1:-}" in
+  --first-run) MODE=first-run; shift ;;
+  --full) shift ;;
+esac
+
 BIN="${GPU_CHECK_BIN:-}"
 if [[ -z "$BIN" ]]; then
   for c in ./gpu-check ./target/release/gpu-check; do
-    if [[ -x "$c" ]]; then BIN="$c"; break; fi
+    if [[ -f "$c" && -x "$c" ]]; then BIN="$c"; break; fi
   done
 fi
 [[ -n "$BIN" ]] || {
@@ -105,11 +130,16 @@ find_bin() {  # find_bin NAME [OVERRIDE]: the bundle's binary, or a checkout's r
   local name=$1 override=${2:-}
   if [[ -n "$override" ]]; then echo "$override"; return; fi
   for c in "./$name" "./target/release/$name"; do
-    if [[ -x "$c" ]]; then echo "$c"; return; fi
+    # A file: in a checkout ./model is the crate's folder.
+    if [[ -f "$c" && -x "$c" ]]; then echo "$c"; return; fi
   done
 }
 START_S=$SECONDS
-TOTAL_S="${GPU_CHECK_TOTAL_S:-450}"
+if [[ $MODE == first-run ]]; then
+  TOTAL_S="${GPU_CHECK_TOTAL_S:-300}"
+else
+  TOTAL_S="${GPU_CHECK_TOTAL_S:-450}"
+fi
 # The stage limit, or what is left of the total if less; empty when under 5 s are left.
 stage_limit() {
   local want=$1 left=$(( TOTAL_S - (SECONDS - START_S) ))
@@ -130,13 +160,67 @@ run_check() {  # run_check LABEL BINARY LIMIT_S ARGS...
     return
   fi
   echo "== $label ($bin, limit ${limit} s, $(( SECONDS - START_S )) s elapsed)"
+  local t0=$SECONDS
   set +e
   timeout --signal=INT --kill-after=3 "$limit" "$bin" "$@" 2>&1 | tee "$OUT_DIR/$label.log"
   local r=${PIPESTATUS[0]}
   set -e
+  echo "wall_s $(( SECONDS - t0 ))" > "$OUT_DIR/$label.log.wall"
   [[ $r == 124 ]] && { echo "gpu-check.sh: $label timed out after $limit s" >&2; r=1; }
   if [[ $r == 1 || ( $r == 2 && $rc == 0 ) ]]; then rc=$r; fi
 }
+
+# Preflight: what this machine can run, and the reasons for what it cannot.
+declare -A PF=()
+skip() {  # skip STAGE REASON
+  echo "gpu-check.sh: $1: skipped: $2" | tee -a "$OUT_DIR/skipped.txt" >&2
+}
+: > "$OUT_DIR/skipped.txt"
+preflight_bin="$(find_bin gpu-preflight "${PREFLIGHT_BIN:-}")"
+if [[ -n "$preflight_bin" ]]; then
+  set +e
+  pf_out="$("$preflight_bin" 2> >(tee "$OUT_DIR/preflight.log" >&2))"
+  pf_rc=$?
+  set -e
+  while IFS='=' read -r k v; do [[ -n "$k" ]] && PF[$k]="$v"; done <<<"$pf_out"
+  if [[ $pf_rc != 0 ]]; then
+    echo "gpu-check.sh: preflight: no usable driver or device (driver=${PF[driver]:-?}); nothing can run" >&2
+    exit 2
+  fi
+  if (( ${PF[driver_version]:-0} < 13000 )); then
+    echo "gpu-check.sh: preflight: the driver supports CUDA ${PF[driver_version]:-?} (< 13.0), which cannot load the cubins; nothing can run" >&2
+    exit 2
+  fi
+  case "${PF[device0_compute_mode]:-default}" in
+    prohibited) echo "gpu-check.sh: preflight: device 0 is in compute mode PROHIBITED; nothing can run" >&2; exit 2 ;;
+    exclusive-process)
+      if (( ${PF[devices]:-1} < 2 )); then
+        NO_SHARED_DEVICE="compute mode EXCLUSIVE_PROCESS on the only device: two processes cannot share it"
+      fi ;;
+  esac
+  [[ "${PF[cublaslt]:-absent}" == absent ]] && NO_CUBLASLT="libcublasLt cannot be opened (a driver-only machine)"
+  # The timed stages hold up to 1.2 GB of MoE weights and a 4.8 GB latent cache.
+  if (( ${PF[device0_free_mib]:-0} < 8192 )); then
+    LOW_MEMORY="${PF[device0_free_mib]:-?} MiB free on device 0, the timed stages need 8192"
+  fi
+  [[ "${PF[device0_name]:-}" == *"(cuda-stub)"* ]] && STAND_IN=1
+else
+  echo "gpu-check.sh: preflight: gpu-preflight binary absent, running every stage" >&2
+fi
+[[ -n "${NO_CUBLASLT:-}" ]] && skip "cuBLASLt (gpu-dense's vendor half, e2e's cuBLASLt decode)" "$NO_CUBLASLT"
+timed=()  # flags of the checks that time after checking
+if [[ $MODE == first-run ]]; then
+  timed=(--no-timing)
+  export GPU_DENSE_TIMING=0
+elif [[ -n "${LOW_MEMORY:-}" ]]; then
+  timed=(--no-timing)
+  export GPU_DENSE_TIMING=0
+  skip "the timings" "$LOW_MEMORY"
+fi
+if [[ -n "${STAND_IN:-}" ]]; then
+  echo "gpu-check.sh: a rehearsal on the stand-in driver: kernels run on the CPU, timings mean nothing"
+  export CUDA_STUB_STATS=1
+fi
 
 if [[ "${SKIP_PROBES:-0}" != 1 ]]; then
   run_check ptx-probe-check "$(find_bin ptx-probe-check "${PROBE_CHECK_BIN:-}")" \
@@ -160,20 +244,26 @@ fi
 # bandwidth and TFLOPS.
 run_check gpu-check "$BIN" "${GPU_CHECK_TIMEOUT:-80}" \
   --ptx-dir "$KIMI_PTX_DIR" --golden-dir "${GOLDEN_DIR:-$ROOT/golden/data/moe}" --out "$OUT_DIR" \
-  --iters 10 --time-budget 50 "$@"
+  --iters 10 --time-budget 50 ${timed[@]+"${timed[@]}"} "$@"
 
 # MLA decode: every tactic vs the PyTorch goldens (1 and planned splits), the cache-append
 # kernel, then cache bytes read per second. Skipped with SKIP_MLA=1.
 if [[ "${SKIP_MLA:-0}" != 1 ]]; then
   run_check mla-gpu-check "$(find_bin mla-gpu-check "${MLA_GPU_CHECK_BIN:-}")" "${MLA_CHECK_TIMEOUT:-50}" \
-    --ptx-dir "$KIMI_PTX_DIR" --golden-dir "$ROOT/golden/data/mla" --iters 10
+    --ptx-dir "$KIMI_PTX_DIR" --golden-dir "$ROOT/golden/data/mla" --iters 10 ${timed[@]+"${timed[@]}"}
 fi
 
 # CUDA all-reduce: bit-exact check of every algorithm on 2/4/8 ranks as concurrent streams,
 # timing, then 2- and 4-process CUDA IPC checks. Skipped with SKIP_ALLREDUCE=1.
 if [[ "${SKIP_ALLREDUCE:-0}" != 1 ]]; then
+  ipc=()
+  if [[ -n "${NO_SHARED_DEVICE:-}" ]]; then
+    ipc=(--ipc-worlds "")
+    skip "allreduce-gpu-check's IPC processes" "$NO_SHARED_DEVICE"
+  fi
   run_check allreduce-gpu-check "$(find_bin allreduce-gpu-check "${ALLREDUCE_GPU_CHECK_BIN:-}")" \
-    "${ALLREDUCE_CHECK_TIMEOUT:-50}" --ptx-dir "$KIMI_PTX_DIR" --out "$OUT_DIR" --iters 100
+    "${ALLREDUCE_CHECK_TIMEOUT:-50}" --ptx-dir "$KIMI_PTX_DIR" --out "$OUT_DIR" --iters 100 \
+    ${timed[@]+"${timed[@]}"} ${ipc[@]+"${ipc[@]}"}
 fi
 # End to end: the golden checkpoints (E2E_MODELS: Kimi-K2.5's MLA widths and the small
 # models': every MLA image family and the padded experts) through `model logits --backend
@@ -205,11 +295,18 @@ e2e() {
       echo "== $name $kv: cuda vs HF W4A4, as close as cpu"
       "$model" compare-logits "$dir/$name-cuda-$kv.safetensors" "$golden" \
         --as-close-as "$dir/$name-cpu-$kv.safetensors" || status=1
+      [[ -n "${NO_SHARED_DEVICE:-}" ]] && continue
       "$model" logits --backend cuda --tp 2 --ptx-dir "$KIMI_PTX_DIR" --checkpoint "$ckpt" \
         --tokens "$tokens" --kv-dtype "$kv" --out "$dir/$name-cuda-tp2-$kv.safetensors" || status=1
-      [[ -f "$dir/$name-cuda-tp2-$kv.safetensors" ]] && { "$model" compare-logits \
-        "$dir/$name-cuda-tp2-$kv.safetensors" "$dir/$name-cuda-$kv.safetensors" \
-        --max-rel-l2 1e-3 || status=1; }
+      if [[ -f "$dir/$name-cuda-tp2-$kv.safetensors" ]]; then
+        # Judged as --tp 1 is: as close to HF's goldens as the CPU. Its distance from --tp 1 is
+        # printed, not judged: the sharded sums flip a near-tie of one kimi-kernel-dims position
+        # (rel L2 2.7e-2 there, median 1.6e-4), on the host execution layer as well.
+        "$model" compare-logits "$dir/$name-cuda-tp2-$kv.safetensors" "$golden" \
+          --as-close-as "$dir/$name-cpu-$kv.safetensors" || status=1
+        "$model" compare-logits "$dir/$name-cuda-tp2-$kv.safetensors" \
+          "$dir/$name-cuda-$kv.safetensors" || true
+      fi
     done
   done
   # The first golden chat prompt (golden/data/serving/chat_model_golden.json), greedy.
@@ -224,6 +321,7 @@ e2e() {
     status=1
   fi
   # The dense products on cuBLASLt, inside the captured decode graph.
+  [[ -n "${NO_CUBLASLT:-}" ]] && return $status
   local kd="$ROOT/golden/data/models/kimi-kernel-dims"
   "$model" run --backend cuda --dense-tactic cublaslt --ptx-dir "$KIMI_PTX_DIR" \
     --checkpoint "$kd" --prompt 0,144,53,82,39,273,386,455 --max-new-tokens 8 --ignore-eos 2>&1 \
@@ -242,12 +340,15 @@ if [[ "${SKIP_E2E:-0}" != 1 ]]; then
       rc=1
     else
       echo "== e2e ($model_bin, limit $limit s, $(( SECONDS - START_S )) s elapsed)"
+      [[ -n "${NO_SHARED_DEVICE:-}" ]] && skip "e2e's --tp 2 runs" "$NO_SHARED_DEVICE"
       export -f e2e
-      export ROOT OUT_DIR KIMI_PTX_DIR
+      export ROOT OUT_DIR KIMI_PTX_DIR NO_SHARED_DEVICE NO_CUBLASLT
+      t0=$SECONDS
       set +e
       timeout --kill-after=3 "$limit" bash -c "e2e $model_bin" 2>&1 | tee "$OUT_DIR/e2e.log"
       r=${PIPESTATUS[0]}
       set -e
+      echo "wall_s $(( SECONDS - t0 ))" > "$OUT_DIR/e2e.log.wall"
       [[ $r == 124 ]] && { echo "gpu-check.sh: e2e timed out" >&2; r=1; }
       if [[ $r == 1 || ( $r == 2 && $rc == 0 ) ]]; then rc=$r; fi
     fi
@@ -262,6 +363,13 @@ fi
 # family printed). Skipped with SKIP_AUTOTUNE=1.
 export KIMI_GOLDEN_DIR="${KIMI_GOLDEN_DIR:-$ROOT/golden/data}"
 [[ -f "$ROOT/COMMIT" ]] && export KIMI_COMMIT="${KIMI_COMMIT:-$(cat "$ROOT/COMMIT")}"
+if [[ $MODE == first-run ]]; then
+  SKIP_AUTOTUNE=1 SKIP_SWEEPS=1
+  skip "autotune, gpu-sweeps" "timed stages (--full runs them)"
+elif [[ -n "${LOW_MEMORY:-}" ]]; then
+  SKIP_AUTOTUNE=1 SKIP_SWEEPS=1
+  skip "autotune, gpu-sweeps" "$LOW_MEMORY"
+fi
 if [[ "${SKIP_AUTOTUNE:-0}" != 1 ]]; then
   run_check autotune "$(find_bin autotune "${AUTOTUNE_BIN:-}")" "${AUTOTUNE_TIMEOUT:-100}" \
     --sm auto --timing measure --ptx-dir "$KIMI_PTX_DIR" --manifest "$KIMI_PTX_DIR/manifest.json" \
@@ -273,6 +381,18 @@ fi
 if [[ "${SKIP_SWEEPS:-0}" != 1 ]]; then
   export KIMI_SWEEP_OUT="$OUT_DIR" KIMI_SWEEP_MEASURE_MS="${KIMI_SWEEP_MEASURE_MS:-60}"
   run_check gpu-sweeps "$(find_bin gpu-sweeps "${SWEEPS_BIN:-}")" "${SWEEPS_TIMEOUT:-60}" --bench
+fi
+if [[ -n "${STAND_IN:-}" ]]; then
+  # Per stage: its wall time, and the time its kernels and copies took on the stand-in (from
+  # the stats line each process printed): the difference is the host's share, which a GPU
+  # run keeps; the kernels' share shrinks to the GPU's.
+  echo "stand-in rehearsal: stage, wall s, s with device work running on the CPU, the rest s"
+  for log in "$OUT_DIR"/*.log; do
+    [[ $(basename "$log") == preflight.log ]] && continue
+    awk -v name="$(basename "$log" .log)" -v wall="$(grep -h "^wall_s " "$log.wall" 2>/dev/null | cut -d' ' -f2)" '
+      /cuda-stub: stats:/ { for (i = 1; i <= NF; i++) if ($i == "running" && $(i + 1) == "in") { t += $(i + 2) } }
+      END { if (wall != "") printf "  %-20s %8.1f %8.1f %8.1f\n", name, wall, t, wall - t }' "$log"
+  done
 fi
 echo "gpu-check.sh: done in $(( SECONDS - START_S )) s, status $rc; results in $OUT_DIR"
 exit "$rc"

@@ -270,6 +270,8 @@ fn the_timed_stage_measures_on_the_device() {
     };
     let mut opts = options(sm, &[KernelFamily::Layers], None);
     opts.timing = Timing::Measure;
+    // KIMI_PTX_DIR where set (a bundle, the stand-in driver's images), else ptx/.
+    opts.ptx_dir = kernels::tactic::timing::default_ptx_dir();
     let r = match tune::run(&opts) {
         Ok(r) => r,
         Err(e) => panic!("no GPU: {e}"),

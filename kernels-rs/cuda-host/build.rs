@@ -89,6 +89,13 @@ fn main() {
             shared_inputs.push_str(&std::fs::read_to_string(&path).unwrap());
         }
     }
+    // Feature `tsan`: everything instrumented by ThreadSanitizer, CUDA threads as its fibers
+    // (see runtime.cpp); the executables must link the TSan runtime (scripts/tsan-host.sh).
+    let tsan: &[&str] = if std::env::var_os("CARGO_FEATURE_TSAN").is_some() {
+        &["-fsanitize=thread", "-DCUDA_HOST_TSAN=1"]
+    } else {
+        &[]
+    };
     let flags = |extra: &[&str]| -> Vec<String> {
         let mut f: Vec<String> = [
             "-std=c++20",
@@ -102,10 +109,13 @@ fn main() {
         .collect();
         f.push(format!("-I{}", runtime_include.display()));
         f.push(format!("-I{}", kernels_include.display()));
+        f.extend(tsan.iter().map(|s| s.to_string()));
         f.extend(extra.iter().map(|s| s.to_string()));
         f
     };
 
+    // Feature `gpu-numerics`: the kernel modules with the GPU's contraction and exponential.
+    let gpu_numerics = std::env::var_os("CARGO_FEATURE_GPU_NUMERICS").is_some();
     let unit_dir = out.join("units");
     let obj_dir = out.join("obj");
     std::fs::create_dir_all(&unit_dir).unwrap();
@@ -135,6 +145,12 @@ fn main() {
         let path = unit_dir.join(format!("m{index}_{}_{}.cpp", u.family, u.tactic));
         write_if_changed(&path, &wrapper);
         let mut f = flags(&["-w", "-include", "cuda_host.h"]);
+        if gpu_numerics {
+            // See runtime/include/cuda_host_gpu_numerics.h.
+            f.extend(
+                ["-mfma", "-ffp-contract=fast", "-DCUDA_HOST_GPU_NUMERICS=1"].map(String::from),
+            );
+        }
         f.push(format!("-I{}", u.source.parent().unwrap().display()));
         f.extend(u.defines.iter().cloned());
         let key = fnv1a(&[&shared_inputs, text, &wrapper, &f.join(" ")]);

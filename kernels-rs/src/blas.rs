@@ -20,7 +20,7 @@ use std::str::FromStr;
 
 use half::bf16;
 
-use crate::device::{BlasGemm, DeviceError, LaunchConfig};
+use crate::device::{BlasGemm, Device, DeviceError, LaunchConfig};
 use crate::tactic::TacticError;
 
 /// The family a recorded vendor product is listed under (a launch list's `family/tactic
@@ -55,6 +55,29 @@ impl DenseTactic {
         match self {
             DenseTactic::Ours => "dense_bf16",
             DenseTactic::CublasLt => "cublaslt",
+        }
+    }
+
+    /// The tactic that runs on `dev`: `self`, or [`DenseTactic::Ours`] with the line to log
+    /// where `self` needs a vendor library the machine lacks (a driver-only GPU machine has no
+    /// cuBLASLt). Other failures of the library are errors.
+    pub fn available_on<D: Device + ?Sized>(
+        self,
+        dev: &D,
+    ) -> Result<(Self, Option<String>), DeviceError> {
+        if self != DenseTactic::CublasLt {
+            return Ok((self, None));
+        }
+        match dev.blas_ready() {
+            Ok(()) => Ok((self, None)),
+            Err(e @ DeviceError::VendorLibraryMissing { .. }) => Ok((
+                DenseTactic::Ours,
+                Some(format!(
+                    "dense tactic {self} unavailable ({e}): the dense products run on {}",
+                    DenseTactic::Ours
+                )),
+            )),
+            Err(e) => Err(e),
         }
     }
 

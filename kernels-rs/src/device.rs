@@ -42,6 +42,10 @@ pub enum DeviceError {
     /// An operation of the device failed: a driver call, or a host-executed kernel's fault.
     #[error("{what}: {detail}")]
     Driver { what: String, detail: String },
+    /// A vendor library (cuBLASLt, NCCL) cannot be opened: what uses it is skipped or falls
+    /// back, saying so.
+    #[error("{library} could not be opened: {detail}")]
+    VendorLibraryMissing { library: String, detail: String },
     /// No kernel family was built for this compute capability.
     #[error(
         "device '{name}' has compute capability {major}.{minor}; kernels are built for sm_90a \

@@ -118,13 +118,24 @@ fn emulated_tensor_parallel_logits_equal_a_single_rank() {
         );
         // Bitwise equal would mean the sums were never split.
         assert!(split != single, "--tp {tp}: bitwise equal to --tp 1");
-        assert!(rel < 1e-4, "--tp {tp}: rel L2 {rel}");
+        // The exact build reorders sums only (≈7e-7). A GPU's FMA contraction and approximate
+        // `expf` round the ranks' partial sums apart enough to flip a near-tied NVFP4 code or
+        // expert of this random model, and later positions attend to it (the host layer's
+        // `gpu-numerics` build: rel L2 7e-2, 1.2e-1 at worst per position): there the bound is
+        // a wrong sum's (rel L2 ≈ 1), not a reordering's.
+        let bound = if cuda_host::GPU_NUMERICS { 0.2 } else { 1e-4 };
+        assert!(rel < bound, "--tp {tp}: rel L2 {rel}");
     }
 }
 
-/// Greedy `model run --backend cuda-emulated --tp 2` decodes `--tp 1`'s tokens.
+/// Greedy `model run --backend cuda-emulated --tp 2` decodes `--tp 1`'s tokens. On the trained
+/// `kimi-chat-tiny`, whose greedy choices have margins: on the random `kimi-kernel-dims` a GPU's
+/// FMA contraction and approximate `expf` flip a near-tied choice between the two (the host
+/// layer's `gpu-numerics` build does from the third token on).
 #[test]
 fn emulated_tensor_parallel_greedy_tokens_equal_a_single_rank() {
+    let chat_model =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../golden/data/models/kimi-chat-tiny");
     let run = |tp: usize| {
         let tp = tp.to_string();
         let args = [
@@ -134,7 +145,7 @@ fn emulated_tensor_parallel_greedy_tokens_equal_a_single_rank() {
             "--kv-dtype",
             "bf16",
             "--prompt",
-            "421,168,57,247,219",
+            "1010,289,1017,298,297,314,44,305,284,300",
             "--max-new-tokens",
             "6",
             "--ignore-eos",
@@ -142,7 +153,7 @@ fn emulated_tensor_parallel_greedy_tokens_equal_a_single_rank() {
             &tp,
             "--checkpoint",
         ];
-        let text = run_ok(&args, &[&kernel_model()]);
+        let text = run_ok(&args, &[&chat_model]);
         assert!(text.contains(&format!("(TP {tp})")), "{text}");
         text.lines()
             .filter(|l| l.starts_with("sequence"))

@@ -9,6 +9,7 @@ pub mod device_models;
 pub mod layer_checks;
 pub mod moe_goldens;
 pub mod routing;
+pub mod stub_driver;
 
 /// Environment variable naming the `golden/data` folder where the source tree is not (the
 /// GPU bundle carries the goldens beside its binaries).

@@ -338,9 +338,19 @@ fn tensor_parallel_ranks_give_one_ranks_logits_on_every_golden_model() {
                 .all(|(x, y)| x.to_bits() == y.to_bits())
         });
         let flipped: Vec<f64> = a.row_rel_l2.iter().copied().filter(|&e| e > 1e-4).collect();
+        // The exact build flips at most one near-tie. A GPU's FMA contraction and approximate
+        // `expf` round the ranks' partial sums apart from one rank's whole sums enough to flip
+        // more, and every later position attending to a flipped one moves too (the
+        // `gpu-numerics` build: kimi-tiny 5 of 12 positions above 1e-4, max 3.5e-2, top-1
+        // 12/12): there the bound is on the distance and the top-1 tokens only.
+        let most_flipped = if cuda_host::GPU_NUMERICS {
+            tokens.len()
+        } else {
+            1
+        };
         if !ranks_agree
             || per_rank[0] == single
-            || flipped.len() > 1
+            || flipped.len() > most_flipped
             || a.max() > 5e-2
             || a.top1_agree != a.positions
         {

@@ -58,8 +58,10 @@ constexpr unsigned kMaxGroupsPerWarp = 4;
 
 extern "C" {
 // Dynamic shared memory of the block running on this thread. Every kernel's
-// `extern __shared__ T name[]` is bound to this symbol by the generated module files.
-alignas(128) __thread unsigned char cuhost_dynamic_shared[kMaxDynamicShared + kSharedCanary];
+// `extern __shared__ T name[]` is bound to this symbol by the generated module files. The
+// kernels ask for 16-byte alignment; 64 is the most a library loaded at run time (the stand-in
+// driver, kernels-rs/cuda-stub) may give its initial-exec TLS under glibc.
+alignas(64) __thread unsigned char cuhost_dynamic_shared[kMaxDynamicShared + kSharedCanary];
 }
 
 namespace cuhost {
@@ -120,6 +122,37 @@ cuhost_fiber_start:
 #endif
 
 namespace cuhost {
+// ThreadSanitizer build (cuda-host feature `tsan`, macro CUDA_HOST_TSAN): every CUDA thread is
+// a TSan fiber, and switching fibers establishes no order (no_sync), so two threads of a block
+// are ordered only by what orders them on a GPU: a barrier or a warp collective, each a
+// release by every arriving thread and an acquire by every leaving one (per phase, so that a
+// thread running ahead into the barrier's next use releases into another sync object). The
+// block's start is a release by the worker that every fiber acquires first; its end a release
+// by every fiber that the worker acquires. A removed barrier then shows as a data race on the
+// block's shared memory, whatever order the fibers happened to run in.
+#ifdef CUDA_HOST_TSAN
+extern "C" {
+void* __tsan_get_current_fiber(void);
+void* __tsan_create_fiber(unsigned flags);
+void __tsan_destroy_fiber(void* fiber);
+void __tsan_switch_to_fiber(void* fiber, unsigned flags);
+void __tsan_acquire(void* addr);
+void __tsan_release(void* addr);
+}
+namespace {
+constexpr unsigned kTsanNoSync = 1;  // __tsan_switch_to_fiber_no_sync
+inline void tsan_switch(void* to) { __tsan_switch_to_fiber(to, kTsanNoSync); }
+inline void tsan_acquire(void* a) { __tsan_acquire(a); }
+inline void tsan_release(void* a) { __tsan_release(a); }
+}  // namespace
+#else
+namespace {
+inline void tsan_switch(void*) {}
+inline void tsan_acquire(void*) {}
+inline void tsan_release(void*) {}
+}  // namespace
+#endif
+
 namespace {
 
 struct Context {
@@ -225,10 +258,12 @@ struct Fiber {
   LaneIo io;
   std::vector<PendingCopy> copies;
   uint64_t next_group = 0;  // cp.async groups committed so far
+  void* tsan = nullptr;     // its TSan fiber (tsan build)
 };
 
 struct Barrier {
   unsigned arrived = 0, expected = 0;
+  unsigned phase = 0;  // completed uses (the TSan sync object alternates with it)
   int acc_count = 0, acc_and = 1, acc_or = 0;
   int result[3] = {0, 0, 0};
   std::vector<unsigned> waiters;
@@ -238,6 +273,7 @@ struct Group {
   bool active = false;
   unsigned mask = 0, arrived = 0;
   const char* kind = nullptr;
+  unsigned phase = 0;  // completed collectives in this slot (as Barrier::phase)
 };
 
 struct Warp {
@@ -277,6 +313,11 @@ struct Block {
   uint64_t rng = 0;
   unsigned polls_since_progress = 0;
   unsigned idle_rounds = 0;
+  // TSan sync objects: per barrier and per warp collective slot, one per phase parity; the
+  // block's start and end.
+  char tsan_barrier[kMaxBarriers][2];
+  std::vector<char> tsan_groups;  // warps × kMaxGroupsPerWarp × 2
+  char tsan_start, tsan_end;
 };
 
 // Thread-local: one per worker thread.
@@ -285,6 +326,7 @@ struct Worker {
   Block block;
   Fiber* current = nullptr;
   Context scheduler;
+  void* tsan_scheduler = nullptr;
   sigjmp_buf abort_jump;
   volatile sig_atomic_t in_kernel = 0;
   // Fiber stacks, kept across launches on this thread and handed to the shared pool when
@@ -296,8 +338,11 @@ struct Worker {
 };
 
 // Stacks of finished worker threads, for the next ones.
-std::mutex g_stack_pool_mu;
-std::vector<unsigned char*> g_stack_pool;
+// Never destroyed: a worker thread may end while the process exits (the stand-in driver's
+// stream threads end when their context goes, possibly as main returns), and its Worker's
+// destructor must still find the pool; a static vector would be freed under it.
+std::mutex& g_stack_pool_mu = *new std::mutex;
+std::vector<unsigned char*>& g_stack_pool = *new std::vector<unsigned char*>;
 constexpr size_t kStackPoolMax = 8192;
 
 Worker::~Worker() {
@@ -397,12 +442,14 @@ void run_next(Worker* w) {
   if ((++w->switches & 1023) == 0) check_deadline(w);
   if (b.queue.empty()) {
     w->current = nullptr;
+    tsan_switch(w->tsan_scheduler);
     switch_context(cur->ctx, w->scheduler);
   } else {
     Fiber* next = &b.fibers[b.queue.pop()];
     next->state = State::Running;
     w->current = next;
     tl_fiber_view = &next->view;
+    tsan_switch(next->tsan);
     switch_context(cur->ctx, next->ctx);
   }
   // Resumed: whoever switched here set current and the view.
@@ -452,7 +499,9 @@ void fiber_entry(void* arg) {
   Worker* w = tl_worker;
   Fiber& f = *static_cast<Fiber*>(arg);
   Launch& l = *w->launch;
+  tsan_acquire(&w->block.tsan_start);
   l.kernel->invoke(l.params);
+  tsan_release(&w->block.tsan_end);
   // Copies still in flight when a thread ends only ever wrote shared memory of a finished
   // block: drop them, as a retired CTA's shared memory is gone.
   f.copies.clear();
@@ -555,6 +604,11 @@ std::string run_block(Worker* w, uint32_t linear_block) {
   if (l.opt.poison_shared) memset(cuhost_dynamic_shared, 0xFF, l.dynamic_shared);
   memset(cuhost_dynamic_shared + l.dynamic_shared, kCanaryByte, kSharedCanary);
 
+#ifdef CUDA_HOST_TSAN
+  w->tsan_scheduler = __tsan_get_current_fiber();
+  b.tsan_groups.assign(b.warps.size() * kMaxGroupsPerWarp * 2, 0);
+#endif
+  tsan_release(&b.tsan_start);
   std::vector<unsigned> start(b.nthreads);
   for (unsigned i = 0; i < b.nthreads; ++i) {
     Fiber& f = b.fibers[i];
@@ -569,6 +623,9 @@ std::string run_block(Worker* w, uint32_t linear_block) {
     unsigned char* stack = stack_for(w, i);
     if (!stack) return "cannot allocate fiber stacks";
     prepare_stack(f.ctx, stack, kFiberStack, &fiber_entry, &f);
+#ifdef CUDA_HOST_TSAN
+    if (!f.tsan) f.tsan = __tsan_create_fiber(0);
+#endif
     start[i] = i;
   }
   order(b, l, start);
@@ -576,6 +633,8 @@ std::string run_block(Worker* w, uint32_t linear_block) {
 
   w->current = nullptr;
   if (sigsetjmp(w->abort_jump, 1) != 0) {
+    // Back on the worker's stack from a fiber that failed.
+    tsan_switch(w->tsan_scheduler);
     w->current = nullptr;
     std::lock_guard<std::mutex> g(l.mu);
     return l.error.empty() ? "launch aborted" : l.error;
@@ -586,9 +645,11 @@ std::string run_block(Worker* w, uint32_t linear_block) {
     f->state = State::Running;
     w->current = f;
     tl_fiber_view = &f->view;
+    tsan_switch(f->tsan);
     switch_context(w->scheduler, f->ctx);
   }
   w->in_kernel = 0;
+  tsan_acquire(&b.tsan_end);
   l.switches.fetch_add(w->switches, std::memory_order_relaxed);
   w->switches = 0;
 
@@ -728,6 +789,8 @@ int barrier(unsigned id, unsigned expected, int predicate, int op) {
     kernel_error("bar.sync %u: this thread expects %u threads, others arrived expecting %u", id,
                  expected, bar.expected);
   }
+  char* sync = &b.tsan_barrier[id][bar.phase & 1];
+  tsan_release(sync);
   ++bar.arrived;
   bar.acc_count += predicate != 0;
   bar.acc_and &= predicate != 0;
@@ -738,16 +801,19 @@ int barrier(unsigned id, unsigned expected, int predicate, int op) {
     bar.result[1] = bar.acc_and;
     bar.result[2] = bar.acc_or;
     bar.arrived = 0;
+    ++bar.phase;
     order(b, *w->launch, bar.waiters);
     for (unsigned id2 : bar.waiters) make_ready(b, b.fibers[id2]);
     bar.waiters.clear();
     w->launch->barriers.fetch_add(1, std::memory_order_relaxed);
+    tsan_acquire(sync);
     return bar.result[op];
   }
   bar.waiters.push_back(f.linear);
   f.state = State::WaitBarrier;
   f.wait_barrier = id;
   run_next(w);
+  tsan_acquire(sync);
   return b.barriers[id].result[op];
 }
 }  // namespace
@@ -804,6 +870,13 @@ void warp_collective(unsigned mask, const char* kind, CollectiveFn fn, const voi
     g->arrived = 0;
     g->kind = kind;
   }
+#ifdef CUDA_HOST_TSAN
+  char* sync = &b.tsan_groups[((f.warp * kMaxGroupsPerWarp) + size_t(g - wp.groups)) * 2 +
+                              (g->phase & 1)];
+#else
+  char* sync = nullptr;
+#endif
+  tsan_release(sync);
   g->arrived |= 1u << lane;
   progress(b);
   if (g->arrived == mask) {
@@ -812,6 +885,7 @@ void warp_collective(unsigned mask, const char* kind, CollectiveFn fn, const voi
       lanes[l] = ((mask >> l) & 1) ? &b.fibers[f.warp * 32 + l].io : nullptr;
     fn(lanes, mask, ctx);
     g->active = false;
+    ++g->phase;
     unsigned waiters[32];
     size_t n = 0;
     for (unsigned l = 0; l < 32; ++l)
@@ -825,6 +899,7 @@ void warp_collective(unsigned mask, const char* kind, CollectiveFn fn, const voi
     f.wait_kind = kind;
     run_next(w);
   }
+  tsan_acquire(sync);
   memcpy(out, f.io.out, out_bytes);
 }
 

@@ -212,12 +212,30 @@ pub struct LaunchOptions {
     pub max_dynamic_shared: u32,
 }
 
+/// Whether the kernel modules were built with the GPU's numerics (feature `gpu-numerics`:
+/// FMA contraction, `expf` 1-2 ulp off): tests whose bounds hold only for the exact build
+/// choose the GPU's bound with it.
+pub const GPU_NUMERICS: bool = cfg!(feature = "gpu-numerics");
+
+/// `CUDA_HOST_SCHEDULE`: `forward` (default), `reverse` or `shuffled:SEED`, the order every
+/// launch with default options runs its blocks and threads in (scripts/race-mutations.py runs
+/// the host tests under each).
+fn default_schedule() -> Schedule {
+    match std::env::var("CUDA_HOST_SCHEDULE").as_deref() {
+        Ok("reverse") => Schedule::Reverse,
+        Ok(s) if s.starts_with("shuffled:") => {
+            Schedule::Shuffled(s["shuffled:".len()..].parse().unwrap_or(1))
+        }
+        _ => Schedule::Forward,
+    }
+}
+
 impl Default for LaunchOptions {
     fn default() -> Self {
         Self {
             workers: None,
             co_resident: false,
-            schedule: Schedule::Forward,
+            schedule: default_schedule(),
             poison_shared: true,
             timeout: Some(Duration::from_secs(600)),
             max_dynamic_shared: max_dynamic_shared(),

@@ -126,7 +126,9 @@ struct Region {
 }
 
 impl Region {
-    fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self, AllReduceError> {
+    /// `bytes` of zeros, on `stream`'s context.
+    fn new(stream: &Arc<CudaStream>, bytes: usize) -> Result<Self, AllReduceError> {
+        let ctx = stream.context();
         ctx.bind_to_thread().map_err(dev_err)?;
         let mut ptr: CUdeviceptr = 0;
         // SAFETY: out-parameter call on the bound context.
@@ -136,9 +138,16 @@ impl Region {
             ctx: ctx.clone(),
         };
         // Flags must start at generation 0 and slots are compared bitwise nowhere, but zero
-        // everything: cheap, once, and deterministic.
-        // SAFETY: the allocation is `bytes` long.
-        check("cuMemsetD8", unsafe { sys::cuMemsetD8_v2(ptr, 0, bytes) })?;
+        // everything: cheap, once, and deterministic. On the stream the kernels run on: the
+        // synchronous cuMemsetD8 goes to the legacy stream, which the communicator's
+        // (non-blocking) stream does not wait for, so a first collective could read flags
+        // the memset has not cleared yet.
+        // SAFETY: the allocation is `bytes` long; the stream belongs to its context.
+        check("cuMemsetD8Async", unsafe {
+            sys::cuMemsetD8Async(ptr, 0, bytes, stream.cu_stream())
+        })?;
+        // Zero before any peer can see the region (its handle is published next).
+        stream.synchronize().map_err(dev_err)?;
         Ok(region)
     }
 }
@@ -149,6 +158,22 @@ impl Drop for Region {
             // SAFETY: allocated by cuMemAlloc in `new`, freed once.
             let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
         }
+    }
+}
+
+/// Where NCCL is missing (no libnccl, no NCCL id at the rendezvous, a build without feature
+/// `nccl`) the sizes the policy gives it go to our kernels, with one line saying so (rank 0).
+fn without_nccl(config: &mut CudaIpcConfig, rank: usize) {
+    if !config.policy.uses_nccl() {
+        return;
+    }
+    config.policy = config.policy.without_nccl();
+    if rank == 0 {
+        eprintln!(
+            "all-reduce: NCCL is unavailable (libnccl, or a build without feature `nccl`): the \
+             message sizes the policy gave it run on the custom kernels ({:?})",
+            config.policy.choices()
+        );
     }
 }
 
@@ -421,7 +446,7 @@ impl CudaIpcCommunicator {
         let gpu = GpuContext::new(config.device, config.ptx_dir.clone()).map_err(dev_err)?;
         let ctx = gpu.context().clone();
         let stream = gpu.stream().clone();
-        let region = Region::new(&ctx, offsets.region_bytes)?;
+        let region = Region::new(&stream, offsets.region_bytes)?;
         let deadline = Instant::now() + config.timeout;
 
         // Rendezvous: publish handle and bus id, wait for everyone, open the peers.
@@ -591,6 +616,14 @@ impl CudaIpcCommunicator {
                 )));
             }
         }
+        #[cfg(feature = "nccl")]
+        let have_nccl = nccl.is_some();
+        #[cfg(not(feature = "nccl"))]
+        let have_nccl = false;
+        let mut config = config;
+        if custom_ok && !have_nccl {
+            without_nccl(&mut config, rank);
+        }
         let parts = Parts {
             gpu,
             stream,
@@ -620,7 +653,12 @@ impl CudaIpcCommunicator {
         no_panic("all-reduce setup", || Self::in_process_inner(world, config))
     }
 
-    fn in_process_inner(world: usize, config: CudaIpcConfig) -> Result<Vec<Self>, AllReduceError> {
+    fn in_process_inner(
+        world: usize,
+        mut config: CudaIpcConfig,
+    ) -> Result<Vec<Self>, AllReduceError> {
+        // One process: no NCCL group here.
+        without_nccl(&mut config, 0);
         if world == 0 || world > MAX_RANKS {
             return Err(AllReduceError::Setup(format!(
                 "world {world} (the kernels address 1..={MAX_RANKS} ranks)"
@@ -632,7 +670,7 @@ impl CudaIpcCommunicator {
         for _ in 0..world {
             let gpu = GpuContext::new(config.device, config.ptx_dir.clone()).map_err(dev_err)?;
             let stream = gpu.context().new_stream().map_err(dev_err)?;
-            let region = Region::new(gpu.context(), offsets.region_bytes)?;
+            let region = Region::new(&stream, offsets.region_bytes)?;
             parts.push(Parts {
                 gpu,
                 stream,
@@ -672,7 +710,7 @@ impl CudaIpcCommunicator {
             let gpu = GpuContext::new(config.device, config.ptx_dir.clone()).map_err(dev_err)?;
             let stream = gpu.stream().clone();
             // Our kernels never run here; a page keeps `assemble` uniform.
-            let region = Region::new(gpu.context(), 4096)?;
+            let region = Region::new(&stream, 4096)?;
             let nccl = nccl::init(stream.clone(), rank, world, id)?;
             let config = CudaIpcConfig {
                 policy: ChoicePolicy::fixed(Choice::Nccl),

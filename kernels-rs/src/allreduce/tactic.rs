@@ -540,6 +540,40 @@ impl ChoicePolicy {
     pub fn uses_nccl(&self) -> bool {
         self.choices().contains(&Choice::Nccl)
     }
+
+    /// The policy where NCCL is missing: each size it gave NCCL goes to the algorithm of the
+    /// nearest smaller size our kernels run (else the nearest larger, else one-shot pull).
+    pub fn without_nccl(&self) -> Self {
+        let mut all: Vec<Choice> = self.thresholds.iter().map(|(_, c)| *c).collect();
+        all.push(self.largest);
+        let custom = |i: usize| -> Choice {
+            all[..i]
+                .iter()
+                .rev()
+                .chain(all[i..].iter())
+                .copied()
+                .find(|c| *c != Choice::Nccl)
+                .unwrap_or(Choice::Custom(Algorithm::OneShot(Transfer::Pull)))
+        };
+        let fixed: Vec<Choice> = (0..all.len())
+            .map(|i| {
+                if all[i] == Choice::Nccl {
+                    custom(i)
+                } else {
+                    all[i]
+                }
+            })
+            .collect();
+        ChoicePolicy {
+            thresholds: self
+                .thresholds
+                .iter()
+                .zip(&fixed)
+                .map(|(&(max, _), &c)| (max, c))
+                .collect(),
+            largest: *fixed.last().expect("largest"),
+        }
+    }
 }
 
 /// Blocks per launch by message size when the configuration does not fix it: one block keeps
@@ -558,6 +592,26 @@ pub fn default_blocks(bytes: usize) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn without_nccl_gives_its_sizes_to_the_nearest_custom_choice() {
+        let one = Choice::Custom(Algorithm::OneShot(Transfer::Pull));
+        let two = Choice::Custom(Algorithm::TwoShot(Transfer::Push));
+        let p = ChoicePolicy {
+            thresholds: vec![(1 << 10, one), (1 << 16, Choice::Nccl), (1 << 20, two)],
+            largest: Choice::Nccl,
+        };
+        let q = p.without_nccl();
+        assert!(!q.uses_nccl());
+        assert_eq!(q.choose(512), one);
+        // The NCCL range below 64 KiB takes the smaller sizes' algorithm, above 1 MiB the one
+        // just below it.
+        assert_eq!(q.choose(1 << 15), one);
+        assert_eq!(q.choose(1 << 19), two);
+        assert_eq!(q.choose(1 << 24), two);
+        let all_nccl = ChoicePolicy::fixed(Choice::Nccl).without_nccl();
+        assert_eq!(all_nccl.choose(1 << 24), one);
+    }
 
     #[test]
     fn ids_are_stable_and_parse_back() {

@@ -58,8 +58,17 @@ impl Drop for Plan {
     }
 }
 
-/// `(m, n, k, ldd)` of a product: what its descriptors depend on (β is a call argument).
-type Shape = (usize, usize, usize, usize);
+/// `(m, n, k, ldd)` of a product and the alignment of its A, B and D addresses: what its
+/// descriptors and algorithm depend on (β is a call argument).
+type Shape = (usize, usize, usize, usize, [u32; 3]);
+
+/// The alignment, in bytes, cuBLASLt may assume of `ptr`: its largest power-of-two divisor,
+/// at most 256. Told nothing, the heuristic assumes 256 and may pick a kernel with vector
+/// loads that an address inside an allocation (`lm_head`'s output columns of a TP rank, an
+/// offset into the workspace) does not allow: the alignment is part of the plan.
+fn alignment(ptr: u64) -> u32 {
+    1 << ptr.trailing_zeros().min(8)
+}
 
 /// The library state of one context. See the module documentation.
 pub(crate) struct Blas {
@@ -86,10 +95,9 @@ impl Blas {
     /// Opens the library and allocates the workspace on `stream`'s context.
     pub(crate) fn open(stream: &Arc<CudaStream>) -> Result<Self> {
         if !library_present() {
-            return Err(DeviceError::Driver {
-                what: format!("{FAMILY}: opening libcublasLt"),
-                detail: "the library (libcublasLt.so) could not be opened; install the CUDA \
-                         cuBLAS runtime or put its folder on LD_LIBRARY_PATH"
+            return Err(DeviceError::VendorLibraryMissing {
+                library: "libcublasLt".into(),
+                detail: "install the CUDA cuBLAS runtime or put its folder on LD_LIBRARY_PATH"
                     .into(),
             });
         }
@@ -117,9 +125,10 @@ impl Blas {
 
     /// The plan of `g`'s shape, made on first use.
     fn plan(&mut self, g: &BlasGemm) -> Result<Shape> {
-        let key = (g.m, g.n, g.k, g.ldd);
+        let align = [alignment(g.a), alignment(g.b), alignment(g.d)];
+        let key = (g.m, g.n, g.k, g.ldd, align);
         if !self.plans.contains_key(&key) {
-            let plan = no_panic("cuBLASLt descriptors", || Plan::new(self.handle, g))?;
+            let plan = no_panic("cuBLASLt descriptors", || Plan::new(self.handle, g, align))?;
             self.plans.insert(key, plan);
         }
         Ok(key)
@@ -173,7 +182,7 @@ impl Plan {
     /// `A` the row-major weights `[n][k]` (a `k × n` column-major matrix, transposed), `B` the
     /// row-major activations `[m][k]` (`k × m`, as is) and `D` the output rows (`n × m`,
     /// leading dimension `ldd`).
-    fn new(handle: sys::cublasLtHandle_t, g: &BlasGemm) -> Result<Self> {
+    fn new(handle: sys::cublasLtHandle_t, g: &BlasGemm, align: [u32; 3]) -> Result<Self> {
         use sys::cublasLtMatmulDescAttributes_t as Attr;
         use sys::cudaDataType_t as T;
         let what = || format!("{FAMILY} descriptors for m {} n {} k {}", g.m, g.n, g.k);
@@ -220,6 +229,24 @@ impl Plan {
                 (&WORKSPACE_BYTES as *const usize).cast(),
                 size_of::<usize>(),
             );
+            use sys::cublasLtMatmulPreferenceAttributes_t as Pref;
+            // C is D (accumulation in place).
+            let aligns = [
+                (Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align[0]),
+                (Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align[1]),
+                (Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align[2]),
+                (Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align[2]),
+            ];
+            let set = aligns.iter().fold(set, |set, (attr, bytes)| {
+                set.and_then(|()| {
+                    lt::set_matmul_pref_attribute(
+                        pref,
+                        *attr,
+                        (bytes as *const u32).cast(),
+                        size_of::<u32>(),
+                    )
+                })
+            });
             let found = set.and_then(|()| {
                 lt::get_matmul_algo_heuristic(
                     handle, plan.desc, plan.a, plan.b, plan.d, plan.d, pref,

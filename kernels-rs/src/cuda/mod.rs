@@ -15,7 +15,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags, CUfunction_attribute};
 use cudarc::driver::{
@@ -43,6 +43,25 @@ pub type Result<T> = std::result::Result<T, CudaError>;
 pub fn driver_present() -> bool {
     // SAFETY: only tries to dlopen the library candidates and drops them again.
     unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// The device tensor-parallel rank `rank` runs on: rank R on device R, and where the ranks
+/// outnumber the devices, round-robin (several rank processes then share a device by
+/// time-slicing: a one-GPU machine runs `--tp 2`).
+pub fn rank_device(rank: usize) -> Result<usize> {
+    if !driver_present() {
+        return Err(CudaError::NoDriver);
+    }
+    let count = no_panic("cuDeviceGetCount", || {
+        CudaContext::device_count().during(|| "cuDeviceGetCount".into())
+    })?;
+    if count <= 0 {
+        return Err(CudaError::NoDevice {
+            ordinal: rank,
+            detail: "the driver reports no device".into(),
+        });
+    }
+    Ok(rank % count as usize)
 }
 
 /// The SM whose cubins a device of compute capability `major.minor` runs. The `a` targets
@@ -97,8 +116,35 @@ pub struct DeviceInfo {
     pub driver_version: i32,
 }
 
-/// One device, its primary context and a stream; kernels are loaded per tactic from
-/// [`ptx_dir`](GpuContext::ptx_dir).
+/// The stream every [`GpuContext`] of device `ordinal` in this process issues its work on,
+/// made by the first of them and shared while any is alive.
+///
+/// A created stream, not the legacy (NULL) stream: the driver refuses to begin a capture on
+/// the legacy stream. Shared, because work issued through different handles of one device
+/// relies on one order: the executor's kernels produce what the IPC communicator
+/// (`allreduce::cuda`, which opens its own `GpuContext`) sums, inside the same captured graph,
+/// as both did on the legacy stream. Non-blocking: ordered with nothing else, so a
+/// synchronous driver call elsewhere (a legacy-stream memset) cannot stall it, nor it them.
+fn device_stream(ctx: &Arc<CudaContext>, ordinal: usize) -> Result<Arc<CudaStream>> {
+    static STREAMS: Mutex<Vec<(usize, Weak<CudaStream>)>> = Mutex::new(Vec::new());
+    let mut streams = STREAMS.lock().unwrap();
+    streams.retain(|(_, s)| s.strong_count() > 0);
+    if let Some(s) = streams
+        .iter()
+        .find(|(o, _)| *o == ordinal)
+        .and_then(|(_, s)| s.upgrade())
+    {
+        return Ok(s);
+    }
+    let s = ctx
+        .new_stream()
+        .during(|| format!("cuStreamCreate on device {ordinal}"))?;
+    streams.push((ordinal, Arc::downgrade(&s)));
+    Ok(s)
+}
+
+/// One device, its primary context and the device's stream ([`device_stream`]); kernels are
+/// loaded per tactic from [`ptx_dir`](GpuContext::ptx_dir).
 pub struct GpuContext {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -126,9 +172,11 @@ impl GpuContext {
             // One stream, in-order: every ordering the launches need is stream order. cudarc's
             // per-slice event tracking would add an event record per argument per launch,
             // which would also sit inside the timed regions.
-            // SAFETY: no other stream of this context is used by this crate.
+            // SAFETY: the crate orders its streams itself: one per device (`device_stream`),
+            // and the all-reduce's per-rank streams synchronize before their buffers are
+            // shared.
             unsafe { ctx.disable_event_tracking() };
-            let stream = ctx.default_stream();
+            let stream = device_stream(&ctx, ordinal)?;
             let attr = |a: CUdevice_attribute| -> Result<usize> {
                 Ok(ctx
                     .attribute(a)
@@ -400,6 +448,11 @@ impl Device for GpuContext {
         if n == 0 {
             return Ok(());
         }
+        // A raw driver call: the context must be current on the calling thread, which may not
+        // be the thread that made this value.
+        self.ctx
+            .bind_to_thread()
+            .during(|| "bind the device's context".into())?;
         let (ptr, _sync) = memory.slice.device_ptr_mut(&self.stream);
         // SAFETY: ptr is a live allocation of n bytes on this stream's context.
         unsafe { cudarc::driver::result::memset_d8_async(ptr, byte, n, self.stream.cu_stream()) }
@@ -515,6 +568,10 @@ impl Device for GpuContext {
             });
         }
         let mut raw = params.raw();
+        // A raw driver call: see `fill_prefix`.
+        self.ctx
+            .bind_to_thread()
+            .during(|| "bind the device's context".into())?;
         // SAFETY: the caller guarantees the parameters match the kernel and every address in
         // them is a live allocation of this context; the stream belongs to the context.
         unsafe {
@@ -540,6 +597,10 @@ impl Device for GpuContext {
 
     unsafe fn blas_gemm(&self, gemm: &BlasGemm) -> Result<()> {
         self.blas_ready()?;
+        // The library launches on the calling thread's current context.
+        self.ctx
+            .bind_to_thread()
+            .during(|| "bind the device's context".into())?;
         let mut blas = self.blas.lock().unwrap();
         let blas = blas.as_mut().expect("opened by blas_ready");
         // SAFETY: forwarded from the caller (live allocations of this context).

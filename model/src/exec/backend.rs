@@ -59,7 +59,7 @@ pub struct BackendArgs {
     #[arg(long, default_value = "120", value_parser = parse_sm)]
     pub emulate_sm: Sm,
     /// The compiled kernel images (`scripts/compile-gates.sh` writes them) for `--backend cuda`.
-    #[arg(long, default_value = "ptx")]
+    #[arg(long, env = "KIMI_PTX_DIR", default_value = "ptx")]
     pub ptx_dir: PathBuf,
     /// Who runs the device executor's dense BF16 products: `dense_bf16` (our kernel) or
     /// `cublaslt` (activations rounded to BF16; on `cuda-emulated`, a reference of cuBLASLt's
@@ -355,13 +355,18 @@ impl BackendArgs {
         dev: &D,
     ) -> Result<DeviceOptions> {
         let sm = dev.sm()?;
+        // A driver-only machine has no cuBLASLt: its products then run on our kernel.
+        let (dense, fallback) = self.dense_tactic.available_on(dev)?;
+        if let Some(why) = fallback.filter(|_| !quiet) {
+            eprintln!("{why}");
+        }
         let (selector, warning) = TacticSelector::from_cache(
             self.tactics.as_deref(),
             sm,
             &model.config,
             sizing.kv_dtype,
             world,
-            self.dense_tactic,
+            dense,
         );
         if let Some(w) = warning.filter(|_| !quiet) {
             eprintln!("{w}");
@@ -393,7 +398,7 @@ impl BackendArgs {
         })
     }
 
-    /// One GPU per rank: rank R runs on device R.
+    /// One GPU per rank: rank R on device R, round-robin where the ranks outnumber the devices.
     #[cfg(feature = "cuda")]
     fn open_gpu(
         &self,
@@ -402,7 +407,11 @@ impl BackendArgs {
         sizing: RunnerSizing,
         quiet: bool,
     ) -> Result<Box<dyn ModelRunner>> {
-        let ordinal = group.map_or(0, |g| g.rank);
+        let ordinal = match group {
+            Some(g) => kernels::cuda::rank_device(g.rank)
+                .map_err(|e| InvalidInput(format!("--backend cuda: {e}")))?,
+            None => 0,
+        };
         let dev = kernels::cuda::GpuContext::new(ordinal, &self.ptx_dir)
             .map_err(|e| InvalidInput(format!("--backend cuda: {e}")))?;
         self.open_device(dev, model, group, sizing, quiet, |_, g| {

@@ -179,6 +179,10 @@ inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
 
+#ifdef CUDA_HOST_GPU_NUMERICS
+#include "cuda_host_gpu_numerics.h"
+#endif
+
 // ------------------------------------------------------------------ synchronization
 
 namespace cuhost {
