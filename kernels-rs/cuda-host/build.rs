@@ -89,14 +89,23 @@ fn main() {
             shared_inputs.push_str(&std::fs::read_to_string(&path).unwrap());
         }
     }
-    // Feature `tsan`: everything instrumented by ThreadSanitizer, CUDA threads as its fibers
-    // (see runtime.cpp); the executables must link the TSan runtime (scripts/tsan-host.sh).
-    let tsan: &[&str] = if std::env::var_os("CARGO_FEATURE_TSAN").is_some() {
+    // Feature `tsan`: the kernel modules instrumented by ThreadSanitizer, CUDA threads as its
+    // fibers (see runtime.cpp); the executables must link the TSan runtime
+    // (scripts/tsan-host.sh). The runtime only annotates: its own bookkeeping (the fiber
+    // queue, the current thread's view) is shared by the fibers of a block by design, and
+    // instrumented it would be reported as the kernels' races.
+    let tsan_on = std::env::var_os("CARGO_FEATURE_TSAN").is_some();
+    let tsan: &[&str] = if tsan_on {
         &["-fsanitize=thread", "-DCUDA_HOST_TSAN=1"]
     } else {
         &[]
     };
-    let flags = |extra: &[&str]| -> Vec<String> {
+    let tsan_annotations: &[&str] = if tsan_on {
+        &["-DCUDA_HOST_TSAN=1"]
+    } else {
+        &[]
+    };
+    let flags = |sanitizer: &[&str], extra: &[&str]| -> Vec<String> {
         let mut f: Vec<String> = [
             "-std=c++20",
             "-fno-strict-aliasing",
@@ -109,7 +118,7 @@ fn main() {
         .collect();
         f.push(format!("-I{}", runtime_include.display()));
         f.push(format!("-I{}", kernels_include.display()));
-        f.extend(tsan.iter().map(|s| s.to_string()));
+        f.extend(sanitizer.iter().map(|s| s.to_string()));
         f.extend(extra.iter().map(|s| s.to_string()));
         f
     };
@@ -124,7 +133,10 @@ fn main() {
     let mut jobs: Vec<(PathBuf, Vec<String>, u64)> = Vec::new();
     for name in ["runtime.cpp", "ptx_host.cpp"] {
         let src = runtime.join(name);
-        let f = flags(&["-Wall", "-Wextra", "-Wno-unused-parameter"]);
+        let f = flags(
+            tsan_annotations,
+            &["-Wall", "-Wextra", "-Wno-unused-parameter"],
+        );
         let key = fnv1a(&[
             &shared_inputs,
             &std::fs::read_to_string(&src).unwrap(),
@@ -144,7 +156,7 @@ fn main() {
         let wrapper = wrapper(index, u, facts);
         let path = unit_dir.join(format!("m{index}_{}_{}.cpp", u.family, u.tactic));
         write_if_changed(&path, &wrapper);
-        let mut f = flags(&["-w", "-include", "cuda_host.h"]);
+        let mut f = flags(tsan, &["-w", "-include", "cuda_host.h"]);
         if gpu_numerics {
             // See runtime/include/cuda_host_gpu_numerics.h.
             f.extend(

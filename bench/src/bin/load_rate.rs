@@ -240,13 +240,13 @@ fn main() -> Result<()> {
     writeln!(report)?;
     writeln!(
         report,
-        "{:<52} {:>8} {:>8} {:>14}",
+        "{:<58} {:>8} {:>8} {:>14}",
         "what (one rank)", "seconds", "GB/s", "x read rate"
     )?;
     let mut row = |what: &str, seconds: f64, reference: f64| {
         writeln!(
             report,
-            "{what:<52} {seconds:>8.2} {:>8.2} {:>14.2}",
+            "{what:<58} {seconds:>8.2} {:>8.2} {:>14.2}",
             gb / seconds,
             reference / seconds
         )

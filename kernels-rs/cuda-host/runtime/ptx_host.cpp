@@ -225,6 +225,7 @@ void ldmatrix_compute(LaneIo* const* lanes, unsigned mask, const void*) {
                    "memory",
                    what, l, size_t(a - uintptr_t(base)), size);
   }
+  for (unsigned l = 0; l < 8 * num; ++l) collective_read(in[l].row, 16);
   auto element = [&](unsigned matrix, unsigned row, unsigned col) -> uint32_t {
     uint16_t v;
     memcpy(&v, in[8 * matrix + row].row + 2 * col, 2);

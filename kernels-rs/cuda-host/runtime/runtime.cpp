@@ -138,18 +138,45 @@ void __tsan_destroy_fiber(void* fiber);
 void __tsan_switch_to_fiber(void* fiber, unsigned flags);
 void __tsan_acquire(void* addr);
 void __tsan_release(void* addr);
+void __tsan_ignore_thread_begin(void);
+void __tsan_ignore_thread_end(void);
+void __tsan_read_range(void* addr, unsigned long size);
+void __tsan_write_range(void* addr, unsigned long size);
 }
 namespace {
 constexpr unsigned kTsanNoSync = 1;  // __tsan_switch_to_fiber_no_sync
 inline void tsan_switch(void* to) { __tsan_switch_to_fiber(to, kTsanNoSync); }
 inline void tsan_acquire(void* a) { __tsan_acquire(a); }
 inline void tsan_release(void* a) { __tsan_release(a); }
+// The runtime is not instrumented, but the libc and allocator calls it makes for a fiber are
+// (TSan intercepts them): inside an entry point a kernel calls, they are the runtime's own
+// bookkeeping, shared by the block's fibers by design, and ignored. What the entry point
+// reads or writes for the kernel (ldmatrix's rows, a cp.async's bytes) it reports itself.
+struct RuntimeOnly {
+  RuntimeOnly() { __tsan_ignore_thread_begin(); }
+  ~RuntimeOnly() { __tsan_ignore_thread_end(); }
+  RuntimeOnly(const RuntimeOnly&) = delete;
+  RuntimeOnly& operator=(const RuntimeOnly&) = delete;
+};
+inline void kernel_read(const void* p, size_t n) {
+  __tsan_ignore_thread_end();
+  __tsan_read_range(const_cast<void*>(p), n);
+  __tsan_ignore_thread_begin();
+}
+inline void kernel_write(void* p, size_t n) {
+  __tsan_ignore_thread_end();
+  __tsan_write_range(p, n);
+  __tsan_ignore_thread_begin();
+}
 }  // namespace
 #else
 namespace {
 inline void tsan_switch(void*) {}
 inline void tsan_acquire(void*) {}
 inline void tsan_release(void*) {}
+struct RuntimeOnly {};
+inline void kernel_read(const void*, size_t) {}
+inline void kernel_write(void*, size_t) {}
 }  // namespace
 #endif
 
@@ -346,6 +373,11 @@ std::vector<unsigned char*>& g_stack_pool = *new std::vector<unsigned char*>;
 constexpr size_t kStackPoolMax = 8192;
 
 Worker::~Worker() {
+#ifdef CUDA_HOST_TSAN
+  // TSan holds each fiber as one of its at most 8128 threads; launches start worker threads.
+  for (Fiber& f : block.fibers)
+    if (f.tsan) __tsan_destroy_fiber(f.tsan);
+#endif
   std::lock_guard<std::mutex> g(g_stack_pool_mu);
   const size_t page = size_t(sysconf(_SC_PAGESIZE));
   for (unsigned char* s : stacks) {
@@ -423,6 +455,9 @@ void order(Block& b, const Launch& l, std::vector<unsigned>& ids) {
 }
 
 void check_deadline(Worker* w) {
+  // Also on a finished thread's way out, after its last release: its clock_gettime writes
+  // stack the next user of the stack must not be ordered after.
+  RuntimeOnly runtime_only;
   const Launch& l = *w->launch;
   if (l.failed.load(std::memory_order_relaxed))
     abort_block(w, std::string());  // another worker failed: stop this block too
@@ -771,6 +806,7 @@ void work(Launch& l) {
 
 namespace {
 int barrier(unsigned id, unsigned expected, int predicate, int op) {
+  RuntimeOnly runtime_only;
   Worker* w = worker();
   Block& b = w->block;
   Fiber& f = *w->current;
@@ -827,6 +863,7 @@ unsigned lane_id() { return worker()->current->lane; }
 void warp_collective(unsigned mask, const char* kind, CollectiveFn fn, const void* ctx,
                      const void* in, size_t in_bytes, void* out, size_t out_bytes,
                      bool counts_as_mma) {
+  RuntimeOnly runtime_only;
   Worker* w = worker();
   Block& b = w->block;
   Fiber& f = *w->current;
@@ -880,6 +917,8 @@ void warp_collective(unsigned mask, const char* kind, CollectiveFn fn, const voi
   g->arrived |= 1u << lane;
   progress(b);
   if (g->arrived == mask) {
+    // The last lane computes for all: what the others did before arriving is ordered first.
+    tsan_acquire(sync);
     LaneIo* lanes[32];
     for (unsigned l = 0; l < 32; ++l)
       lanes[l] = ((mask >> l) & 1) ? &b.fibers[f.warp * 32 + l].io : nullptr;
@@ -1007,6 +1046,7 @@ void nanosleep(unsigned ns) {
 long long clock64() { return (long long)monotonic_ns(); }
 
 void yield_polling() {
+  RuntimeOnly runtime_only;
   Worker* w = worker();
   Block& b = w->block;
   Fiber& f = *w->current;
@@ -1027,6 +1067,8 @@ void yield_polling() {
   make_ready(b, f);
   run_next(w);
 }
+
+void collective_read(const void* p, size_t bytes) { kernel_read(p, bytes); }
 
 unsigned char* dynamic_shared_base() { return cuhost_dynamic_shared; }
 size_t dynamic_shared_size() { return worker()->launch->dynamic_shared; }
@@ -1057,8 +1099,12 @@ void complete(Fiber& f, uint64_t before_group) {
   for (size_t i = 0; i < f.copies.size(); ++i) {
     PendingCopy& c = f.copies[i];
     if (c.group < before_group) {
+      // The copy lands now, as the waiting thread's: a read of the global source and a write
+      // of the shared destination.
       if (c.src_size) memcpy(c.dst, c.src, c.src_size);
       if (c.cp_size > c.src_size) memset(c.dst + c.src_size, 0, c.cp_size - c.src_size);
+      if (c.src_size) kernel_read(c.src, c.src_size);
+      kernel_write(c.dst, c.cp_size);
       l.cp_async_bytes.fetch_add(c.cp_size, std::memory_order_relaxed);
     } else {
       f.copies[kept++] = c;
@@ -1069,6 +1115,7 @@ void complete(Fiber& f, uint64_t before_group) {
 }  // namespace
 
 void cp_async(void* dst, const void* src, unsigned cp_size, unsigned src_size, const char* what) {
+  RuntimeOnly runtime_only;
   Worker* w = worker();
   Fiber& f = *w->current;
   if (cp_size != 4 && cp_size != 8 && cp_size != 16)
@@ -1090,12 +1137,14 @@ void cp_async(void* dst, const void* src, unsigned cp_size, unsigned src_size, c
 void cp_async_commit() { ++worker()->current->next_group; }
 
 void cp_async_wait(unsigned pending_groups) {
+  RuntimeOnly runtime_only;
   Fiber& f = *worker()->current;
   const uint64_t committed = f.next_group;
   complete(f, committed > pending_groups ? committed - pending_groups : 0);
 }
 
 void cp_async_wait_all() {
+  RuntimeOnly runtime_only;
   Fiber& f = *worker()->current;
   ++f.next_group;
   complete(f, f.next_group);

@@ -131,6 +131,10 @@ void yield_polling();
 unsigned char* dynamic_shared_base();
 size_t dynamic_shared_size();
 
+// In the ThreadSanitizer build, memory a collective reads on the kernel's behalf (ldmatrix's
+// rows), reported as the calling thread's read; nothing otherwise.
+void collective_read(const void* p, size_t bytes);
+
 namespace detail {
 template <class T>
 using param_t = std::remove_cv_t<std::remove_reference_t<T>>;
