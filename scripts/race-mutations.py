@@ -28,14 +28,17 @@ MLA = "kernels-rs/src/mla/mla_decode.cu"
 
 # (file, original text, mutated text, what the barrier ordered, test, tactic filter)
 MUTATIONS = [
-    (LAYERS, "  if (lane == 0) scratch[warp] = v;\n  __syncthreads();",
+    (LAYERS, "  v = warp_sum(v);\n  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;\n"
+     "  if (lane == 0) scratch[warp] = v;\n  __syncthreads();",
+     "  v = warp_sum(v);\n  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;\n"
      "  if (lane == 0) scratch[warp] = v;",
      "block_sum: the barrier between the warps' partial sums and their reading "
      "(read after write)", "host_layers", ""),
     (LAYERS, "  __syncthreads();  // scratch is reused by the next reduction",
      "",
-     "block_sum: the barrier before the scratch is reused by the next reduction "
-     "(write after read)", "host_layers", ""),
+     "(equivalent while add_rms_norm, which reduces once, is its only caller) block_sum: the "
+     "barrier before the scratch is reused by the next reduction (write after read)",
+     "host_layers", ""),
     (MOE, "    quantize_act_stage(xs(kt % STAGES), act, a_gs);\n    __syncthreads();",
      "    quantize_act_stage(xs(kt % STAGES), act, a_gs);",
      "moe_gate_up: the barrier between quantizing the activation stage and the MMAs reading it",

@@ -1129,6 +1129,9 @@ void cp_async(void* dst, const void* src, unsigned cp_size, unsigned src_size, c
   // Until the group is waited for, the destination holds nothing a kernel may rely on: fill
   // it with 0xFF (NaN in f32, bf16 and e4m3) so a read before the wait shows.
   if (w->launch->opt.poison_shared) memset(dst, 0xFF, cp_size);
+  // A GPU may land the bytes any time from here to the wait (below, where this layer lands
+  // them): to TSan, the destination is written at both ends of that window.
+  kernel_write(dst, cp_size);
   f.copies.push_back(PendingCopy{static_cast<unsigned char*>(dst),
                                  static_cast<const unsigned char*>(src), cp_size, src_size,
                                  f.next_group});
