@@ -7,15 +7,19 @@
 //! `model serve --backend cuda --tensor-parallel-size 2` answers a chat completion as the CPU
 //! server does.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
 
 use kernels::cuda::{GpuContext, default_ptx_dir};
 use kernels::device::{Device, DeviceExt, DeviceMemory, KernelParams, LaunchConfig};
 use project_tests::golden_path;
 use project_tests::stub_driver::{StubDriver, is_child};
 use serde_json::Value;
+
+// `model serve` as a child process: the model crate's test harness, shared.
+#[allow(dead_code)]
+#[path = "../../model/tests/common/server.rs"]
+mod server;
+use server::Server;
 
 /// The first golden chat prompt's token ids.
 fn prompt() -> String {
@@ -201,61 +205,21 @@ fn an_all_reduce_whose_policy_picks_nccl_runs_without_it() {
 /// `(reasoning, content)` of the seeds' greedy question to `model serve` started by `cmd` with
 /// `extra` arguments, and the server's log.
 fn serve_one_chat(mut cmd: Command, extra: &[&str]) -> ((String, String), String) {
-    let cache = tempfile::tempdir().unwrap();
-    let log_path = cache.path().join("serve.log");
-    let mut child = cmd
-        .args(["serve", "--host", "127.0.0.1", "--port", "0"])
-        .args(["--max-model-len", "256", "--max-num-seqs", "2"])
-        .args(extra)
-        .arg("--cache-dir")
-        .arg(cache.path())
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(&log_path).unwrap())
-        .spawn()
-        .unwrap();
-    let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
-    let mut stdout = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    let base = loop {
-        line.clear();
-        if stdout.read_line(&mut line).unwrap() == 0 {
-            let _ = child.kill();
-            panic!("serve {extra:?} exited before listening:\n{}", log());
-        }
-        if let Some(at) = line.find("http://") {
-            break line[at..].split_whitespace().next().unwrap().to_string();
-        }
-    };
-    let agent = ureq::Agent::new_with_config(
-        ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .timeout_global(Some(Duration::from_secs(600)))
-            .build(),
-    );
-    let deadline = Instant::now() + Duration::from_secs(600);
-    while agent
-        .get(format!("{base}/health"))
-        .call()
-        .map_or(true, |r| r.status() != 200)
-    {
-        assert!(Instant::now() < deadline, "not ready in time:\n{}", log());
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let logs = tempfile::tempdir().unwrap();
+    let log_path = logs.path().join("serve.log");
+    cmd.stderr(std::fs::File::create(&log_path).unwrap());
+    let mut args = vec!["--max-model-len", "256", "--max-num-seqs", "2"];
+    args.extend_from_slice(extra);
+    let server = Server::start_with(cmd, &args);
     let request = r#"{"messages": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}], "max_tokens": 48, "temperature": 0}"#;
-    let mut response = agent
-        .post(format!("{base}/v1/chat/completions"))
-        .header("Content-Type", "application/json")
-        .send(request)
-        .unwrap();
-    let status = response.status().as_u16();
-    let body = response.body_mut().read_to_string().unwrap();
-    let _ = child.kill();
-    let _ = child.wait();
-    assert_eq!(status, 200, "{body}\n{}", log());
+    let (status, body) = server.post("/v1/chat/completions", request);
+    drop(server);
+    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+    assert_eq!(status, 200, "{body}\n{log}");
     let reply: Value = serde_json::from_str(&body).unwrap();
     let message = &reply["choices"][0]["message"];
     let field = |f: &str| message[f].as_str().unwrap_or_default().to_string();
-    ((field("reasoning"), field("content")), log())
+    ((field("reasoning"), field("content")), log)
 }
 
 #[test]

@@ -1068,7 +1068,9 @@ void yield_polling() {
   run_next(w);
 }
 
+#ifdef CUDA_HOST_TSAN
 void collective_read(const void* p, size_t bytes) { kernel_read(p, bytes); }
+#endif
 
 unsigned char* dynamic_shared_base() { return cuhost_dynamic_shared; }
 size_t dynamic_shared_size() { return worker()->launch->dynamic_shared; }

@@ -6,6 +6,16 @@
 
 pub mod server;
 
+impl server::Server {
+    /// Starts this crate's `model serve EXTRA…` and waits until `/health` answers 200.
+    pub fn start(extra: &[&str]) -> Self {
+        Self::start_with(
+            std::process::Command::new(env!("CARGO_BIN_EXE_model")),
+            extra,
+        )
+    }
+}
+
 /// Processes whose parent is `parent` (`/proc/PID/stat`'s fourth field).
 pub fn children_of(parent: u32) -> Vec<u32> {
     std::fs::read_dir("/proc")

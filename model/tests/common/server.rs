@@ -14,17 +14,19 @@ pub struct Server {
 }
 
 impl Server {
-    /// Starts `model serve EXTRA…` and waits until `/health` answers 200.
-    pub fn start(extra: &[&str]) -> Self {
+    /// Starts `model serve EXTRA…` with `model`, the binary and its environment (its stderr
+    /// stays the caller's choice; by default the test's), and waits until `/health` answers
+    /// 200. The model crate's tests start theirs with `Server::start` (`common/mod.rs`); the
+    /// stand-in driver's tests, in another crate, include this file.
+    pub fn start_with(mut model: Command, extra: &[&str]) -> Self {
         let cache = tempfile::tempdir().unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_model"))
+        let mut child = model
             .args(["serve", "--host", "127.0.0.1", "--port", "0"])
             .args(["--served-model-name", "nvidia/Kimi-K2.5-NVFP4"])
             .args(extra)
             .arg("--cache-dir")
             .arg(cache.path())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
             .spawn()
             .unwrap();
         let mut stdout = BufReader::new(child.stdout.take().unwrap());

@@ -133,7 +133,11 @@ size_t dynamic_shared_size();
 
 // In the ThreadSanitizer build, memory a collective reads on the kernel's behalf (ldmatrix's
 // rows), reported as the calling thread's read; nothing otherwise.
+#ifdef CUDA_HOST_TSAN
 void collective_read(const void* p, size_t bytes);
+#else
+inline void collective_read(const void*, size_t) {}
+#endif
 
 namespace detail {
 template <class T>
