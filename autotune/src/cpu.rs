@@ -225,7 +225,8 @@ pub fn cpu_provenance(command: &str) -> Provenance {
         driver_version: NO_GPU.to_string(),
         cuda_version: NO_GPU.to_string(),
         commit: crate::tune::git_commit().unwrap_or_else(|| "unknown".into()),
-        manifest_hash: std::fs::read(manifest).map_or_else(|_| "none".into(), |b| fnv1a64(&b)),
+        manifest_hash: kernels::files::read_bounded(&manifest, kernels::files::TEXT_FILE_LIMIT)
+            .map_or_else(|_| "none".into(), |b| fnv1a64(&b)),
         kernel_source_hashes: BTreeMap::from([(
             CPU_SOURCES_KEY.to_string(),
             cpu_kernel_source_hash(),

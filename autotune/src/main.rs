@@ -114,11 +114,11 @@ enum Command {
         #[arg(long, default_value = "bench/results")]
         out_dir: PathBuf,
         /// A tactic cache whose winners are compared with the heuristic defaults.
-        #[arg(long)]
+        #[arg(long, value_parser = kernels::tactic::cache::cache_path_arg)]
         tactics: Option<PathBuf>,
         /// The cost model fitted by a device run (`<cache>.cost-model.json`); used when fitted
         /// on the SM the step-time model prices.
-        #[arg(long)]
+        #[arg(long, value_parser = kernels::tactic::cache::cache_path_arg)]
         cost_model: Option<PathBuf>,
     },
 }

@@ -39,8 +39,7 @@ pub struct Manifest {
 
 impl Manifest {
     pub fn load(path: &Path) -> Result<Manifest> {
-        let text =
-            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let text = kernels::files::read_text_bounded(path, kernels::files::TEXT_FILE_LIMIT)?;
         Self::parse(&text).with_context(|| format!("parsing {}", path.display()))
     }
 

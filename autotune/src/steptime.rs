@@ -271,7 +271,7 @@ impl Pricing {
                 )),
             )
         };
-        let file = match std::fs::read_to_string(path)
+        let file = match kernels::files::read_text_bounded(path, kernels::files::TEXT_FILE_LIMIT)
             .map_err(|e| e.to_string())
             .and_then(|t| crate::refit::CostModelFile::from_json(&t))
         {

@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use plotters::coord::ranged1d::ValueFormatter;
 use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
@@ -25,9 +25,10 @@ pub struct Point {
 /// (`sample.json`).
 pub fn read_point(dir: &Path) -> Result<Point> {
     let path = dir.join("sample.json");
-    let json: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?,
-    )?;
+    let json: serde_json::Value = serde_json::from_slice(&kernels::files::read_bounded(
+        &path,
+        kernels::files::TEXT_FILE_LIMIT,
+    )?)?;
     let nums = |key: &str| -> Vec<f64> {
         json[key]
             .as_array()

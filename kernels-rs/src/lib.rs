@@ -9,7 +9,9 @@
 //!    scale-factor swizzle; [`matrix`]: the borrowed weight views. [`isa`] and [`prefetch`]:
 //!    the instruction set the CPU kernels run and how far ahead they prefetch, detected once
 //!    per process. [`guided`]: the CPU kernels' self-scheduling over a thread pool. [`rng`]:
-//!    the seeded generator of every test problem, check and closed-form golden.
+//!    the seeded generator of every test problem, check and closed-form golden. [`files`]: the
+//!    bounded, non-blocking reads of every file the programs are given. [`process`]: whether
+//!    a peer process runs, is stopped or is gone.
 //! 2. The abstractions the families are written against. [`tactic`]: the tactic trait every
 //!    family implements, the problem shapes, the tactic cache the runtime reads and the figures
 //!    of timed runs; it names no family. [`cpu_tactic`]: the tunables of the families' CPU
@@ -38,6 +40,7 @@ pub mod cpu_tactic;
 pub mod cuda;
 pub mod dense;
 pub mod device;
+pub mod files;
 pub mod formats;
 pub mod guided;
 pub mod isa;
@@ -46,6 +49,7 @@ pub mod matrix;
 pub mod mla;
 pub mod moe_gemm;
 pub mod prefetch;
+pub mod process;
 pub mod rng;
 mod scratch;
 pub mod tactic;

@@ -52,7 +52,10 @@ impl FromStr for TokenIds {
 /// Bytes of memory the kernel says a new allocation can get without swapping (`MemAvailable`
 /// of `/proc/meminfo`); `None` where that is unknown.
 pub fn available_memory_bytes() -> Option<u64> {
-    mem_available_in(&std::fs::read_to_string("/proc/meminfo").ok()?)
+    let meminfo = std::path::Path::new("/proc/meminfo");
+    mem_available_in(
+        &kernels::files::read_text_bounded(meminfo, kernels::files::TEXT_FILE_LIMIT).ok()?,
+    )
 }
 
 /// `MemAvailable` of `/proc/meminfo`'s text, in bytes.

@@ -1,5 +1,6 @@
 //! Fuzzing the parsers that read what users hand the engine: safetensors headers, the shard
-//! index, the model and quantization configs, and `--tokens` lists. Each target starts from a
+//! index, the model and quantization configs, `--tokens` lists, and the server's request bodies
+//! (`/v1/chat/completions` and `/v1/completions`). Each target starts from a
 //! seeded corpus (the committed golden checkpoints, the presets, small files written here) and
 //! feeds the parser mutated and random inputs from a fixed proptest seed, so CI runs the same
 //! inputs every time; any panic fails the test with the (shrunk) input that caused it.
@@ -550,5 +551,186 @@ fn fuzz_token_lists() {
             assert_eq!(&parse_token_list(&again).unwrap(), ids, "{text:?}");
         }
         parsed.is_ok()
+    });
+}
+
+/// Request bodies that parse: the smoke test's, and ones using every field the decoder reads.
+fn request_seeds() -> Vec<(bool, Value)> {
+    let user = json!([{"role": "user", "content": "What is the capital of France?"}]);
+    let weather = json!({"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}});
+    vec![
+        (
+            true,
+            json!({"model": "nvidia/Kimi-K2.5-NVFP4", "messages": user, "max_tokens": 256,
+                   "temperature": 0.6}),
+        ),
+        (
+            true,
+            json!({"messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Weather?"},
+                                             {"type": "image_url", "image_url": {"url": "x"}}]},
+                {"role": "assistant", "content": null, "reasoning": "Call the tool.",
+                 "tool_calls": [{"id": "functions.get_weather:0", "type": "function",
+                                 "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+                {"role": "tool", "content": "sunny", "name": "get_weather"}],
+                   "tools": [weather], "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                   "stream": true, "stream_options": {"include_usage": true}, "n": 2, "top_p": 0.9,
+                   "top_k": 40, "seed": 7, "stop": ["\n\n", "END"], "max_completion_tokens": 64,
+                   "chat_template_kwargs": {"thinking": false}, "ignore_eos": true}),
+        ),
+        (
+            false,
+            json!({"prompt": "Once upon a time", "max_tokens": 16, "echo": true, "stop": "."}),
+        ),
+        (
+            false,
+            json!({"model": "kimi-chat-tiny", "prompt": [1, 2, 3], "temperature": 0,
+                   "logprobs": false, "stream": false}),
+        ),
+    ]
+}
+
+/// The fields the decoder reads, as new keys for a seed.
+const REQUEST_FIELDS: [&str; 24] = [
+    "model",
+    "messages",
+    "prompt",
+    "tools",
+    "tool_choice",
+    "chat_template_kwargs",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "stream_options",
+    "ignore_eos",
+    "logprobs",
+    "echo",
+    "role",
+    "content",
+    "tool_calls",
+    "reasoning",
+    "thinking",
+];
+
+/// What an accepted request promises the engine: values the sampler can use and a template
+/// context the request cannot take over.
+fn check_accepted_sampling(sampling: &model::serve::api::SamplingRequest) {
+    assert!((1..=16).contains(&sampling.n), "n {}", sampling.n);
+    assert!(
+        sampling.top_p.is_normal() && sampling.top_p > 0.0 && sampling.top_p <= 1.0,
+        "top_p {}",
+        sampling.top_p
+    );
+    assert!(
+        (0.0..=2.0).contains(&sampling.temperature),
+        "temperature {}",
+        sampling.temperature
+    );
+    assert!(sampling.max_tokens.is_none_or(|m| m >= 1));
+    assert!(sampling.stop.iter().all(|s| !s.is_empty()));
+}
+
+#[test]
+fn fuzz_request_decoder() {
+    use model::serve::api::{SERVER_TEMPLATE_VARIABLES, parse_body, parse_chat, parse_completion};
+    let seeds = request_seeds();
+    for (chat, body) in &seeds {
+        let body = body.as_object().unwrap();
+        if *chat {
+            parse_chat(body).unwrap();
+        } else {
+            parse_completion(body).unwrap();
+        }
+    }
+    let paths: Vec<Vec<JsonPath>> = seeds
+        .iter()
+        .map(|(_, body)| {
+            let mut out = Vec::new();
+            leaf_paths(body, &mut Vec::new(), &mut out);
+            out
+        })
+        .collect();
+    // A body is a seed changed at its own paths, given fields it lacks (at the top or in a
+    // message), or with its bytes edited; or random bytes.
+    let added = (
+        prop::sample::select(&REQUEST_FIELDS[..]),
+        json_value(),
+        any::<bool>(),
+    );
+    let document = (
+        0..seeds.len(),
+        prop::collection::vec((any::<prop::sample::Index>(), change()), 0..4),
+        prop::collection::vec(added, 0..3),
+        prop::option::weighted(0.2, edits(256)),
+    )
+        .prop_map(|(seed, changes, additions, byte_edits)| {
+            let mut body = seeds[seed].1.clone();
+            for (index, new) in changes {
+                change_at(&mut body, index.get::<JsonPath>(&paths[seed]), &new);
+            }
+            for (key, value, in_message) in additions {
+                let target = if in_message {
+                    body.pointer_mut("/messages/0")
+                } else {
+                    Some(&mut body)
+                };
+                if let Some(Value::Object(map)) = target {
+                    map.insert(key.to_string(), value);
+                }
+            }
+            let bytes = serde_json::to_vec(&body).unwrap();
+            (
+                seeds[seed].0,
+                match byte_edits {
+                    Some(e) => apply(bytes, &e),
+                    None => bytes,
+                },
+            )
+        });
+    let strategy = prop_oneof![
+        9 => document,
+        1 => (any::<bool>(), prop::collection::vec(any::<u8>(), 0..64)),
+    ];
+    fuzz("request", strategy, |(chat, bytes)| {
+        let refused = |e: model::serve::api::ApiError| {
+            assert!(e.status.is_client_error(), "{}: {}", e.status, e.message);
+            assert!(!e.message.is_empty());
+            false
+        };
+        let body = match parse_body(&bytes) {
+            Ok(body) => body,
+            Err(e) => return refused(e),
+        };
+        if chat {
+            match parse_chat(&body) {
+                Ok(request) => {
+                    check_accepted_sampling(&request.sampling);
+                    for key in SERVER_TEMPLATE_VARIABLES {
+                        assert!(!request.template_kwargs.contains_key(key), "{key}");
+                    }
+                    if let Some(thinking) = request.template_kwargs.get("thinking") {
+                        assert!(thinking.is_boolean(), "thinking {thinking}");
+                    }
+                    true
+                }
+                Err(e) => refused(e),
+            }
+        } else {
+            match parse_completion(&body) {
+                Ok(request) => {
+                    check_accepted_sampling(&request.sampling);
+                    true
+                }
+                Err(e) => refused(e),
+            }
+        }
     });
 }

@@ -13,38 +13,11 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 mod common;
+use common::cli::{
+    copy_model, golden_model, hidden_entries, model, path_str, refused, start_generation,
+    wait_until,
+};
 use common::{children_of, shm_entries};
-
-fn golden_model(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../golden/data/models")
-        .join(name)
-}
-
-fn model() -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_model"));
-    cmd.env("RUST_BACKTRACE", "0");
-    cmd
-}
-
-/// Runs `model ARGS` and checks the error style: one `Error:` line first, no panic, no 101.
-fn refused(args: &[&str], code: i32, expected: &str) -> String {
-    let out = model().args(args).output().expect("model runs");
-    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    assert_eq!(
-        out.status.code(),
-        Some(code),
-        "{args:?} exits {code}:\n{stderr}"
-    );
-    assert!(stderr.starts_with("Error: "), "{args:?}:\n{stderr}");
-    assert_eq!(stderr.matches("Error:").count(), 1, "{args:?}:\n{stderr}");
-    assert!(!stderr.contains("panicked"), "{args:?}:\n{stderr}");
-    assert!(
-        stderr.contains(expected),
-        "{args:?}: `{expected}` in\n{stderr}"
-    );
-    stderr
-}
 
 fn succeeds(args: &[&str]) -> Output {
     let out = model().args(args).output().expect("model runs");
@@ -54,21 +27,6 @@ fn succeeds(args: &[&str]) -> Output {
         String::from_utf8_lossy(&out.stderr)
     );
     out
-}
-
-fn path_str(path: &Path) -> &str {
-    path.to_str().expect("test paths are UTF-8")
-}
-
-/// A writable copy of a golden checkpoint folder.
-fn copy_model(name: &str, dir: &Path) -> PathBuf {
-    let target = dir.join(name);
-    std::fs::create_dir_all(&target).unwrap();
-    for entry in std::fs::read_dir(golden_model(name)).unwrap() {
-        let path = entry.unwrap().path();
-        std::fs::copy(&path, target.join(path.file_name().unwrap())).unwrap();
-    }
-    target
 }
 
 fn edit_json(path: &Path, edit: impl FnOnce(&mut Value)) {
@@ -87,22 +45,6 @@ fn snapshot(dir: &Path) -> BTreeMap<String, Vec<u8>> {
             (name, std::fs::read(&p).unwrap_or_default())
         })
         .collect()
-}
-
-fn hidden_entries(dir: &Path) -> Vec<String> {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
-        .filter(|n| n.starts_with('.'))
-        .collect()
-}
-
-fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !done() {
-        assert!(start.elapsed() < limit, "{what} within {limit:?}");
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }
 
 fn send(pid: u32, signal: i32) {
@@ -219,42 +161,12 @@ fn quantize_refuses_a_non_empty_output_and_force_replaces_it_whole() {
     assert!(hidden_entries(tmp.path()).is_empty());
 }
 
-/// `generate-checkpoint --preset mini` is slow enough to interrupt once its staging folder
-/// exists.
-fn start_generation(out: &Path, force: bool) -> Child {
-    let mut cmd = model();
-    cmd.args([
-        "generate-checkpoint",
-        "--preset",
-        "mini",
-        "--out",
-        path_str(out),
-    ]);
-    if force {
-        cmd.arg("--force");
-    }
-    let child = cmd
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let staging = out.with_file_name(format!(
-        ".{}.partial-{}",
-        out.file_name().unwrap().to_string_lossy(),
-        child.id()
-    ));
-    wait_until("the staging folder", Duration::from_secs(30), || {
-        staging.exists()
-    });
-    child
-}
-
 #[test]
 fn interrupted_writers_leave_the_old_output_or_none_and_no_temporary() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().canonicalize().unwrap().join("model");
     for signal in [libc::SIGINT, libc::SIGTERM] {
-        let mut child = start_generation(&out, false);
+        let mut child = start_generation(&out, &[]);
         send(child.id(), signal);
         assert_eq!(child.wait().unwrap().signal(), Some(signal));
         assert!(!out.exists(), "no half-written checkpoint");
@@ -269,17 +181,21 @@ fn interrupted_writers_leave_the_old_output_or_none_and_no_temporary() {
         path_str(&out),
     ]);
     let old = snapshot(&out);
-    let mut child = start_generation(&out, true);
+    let mut child = start_generation(&out, &["--force"]);
     send(child.id(), libc::SIGTERM);
     child.wait().unwrap();
     assert_eq!(snapshot(&out), old, "the old checkpoint survives");
     assert!(hidden_entries(tmp.path()).is_empty());
 
-    // SIGKILL cannot be caught: the staging folder stays until the next writer sweeps it.
-    let mut child = start_generation(&out, true);
+    // SIGKILL cannot be caught: the staging folder and the (released) lock file stay until
+    // the next writer sweeps them.
+    let mut child = start_generation(&out, &["--force"]);
     child.kill().unwrap();
     child.wait().unwrap();
-    assert_eq!(hidden_entries(tmp.path()).len(), 1);
+    let mut left = hidden_entries(tmp.path());
+    left.sort();
+    assert_eq!(left.len(), 2, "{left:?}");
+    assert!(left[0].starts_with(".model.lock") && left[1].starts_with(".model.partial-"));
     assert_eq!(snapshot(&out), old);
     let args = ["generate-checkpoint", "--preset", "tiny", "--out"];
     succeeds(&[&args[..], &[path_str(&out), "--force", "--seed", "3"]].concat());
@@ -458,10 +374,10 @@ fn bad_values_are_refused_with_exit_code_2() {
     let logits = ["logits", "--checkpoint", tiny, "--out", out];
     let cases: [(&[&str], &[&str], &str); 19] = [
         (&["run"], &["--batch", "0"], "--batch"),
-        (&run, &["--temperature", "-1"], "--temperature -1"),
-        (&run, &["--temperature", "NaN"], "--temperature NaN"),
-        (&run, &["--top-p", "0"], "--top-p 0"),
-        (&run, &["--top-p", "1.5"], "--top-p 1.5"),
+        (&run, &["--temperature", "-1"], "'-1' for '--temperature"),
+        (&run, &["--temperature", "NaN"], "'NaN' for '--temperature"),
+        (&run, &["--top-p", "0"], "'0' for '--top-p"),
+        (&run, &["--top-p", "1.5"], "'1.5' for '--top-p"),
         (
             &run,
             &["--max-new-tokens", "1000000000"],

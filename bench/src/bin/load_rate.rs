@@ -61,7 +61,7 @@ fn total_bytes(files: &[PathBuf]) -> Result<u64> {
 fn evict(files: &[PathBuf]) -> Result<()> {
     use std::os::fd::AsRawFd;
     for f in files {
-        let file = std::fs::File::open(f)?;
+        let (file, _) = kernels::files::open_regular(f)?;
         // SAFETY: a valid descriptor; advice only.
         let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
         anyhow::ensure!(rc == 0, "posix_fadvise({}): error {rc}", f.display());
@@ -74,7 +74,7 @@ fn resident_share(files: &[PathBuf]) -> Result<f64> {
     let page = 4096usize;
     let (mut resident, mut pages) = (0usize, 0usize);
     for f in files {
-        let file = std::fs::File::open(f)?;
+        let (file, _) = kernels::files::open_regular(f)?;
         if file.metadata()?.len() == 0 {
             continue;
         }
@@ -94,7 +94,7 @@ fn resident_share(files: &[PathBuf]) -> Result<f64> {
 /// Reads `path` to its end with `read()` into a 16 MiB buffer.
 fn read_file(path: &Path) -> Result<()> {
     let mut buffer = vec![0u8; 16 << 20];
-    let mut file = std::fs::File::open(path)?;
+    let (mut file, _) = kernels::files::open_regular(path)?;
     let mut sum = 0u64;
     loop {
         let n = file.read(&mut buffer)?;

@@ -9,7 +9,7 @@
 //!   measured medians as grouped bars, one group per row (prefill 128/512, decode b1/b4),
 //!   one bar per engine, tok/s on a log axis.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use plotters::prelude::*;
@@ -76,10 +76,11 @@ fn main() -> Result<()> {
     }
 }
 
-fn chart(json: &PathBuf, out: &PathBuf) -> Result<()> {
-    let data: Value = serde_json::from_str(
-        &std::fs::read_to_string(json).with_context(|| format!("reading {}", json.display()))?,
-    )?;
+fn chart(json: &Path, out: &PathBuf) -> Result<()> {
+    let data: Value = serde_json::from_str(&kernels::files::read_text_bounded(
+        json,
+        kernels::files::TEXT_FILE_LIMIT,
+    )?)?;
     let median = data["median"]
         .as_object()
         .context("no `median` object in the results")?;

@@ -283,6 +283,7 @@ fn main() -> Result<()> {
                 port: 0,
                 served_model_name: "kimi-chat-tiny".into(),
                 shutdown_grace: Duration::from_secs(30),
+                limits: Default::default(),
             },
             async move {
                 let _ = stop_rx.await;

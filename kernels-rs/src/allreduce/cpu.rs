@@ -19,12 +19,14 @@ use super::topology::Islands;
 use super::{AlgorithmPolicy, AllReduce, AllReduceError, ReduceData};
 
 pub use super::layout::MAX_WORLD;
+use crate::process::{ProcessState, STOPPED_PEER_GRACE, StoppedClock, process_state};
 
 /// Reasons written into the abort word, so survivors can say why.
 const ABORT_TIMEOUT: u64 = 1;
 const ABORT_PEER_DIED: u64 = 2;
 const ABORT_MISMATCH: u64 = 3;
 const ABORT_DROPPED: u64 = 4;
+const ABORT_PEER_STOPPED: u64 = 5;
 
 fn abort_reason(code: u64) -> &'static str {
     match code {
@@ -32,6 +34,7 @@ fn abort_reason(code: u64) -> &'static str {
         ABORT_PEER_DIED => "it saw a peer process exit",
         ABORT_MISMATCH => "it saw mismatched collectives",
         ABORT_DROPPED => "it was dropped mid-collective",
+        ABORT_PEER_STOPPED => "it saw a peer process stopped",
         _ => "unknown reason",
     }
 }
@@ -51,6 +54,10 @@ pub struct CpuConfig {
     pub islands: Option<Islands>,
     /// Algorithm per message size when called through [`AllReduce`].
     pub policy: AlgorithmPolicy,
+    /// The peers' process ids where this rank knows them before they attach (rank 0 started
+    /// them), indexed by rank, 0 for unknown: a peer that exits or stays stopped before it
+    /// attaches fails the setup at once instead of at `timeout`.
+    pub peer_pids: Vec<u32>,
 }
 
 impl Default for CpuConfig {
@@ -61,6 +68,7 @@ impl Default for CpuConfig {
             enable_push: true,
             islands: None,
             policy: AlgorithmPolicy::fixed(Algorithm::OneShot(Transfer::Pull)),
+            peer_pids: Vec::new(),
         }
     }
 }
@@ -83,6 +91,7 @@ pub struct CpuCommunicator {
     config: CpuConfig,
     islands: Islands,
     pids: Vec<u32>,
+    stopped_clocks: Vec<StoppedClock>,
     poisoned: Option<String>,
     in_collective: bool,
 }
@@ -162,6 +171,9 @@ impl CpuCommunicator {
             .atomic(layout.attached(rank))
             .store(1, Ordering::Release);
 
+        let pids = (0..world)
+            .map(|peer| config.peer_pids.get(peer).copied().unwrap_or(0))
+            .collect();
         let mut comm = CpuCommunicator {
             segment,
             layout,
@@ -169,7 +181,8 @@ impl CpuCommunicator {
             generation: 0,
             config,
             islands,
-            pids: vec![0; world],
+            pids,
+            stopped_clocks: (0..world).map(|_| StoppedClock::default()).collect(),
             poisoned: None,
             in_collective: false,
         };
@@ -188,7 +201,16 @@ impl CpuCommunicator {
                             comm.config.timeout
                         )));
                     }
-                    std::thread::sleep(Duration::from_micros(200));
+                    if let Some((pid, state)) = comm.peer_lost(peer) {
+                        let what = match state {
+                            ProcessState::Gone => "exited",
+                            _ => "is stopped (SIGSTOP)",
+                        };
+                        return Err(AllReduceError::Setup(format!(
+                            "rank 0: rank {peer} (pid {pid}) {what} before attaching to {name:?}"
+                        )));
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
                 }
             }
             comm.segment.unlink().map_err(|e| shm_err("unlink", e))?;
@@ -365,16 +387,28 @@ impl CpuCommunicator {
                         waited,
                     });
                 }
-                if polls.is_multiple_of(1024)
-                    && let Some(pid) = self.peer_exited(producer)
-                {
-                    self.abort(ABORT_PEER_DIED);
-                    return Err(AllReduceError::PeerDied {
-                        rank: self.rank,
-                        peer: producer,
-                        pid,
-                        generation,
-                    });
+                if polls.is_multiple_of(1024) {
+                    match self.peer_lost(producer) {
+                        Some((pid, ProcessState::Gone)) => {
+                            self.abort(ABORT_PEER_DIED);
+                            return Err(AllReduceError::PeerDied {
+                                rank: self.rank,
+                                peer: producer,
+                                pid,
+                                generation,
+                            });
+                        }
+                        Some((pid, _)) => {
+                            self.abort(ABORT_PEER_STOPPED);
+                            return Err(AllReduceError::PeerStopped {
+                                rank: self.rank,
+                                peer: producer,
+                                pid,
+                                generation,
+                            });
+                        }
+                        None => {}
+                    }
                 }
             }
         }
@@ -399,8 +433,9 @@ impl CpuCommunicator {
         Ok(())
     }
 
-    /// The pid of `peer` if it lives in another process that no longer exists.
-    fn peer_exited(&mut self, peer: usize) -> Option<u32> {
+    /// The pid of `peer` and its state if it lives in another process that no longer exists,
+    /// or that has stayed stopped for [`STOPPED_PEER_GRACE`].
+    fn peer_lost(&mut self, peer: usize) -> Option<(u32, ProcessState)> {
         if self.pids[peer] == 0 {
             self.pids[peer] = self
                 .segment
@@ -411,10 +446,13 @@ impl CpuCommunicator {
         if pid == 0 || pid == std::process::id() {
             return None;
         }
-        // SAFETY: signal 0 only checks for existence.
-        let gone = unsafe { libc::kill(pid as libc::pid_t, 0) } != 0
-            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
-        gone.then_some(pid)
+        match process_state(pid) {
+            ProcessState::Gone => Some((pid, ProcessState::Gone)),
+            state if self.stopped_clocks[peer].stopped_beyond(state, STOPPED_PEER_GRACE) => {
+                Some((pid, state))
+            }
+            _ => None,
+        }
     }
 
     /// Tells every rank to stop: the first abort wins (a store, not a compare-exchange, to keep

@@ -72,6 +72,16 @@ pub enum AllReduceError {
         pid: u32,
         generation: u64,
     },
+    #[error(
+        "rank {rank}: rank {peer} (pid {pid}) is stopped (SIGSTOP) during generation {generation}; \
+         continue it with SIGCONT or end it"
+    )]
+    PeerStopped {
+        rank: usize,
+        peer: usize,
+        pid: u32,
+        generation: u64,
+    },
     #[error("rank {rank}: collective aborted by rank {aborted_by} ({reason})")]
     Aborted {
         rank: usize,

@@ -54,8 +54,11 @@ fn run() -> Result<(), String> {
     let topology = match fixtures::named(&topology_arg) {
         Some(text) => Topology::from_nvidia_smi(text),
         None => {
-            let text = std::fs::read_to_string(&topology_arg)
-                .map_err(|e| format!("{topology_arg}: {e}"))?;
+            let text = kernels::files::read_text_bounded(
+                std::path::Path::new(&topology_arg),
+                kernels::files::TEXT_FILE_LIMIT,
+            )
+            .map_err(|e| e.to_string())?;
             if text
                 .lines()
                 .any(|l| l.trim_start().starts_with("/sys/devices/"))

@@ -298,10 +298,13 @@ pub(crate) fn load_module(gpu: &GpuContext, path: &Path) -> Result<Arc<CudaModul
     if let Some(m) = gpu.modules.lock().unwrap().get(path) {
         return Ok(m.clone());
     }
-    let bytes = std::fs::read(path).map_err(|e| CudaError::LoadImage {
-        path: path.to_path_buf(),
-        detail: e.to_string(),
-    })?;
+    // Every image of `ptx/` together is well under 1 MiB.
+    const IMAGE_LIMIT: u64 = 64 << 20;
+    let bytes =
+        crate::files::read_bounded(path, IMAGE_LIMIT).map_err(|e| CudaError::LoadImage {
+            path: path.to_path_buf(),
+            detail: e.to_string(),
+        })?;
     let is_ptx = path.extension().is_some_and(|e| e == "ptx");
     let image = if is_ptx {
         // PTX text is handed to cuModuleLoadData NUL-terminated (from_src adds the NUL).

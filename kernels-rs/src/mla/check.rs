@@ -69,7 +69,9 @@ fn i64s(st: &safetensors::SafeTensors<'_>, name: &str) -> Result<Vec<i64>, Strin
 
 /// Reads one golden file (queries, outputs, and how its cache was filled).
 pub fn load_golden(path: &Path) -> Result<Golden, String> {
-    let bytes = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    // The committed goldens are a few hundred KiB; a file far beyond that is not one.
+    const GOLDEN_FILE_LIMIT: u64 = 1 << 30;
+    let bytes = crate::files::read_bounded(path, GOLDEN_FILE_LIMIT).map_err(|e| e.to_string())?;
     let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| e.to_string())?;
     let prov = meta
         .metadata()

@@ -12,12 +12,13 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
 use super::{KernelFamily, ProblemShape, Tactic};
 use crate::arch::Sm;
+use crate::files::{FileError, TEXT_FILE_LIMIT, check_regular, read_text_bounded};
 
 /// Version of the JSON layout; a cache of another version is not read.
 pub const FORMAT: u32 = 1;
@@ -386,6 +387,17 @@ impl TacticCache {
     }
 }
 
+/// A command line's tactic cache path, refused where it enters when it names something that
+/// cannot be a cache (a device, a FIFO, a folder, a file over the read limit). A missing file
+/// passes: [`load`] warns about it and the run uses the defaults.
+pub fn cache_path_arg(text: &str) -> Result<PathBuf, FileError> {
+    let path = PathBuf::from(text);
+    match check_regular(&path, TEXT_FILE_LIMIT) {
+        Err(e) if !e.is_not_found() => Err(e),
+        _ => Ok(path),
+    }
+}
+
 /// Reads the cache at `path` for a reader that expects `expected`. Never fails: a missing,
 /// unreadable, corrupt or stale cache gives a one-line warning and no cache.
 pub fn load(path: &Path, expected: &Expected) -> CacheLookup {
@@ -396,12 +408,18 @@ pub fn load(path: &Path, expected: &Expected) -> CacheLookup {
             path.display()
         )),
     };
-    let text = match std::fs::read_to_string(path) {
+    let text = match read_text_bounded(path, TEXT_FILE_LIMIT) {
         Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return warn("not found".to_string());
+        Err(e) if e.is_not_found() => return warn("not found".to_string()),
+        // The error names the file itself.
+        Err(e) => {
+            return CacheLookup {
+                cache: None,
+                warning: Some(format!(
+                    "warning: tactic cache {e}; using the heuristic defaults"
+                )),
+            };
         }
-        Err(e) => return warn(format!("cannot read it ({e})")),
     };
     let cache = match TacticCache::from_json(&text) {
         Ok(c) => c,
@@ -426,5 +444,20 @@ mod tests {
         assert_eq!(h.len(), 5);
         assert!(h.values().all(|v| v.len() == 16));
         assert_eq!(fnv1a64(b""), "cbf29ce484222325");
+    }
+
+    #[test]
+    fn a_device_is_no_cache_and_a_missing_cache_only_warns() {
+        let err = cache_path_arg("/dev/zero").unwrap_err().to_string();
+        assert!(err.contains("/dev/zero: not a regular file"), "{err}");
+        assert!(cache_path_arg("/nonexistent/tactics.json").is_ok());
+        let expected = Expected::for_sm(Sm::Sm120, None);
+        let lookup = load(Path::new("/dev/zero"), &expected);
+        assert!(lookup.cache.is_none());
+        let warning = lookup.warning.unwrap();
+        assert!(
+            warning.contains("/dev/zero: not a regular file"),
+            "{warning}"
+        );
     }
 }

@@ -95,7 +95,8 @@ pub fn cuda_version_string(v: i32) -> String {
 /// The installed NVIDIA driver's version: `/proc/driver/nvidia/version`, else `nvidia-smi`,
 /// else `unknown`.
 pub fn nvidia_driver_version() -> String {
-    if let Some(v) = std::fs::read_to_string("/proc/driver/nvidia/version")
+    let version = std::path::Path::new("/proc/driver/nvidia/version");
+    if let Some(v) = crate::files::read_text_bounded(version, crate::files::TEXT_FILE_LIMIT)
         .ok()
         .and_then(|t| parse_nvrm_version(&t))
     {

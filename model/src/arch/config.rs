@@ -5,6 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
+use kernels::files::{FileError, TEXT_FILE_LIMIT, read_text_bounded};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use thiserror::Error;
@@ -16,11 +17,8 @@ pub use super::rope::{RopeParams, YarnScaling, yarn_mscale};
 
 #[derive(Debug, Error)]
 pub enum ConfigError {
-    #[error("{path}: cannot read: {source}")]
-    Read {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Read(#[from] FileError),
     #[error("{path}: invalid JSON: {source}")]
     Json {
         path: PathBuf,
@@ -183,10 +181,7 @@ impl CheckpointConfig {
 }
 
 fn read_json(path: &Path) -> Result<Value, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let text = read_text_bounded(path, TEXT_FILE_LIMIT)?;
     serde_json::from_str(&text).map_err(|source| ConfigError::Json {
         path: path.to_path_buf(),
         source,

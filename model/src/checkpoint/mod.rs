@@ -3,6 +3,7 @@
 //! `language_model.` prefix (Kimi-K2.5) or without it (DeepSeek-V3 family). Shards are
 //! memory-mapped; weights are borrowed from the mappings, never copied.
 
+pub mod embedded;
 pub mod nvfp4_file;
 pub mod tensor_file;
 pub mod weights;
@@ -14,6 +15,7 @@ use std::sync::Arc;
 
 use half::bf16;
 use indicatif::{ProgressBar, ProgressStyle};
+use kernels::files::{FileError, TEXT_FILE_LIMIT, read_text_bounded};
 use kernels::formats::NVFP4_BLOCK;
 use safetensors::Dtype;
 use serde::Deserialize;
@@ -36,6 +38,8 @@ pub enum CheckpointError {
     Config(#[from] ConfigError),
     #[error(transparent)]
     Tensor(#[from] TensorFileError),
+    #[error(transparent)]
+    File(#[from] FileError),
     #[error("{path}: {message}")]
     Invalid { path: PathBuf, message: String },
 }
@@ -62,8 +66,11 @@ impl WeightPlacement {
     /// (`/sys/kernel/mm/transparent_hugepage/enabled` is `always` or `madvise`) and the copy
     /// fits in half of the memory available now; else the mapping.
     pub fn auto(checkpoint_bytes: usize) -> Self {
-        let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
-            .is_ok_and(|s| s.contains("[always]") || s.contains("[madvise]"));
+        let thp = read_text_bounded(
+            Path::new("/sys/kernel/mm/transparent_hugepage/enabled"),
+            TEXT_FILE_LIMIT,
+        )
+        .is_ok_and(|s| s.contains("[always]") || s.contains("[madvise]"));
         match crate::input::available_memory_bytes() {
             Some(bytes) if thp && checkpoint_bytes as u64 <= bytes / 2 => Self::HugePages,
             _ => Self::Mapped,
@@ -92,8 +99,7 @@ impl Checkpoint {
             message,
         };
         let (listing, weight_map): (PathBuf, BTreeMap<String, String>) = if index_path.exists() {
-            let text = std::fs::read_to_string(&index_path)
-                .map_err(|e| invalid(&index_path, e.to_string()))?;
+            let text = read_text_bounded(&index_path, TEXT_FILE_LIMIT)?;
             let weight_map = parse_index(&text).map_err(|e| invalid(&index_path, e))?;
             (index_path, weight_map)
         } else {

@@ -5,7 +5,6 @@
 //! has dtype BF16, expected F8_E4M3" instead of a panic deep inside a kernel.
 
 use std::collections::BTreeMap;
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use half::{bf16, f16};
@@ -15,6 +14,8 @@ use thiserror::Error;
 
 #[derive(Debug, Error)]
 pub enum TensorFileError {
+    #[error(transparent)]
+    File(#[from] kernels::files::FileError),
     #[error("{path}: cannot open: {source}")]
     Open {
         path: PathBuf,
@@ -81,10 +82,7 @@ impl std::fmt::Debug for TensorFile {
 impl TensorFile {
     pub fn open(path: impl AsRef<Path>) -> Result<Self, TensorFileError> {
         let path = path.as_ref().to_path_buf();
-        let file = File::open(&path).map_err(|source| TensorFileError::Open {
-            path: path.clone(),
-            source,
-        })?;
+        let (file, _) = kernels::files::open_regular(&path)?;
         // SAFETY: the mapping is read-only; a file changed underneath it while mapped is a
         // user error we cannot guard against, as with every mmap-based loader.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|source| TensorFileError::Open {
@@ -483,7 +481,9 @@ mod tests {
         ));
         assert!(matches!(
             TensorFile::open(dir.path().join("none")),
-            Err(TensorFileError::Open { .. })
+            Err(TensorFileError::File(e)) if e.is_not_found()
         ));
+        let err = TensorFile::open(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("not a regular file"), "{err}");
     }
 }

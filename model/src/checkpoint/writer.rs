@@ -161,14 +161,39 @@ pub struct StagedOutput {
     staging: PathBuf,
     committed: bool,
     _registration: cleanup::Registration,
+    // Dropped after the staging is gone, so the next writer finds a settled output.
+    _lock: OutputLock,
 }
 
 impl StagedOutput {
     /// Checks `output` against `inputs` and prepares the staging place. Refuses, as
     /// [`InvalidInput`], an output that is one of the inputs, lies inside one or contains one
-    /// (after resolving `.`, `..` and symbolic links), and an existing output that is not an
-    /// empty folder unless `force` is given (then it is replaced as a whole at commit).
+    /// (after resolving `.`, `..` and symbolic links), an existing output that is not an
+    /// empty folder unless `force` is given (then it is replaced as a whole at commit), and an
+    /// output another writer is writing.
     pub fn new(output: &Path, inputs: &[&Path], kind: OutputKind, force: bool) -> Result<Self> {
+        Self::create(output, inputs, kind, force, LockWait::Refuse)
+    }
+
+    /// As [`StagedOutput::new`], but waits while another writer writes `output` instead of
+    /// refusing: for a cache that any number of processes may fill at once, where the caller
+    /// checks, once this returns, whether the other writer already filled it.
+    pub fn new_waiting(
+        output: &Path,
+        inputs: &[&Path],
+        kind: OutputKind,
+        force: bool,
+    ) -> Result<Self> {
+        Self::create(output, inputs, kind, force, LockWait::Wait)
+    }
+
+    fn create(
+        output: &Path,
+        inputs: &[&Path],
+        kind: OutputKind,
+        force: bool,
+        wait: LockWait,
+    ) -> Result<Self> {
         let target = resolve(output)
             .with_context(|| format!("resolving the output path {}", output.display()))?;
         for input in inputs {
@@ -195,6 +220,23 @@ impl StagedOutput {
                 .into());
             }
         }
+        let (parent, name) = match (target.parent(), target.file_name()) {
+            (Some(parent), Some(name)) => {
+                (parent.to_path_buf(), name.to_string_lossy().to_string())
+            }
+            _ => {
+                return Err(InvalidInput(format!(
+                    "the output {} is not a file path",
+                    output.display()
+                ))
+                .into());
+            }
+        };
+        std::fs::create_dir_all(&parent)
+            .with_context(|| format!("creating {}", parent.display()))?;
+        // Taken before the output is looked at: of two writers racing to a new output, both
+        // would find it absent and the second would replace the first's finished output.
+        let lock = OutputLock::take(output, &parent, &name, wait)?;
         if let Ok(meta) = std::fs::symlink_metadata(&target) {
             let empty_folder = kind == OutputKind::Folder
                 && meta.is_dir()
@@ -215,20 +257,6 @@ impl StagedOutput {
                 .into());
             }
         }
-        let (parent, name) = match (target.parent(), target.file_name()) {
-            (Some(parent), Some(name)) => {
-                (parent.to_path_buf(), name.to_string_lossy().to_string())
-            }
-            _ => {
-                return Err(InvalidInput(format!(
-                    "the output {} is not a file path",
-                    output.display()
-                ))
-                .into());
-            }
-        };
-        std::fs::create_dir_all(&parent)
-            .with_context(|| format!("creating {}", parent.display()))?;
         sweep_dead_stagings(&parent, &name);
         let staging = parent.join(staging_name(&name, "partial", std::process::id()));
         let registration = cleanup::register_path(&staging);
@@ -242,6 +270,7 @@ impl StagedOutput {
             staging,
             committed: false,
             _registration: registration,
+            _lock: lock,
         })
     }
 
@@ -302,6 +331,78 @@ impl Drop for StagedOutput {
         if !self.committed {
             cleanup::remove_path(&self.staging);
         }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum LockWait {
+    Refuse,
+    Wait,
+}
+
+/// One writer's hold on an output: an advisory lock (`flock`) on `.NAME.lock` beside it, held
+/// from the checks to the commit. The kernel lets go of it when its process ends, however it
+/// ends, so the file a killed writer leaves blocks no one: the next writer takes the lock on
+/// it and removes it when done.
+struct OutputLock {
+    path: PathBuf,
+    _file: std::fs::File,
+    _registration: cleanup::Registration,
+}
+
+impl OutputLock {
+    fn take(output: &Path, parent: &Path, name: &str, wait: LockWait) -> Result<Self> {
+        let path = parent.join(format!(".{name}.lock"));
+        loop {
+            let file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(&path)
+                .with_context(|| format!("creating the lock file {}", path.display()))?;
+            match wait {
+                LockWait::Wait => file.lock(),
+                LockWait::Refuse => file.try_lock().map_err(|e| match e {
+                    std::fs::TryLockError::WouldBlock => std::io::ErrorKind::WouldBlock.into(),
+                    std::fs::TryLockError::Error(e) => e,
+                }),
+            }
+            .map_err(|e| match e.kind() {
+                std::io::ErrorKind::WouldBlock => anyhow::Error::new(InvalidInput(format!(
+                    "the output {} is being written by another writer, which holds {}; wait \
+                     for it to finish or write elsewhere",
+                    output.display(),
+                    path.display()
+                ))),
+                _ => anyhow::Error::new(e).context(format!("locking {}", path.display())),
+            })?;
+            // A writer that was done removed the file before letting go, so the lock may be
+            // on a file no longer at the path, which guards nothing: take the one there now.
+            if same_file(&file, &path) {
+                return Ok(Self {
+                    _registration: cleanup::register_path(&path),
+                    path,
+                    _file: file,
+                });
+            }
+        }
+    }
+}
+
+impl Drop for OutputLock {
+    fn drop(&mut self) {
+        // Removed while still held (the file closes after this), so a writer waiting on it
+        // sees that it is gone and takes a new one.
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+fn same_file(file: &std::fs::File, path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (file.metadata(), std::fs::metadata(path)) {
+        (Ok(open), Ok(named)) => open.dev() == named.dev() && open.ino() == named.ino(),
+        _ => false,
     }
 }
 
@@ -403,10 +504,11 @@ fn exchange(_: &Path, _: &Path) -> std::io::Result<()> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn staged_names(dir: &Path) -> Vec<String> {
+    /// Names starting with `.` in `dir`: staging folders and lock files.
+    pub(crate) fn staged_names(dir: &Path) -> Vec<String> {
         std::fs::read_dir(dir)
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
@@ -464,6 +566,26 @@ mod tests {
             assert!(err.contains(expected), "{}: {err}", output.display());
         }
         assert_eq!(std::fs::read(input.join("config.json")).unwrap(), b"{}");
+    }
+
+    #[test]
+    fn a_second_writer_is_refused_and_a_stale_lock_file_blocks_no_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("out");
+        let first = StagedOutput::new(&out, &[], OutputKind::Folder, false).unwrap();
+        let err = StagedOutput::new(&out, &[], OutputKind::Folder, true)
+            .err()
+            .expect("refused while the first writes");
+        assert!(err.is::<InvalidInput>(), "{err}");
+        assert!(err.to_string().contains("another writer"), "{err}");
+        drop(first);
+        assert!(staged_names(dir.path()).is_empty(), "no lock file left");
+
+        // What a killed writer leaves: the file, without the lock.
+        std::fs::write(dir.path().join(".out.lock"), b"").unwrap();
+        let stage = StagedOutput::new(&out, &[], OutputKind::Folder, false).unwrap();
+        stage.commit().unwrap();
+        assert_eq!(staged_names(dir.path()), Vec::<String>::new());
     }
 
     #[test]

@@ -30,6 +30,30 @@ pub fn positive_finite(text: &str) -> Result<f64, String> {
     }
 }
 
+pub fn non_negative_finite(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(x) if x.is_finite() && x >= 0.0 => Ok(x),
+        _ => Err("expected a finite number >= 0".into()),
+    }
+}
+
+/// A sampling temperature as the sampler holds it (f32): finite and >= 0, 0 = greedy.
+pub fn temperature(text: &str) -> Result<f32, String> {
+    match text.parse::<f32>() {
+        Ok(t) if t.is_finite() && t >= 0.0 => Ok(t),
+        _ => Err("expected a finite number >= 0 (0 = greedy)".into()),
+    }
+}
+
+/// A nucleus mass as the sampler holds it (f32): a value that rounds to 0 there (1e-46) would
+/// leave an empty nucleus.
+pub fn top_p(text: &str) -> Result<f32, String> {
+    match text.parse::<f32>() {
+        Ok(p) if p.is_normal() && p > 0.0 && p <= 1.0 => Ok(p),
+        _ => Err("expected a number in (0, 1] that float32 holds (1 = no nucleus cut)".into()),
+    }
+}
+
 pub fn fraction(text: &str) -> Result<f64, String> {
     match text.parse::<f64>() {
         Ok(x) if x > 0.0 && x <= 1.0 => Ok(x),

@@ -150,15 +150,23 @@ pub fn compare_logits(
     let against = |spec: &str| -> Result<super::compare::LogitsAgreement> {
         let (a, width) = super::compare::read_logits(spec)?;
         if width != vocab {
-            anyhow::bail!("{spec} has rows of {width}, {reference} of {vocab}");
+            anyhow::bail!(InvalidInput(format!(
+                "{spec} has rows of {width}, {reference} of {vocab}"
+            )));
         }
         let agreement = super::compare::compare(&a, &b, vocab)?;
         println!("{spec} vs {reference}: {}", agreement.summary());
         Ok(agreement)
     };
     let ours = against(candidate)?;
+    if ours.non_finite > 0 {
+        anyhow::bail!(
+            "{candidate} holds {} NaN or infinite values: no bound passes it",
+            ours.non_finite
+        );
+    }
     match as_close_as {
-        None if ours.max() > max_rel_l2 => anyhow::bail!(
+        None if !ours.within(max_rel_l2) => anyhow::bail!(
             "a position's relative L2 error {:.3e} exceeds --max-rel-l2 {max_rel_l2:.1e}",
             ours.max()
         ),

@@ -18,6 +18,7 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
+use kernels::files::FileError;
 
 use crate::arch::config::ConfigError;
 use crate::arch::presets::Preset;
@@ -29,6 +30,8 @@ use crate::exec::tp::RankFailed;
 use crate::input::InvalidInput;
 use crate::quantize::generator::generate_checkpoint;
 use crate::quantize::quantize_checkpoint;
+use crate::text::chat_template::TemplateError;
+use crate::text::tokenizer::TokenizerError;
 
 pub use self::args::{
     KvDtypeArg, at_least_one, fraction, kv_dtype_for, positive_finite, resolve_kv_dtype,
@@ -71,7 +74,7 @@ pub enum Command {
         /// `FILE[:TENSOR]`, e.g. `golden.safetensors:logits_w4a4`.
         reference: String,
         /// The largest relative L2 error a position may have (unless --as-close-as).
-        #[arg(long, default_value_t = 1e-2)]
+        #[arg(long, default_value_t = 1e-2, value_parser = args::non_negative_finite)]
         max_rel_l2: f64,
         /// Instead of --max-rel-l2: pass when the candidate's median error is at most 1.5×
         /// this other candidate's and its top-1 agreement at most 0.1 lower (a device backend
@@ -176,7 +179,8 @@ fn cause_chain(error: &anyhow::Error) -> String {
     text
 }
 
-/// 2 when the error is about input the engine refuses, 1 otherwise (a rank reports its own
+/// 2 when the error is about input the engine refuses (the files and text it was given
+/// included), 1 otherwise (a rank reports its own
 /// code through the launcher).
 fn exit_code(error: &anyhow::Error) -> u8 {
     for cause in error.chain() {
@@ -184,6 +188,15 @@ fn exit_code(error: &anyhow::Error) -> u8 {
             || cause.is::<ConfigError>()
             || cause.is::<CheckpointError>()
             || cause.is::<TensorFileError>()
+            || cause.is::<FileError>()
+            || cause.is::<TokenizerError>()
+            || cause
+                .downcast_ref::<TemplateError>()
+                .is_some_and(|e| matches!(e, TemplateError::Load { .. }))
+            // What `read_to_string` and `read_line` say of text that is not UTF-8 (stdin).
+            || cause
+                .downcast_ref::<std::io::Error>()
+                .is_some_and(|e| e.kind() == std::io::ErrorKind::InvalidData)
             || cause
                 .downcast_ref::<ExecError>()
                 .is_some_and(|e| e.is_invalid_input() || e.is_unsupported());

@@ -64,12 +64,17 @@ pub struct LaunchListArgs {
     sm: kernels::arch::Sm,
     /// Tactic cache (`autotune ... --out FILE`) to take the MoE and MLA tactics from; without
     /// it, the heuristic defaults.
-    #[arg(long)]
+    #[arg(long, value_parser = kernels::tactic::cache::cache_path_arg)]
     tactics: Option<PathBuf>,
     /// Also write the list to this file.
     #[arg(long)]
     out: Option<PathBuf>,
 }
+
+/// The most sequences a listed step may hold: vLLM's largest default `max_num_seqs` (its
+/// decode graphs stop at 512). The recording keeps ~0.4 MB per sequence (measured), so a batch
+/// of 10⁹ would need hundreds of TB.
+pub const LAUNCH_LIST_MAX_BATCH: usize = 1024;
 
 pub fn launch_list_command(args: LaunchListArgs) -> Result<()> {
     use crate::exec::device::DryStep;
@@ -88,6 +93,12 @@ pub fn launch_list_command(args: LaunchListArgs) -> Result<()> {
             args.kv_dtype
         ))
     })?;
+    if args.batch > LAUNCH_LIST_MAX_BATCH {
+        bail!(InvalidInput(format!(
+            "--batch {}: a listed step holds at most {LAUNCH_LIST_MAX_BATCH} sequences",
+            args.batch
+        )));
+    }
     if args.context > config.max_position_embeddings {
         bail!(InvalidInput(format!(
             "--context {}: the model's max_position_embeddings is {}",

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Result;
 use kernels::mla::cache::{KvCacheDtype, PAGE_TOKENS};
 
-use super::args::{KvDtypeArg, at_least_one, kv_dtype_for, resolve_kv_dtype};
+use super::args::{KvDtypeArg, at_least_one, kv_dtype_for, resolve_kv_dtype, temperature, top_p};
 use crate::arch::config::ModelConfig;
 use crate::checkpoint::{Checkpoint, check_tensor_parallel, load_model as load};
 use crate::exec::backend::{Backend, BackendArgs, RunnerSizing, TpArgs, parse_sm};
@@ -39,12 +39,12 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 1, value_parser = at_least_one)]
     batch: usize,
     /// 0 = greedy.
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true, value_parser = temperature)]
     temperature: f32,
     #[arg(long, default_value_t = 0)]
     top_k: usize,
     /// Nucleus mass in (0, 1]; 1 = no cut.
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true, value_parser = top_p)]
     top_p: f32,
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -83,40 +83,39 @@ pub struct RunArgs {
 /// prompt plus new tokens within the context, sampling parameters in range, and the whole
 /// batch's cache within the memory available.
 fn run_requests(args: &RunArgs, c: &ModelConfig, dir: &Path) -> Result<Vec<GenerationRequest>> {
-    let requests: Vec<GenerationRequest> = (0..args.batch)
-        .map(|i| GenerationRequest {
-            prompt: match &args.prompt {
-                Some(TokenIds(tokens)) => tokens.clone(),
-                None => random_tokens(args.prompt_len, c.vocab_size, args.seed + i as u64),
-            },
-            max_new_tokens: args.max_new_tokens,
-            sampling: SamplingParams {
-                temperature: args.temperature,
-                top_k: args.top_k,
-                top_p: args.top_p,
-                seed: args.seed + i as u64,
-            },
-        })
-        .collect();
-    if let Some(request) = requests.first() {
-        request
-            .validate(c)
-            .map_err(|e| InvalidInput(format!("{}: {e}", dir.display())))?;
-    }
-    let prompt = requests.first().map_or(0, |r| r.prompt.len());
-    let needed = |new_tokens: usize| {
+    // Made one at a time, after the checks: a --batch of 10⁹ must be refused, not built.
+    let request = |i: usize| GenerationRequest {
+        prompt: match &args.prompt {
+            Some(TokenIds(tokens)) => tokens.clone(),
+            None => random_tokens(args.prompt_len, c.vocab_size, args.seed + i as u64),
+        },
+        max_new_tokens: args.max_new_tokens,
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+            seed: args.seed + i as u64,
+        },
+    };
+    let first = request(0);
+    first
+        .validate(c)
+        .map_err(|e| InvalidInput(format!("{}: {e}", dir.display())))?;
+    let prompt = first.prompt.len();
+    let bytes = |batch: usize, new_tokens: usize| {
         // Pages are per sequence: round each sequence up to whole pages.
         let per_sequence = (prompt + new_tokens).div_ceil(PAGE_TOKENS) * PAGE_TOKENS;
-        let rows = prompt.max(args.batch);
         let one_rank = forward_bytes(
             c,
             kv_dtype_for(args.kv_dtype, None),
-            per_sequence.saturating_mul(args.batch),
-            rows,
-            args.batch,
+            per_sequence.saturating_mul(batch),
+            prompt.max(batch),
+            batch,
         );
-        // Every rank holds the whole latent cache.
-        one_rank.saturating_mul(args.tp.world() as u64)
+        // Every rank holds the whole latent cache; each request holds its prompt.
+        one_rank
+            .saturating_mul(args.tp.world() as u64)
+            .saturating_add((batch as u64).saturating_mul(4 * prompt as u64 + 256))
     };
     check_memory(
         &format!(
@@ -124,13 +123,21 @@ fn run_requests(args: &RunArgs, c: &ModelConfig, dir: &Path) -> Result<Vec<Gener
             args.batch,
             prompt + args.max_new_tokens
         ),
-        needed(args.max_new_tokens),
-        |available| match largest_fitting(args.max_new_tokens, |n| needed(n) <= available) {
-            Some(n) => format!("--max-new-tokens {n} fits at --batch {}", args.batch),
-            None => format!("lower --batch {} or the prompt", args.batch),
+        bytes(args.batch, args.max_new_tokens),
+        |available| {
+            let fits = |batch, new_tokens| bytes(batch, new_tokens) <= available;
+            match largest_fitting(args.max_new_tokens, |n| fits(args.batch, n)) {
+                Some(n) => format!("--max-new-tokens {n} fits at --batch {}", args.batch),
+                None => match largest_fitting(args.batch, |b| fits(b, args.max_new_tokens)) {
+                    Some(b) => format!("--batch {b} fits"),
+                    None => format!("lower --batch {} or the prompt", args.batch),
+                },
+            }
         },
     )?;
-    Ok(requests)
+    Ok(std::iter::once(first)
+        .chain((1..args.batch).map(request))
+        .collect())
 }
 
 pub fn run(args: RunArgs) -> Result<()> {

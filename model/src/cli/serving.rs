@@ -11,11 +11,12 @@ use anyhow::{Context, Result, bail};
 use kernels::mla::cache::KvCacheDtype;
 use serde_json::{Map, Value, json};
 
+use super::args::{at_least_one, temperature, top_p};
 use crate::exec::backend::{BackendArgs, TpArgs};
 use crate::quantize::generator::cache_base;
 use crate::serve::api::{ChatRequest, SamplingRequest, ToolChoice};
 use crate::serve::runtime::{Delta, OutputMode, Runtime, checkpoint_name, drive_choice};
-use crate::serve::{RuntimeOptions, ServeOptions, serve};
+use crate::serve::{ConnectionLimits, RuntimeOptions, ServeOptions, serve};
 use crate::text::tokenizer::Tokenizer;
 
 /// The question the front door asks when `model` runs without arguments.
@@ -47,36 +48,10 @@ const CHAT_MODEL_FILES: [(&str, &[u8]); 9] = [
 ];
 
 /// The embedded chat model's folder, unpacked on first use into `cache_dir` (default
-/// `~/.cache/kimi-sm120`); the folder name carries a hash of the bytes.
+/// `~/.cache/kimi-sm120`) and checked against the embedded bytes on every later use, unpacked
+/// again when damaged.
 pub fn default_chat_checkpoint(cache_dir: Option<PathBuf>) -> Result<PathBuf> {
-    // FNV-1a over every file: a changed model unpacks into a new folder.
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for (name, bytes) in CHAT_MODEL_FILES {
-        for &b in name.as_bytes().iter().chain(bytes) {
-            hash = (hash ^ b as u64).wrapping_mul(0x0100_0000_01b3);
-        }
-    }
-    let base = cache_base(cache_dir);
-    let dir = base.join(format!("kimi-chat-tiny-{hash:016x}"));
-    if dir.join(".complete").exists() {
-        return Ok(dir);
-    }
-    let partial = base.join(format!(".kimi-chat-tiny-partial-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&partial);
-    std::fs::create_dir_all(&partial).with_context(|| format!("creating {}", partial.display()))?;
-    for (name, bytes) in CHAT_MODEL_FILES {
-        std::fs::write(partial.join(name), bytes)
-            .with_context(|| format!("writing {}", partial.join(name).display()))?;
-    }
-    std::fs::write(partial.join(".complete"), b"")?;
-    if std::fs::rename(&partial, &dir).is_err() {
-        // Another process unpacked it first.
-        let _ = std::fs::remove_dir_all(&partial);
-        if !dir.join(".complete").exists() {
-            bail!("could not unpack the chat model into {}", dir.display());
-        }
-    }
-    Ok(dir)
+    crate::checkpoint::embedded::unpack(&cache_base(cache_dir), "kimi-chat-tiny", &CHAT_MODEL_FILES)
 }
 
 fn checkpoint_or_default(
@@ -109,20 +84,20 @@ pub struct EngineArgs {
     #[arg(long, env = "KIMI_SM120_CACHE")]
     pub cache_dir: Option<PathBuf>,
     /// Sequences decoded together at most.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = at_least_one)]
     pub max_num_seqs: usize,
     /// Longest sequence, prompt plus output (default: the model's, at most 8192).
-    #[arg(long)]
+    #[arg(long, value_parser = at_least_one)]
     pub max_model_len: Option<usize>,
     /// Tokens per forward step at most: bounds how long a prompt's prefill chunk delays the
     /// running streams.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, value_parser = at_least_one)]
     pub max_num_batched_tokens: usize,
     /// Requests waiting for a batch slot at most; more get HTTP 429.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, value_parser = at_least_one)]
     pub max_waiting: usize,
     /// Latent cache size in tokens (default: max-num-seqs × max-model-len).
-    #[arg(long)]
+    #[arg(long, value_parser = at_least_one)]
     pub kv_cache_tokens: Option<usize>,
     /// The latent cache's dtype (vLLM's `--kv-cache-dtype`).
     #[arg(
@@ -173,6 +148,19 @@ pub struct ServeArgs {
     /// Seconds in-flight requests may run after SIGTERM.
     #[arg(long, default_value_t = 30)]
     pub shutdown_grace_secs: u64,
+    /// Seconds a client may take to send a request's head, from its first byte.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    pub header_read_timeout_secs: u64,
+    /// Seconds a client may take to send a request's body, once its head is in (408 after).
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    pub body_read_timeout_secs: u64,
+    /// Seconds a connection may stay open without a request, new or kept alive.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    pub keep_alive_timeout_secs: u64,
+    /// Open connections at most (and at most what the open-file limit leaves); past it a new
+    /// connection closes the one idle longest.
+    #[arg(long, default_value_t = 512, value_parser = at_least_one)]
+    pub max_connections: usize,
 }
 
 pub fn run_serve(args: ServeArgs) -> Result<()> {
@@ -192,6 +180,12 @@ pub fn run_serve(args: ServeArgs) -> Result<()> {
             port: args.port,
             served_model_name: name,
             shutdown_grace: Duration::from_secs(args.shutdown_grace_secs),
+            limits: ConnectionLimits {
+                header_read_timeout: Duration::from_secs(args.header_read_timeout_secs),
+                body_read_timeout: Duration::from_secs(args.body_read_timeout_secs),
+                keep_alive_timeout: Duration::from_secs(args.keep_alive_timeout_secs),
+                max_connections: args.max_connections,
+            },
         },
     )
 }
@@ -206,9 +200,9 @@ pub struct ChatArgs {
     /// A system message (default: the template's).
     #[arg(long)]
     pub system: Option<String>,
-    #[arg(long, default_value_t = 0.6)]
+    #[arg(long, default_value_t = 0.6, value_parser = temperature)]
     pub temperature: f32,
-    #[arg(long, default_value_t = 0.95)]
+    #[arg(long, default_value_t = 0.95, value_parser = top_p)]
     pub top_p: f32,
     #[arg(long, default_value_t = 0)]
     pub top_k: usize,

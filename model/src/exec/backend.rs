@@ -75,7 +75,7 @@ pub struct BackendArgs {
     /// The tuning lab's tactic cache (`autotune --out FILE`, `autotune --cpu --out FILE`): the
     /// tactic of every kernel family per shape bucket, chosen at run time for the step's batch
     /// and context. A missing, corrupt or stale cache warns once and runs the defaults.
-    #[arg(long)]
+    #[arg(long, value_parser = kernels::tactic::cache::cache_path_arg)]
     pub tactics: Option<PathBuf>,
 }
 
@@ -161,6 +161,7 @@ impl TpArgs {
                 .context("a tensor-parallel rank needs --tp-rank")?,
             world: self.world(),
             timeout: Duration::from_secs(self.tp_timeout_secs),
+            peer_pids: Vec::new(),
         }))
     }
 }
@@ -172,6 +173,9 @@ pub struct RankGroup {
     pub rank: usize,
     pub world: usize,
     pub timeout: Duration,
+    /// The other ranks' process ids by rank, where this rank started them (rank 0); empty
+    /// on a follower.
+    pub peer_pids: Vec<u32>,
 }
 
 /// What a runner is sized for.
@@ -285,12 +289,9 @@ impl BackendArgs {
                 );
                 if let Some(g) = group {
                     let (communicator, registration) = join_cpu_group(
-                        &g.segment,
-                        g.rank,
-                        g.world,
+                        g,
                         sizing.capacity.tokens.max(sizing.capacity.logit_rows)
                             * model.config.hidden_size,
-                        g.timeout,
                     )?;
                     runner
                         .ops_mut()
@@ -454,15 +455,21 @@ const NO_CUDA: &str = "--backend cuda: no CUDA driver support in this binary (bu
 /// [`CpuOps::set_communicator`](crate::exec::cpu::CpuOps::set_communicator)).
 /// `max_elements` bounds the largest partial sum (tokens per forward × hidden).
 pub fn join_cpu_group(
-    segment: &str,
-    rank: usize,
-    world: usize,
+    group: &RankGroup,
     max_elements: usize,
-    timeout: Duration,
 ) -> Result<(CpuCommunicator, crate::cleanup::Registration)> {
-    let config = CpuConfig {
+    let RankGroup {
+        segment,
+        rank,
+        world,
         timeout,
+        peer_pids,
+    } = group;
+    let (rank, world) = (*rank, *world);
+    let config = CpuConfig {
+        timeout: *timeout,
         capacity_bytes: (max_elements * 4).max(1 << 16),
+        peer_pids: peer_pids.clone(),
         ..CpuConfig::default()
     };
     // Unlinks the segment name if this rank is interrupted before rank 0 has done so.

@@ -26,6 +26,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use kernels::mla::cache::SeqId;
+use kernels::process::{STOPPED_PEER_GRACE, StoppedClock, process_state};
 use serde::{Deserialize, Serialize};
 
 use super::backend::{BackendArgs, RankGroup, RunnerSizing, TpArgs};
@@ -42,7 +43,39 @@ use crate::checkpoint::weights::Model;
 pub struct RankFailed {
     pub rank: usize,
     pub world: usize,
-    pub status: ExitStatus,
+    pub status: RankEnd,
+}
+
+/// How a follower left the group.
+#[derive(Clone, Copy, Debug)]
+pub enum RankEnd {
+    Exited(ExitStatus),
+    /// Stopped by a signal (SIGSTOP) and not continued within [`STOPPED_PEER_GRACE`]: the
+    /// group cannot step without it, and waiting out the collectives' timeout helps nobody.
+    Stopped,
+}
+
+impl RankEnd {
+    /// The exit code, for a follower that exited with one.
+    pub fn code(&self) -> Option<i32> {
+        match self {
+            Self::Exited(status) => status.code(),
+            Self::Stopped => None,
+        }
+    }
+}
+
+impl std::fmt::Display for RankEnd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Exited(status) => write!(f, "{status}"),
+            Self::Stopped => write!(
+                f,
+                "stopped by a signal for over {} s; continue it with SIGCONT or end it",
+                STOPPED_PEER_GRACE.as_secs()
+            ),
+        }
+    }
 }
 
 /// What this process runs as, for a command that may run over several ranks.
@@ -94,8 +127,23 @@ pub fn open_ranks(
         rank: 0,
         world,
         timeout: Duration::from_secs(tp.tp_timeout_secs),
+        peer_pids: followers.pids(),
     };
-    let local = backend.open_runner(&model, Some(&group), sizing, quiet)?;
+    let local = backend
+        .open_runner(&model, Some(&group), sizing, quiet)
+        .map_err(|e| {
+            // The watcher may know more than the join saw (a stopped rank it ended).
+            std::thread::sleep(Duration::from_millis(100));
+            match followers
+                .failed
+                .lock()
+                .ok()
+                .and_then(|f| f.as_ref().map(ToString::to_string))
+            {
+                Some(failed) => e.context(failed),
+                None => e,
+            }
+        })?;
     Ok(RankRole::Lead(Box::new(TpLeader {
         local,
         followers,
@@ -111,6 +159,19 @@ struct Followers {
     /// The first follower that exited while the group was running.
     failed: Arc<Mutex<Option<RankFailed>>>,
     children: Arc<Mutex<Vec<(usize, Child)>>>,
+}
+
+impl Followers {
+    /// Process ids by rank (0 for rank 0 itself and for a follower already gone).
+    fn pids(&self) -> Vec<u32> {
+        let mut pids = vec![0; self.world];
+        if let Ok(children) = self.children.lock() {
+            for (rank, child) in children.iter() {
+                pids[*rank] = child.id();
+            }
+        }
+        pids
+    }
 }
 
 /// Starts ranks 1..`world` as copies of this command with `--tp-rank R --tp-segment S`, each
@@ -151,9 +212,12 @@ fn start_followers(world: usize, segment: &str) -> Result<Followers> {
             .map_err(|_| anyhow::anyhow!("follower list lock poisoned"))?
             .push((rank, child));
     }
-    // One watcher for all: polls the followers, and records the first that ends.
+    // One watcher for all: polls the followers, and records the first that ends or stays
+    // stopped.
     {
         let (failed, children) = (failed.clone(), children.clone());
+        let mut stopped_clocks: Vec<StoppedClock> =
+            (0..world).map(|_| Default::default()).collect();
         std::thread::Builder::new()
             .name("tp-watcher".into())
             .spawn(move || {
@@ -168,7 +232,16 @@ fn start_followers(world: usize, segment: &str) -> Result<Followers> {
                     let mut ended = None;
                     for (rank, child) in list.iter_mut() {
                         if let Ok(Some(status)) = child.try_wait() {
-                            ended = Some((*rank, status));
+                            ended = Some((*rank, RankEnd::Exited(status)));
+                            break;
+                        }
+                        let state = process_state(child.id());
+                        if stopped_clocks[*rank].stopped_beyond(state, STOPPED_PEER_GRACE) {
+                            // A stopped process keeps a pending SIGTERM (its parent-death
+                            // signal) until continued: end it here, while it is still known.
+                            let _ = child.kill();
+                            let _ = child.wait();
+                            ended = Some((*rank, RankEnd::Stopped));
                             break;
                         }
                     }

@@ -276,14 +276,18 @@ pub fn generated_checkpoint(
     if dir.join(".complete").exists() {
         return Ok(dir);
     }
+    // Staged aside and renamed into place, so an interrupted run never leaves a half model;
+    // what is there without `.complete` is an older layout, replaced.
+    let stage = StagedOutput::new_waiting(&dir, &[], OutputKind::Folder, true)?;
+    if dir.join(".complete").exists() {
+        // Another process generated it while this one waited.
+        return Ok(dir);
+    }
     eprintln!(
         "generating the {} model into {} (once)…",
         preset.id(),
         dir.display()
     );
-    // Staged aside and renamed into place, so an interrupted run never leaves a half model;
-    // what is there without `.complete` is an older layout, replaced.
-    let stage = StagedOutput::new(&dir, &[], OutputKind::Folder, true)?;
     write_checkpoint(preset, stage.path(), 20261129)?;
     std::fs::write(stage.path().join(".complete"), b"")?;
     stage

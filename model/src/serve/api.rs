@@ -68,6 +68,39 @@ impl ApiError {
         }
     }
 
+    /// An error the router or the connection layer answers (a wrong method, a body too large
+    /// or too slow), in the same body as the endpoints' own.
+    pub fn with_status(status: StatusCode, message: String) -> Self {
+        Self {
+            status,
+            message,
+            kind: if status.is_server_error() {
+                "server_error"
+            } else {
+                "invalid_request_error"
+            },
+            param: None,
+            code: None,
+        }
+    }
+
+    pub fn payload_too_large(limit_bytes: usize) -> Self {
+        Self::with_status(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("the request body is larger than {limit_bytes} bytes"),
+        )
+    }
+
+    pub fn body_timeout(timeout: std::time::Duration) -> Self {
+        Self::with_status(
+            StatusCode::REQUEST_TIMEOUT,
+            format!(
+                "the request body did not arrive within {} s",
+                timeout.as_secs_f64()
+            ),
+        )
+    }
+
     pub fn not_found_route(path: &str) -> Self {
         Self {
             status: StatusCode::NOT_FOUND,
@@ -90,7 +123,19 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, axum::Json(self.body())).into_response()
+        let mut response = (self.status, axum::Json(self.body())).into_response();
+        // The rest of a body refused as too large or too slow is not read, so the connection
+        // cannot carry another request.
+        if matches!(
+            self.status,
+            StatusCode::PAYLOAD_TOO_LARGE | StatusCode::REQUEST_TIMEOUT
+        ) {
+            response.headers_mut().insert(
+                axum::http::header::CONNECTION,
+                axum::http::HeaderValue::from_static("close"),
+            );
+        }
+        response
     }
 }
 
@@ -249,18 +294,25 @@ fn parse_sampling(
         Some((_, v)) => Some(v as usize),
         None => default_max_tokens,
     };
-    let temperature = opt_number(body, "temperature")?.unwrap_or(1.0);
+    // Checked as the sampler holds them (f32): a top_p of 1e-46 is 0 there, and an empty
+    // nucleus draws id 0. A temperature that rounds to 0 is greedy, as the limit is.
+    let requested = opt_number(body, "temperature")?.unwrap_or(1.0);
+    let temperature = requested as f32;
     if !(0.0..=2.0).contains(&temperature) {
         return Err(ApiError::invalid(
             "temperature",
-            format!("`temperature` must be between 0 and 2, got {temperature}"),
+            format!("`temperature` must be between 0 and 2, got {requested}"),
         ));
     }
-    let top_p = opt_number(body, "top_p")?.unwrap_or(1.0);
-    if !(top_p > 0.0 && top_p <= 1.0) {
+    let requested = opt_number(body, "top_p")?.unwrap_or(1.0);
+    let top_p = requested as f32;
+    if !(top_p.is_normal() && top_p > 0.0 && top_p <= 1.0) {
         return Err(ApiError::invalid(
             "top_p",
-            format!("`top_p` must be in (0, 1], got {top_p}"),
+            format!(
+                "`top_p` must be in (0, 1] and at least {:e} (the smallest normal f32), got {requested}",
+                f32::MIN_POSITIVE
+            ),
         ));
     }
     let top_k = match opt_integer(body, "top_k")? {
@@ -335,8 +387,8 @@ fn parse_sampling(
     }
     Ok(SamplingRequest {
         max_tokens,
-        temperature: temperature as f32,
-        top_p: top_p as f32,
+        temperature,
+        top_p,
         top_k,
         seed,
         stop,
@@ -422,6 +474,20 @@ fn parse_message(index: usize, message: &Value) -> Result<Value, ApiError> {
         out.remove("reasoning_content");
     }
     Ok(Value::Object(out))
+}
+
+/// Template variables the server sets from the request itself; a `chat_template_kwargs` entry
+/// would bypass the checks on `messages` and `tools` and `tool_choice: "none"`.
+pub const SERVER_TEMPLATE_VARIABLES: [&str; 4] =
+    ["messages", "tools", "tools_ts_str", "add_generation_prompt"];
+
+/// Whether `chat_template_kwargs` asks for thinking: absent means on (as Kimi's tokenizer
+/// passes it), present means its Jinja truthiness (`0`, `null`, `""`, `[]` and `false` are
+/// off), as a template's `{% if thinking %}` reads it.
+pub fn thinking_requested(kwargs: &Map<String, Value>) -> bool {
+    kwargs
+        .get("thinking")
+        .is_none_or(|value| minijinja::Value::from(minijinja::value::Serde(value)).is_true())
 }
 
 /// Parses a `/v1/chat/completions` body.
@@ -525,7 +591,26 @@ pub fn parse_chat(body: &Map<String, Value>) -> Result<ChatRequest, ApiError> {
     }
     let template_kwargs = match present(body, "chat_template_kwargs") {
         None => Map::new(),
-        Some(Value::Object(k)) => k.clone(),
+        Some(Value::Object(k)) => {
+            if let Some(key) = SERVER_TEMPLATE_VARIABLES
+                .iter()
+                .find(|key| k.contains_key(**key))
+            {
+                return Err(ApiError::invalid(
+                    "chat_template_kwargs",
+                    format!(
+                        "`chat_template_kwargs` must not set `{key}`: the server sets it from the request"
+                    ),
+                ));
+            }
+            let mut kwargs = k.clone();
+            // The template and the reasoning parser must agree on whether the answer opens with
+            // reasoning: both read this one bool.
+            if kwargs.contains_key("thinking") {
+                kwargs.insert("thinking".into(), thinking_requested(k).into());
+            }
+            kwargs
+        }
         Some(other) => {
             return Err(ApiError::invalid(
                 "chat_template_kwargs",
@@ -652,6 +737,54 @@ mod tests {
         }
         assert!(parse_body(b"{not json").is_err());
         assert!(parse_body(b"[1]").is_err());
+    }
+
+    #[test]
+    fn sampling_floats_are_checked_as_the_sampler_holds_them() {
+        let user = json!([{"role": "user", "content": "hi"}]);
+        for top_p in [1e-46, 1e-40, -0.5, 1.5] {
+            let err = chat(json!({"messages": user, "top_p": top_p})).unwrap_err();
+            assert_eq!(
+                err.param.as_deref(),
+                Some("top_p"),
+                "{top_p}: {}",
+                err.message
+            );
+        }
+        let err = chat(json!({"messages": user, "temperature": 1e300})).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("temperature"));
+        let r = chat(json!({"messages": user, "top_p": 1e-30, "temperature": 1e-46})).unwrap();
+        assert_eq!((r.sampling.top_p, r.sampling.temperature), (1e-30, 0.0));
+    }
+
+    #[test]
+    fn template_kwargs_keep_off_the_servers_variables_and_thinking_is_jinja_truth() {
+        let user = json!([{"role": "user", "content": "hi"}]);
+        for key in SERVER_TEMPLATE_VARIABLES {
+            let err =
+                chat(json!({"messages": user, "chat_template_kwargs": {key: []}})).unwrap_err();
+            assert_eq!(err.param.as_deref(), Some("chat_template_kwargs"));
+            assert!(err.message.contains(key), "{}", err.message);
+        }
+        for (value, on) in [
+            (json!(0), false),
+            (Value::Null, false),
+            (json!(false), false),
+            (json!(""), false),
+            (json!(true), true),
+            (json!(1), true),
+            (json!("no"), true),
+        ] {
+            let kwargs = json!({"thinking": value.clone()});
+            assert_eq!(
+                thinking_requested(kwargs.as_object().unwrap()),
+                on,
+                "{value}"
+            );
+            let r = chat(json!({"messages": user, "chat_template_kwargs": kwargs})).unwrap();
+            assert_eq!(r.template_kwargs["thinking"], json!(on), "{value}");
+        }
+        assert!(thinking_requested(&Map::new()));
     }
 
     #[test]

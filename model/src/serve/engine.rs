@@ -599,6 +599,12 @@ impl Engine {
         }
         let drawn = match result {
             Ok(drawn) => drawn,
+            Err(e) if e.is_fatal() => {
+                // The state turns failed before any client hears of it: a client that asks
+                // `/health` on its error frame must find the failure there.
+                self.fail(e.to_string());
+                return;
+            }
             Err(e) => {
                 // The whole step failed: fail every sequence in it rather than guess which.
                 let mut failed: Vec<usize> = plan.iter().map(|(i, _)| *i).collect();
@@ -607,9 +613,6 @@ impl Engine {
                     let r = self.running.swap_remove(i);
                     let _ = r.request.events.send(TokenEvent::Failed(e.to_string()));
                     let _ = self.runner.free_sequence(r.seq);
-                }
-                if e.is_fatal() {
-                    self.fail(e.to_string());
                 }
                 return;
             }

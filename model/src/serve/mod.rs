@@ -1,34 +1,44 @@
 //! `model serve`: an OpenAI-compatible HTTP server (axum on tokio) over the continuous-batching
 //! engine. `/v1/chat/completions` (JSON or SSE), `/v1/completions`, `/v1/models`, `/health`,
-//! `/metrics` (Prometheus text). SIGTERM or Ctrl-C: stop accepting, let in-flight requests
-//! finish within the grace period, then exit.
+//! `/metrics` (Prometheus text). SIGTERM or Ctrl-C: refuse new requests (`/health` answers
+//! 503), let in-flight requests finish within the grace period, then end what is left with an
+//! error (a stream's error frame and `[DONE]`, a plain request's 503) and exit.
+//!
+//! No client can hold the server: connections time out ([`conn`]), bodies are capped in size and
+//! time, renders run off the async workers, and a request whose client hangs up, streaming or
+//! not, stops generating.
 
 pub mod api;
+mod choices;
+pub mod conn;
 pub mod engine;
 pub mod runtime;
+mod state;
 
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use anyhow::{Context, Result};
+use anyhow::{Context as _, Result};
 use axum::Router;
-use axum::body::Bytes;
-use axum::extract::State;
+use axum::extract::{Request, State};
 use axum::http::{StatusCode, Uri, header};
-use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use futures_util::StreamExt;
 use serde_json::{Value, json};
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
+use tokio::sync::{Semaphore, watch};
 
-use api::{ApiError, PromptInput, SamplingRequest, parse_body, parse_chat, parse_completion};
+use api::{ApiError, PromptInput, parse_body, parse_chat, parse_completion};
+use choices::{collect_choices, stream_response, usage};
+use conn::Connections;
 use engine::EngineState;
-use runtime::{ChoiceEnd, Delta, OutputMode, Runtime, drive_choice};
+use runtime::{ChoiceEnd, OutputMode, Runtime, checkpoint_name};
+use state::{AppState, Shared};
 
+pub use conn::ConnectionLimits;
 pub use runtime::RuntimeOptions;
 
 /// Server settings beyond the engine's.
@@ -39,16 +49,16 @@ pub struct ServeOptions {
     pub served_model_name: String,
     /// How long in-flight requests may run after SIGTERM.
     pub shutdown_grace: Duration,
+    /// How long a client may take, and how many connections it may hold.
+    pub limits: ConnectionLimits,
 }
 
-struct AppState {
-    runtime: Runtime,
-    model_name: String,
-    created: u64,
-    shutting_down: AtomicBool,
-}
+/// The largest request body read (axum's default limit).
+const MAX_BODY_BYTES: usize = 2 << 20;
 
-type Shared = Arc<AppState>;
+/// How long the answers cut at the end of the grace period (an error frame and `[DONE]`, or
+/// a 503) have to reach their clients before the connections are dropped.
+const CUT_FLUSH: Duration = Duration::from_secs(5);
 
 fn unix_now() -> u64 {
     SystemTime::now()
@@ -60,16 +70,59 @@ fn request_id(prefix: &str) -> String {
     format!("{prefix}-{:032x}", rand::random::<u128>())
 }
 
-/// The router over a loaded runtime (also used by tests in-process).
+/// The router over a loaded runtime.
 fn router(state: Shared) -> Router {
-    Router::new()
+    let routes = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(|uri: Uri| async move { ApiError::not_found_route(uri.path()) })
-        .with_state(state)
+        .with_state(state);
+    // Around the whole router, so that it sees each answer as sent: a 405's `Allow` header is
+    // added by the route's method router, past any layer on the routes.
+    Router::new()
+        .fallback_service(routes)
+        .layer(axum::middleware::from_fn(json_errors))
+}
+
+/// Gives the router's own refusals (a wrong method, an extractor's rejection) the error body
+/// every endpoint answers with, keeping their status and headers.
+async fn json_errors(request: Request, next: Next) -> Response {
+    let method = request.method().clone();
+    let path = request.uri().path().to_string();
+    let response = next.run(request).await;
+    let status = response.status();
+    let is_json = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|t| t.as_bytes().starts_with(b"application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        return response;
+    }
+    let (mut parts, body) = response.into_parts();
+    let text = axum::body::to_bytes(body, 4096)
+        .await
+        .map(|b| String::from_utf8_lossy(&b).trim().to_string())
+        .unwrap_or_default();
+    let message = if status == StatusCode::METHOD_NOT_ALLOWED {
+        let allowed = parts
+            .headers
+            .get(header::ALLOW)
+            .and_then(|a| a.to_str().ok())
+            .unwrap_or("");
+        format!("{method} is not allowed on {path} (allowed: {allowed})")
+    } else if text.is_empty() {
+        status.canonical_reason().unwrap_or("error").to_string()
+    } else {
+        text
+    };
+    let mut error = ApiError::with_status(status, message).into_response();
+    parts.headers.remove(header::CONTENT_TYPE);
+    parts.headers.remove(header::CONTENT_LENGTH);
+    error.headers_mut().extend(parts.headers);
+    error
 }
 
 /// Loads the model and serves until SIGTERM / Ctrl-C.
@@ -82,7 +135,7 @@ pub fn serve(runtime_options: RuntimeOptions, options: ServeOptions) -> Result<(
 pub fn serve_until(
     runtime_options: RuntimeOptions,
     options: ServeOptions,
-    stop: impl std::future::Future<Output = ()> + Send + 'static,
+    stop: impl std::future::Future<Output = ()>,
     ready: impl FnOnce(SocketAddr),
 ) -> Result<()> {
     // The server drains on SIGTERM and SIGINT itself; the orderly end below removes what an
@@ -95,12 +148,29 @@ pub fn serve_until(
         .enable_all()
         .build()
         .context("starting the tokio runtime")?;
-    tokio.block_on(async move {
+    let served = tokio.block_on(async move {
+        let (grace_over_tx, grace_over) = watch::channel(false);
+        let checkpoint = &runtime.checkpoint;
+        let checkpoint_paths = [
+            Some(checkpoint.clone()).filter(|p| p.is_absolute()),
+            std::fs::canonicalize(checkpoint).ok(),
+        ]
+        .into_iter()
+        .flatten()
+        .map(|p| p.display().to_string())
+        .collect();
         let state = Arc::new(AppState {
-            runtime,
             model_name: options.served_model_name.clone(),
+            checkpoint_name: checkpoint_name(checkpoint),
+            checkpoint_paths,
             created: unix_now(),
             shutting_down: AtomicBool::new(false),
+            body_read_timeout: options.limits.body_read_timeout,
+            grace_over,
+            prompt_workers: Arc::new(Semaphore::new(
+                std::thread::available_parallelism().map_or(1, |n| n.get()),
+            )),
+            runtime,
         });
         let addr = format!("{}:{}", options.host, options.port);
         let listener = tokio::net::TcpListener::bind(&addr)
@@ -108,8 +178,9 @@ pub fn serve_until(
             .with_context(|| format!("binding {addr}"))?;
         let local: SocketAddr = listener.local_addr()?;
         let engine = state.runtime.engine.config();
+        let max_connections = options.limits.effective_max_connections();
         println!(
-            "serving {} ({}) on http://{local} — max {} sequences, context {} tokens, KV cache {} pages",
+            "serving {} ({}) on http://{local} — max {} sequences, context {} tokens, KV cache {} pages, {max_connections} connections",
             options.served_model_name,
             state.runtime.checkpoint.display(),
             engine.max_num_seqs,
@@ -117,40 +188,41 @@ pub fn serve_until(
             state.runtime.engine.metrics.kv_pages_total.get(),
         );
         ready(local);
-        let (signal_tx, mut signal_rx) = tokio::sync::watch::channel(false);
-        let shutdown_state = state.clone();
-        let graceful = async move {
-            stop.await;
-            eprintln!(
-                "shutting down: no new requests; in-flight requests have {} s",
-                options.shutdown_grace.as_secs_f64()
-            );
-            shutdown_state.shutting_down.store(true, Ordering::SeqCst);
-            shutdown_state.runtime.engine.shutdown();
-            let _ = signal_tx.send(true);
-        };
-        let server = axum::serve(listener, router(state.clone())).with_graceful_shutdown(graceful);
-        let grace = options.shutdown_grace;
-        let deadline = async move {
-            while !*signal_rx.borrow() {
-                if signal_rx.changed().await.is_err() {
-                    std::future::pending::<()>().await;
-                }
-            }
-            tokio::time::sleep(grace).await;
-        };
-        tokio::select! {
-            result = server => result.context("serving")?,
-            _ = deadline => eprintln!("grace period over: closing the remaining connections"),
-        }
+        let connections = Connections::new(max_connections);
+        let (draining_tx, draining) = watch::channel(false);
+        let accepting = tokio::spawn(conn::accept_loop(
+            listener,
+            router(state.clone()),
+            options.limits,
+            connections.clone(),
+            draining,
+        ));
+        stop.await;
+        eprintln!(
+            "shutting down: no new requests; in-flight requests have {} s",
+            options.shutdown_grace.as_secs_f64()
+        );
+        state.shutting_down.store(true, Ordering::SeqCst);
         state.runtime.engine.shutdown();
+        draining_tx.send_replace(true);
+        let drained = tokio::time::timeout(options.shutdown_grace, connections.all_closed()).await;
+        if drained.is_err() {
+            eprintln!("grace period over: ending the remaining requests");
+            grace_over_tx.send_replace(true);
+            let _ = tokio::time::timeout(CUT_FLUSH, connections.all_closed()).await;
+        }
+        accepting.abort();
         Ok::<(), anyhow::Error>(())
-    })?;
-    // What was still in flight was cancelled with the connections. The engine thread ends,
-    // dropping its runner: over tensor-parallel ranks the followers' command pipes close and
-    // each stops after its last step.
+    });
+    // Dropping the runtime drops every connection left (a client that did not read its cut
+    // answer) and with it its receivers: the engine, shut down, frees what they held and its
+    // thread ends, dropping its runner: over tensor-parallel ranks the followers' command
+    // pipes close and each stops after its last step. A render still on a blocking thread is
+    // bounded by the template's own limit; it is not waited for.
+    tokio.shutdown_timeout(Duration::from_secs(1));
+    engine.shutdown();
     engine.join();
-    Ok(())
+    served
 }
 
 async fn wait_for_signal() {
@@ -197,7 +269,7 @@ async fn health(State(state): State<Shared>) -> Response {
     match state.runtime.engine.state() {
         EngineState::Ready => StatusCode::OK.into_response(),
         EngineState::Starting => unavailable("starting", None),
-        EngineState::Failed(why) => unavailable("failed", Some(why)),
+        EngineState::Failed(why) => unavailable("failed", Some(state.redact(&why))),
     }
 }
 
@@ -218,62 +290,79 @@ async fn models(State(state): State<Shared>) -> Response {
         "object": "model",
         "created": state.created,
         "owned_by": "kimi-sm120",
-        "root": state.runtime.checkpoint.display().to_string(),
+        "root": state.checkpoint_name,
         "max_model_len": state.runtime.max_model_len,
     }]}))
     .into_response()
 }
 
-/// One choice's accumulated output (non-streaming).
-#[derive(Default)]
-struct Collected {
-    reasoning: String,
-    content: String,
-    tool_calls: Vec<(String, String, String)>,
-}
-
-impl Collected {
-    fn apply(&mut self, delta: Delta) {
-        match delta {
-            Delta::Reasoning(t) => self.reasoning.push_str(&t),
-            Delta::Content(t) => self.content.push_str(&t),
-            Delta::ToolCallStart { id, name, .. } => {
-                self.tool_calls.push((id, name, String::new()))
+/// Reads a request's body within the size limit and the body-read timeout.
+async fn read_body(state: &AppState, request: Request) -> Result<Vec<u8>, ApiError> {
+    let declared = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
+        return Err(ApiError::payload_too_large(MAX_BODY_BYTES));
+    }
+    let mut chunks = request.into_body().into_data_stream();
+    let read = async {
+        let mut body = Vec::new();
+        while let Some(chunk) = chunks.next().await {
+            let chunk = chunk
+                .map_err(|e| ApiError::invalid(None, format!("reading the request body: {e}")))?;
+            if body.len() + chunk.len() > MAX_BODY_BYTES {
+                return Err(ApiError::payload_too_large(MAX_BODY_BYTES));
             }
-            Delta::ToolCallArguments { index, fragment } => {
-                if let Some(call) = self.tool_calls.get_mut(index) {
-                    call.2.push_str(&fragment);
-                }
-            }
+            body.extend_from_slice(&chunk);
         }
-    }
+        Ok(body)
+    };
+    tokio::time::timeout(state.body_read_timeout, read)
+        .await
+        .unwrap_or_else(|_| Err(ApiError::body_timeout(state.body_read_timeout)))
 }
 
-fn usage(prompt_tokens: usize, ends: &[ChoiceEnd]) -> Value {
-    let completion: usize = ends.iter().map(|e| e.completion_tokens).sum();
-    json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-           "total_tokens": prompt_tokens + completion})
+/// Runs `work` on a blocking thread, one per core at most: a template render or a long
+/// prompt's tokenization can take seconds of CPU, which on the async workers would stall
+/// every other request, `/health`'s included.
+async fn on_prompt_worker<T: Send + 'static>(
+    state: &Shared,
+    work: impl FnOnce(&Runtime) -> T + Send + 'static,
+) -> Result<T, ApiError> {
+    let permit = state
+        .prompt_workers
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(|_| ApiError::unavailable("the server is shutting down".into()))?;
+    let state = state.clone();
+    tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        work(&state.runtime)
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("preparing the prompt failed: {e}")))
 }
 
-fn error_of(ends: &[ChoiceEnd]) -> Option<ApiError> {
-    ends.iter()
-        .find_map(|e| e.error.clone())
-        .map(|m| ApiError::internal(format!("generation failed: {m}")))
-}
-
-async fn chat_completions(State(state): State<Shared>, body: Bytes) -> Response {
-    match chat_inner(state, body).await {
+async fn chat_completions(State(state): State<Shared>, request: Request) -> Response {
+    match chat_inner(&state, request).await {
         Ok(response) => response,
-        Err(e) => e.into_response(),
+        Err(e) => state.public(e).into_response(),
     }
 }
 
-async fn chat_inner(state: Shared, body: Bytes) -> Result<Response, ApiError> {
-    check_accepting(&state)?;
-    let body = parse_body(&body)?;
+async fn chat_inner(state: &Shared, request: Request) -> Result<Response, ApiError> {
+    check_accepting(state)?;
+    let body = parse_body(&read_body(state, request).await?)?;
     let request = parse_chat(&body)?;
-    check_model(&state, &request.model)?;
-    let (prompt, thinking, parse_tools) = state.runtime.chat_prompt(&request)?;
+    check_model(state, &request.model)?;
+    let (request, prompt) = on_prompt_worker(state, move |runtime| {
+        let prompt = runtime.chat_prompt(&request);
+        (request, prompt)
+    })
+    .await?;
+    let (prompt, thinking, parse_tools) = prompt?;
     let receivers = state.runtime.submit(&prompt, &request.sampling)?;
     let mode = OutputMode::Chat {
         thinking,
@@ -283,7 +372,7 @@ async fn chat_inner(state: Shared, body: Bytes) -> Result<Response, ApiError> {
     let created = unix_now();
     if request.sampling.stream {
         return Ok(stream_response(
-            state,
+            state.clone(),
             receivers,
             mode,
             request.sampling,
@@ -293,46 +382,31 @@ async fn chat_inner(state: Shared, body: Bytes) -> Result<Response, ApiError> {
             true,
         ));
     }
-    let mut tasks = Vec::new();
-    for rx in receivers {
-        let tokenizer = state.runtime.tokenizer.clone();
-        let stops = request.sampling.stop.clone();
-        tasks.push(tokio::spawn(async move {
-            let mut collected = Collected::default();
-            let end = drive_choice(tokenizer, rx, mode, stops, |d| {
-                collected.apply(d);
-                async { true }
-            })
-            .await;
-            (collected, end)
-        }));
-    }
-    let mut choices = Vec::new();
-    let mut ends = Vec::new();
-    for (index, task) in tasks.into_iter().enumerate() {
-        let (collected, end) = task.await.map_err(|e| ApiError::internal(e.to_string()))?;
-        let tool_calls: Vec<Value> = collected
-            .tool_calls
-            .iter()
-            .map(|(id, name, args)| {
-                json!({"id": id, "type": "function", "function": {"name": name, "arguments": args.trim()}})
-            })
-            .collect();
-        let mut message = json!({
-            "role": "assistant",
-            "content": (!collected.content.is_empty()).then_some(&collected.content),
-            "reasoning": (!collected.reasoning.is_empty()).then_some(&collected.reasoning),
-        });
-        if !tool_calls.is_empty() {
-            message["tool_calls"] = Value::Array(tool_calls);
-        }
-        choices.push(json!({"index": index, "message": message, "logprobs": null,
-                            "finish_reason": end.finish_reason}));
-        ends.push(end);
-    }
-    if let Some(e) = error_of(&ends) {
-        return Err(e);
-    }
+    let collected = collect_choices(state, receivers, mode, &request.sampling.stop).await?;
+    let ends: Vec<ChoiceEnd> = collected.iter().map(|(_, end)| end.clone()).collect();
+    let choices: Vec<Value> = collected
+        .into_iter()
+        .enumerate()
+        .map(|(index, (collected, end))| {
+            let tool_calls: Vec<Value> = collected
+                .tool_calls
+                .iter()
+                .map(|(id, name, args)| {
+                    json!({"id": id, "type": "function", "function": {"name": name, "arguments": args.trim()}})
+                })
+                .collect();
+            let mut message = json!({
+                "role": "assistant",
+                "content": (!collected.content.is_empty()).then_some(&collected.content),
+                "reasoning": (!collected.reasoning.is_empty()).then_some(&collected.reasoning),
+            });
+            if !tool_calls.is_empty() {
+                message["tool_calls"] = Value::Array(tool_calls);
+            }
+            json!({"index": index, "message": message, "logprobs": null,
+                   "finish_reason": end.finish_reason})
+        })
+        .collect();
     Ok(axum::Json(json!({
         "id": id, "object": "chat.completion", "created": created, "model": state.model_name,
         "choices": choices, "usage": usage(prompt.len(), &ends),
@@ -340,21 +414,21 @@ async fn chat_inner(state: Shared, body: Bytes) -> Result<Response, ApiError> {
     .into_response())
 }
 
-async fn completions(State(state): State<Shared>, body: Bytes) -> Response {
-    match completions_inner(state, body).await {
+async fn completions(State(state): State<Shared>, request: Request) -> Response {
+    match completions_inner(&state, request).await {
         Ok(response) => response,
-        Err(e) => e.into_response(),
+        Err(e) => state.public(e).into_response(),
     }
 }
 
-async fn completions_inner(state: Shared, body: Bytes) -> Result<Response, ApiError> {
-    check_accepting(&state)?;
-    let body = parse_body(&body)?;
-    let request = parse_completion(&body)?;
-    check_model(&state, &request.model)?;
-    let tokenizer = state.runtime.tokenizer.clone();
-    let (prompt, prompt_text) = match &request.prompt {
-        PromptInput::Text(t) => (tokenizer.encode(t), t.clone()),
+/// A completion's prompt ids and its text (what `echo` repeats).
+fn completion_prompt(
+    runtime: &Runtime,
+    prompt: &PromptInput,
+) -> Result<(Vec<u32>, String), ApiError> {
+    let tokenizer = &runtime.tokenizer;
+    match prompt {
+        PromptInput::Text(t) => Ok((tokenizer.encode(t), t.clone())),
         PromptInput::Tokens(ids) => {
             if let Some(bad) = ids
                 .iter()
@@ -368,15 +442,28 @@ async fn completions_inner(state: Shared, body: Bytes) -> Result<Response, ApiEr
                     ),
                 ));
             }
-            (ids.clone(), tokenizer.decode(ids, false))
+            Ok((ids.clone(), tokenizer.decode(ids, false)))
         }
-    };
+    }
+}
+
+async fn completions_inner(state: &Shared, request: Request) -> Result<Response, ApiError> {
+    check_accepting(state)?;
+    let body = parse_body(&read_body(state, request).await?)?;
+    let request = parse_completion(&body)?;
+    check_model(state, &request.model)?;
+    let (request, prompt) = on_prompt_worker(state, move |runtime| {
+        let prompt = completion_prompt(runtime, &request.prompt);
+        (request, prompt)
+    })
+    .await?;
+    let (prompt, prompt_text) = prompt?;
     let receivers = state.runtime.submit(&prompt, &request.sampling)?;
     let id = request_id("cmpl");
     let created = unix_now();
     if request.sampling.stream {
         return Ok(stream_response(
-            state,
+            state.clone(),
             receivers,
             OutputMode::Text,
             request.sampling,
@@ -386,174 +473,25 @@ async fn completions_inner(state: Shared, body: Bytes) -> Result<Response, ApiEr
             false,
         ));
     }
-    let mut tasks = Vec::new();
-    for rx in receivers {
-        let tokenizer = tokenizer.clone();
-        let stops = request.sampling.stop.clone();
-        tasks.push(tokio::spawn(async move {
-            let mut text = String::new();
-            let end = drive_choice(tokenizer, rx, OutputMode::Text, stops, |d| {
-                if let Delta::Content(t) = d {
-                    text.push_str(&t);
-                }
-                async { true }
-            })
-            .await;
-            (text, end)
-        }));
-    }
-    let mut choices = Vec::new();
-    let mut ends = Vec::new();
-    for (index, task) in tasks.into_iter().enumerate() {
-        let (text, end) = task.await.map_err(|e| ApiError::internal(e.to_string()))?;
-        let text = if request.echo {
-            format!("{prompt_text}{text}")
-        } else {
-            text
-        };
-        choices.push(json!({"index": index, "text": text, "logprobs": null,
-                            "finish_reason": end.finish_reason}));
-        ends.push(end);
-    }
-    if let Some(e) = error_of(&ends) {
-        return Err(e);
-    }
+    let collected =
+        collect_choices(state, receivers, OutputMode::Text, &request.sampling.stop).await?;
+    let ends: Vec<ChoiceEnd> = collected.iter().map(|(_, end)| end.clone()).collect();
+    let choices: Vec<Value> = collected
+        .into_iter()
+        .enumerate()
+        .map(|(index, (collected, end))| {
+            let text = if request.echo {
+                format!("{prompt_text}{}", collected.content)
+            } else {
+                collected.content
+            };
+            json!({"index": index, "text": text, "logprobs": null,
+                   "finish_reason": end.finish_reason})
+        })
+        .collect();
     Ok(axum::Json(json!({
         "id": id, "object": "text_completion", "created": created, "model": state.model_name,
         "choices": choices, "usage": usage(prompt.len(), &ends),
     }))
     .into_response())
-}
-
-/// An SSE response: per choice a role delta first (chat), then its deltas, then a final chunk
-/// with its finish reason, or an error frame (`{"error": {…}}`) where the engine failed; with
-/// `include_usage` a usage chunk with empty `choices`; always `data: [DONE]` last. A client that goes away drops the stream, which stops every choice.
-#[allow(clippy::too_many_arguments)]
-fn stream_response(
-    state: Shared,
-    receivers: Vec<mpsc::UnboundedReceiver<crate::serve::engine::TokenEvent>>,
-    mode: OutputMode,
-    sampling: SamplingRequest,
-    prompt_tokens: usize,
-    id: String,
-    created: u64,
-    chat: bool,
-) -> Response {
-    let (tx, rx) = mpsc::channel::<Result<Event, Infallible>>(64);
-    let object = if chat {
-        "chat.completion.chunk"
-    } else {
-        "text_completion"
-    };
-    let model = state.model_name.clone();
-    let include_usage = sampling.include_usage;
-    let chunk = {
-        let (id, model) = (id.clone(), model.clone());
-        move |choice: Value| {
-            let mut c = json!({"id": id, "object": object, "created": created, "model": model,
-                               "choices": [choice]});
-            if include_usage {
-                c["usage"] = Value::Null;
-            }
-            Event::default().data(c.to_string())
-        }
-    };
-    let mut tasks = Vec::new();
-    for (index, events) in receivers.into_iter().enumerate() {
-        let tx = tx.clone();
-        let chunk = chunk.clone();
-        let tokenizer = state.runtime.tokenizer.clone();
-        let stops = sampling.stop.clone();
-        tasks.push(tokio::spawn(async move {
-            if chat {
-                let role = json!({"index": index, "delta": {"role": "assistant", "content": ""},
-                                  "logprobs": null, "finish_reason": null});
-                if tx.send(Ok(chunk(role))).await.is_err() {
-                    return None;
-                }
-            }
-            let end = drive_choice(tokenizer, events, mode, stops, |delta| {
-                let payload = if chat { chat_delta(&delta) } else { text_delta(&delta) };
-                let event = payload.map(|delta_json| {
-                    chunk(if chat {
-                        json!({"index": index, "delta": delta_json, "logprobs": null, "finish_reason": null})
-                    } else {
-                        json!({"index": index, "text": delta_json, "logprobs": null, "finish_reason": null})
-                    })
-                });
-                let tx = tx.clone();
-                // A closed channel means the client went away: the choice stops.
-                async move {
-                    match event {
-                        Some(event) => tx.send(Ok(event)).await.is_ok(),
-                        None => true,
-                    }
-                }
-            })
-            .await;
-            if end.finish_reason == "abort" {
-                return None;
-            }
-            if let Some(message) = &end.error {
-                // As vLLM streams a failure: an error frame, then `[DONE]` (the OpenAI
-                // clients raise on it rather than return a truncated answer).
-                let error = ApiError::internal(message.clone()).body();
-                let _ = tx.send(Ok(Event::default().data(error.to_string()))).await;
-                return Some(end);
-            }
-            let last = if chat {
-                json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": end.finish_reason})
-            } else {
-                json!({"index": index, "text": "", "logprobs": null, "finish_reason": end.finish_reason})
-            };
-            if tx.send(Ok(chunk(last))).await.is_err() {
-                return None;
-            }
-            Some(end)
-        }));
-    }
-    let (id2, model2) = (id, model);
-    tokio::spawn(async move {
-        let mut ends = Vec::new();
-        for task in tasks {
-            match task.await {
-                Ok(Some(end)) => ends.push(end),
-                _ => return,
-            }
-        }
-        if include_usage {
-            let usage_chunk = json!({"id": id2, "object": object, "created": created,
-                                     "model": model2, "choices": [], "usage": usage(prompt_tokens, &ends)});
-            if tx
-                .send(Ok(Event::default().data(usage_chunk.to_string())))
-                .await
-                .is_err()
-            {
-                return;
-            }
-        }
-        let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
-    });
-    Sse::new(ReceiverStream::new(rx))
-        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
-        .into_response()
-}
-
-fn chat_delta(delta: &Delta) -> Option<Value> {
-    Some(match delta {
-        Delta::Reasoning(t) => json!({"reasoning": t}),
-        Delta::Content(t) => json!({"content": t}),
-        Delta::ToolCallStart { index, id, name } => json!({"tool_calls": [{
-            "index": index, "id": id, "type": "function",
-            "function": {"name": name, "arguments": ""}}]}),
-        Delta::ToolCallArguments { index, fragment } => json!({"tool_calls": [{
-            "index": index, "function": {"arguments": fragment}}]}),
-    })
-}
-
-fn text_delta(delta: &Delta) -> Option<Value> {
-    match delta {
-        Delta::Content(t) | Delta::Reasoning(t) => Some(Value::String(t.clone())),
-        _ => None,
-    }
 }

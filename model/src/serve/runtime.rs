@@ -7,12 +7,12 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use kernels::mla::cache::KvCacheDtype;
-use serde_json::Value;
 use tokio::sync::mpsc;
 
 use crate::checkpoint::{Checkpoint, WeightPlacement};
-use crate::exec::backend::{BackendArgs, RunnerSizing, TpArgs};
+use crate::exec::backend::{Backend, BackendArgs, RunnerSizing, TpArgs};
 use crate::exec::device::StepCapacity;
+use crate::exec::footprint::forward_bytes;
 use crate::exec::sampler::SamplingParams;
 use crate::exec::tp::{RankRole, open_ranks};
 use crate::input::InvalidInput;
@@ -23,7 +23,7 @@ use crate::text::chat_template::{ChatTemplate, RenderRequest};
 use crate::text::parsers::{OutputEvent, OutputParser};
 use crate::text::tokenizer::{StreamDecoder, Tokenizer};
 
-use super::api::{ApiError, ChatRequest, SamplingRequest, ToolChoice};
+use super::api::{ApiError, ChatRequest, SamplingRequest, ToolChoice, thinking_requested};
 
 /// Engine and context settings of `model serve` / `model chat`.
 #[derive(Clone, Debug)]
@@ -82,13 +82,16 @@ impl RuntimeOptions {
         let max_num_seqs = self.max_num_seqs.max(1);
         let sizing = RunnerSizing {
             kv_dtype,
-            cache_tokens: self.kv_cache_tokens.unwrap_or(max_num_seqs * max_model_len),
+            cache_tokens: self
+                .kv_cache_tokens
+                .unwrap_or(max_num_seqs.saturating_mul(max_model_len)),
             capacity: StepCapacity {
                 tokens: self.max_num_batched_tokens.max(1).max(max_num_seqs),
                 logit_rows: max_num_seqs,
             },
             fill_memory: self.kv_cache_tokens.is_none(),
         };
+        self.check_host_memory(&config, &sizing)?;
         // The CPU reads its weights by default from huge pages where they fit.
         let placement = self.backend.weight_placement(checkpoint);
         Ok(ServingPlan {
@@ -97,6 +100,33 @@ impl RuntimeOptions {
             sizing,
             placement,
         })
+    }
+
+    /// Refuses sizes the host cannot hold before anything is allocated (an allocation that
+    /// fails aborts the process). The CPU backends hold the cache and the step's activations
+    /// in host memory on every rank; a GPU holds them itself, and the host only the logits.
+    fn check_host_memory(
+        &self,
+        config: &crate::arch::config::ModelConfig,
+        sizing: &RunnerSizing,
+    ) -> Result<(), InvalidInput> {
+        let (cache_tokens, rows) = (sizing.cache_tokens, sizing.capacity.logit_rows);
+        let needed = match self.backend.backend {
+            Backend::Cuda => forward_bytes(config, sizing.kv_dtype, 0, 0, rows),
+            Backend::Cpu | Backend::CudaEmulated => forward_bytes(
+                config,
+                sizing.kv_dtype,
+                cache_tokens,
+                sizing.capacity.tokens,
+                rows,
+            )
+            .saturating_mul(self.tp.world() as u64),
+        };
+        crate::input::check_memory(
+            &format!("a latent cache of {cache_tokens} tokens and steps of {rows} sequences"),
+            needed,
+            |_| "lower --kv-cache-tokens, --max-num-seqs or --max-model-len".into(),
+        )
     }
 
     /// Whether this process is a follower rank of a serving group (started by rank 0, which
@@ -197,20 +227,20 @@ impl Runtime {
     /// The chat prompt's ids, whether it opened a `<think>` block, whether tool calls are parsed.
     pub fn chat_prompt(&self, request: &ChatRequest) -> Result<(Vec<u32>, bool, bool), ApiError> {
         let use_tools = !request.tools.is_empty() && request.tool_choice != ToolChoice::None;
-        let text = self
+        let ids = self
             .template
-            .render(&RenderRequest {
-                messages: &request.messages,
-                tools: use_tools.then_some(request.tools.as_slice()),
-                add_generation_prompt: true,
-                kwargs: Some(&request.template_kwargs),
-            })
+            .render_ids(
+                &RenderRequest {
+                    messages: &request.messages,
+                    tools: use_tools.then_some(request.tools.as_slice()),
+                    add_generation_prompt: true,
+                    kwargs: Some(&request.template_kwargs),
+                },
+                &self.tokenizer,
+            )
             .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
-        let thinking = !matches!(
-            request.template_kwargs.get("thinking"),
-            Some(Value::Bool(false))
-        );
-        Ok((self.tokenizer.encode(&text), thinking, use_tools))
+        let thinking = thinking_requested(&request.template_kwargs);
+        Ok((ids, thinking, use_tools))
     }
 
     /// Submits `n` generations of `prompt`; the receivers stream their token events.
@@ -226,6 +256,18 @@ impl Runtime {
                     "the prompt is {} tokens; this model's maximum context length is {}",
                     prompt.len(),
                     self.max_model_len
+                ),
+            ));
+        }
+        // The `n` choices wait for admission together; more than the queue holds would be
+        // refused however long the client retried.
+        let max_waiting = self.engine.config().max_waiting;
+        if sampling.n > max_waiting {
+            return Err(ApiError::invalid(
+                "n",
+                format!(
+                    "`n` is {}, more than the {max_waiting} requests this server queues (--max-waiting)",
+                    sampling.n
                 ),
             ));
         }

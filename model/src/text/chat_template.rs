@@ -10,11 +10,13 @@
 
 use std::path::{Path, PathBuf};
 
+use kernels::files::{TEXT_FILE_LIMIT, read_text_bounded};
 use minijinja::value::{Kwargs, Value as JinjaValue};
 use minijinja::{Environment, Error as JinjaError, ErrorKind};
 use serde_json::{Map, Value};
 use thiserror::Error;
 
+use crate::text::tokenizer::Tokenizer;
 use crate::text::tool_declaration::{deep_sort, encode_tools, write_python_json};
 
 /// The Kimi-K2.5 chat template (reconstructed; see the file's header).
@@ -31,6 +33,12 @@ pub enum TemplateError {
         message: String,
     },
 }
+
+/// The most template instructions one rendering may run. A request's size alone does not
+/// bound a template's work: Kimi's template rebuilds its tool-response queue for every call,
+/// so 12,000 tool calls cost 20 s of CPU. 2·10⁶ renders ~2,000 tool calls with their results
+/// (100 calls cost ~10⁵) and stops any request within about a second.
+pub const RENDER_FUEL: u64 = 2_000_000;
 
 /// Where a template came from (for messages).
 #[derive(Clone, Debug)]
@@ -76,6 +84,7 @@ impl ChatTemplate {
                 .expect("default delimiters"),
         );
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_fuel(Some(RENDER_FUEL));
         env.add_filter("tojson", python_tojson);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
@@ -92,10 +101,11 @@ impl ChatTemplate {
     pub fn from_dir(dir: &Path) -> Result<Self, TemplateError> {
         let file = dir.join(CHAT_TEMPLATE_FILE);
         if file.exists() {
-            let text = std::fs::read_to_string(&file).map_err(|e| TemplateError::Load {
-                path: file.clone(),
-                message: e.to_string(),
-            })?;
+            let text =
+                read_text_bounded(&file, TEXT_FILE_LIMIT).map_err(|e| TemplateError::Load {
+                    path: file.clone(),
+                    message: e.to_string(),
+                })?;
             return Self::new(&text, TemplateSource::File(file));
         }
         let config = dir.join(crate::text::tokenizer::TOKENIZER_CONFIG_FILE);
@@ -104,7 +114,8 @@ impl ChatTemplate {
                 path: config.clone(),
                 message,
             };
-            let text = std::fs::read_to_string(&config).map_err(|e| load_error(e.to_string()))?;
+            let text = read_text_bounded(&config, TEXT_FILE_LIMIT)
+                .map_err(|e| load_error(e.to_string()))?;
             let json: Value = serde_json::from_str(&text).map_err(|e| load_error(e.to_string()))?;
             let template = match json.get("chat_template") {
                 Some(Value::String(t)) => Some(t.clone()),
@@ -122,7 +133,36 @@ impl ChatTemplate {
         Self::new(KIMI_K25_TEMPLATE, TemplateSource::Builtin)
     }
 
-    /// Renders a conversation to prompt text.
+    /// Renders a conversation to prompt ids. Only the template's own markers become control
+    /// tokens: every string of the request is text, whatever it spells
+    /// ([`crate::text::control_tokens`]).
+    pub fn render_ids(
+        &self,
+        request: &RenderRequest<'_>,
+        tokenizer: &Tokenizer,
+    ) -> Result<Vec<u32>, TemplateError> {
+        let control = tokenizer.control_tokens();
+        let messages: Vec<Value> = request
+            .messages
+            .iter()
+            .map(|m| control.inert_value(m))
+            .collect();
+        let tools: Option<Vec<Value>> = request
+            .tools
+            .map(|tools| tools.iter().map(|t| control.inert_value(t)).collect());
+        let kwargs = request.kwargs.map(|k| control.inert_map(k));
+        let rendered = self.render(&RenderRequest {
+            messages: &messages,
+            tools: tools.as_deref(),
+            add_generation_prompt: request.add_generation_prompt,
+            kwargs: kwargs.as_ref(),
+        })?;
+        Ok(tokenizer.encode_prompt(&rendered))
+    }
+
+    /// Renders a conversation to prompt text, as Hugging Face's `apply_chat_template` does
+    /// (strings that spell special tokens included: [`ChatTemplate::render_ids`] is what a
+    /// server encodes).
     pub fn render(&self, request: &RenderRequest<'_>) -> Result<String, TemplateError> {
         let mut context = Map::new();
         context.insert("messages".into(), Value::Array(request.messages.to_vec()));
@@ -161,6 +201,12 @@ impl ChatTemplate {
 }
 
 fn describe(e: &JinjaError) -> String {
+    if e.kind() == ErrorKind::OutOfFuel {
+        return format!(
+            "rendering this conversation takes more than the template's bound of {RENDER_FUEL} \
+             steps (about 2,000 tool calls with their results): shorten it"
+        );
+    }
     let mut message = e.to_string();
     let mut source = std::error::Error::source(e);
     while let Some(inner) = source {

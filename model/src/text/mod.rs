@@ -2,6 +2,7 @@
 //! of reasoning and tool calls.
 
 pub mod chat_template;
+pub mod control_tokens;
 pub mod parsers;
 pub mod tokenizer;
 pub mod tool_declaration;

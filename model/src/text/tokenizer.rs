@@ -10,6 +10,7 @@
 //! [`StreamDecoder`] turns ids into text as they come, holding back a multi-byte character
 //! until all of its bytes have arrived.
 
+use crate::text::control_tokens::{ControlTokens, Segment};
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 
@@ -50,11 +51,8 @@ pub const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
 
 #[derive(Debug, Error)]
 pub enum TokenizerError {
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    File(#[from] kernels::files::FileError),
     #[error("{path}: line {line}: {message}")]
     BadRankLine {
         path: PathBuf,
@@ -74,6 +72,8 @@ pub struct Tokenizer {
     num_ranks: usize,
     special_ids: FxHashMap<String, u32>,
     special_names: BTreeMap<u32, String>,
+    /// The special tokens' spellings, to keep a client's text from becoming control tokens.
+    control: ControlTokens,
     /// `bos_token` / `eos_token` / ... from `tokenizer_config.json`, when given.
     pub named_roles: BTreeMap<String, String>,
 }
@@ -166,6 +166,7 @@ impl Tokenizer {
         Ok(Self {
             bpe,
             num_ranks,
+            control: ControlTokens::new(special_names.values().map(String::as_str)),
             special_ids,
             special_names,
             named_roles,
@@ -209,6 +210,26 @@ impl Tokenizer {
         ids
     }
 
+    /// The special tokens' spellings, for making a client's strings inert before a template
+    /// renders them ([`Tokenizer::encode_prompt`]).
+    pub fn control_tokens(&self) -> &ControlTokens {
+        &self.control
+    }
+
+    /// Token ids of a prompt rendered from inert client strings: the template's special
+    /// tokens become control ids, everything between them, the client's spellings of special
+    /// tokens included, plain text.
+    pub fn encode_prompt(&self, rendered: &str) -> Vec<u32> {
+        let mut ids = Vec::new();
+        for segment in self.control.segments(rendered) {
+            match segment {
+                Segment::Control(name) => ids.push(self.special_ids[name]),
+                Segment::Text(text) => ids.extend(self.encode_ordinary(&text)),
+            }
+        }
+        ids
+    }
+
     /// Token ids of `text` with special-token strings treated as plain text.
     pub fn encode_ordinary(&self, text: &str) -> Vec<u32> {
         kimi_pieces(text)
@@ -244,10 +265,10 @@ fn token_name(value: &Value) -> Option<String> {
 }
 
 fn read(path: &Path) -> Result<String, TokenizerError> {
-    std::fs::read_to_string(path).map_err(|source| TokenizerError::Io {
-        path: path.to_path_buf(),
-        source,
-    })
+    Ok(kernels::files::read_text_bounded(
+        path,
+        kernels::files::TEXT_FILE_LIMIT,
+    )?)
 }
 
 /// Parses tiktoken's rank file: `<base64 token bytes> <rank>` per line.

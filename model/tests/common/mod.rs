@@ -4,15 +4,21 @@
 // Each test file uses a part of it.
 #![allow(dead_code)]
 
+pub mod cli;
 pub mod server;
 
+/// The `model` binary under test: this crate's, or the one `MODEL_BIN` names (to show that a
+/// suite fails on an older build).
+pub fn model_binary() -> std::path::PathBuf {
+    std::env::var_os("MODEL_BIN")
+        .map(Into::into)
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_model").into())
+}
+
 impl server::Server {
-    /// Starts this crate's `model serve EXTRA…` and waits until `/health` answers 200.
+    /// Starts `model serve EXTRA…` ([`model_binary`]) and waits until `/health` answers 200.
     pub fn start(extra: &[&str]) -> Self {
-        Self::start_with(
-            std::process::Command::new(env!("CARGO_BIN_EXE_model")),
-            extra,
-        )
+        Self::start_with(std::process::Command::new(model_binary()), extra)
     }
 }
 

@@ -93,10 +93,12 @@ pub fn step_threads(threads: usize) -> usize {
 
 /// Runnable threads of other processes, system-wide, now.
 fn others_running() -> Option<usize> {
-    let running = running_in_loadavg(&std::fs::read_to_string("/proc/loadavg").ok()?)?;
+    use kernels::files::{TEXT_FILE_LIMIT, read_text_bounded};
+    let loadavg = read_text_bounded(std::path::Path::new("/proc/loadavg"), TEXT_FILE_LIMIT);
+    let running = running_in_loadavg(&loadavg.ok()?)?;
     let mut own = 0;
     for task in std::fs::read_dir("/proc/self/task").ok()? {
-        let stat = std::fs::read_to_string(task.ok()?.path().join("stat")).ok()?;
+        let stat = read_text_bounded(&task.ok()?.path().join("stat"), TEXT_FILE_LIMIT).ok()?;
         own += usize::from(task_is_running(&stat)?);
     }
     Some(running.saturating_sub(own))

@@ -234,9 +234,12 @@ fn cache_tokens_for<D: Device>(
     kernels: &StepKernels<D>,
     options: &DeviceOptions,
 ) -> Result<usize, ExecError> {
-    let (Some(share), Some((free, total))) = (options.fill_memory, dev.memory_info()) else {
+    let Some((free, total)) = dev.memory_info() else {
         return Ok(options.cache_tokens);
     };
+    // A cache of a fixed size (`--kv-cache-tokens`) must fit what the device leaves too: an
+    // allocation past it fails deep in the driver, or its byte count overflows.
+    let share = options.fill_memory.unwrap_or(1.0);
     let workspace = workspace_bytes(
         c,
         &workspace_shape(c, options, kernels, heads, usize::MAX, ranks),
@@ -253,19 +256,32 @@ fn cache_tokens_for<D: Device>(
         * c.num_hidden_layers;
     let tokens = budget / per_token.max(1) / PAGE_TOKENS * PAGE_TOKENS;
     if tokens < options.cache_tokens {
+        if options.fill_memory.is_none() {
+            return Err(ExecError::InvalidRequest(format!(
+                "--kv-cache-tokens {} needs {:.2} GiB, but the device leaves {:.2} GiB after the \
+                 weights and {:.2} GiB of workspace",
+                options.cache_tokens,
+                options.cache_tokens.saturating_mul(per_token) as f64 / GIB,
+                budget as f64 / GIB,
+                workspace as f64 / GIB,
+            )));
+        }
         return Err(ExecError::Device(format!(
             "the latent cache needs {} tokens ({:.2} GiB), but {:.0}% of the device's {:.2} GiB \
              leaves {:.2} GiB after the weights and {:.2} GiB of workspace: raise \
              --gpu-memory-utilization or lower --max-num-seqs / --max-model-len",
             options.cache_tokens,
-            (options.cache_tokens * per_token) as f64 / GIB,
+            options.cache_tokens.saturating_mul(per_token) as f64 / GIB,
             share * 100.0,
             total as f64 / GIB,
             budget as f64 / GIB,
             workspace as f64 / GIB,
         )));
     }
-    Ok(tokens)
+    Ok(match options.fill_memory {
+        Some(_) => tokens,
+        None => options.cache_tokens,
+    })
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
