@@ -159,7 +159,10 @@ impl Runtime {
     /// runner (over `--tp` ranks: starting the followers) and warms it up.
     pub fn load(options: &RuntimeOptions) -> Result<Self> {
         options.backend.check_available()?;
-        let dir = &options.checkpoint;
+        // Absolute from here on, so that every path derived from it (the template's, the
+        // tokenizer's) is one the server redacts from what clients read.
+        let dir = &std::fs::canonicalize(&options.checkpoint)
+            .unwrap_or_else(|_| options.checkpoint.clone());
         let tokenizer = Tokenizer::from_dir(dir)
             .with_context(|| format!("{}: loading the tokenizer", dir.display()))?;
         let template = ChatTemplate::from_dir(dir)?;

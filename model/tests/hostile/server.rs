@@ -410,6 +410,21 @@ fn answers_name_the_model_not_its_path() {
     assert_eq!(status, 400, "{body}");
     assert!(body.contains("this template refuses"), "{body}");
     assert!(!body.contains(private), "{body}");
+    drop(server);
+
+    // Given as a relative path, the folders above it stay private too.
+    let above = folder.path().parent().unwrap();
+    let relative = checkpoint.strip_prefix(above).unwrap();
+    let mut command = Command::new(crate::common::model_binary());
+    command.current_dir(above);
+    let server = Server::start_with(command, &["--checkpoint", relative.to_str().unwrap()]);
+    let (status, body) = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "explode"}]}).to_string(),
+    );
+    assert_eq!(status, 400, "{body}");
+    let hidden = folder.path().file_name().unwrap().to_str().unwrap();
+    assert!(!body.contains(hidden), "{body}");
 }
 
 #[cfg(unix)]
