@@ -1048,10 +1048,8 @@ impl CudaIpcCommunicator {
         if pid == 0 || pid == std::process::id() {
             return None;
         }
-        // SAFETY: signal 0 only checks for existence.
-        let gone = unsafe { libc::kill(pid as libc::pid_t, 0) } != 0
-            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
-        gone.then_some(pid)
+        // A zombie counts as gone: its memory and its half of the exchange are.
+        (crate::process::process_state(pid) == crate::process::ProcessState::Gone).then_some(pid)
     }
 
     /// Host-slice path: stage, run `choice`, copy back, synchronize, check.

@@ -131,18 +131,10 @@ pub fn open_ranks(
     };
     let local = backend
         .open_runner(&model, Some(&group), sizing, quiet)
-        .map_err(|e| {
-            // The watcher may know more than the join saw (a stopped rank it ended).
-            std::thread::sleep(Duration::from_millis(100));
-            match followers
-                .failed
-                .lock()
-                .ok()
-                .and_then(|f| f.as_ref().map(ToString::to_string))
-            {
-                Some(failed) => e.context(failed),
-                None => e,
-            }
+        // The watcher may know more than the join saw (a stopped rank it ended).
+        .map_err(|e| match followers.failure_within(Duration::from_millis(100)) {
+            Some(failed) => e.context(failed),
+            None => e,
         })?;
     Ok(RankRole::Lead(Box::new(TpLeader {
         local,
@@ -171,6 +163,27 @@ impl Followers {
             }
         }
         pids
+    }
+
+    /// The first follower that exited, if one has.
+    fn failed(&self) -> Option<String> {
+        self.failed
+            .lock()
+            .ok()
+            .and_then(|f| f.as_ref().map(ToString::to_string))
+    }
+
+    /// The first follower that exited, waiting up to `wait` for its watcher to see it (a
+    /// watcher sees an exit within tens of milliseconds; a collective may notice first).
+    fn failure_within(&self, wait: Duration) -> Option<String> {
+        let deadline = std::time::Instant::now() + wait;
+        loop {
+            let failed = self.failed();
+            if failed.is_some() || std::time::Instant::now() > deadline {
+                return failed;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 }
 
@@ -376,35 +389,20 @@ pub struct TpLeader {
 
 impl TpLeader {
     /// The follower that exited, if one did.
-    fn failed_follower(&self) -> Option<String> {
-        self.followers
-            .failed
-            .lock()
-            .ok()
-            .and_then(|f| f.as_ref().map(ToString::to_string))
-    }
-
-    /// A step that failed as a group: named after the follower that died, where one did (the
-    /// watcher sees an exit within tens of milliseconds; a collective may notice first).
+    /// A step that failed as a group: named after the follower that died, where one did.
     fn blame(&self, e: ExecError) -> ExecError {
         if !e.is_fatal() {
             return e;
         }
-        let deadline = std::time::Instant::now() + Duration::from_millis(500);
-        loop {
-            if let Some(f) = self.failed_follower() {
-                return ExecError::RankLost(format!("{f}; on rank 0: {e}"));
-            }
-            if std::time::Instant::now() > deadline {
-                return e;
-            }
-            std::thread::sleep(Duration::from_millis(10));
+        match self.followers.failure_within(Duration::from_millis(500)) {
+            Some(f) => ExecError::RankLost(format!("{f}; on rank 0: {e}")),
+            None => e,
         }
     }
 
     /// Fails if a follower has exited; else sends `command` to every follower.
     fn send(&mut self, command: &TpCommand) -> Result<(), ExecError> {
-        if let Some(f) = self.failed_follower() {
+        if let Some(f) = self.followers.failed() {
             return Err(ExecError::RankLost(f));
         }
         let mut line = serde_json::to_string(command)
