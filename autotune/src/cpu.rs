@@ -1,4 +1,7 @@
-//! `autotune --cpu [--checkpoint DIR] --out FILE`: measured tuning of the CPU kernels on this machine, into the tactic cache.
+//! `autotune --cpu [--checkpoint DIR] [--out FILE]`: measured tuning of the CPU kernels on this
+//! machine, into the tactic cache (on stdout without `--out`). The model is `--checkpoint DIR`,
+//! else the one `model run` runs by default (the generated `mini`): a cache serves only the
+//! model it was tuned for, which it records ([`TunedModel`]).
 //!
 //! The search itself is `bench::cpu_tune` (kernels per family on the model's decode shapes,
 //! then whole decode steps one knob group at a time, a change kept only beyond noise); this
@@ -29,7 +32,7 @@ use kernels::isa::Isa;
 use kernels::mla::MlaDims;
 use kernels::tactic::cache::{
     CPU_TARGET, CacheEntry, FORMAT, FigureSource, NO_GPU, Provenance, TacticCache, TacticFigure,
-    fnv1a64,
+    TunedModel, fnv1a64,
 };
 use kernels::tactic::{KernelFamily, ProblemShape};
 use model::arch::config::ModelConfig;
@@ -37,9 +40,10 @@ use model::arch::config::ModelConfig;
 /// Options of `autotune --cpu`.
 #[derive(Clone, Debug)]
 pub struct CpuOptions {
-    /// A checkpoint folder; `None`: the embedded `kimi-chat-tiny`.
+    /// A checkpoint folder; `None`: `model run`'s default model (the generated `mini`).
     pub model: Option<PathBuf>,
-    pub out: PathBuf,
+    /// Where the cache goes; `None`: stdout.
+    pub out: Option<PathBuf>,
     /// Time per kernel family and shape.
     pub kernel_budget: Duration,
     /// Time per knob group of the decode stage.
@@ -74,10 +78,15 @@ impl Progress for Bar {
 pub fn run(o: &CpuOptions) -> Result<TacticCache> {
     let dir = match &o.model {
         Some(dir) => dir.clone(),
-        None => model::cli::serving::default_chat_checkpoint(None)?,
+        None => model::quantize::generator::default_checkpoint(None)?,
     };
     let bench = DecodeBench::load(&dir, o.prompt_len, o.new_tokens)
         .with_context(|| format!("loading {}", dir.display()))?;
+    let record = model::exec::tactics::tuned_model(
+        &model::exec::tactics::model_record_name(&bench.model.config, Some(&dir)),
+        &bench.model.config,
+    );
+    eprintln!("autotune --cpu: tuning for model {}", record.name);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let bar = ProgressBar::new(1);
     bar.set_style(
@@ -93,11 +102,16 @@ pub fn run(o: &CpuOptions) -> Result<TacticCache> {
         &mut progress,
     )?;
     progress.0.finish_and_clear();
-    let cache = to_cache(&tuned, &bench, o)?;
-    std::fs::write(&o.out, cache.to_json())
-        .with_context(|| format!("writing {}", o.out.display()))?;
+    let cache = to_cache(&tuned, &bench, record, o)?;
     eprintln!("{}", summary(&tuned, cores));
-    eprintln!("wrote {}", o.out.display());
+    match &o.out {
+        Some(out) => {
+            std::fs::write(out, cache.to_json())
+                .with_context(|| format!("writing {}", out.display()))?;
+            eprintln!("wrote {}", out.display());
+        }
+        None => print!("{}", cache.to_json()),
+    }
     Ok(cache)
 }
 
@@ -216,8 +230,8 @@ fn bucket_name(s: &str) -> String {
         .collect()
 }
 
-/// The provenance of a CPU cache written now by `command`.
-pub fn cpu_provenance(command: &str) -> Provenance {
+/// The provenance of a CPU cache of `model` written now by `command`.
+pub fn cpu_provenance(command: &str, model: TunedModel) -> Provenance {
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../ptx/manifest.json");
     Provenance {
         gpu_or_cpu_model: format!("{} ({:?})", bench::cpu_model(), Isa::detect()),
@@ -232,11 +246,17 @@ pub fn cpu_provenance(command: &str) -> Provenance {
             cpu_kernel_source_hash(),
         )]),
         command: command.to_string(),
+        model: Some(model),
     }
 }
 
-/// The cache entries of a tuning run.
-pub fn to_cache(t: &Tuned, bench: &DecodeBench, o: &CpuOptions) -> Result<TacticCache> {
+/// The cache of a tuning run of the model `record` describes.
+pub fn to_cache(
+    t: &Tuned,
+    bench: &DecodeBench,
+    record: TunedModel,
+    o: &CpuOptions,
+) -> Result<TacticCache> {
     let config = &bench.model.config;
     let model = bucket_name(&bench.name);
     let mut entries = Vec::new();
@@ -272,7 +292,7 @@ pub fn to_cache(t: &Tuned, bench: &DecodeBench, o: &CpuOptions) -> Result<Tactic
     ));
     Ok(TacticCache {
         format: FORMAT,
-        provenance: cpu_provenance(&o.command),
+        provenance: cpu_provenance(&o.command, record),
         entries,
     })
 }

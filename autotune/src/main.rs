@@ -20,8 +20,8 @@ use model::arch::presets::Preset;
     name = "autotune",
     about = "The tuning lab: every tactic gated (static), checked against the goldens (correct) \
              and timed on the device or, without one, predicted, per problem shape; writes the \
-             tactic cache (and, after a device run, the refitted cost model and the \
-             predicted-vs-measured gap table beside it)"
+             tactic cache to --out FILE, else to stdout (and, after a device run with --out, \
+             the refitted cost model and the predicted-vs-measured gap table beside it)"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -30,7 +30,7 @@ struct Cli {
     /// refused without one).
     #[arg(long, default_value = "120")]
     sm: String,
-    /// The model whose shapes are tuned (a preset).
+    /// The model whose shapes are tuned (a preset; the GPU families).
     #[arg(
         long,
         value_enum,
@@ -38,13 +38,15 @@ struct Cli {
         conflicts_with = "checkpoint"
     )]
     model: Preset,
-    /// A checkpoint folder whose config.json gives the shapes instead of a preset.
+    /// A checkpoint folder whose config.json gives the shapes instead of a preset; with
+    /// --cpu, the model whose decode is tuned (default: `model run`'s, the generated mini).
     #[arg(long)]
     checkpoint: Option<PathBuf>,
     /// Tensor-parallel ranks (shapes are per rank).
     #[arg(long, default_value_t = 8)]
     tp: u32,
-    /// Where to write the tactic cache (JSON).
+    /// Where to write the tactic cache (JSON); default: stdout (the table then goes to
+    /// stderr).
     #[arg(long)]
     out: Option<PathBuf>,
     /// Families to tune (comma-separated: moe_gemm, mla, allreduce, layers); default all.
@@ -88,8 +90,8 @@ struct Cli {
     #[arg(long)]
     quiet: bool,
     /// Tune the CPU kernels on this machine instead, measured (tile sizes, parallel
-    /// thresholds, threads), on the decode of `--checkpoint DIR` (default: the embedded
-    /// kimi-chat-tiny); writes family `cpu` entries.
+    /// thresholds, threads), on the decode of `--checkpoint DIR` (default: the model `model
+    /// run` runs by default, the generated mini); writes family `cpu` entries.
     #[arg(long)]
     cpu: bool,
     /// `--cpu`: seconds per kernel family and shape.
@@ -110,9 +112,13 @@ struct Cli {
 enum Command {
     /// Predicted decode tok/s of the model on 8× RTX PRO 6000 (the step-time model).
     StepTime {
-        /// Folder for the table (txt, json) and the chart (svg).
-        #[arg(long, default_value = "bench/results")]
-        out_dir: PathBuf,
+        /// Folder for the table (txt, json) and the chart (svg); without it (or
+        /// --write-results) the table goes to stdout only.
+        #[arg(long, conflicts_with = "write_results")]
+        out_dir: Option<PathBuf>,
+        /// Write them into bench/results (from the repository root).
+        #[arg(long)]
+        write_results: bool,
         /// A tactic cache whose winners are compared with the heuristic defaults.
         #[arg(long, value_parser = kernels::tactic::cache::cache_path_arg)]
         tactics: Option<PathBuf>,
@@ -161,10 +167,7 @@ fn run() -> Result<ExitCode> {
         let secs = |s: f64| Duration::from_secs_f64(s.clamp(0.0, 3600.0));
         autotune::cpu::run(&autotune::cpu::CpuOptions {
             model: cli.checkpoint.clone(),
-            out: cli
-                .out
-                .clone()
-                .unwrap_or_else(|| PathBuf::from("cpu-tactics.json")),
+            out: cli.out.clone(),
             kernel_budget: secs(cli.cpu_kernel_secs),
             decode_budget: secs(cli.cpu_decode_secs),
             prompt_len: cli.cpu_prompt_len.max(1),
@@ -183,12 +186,14 @@ fn run() -> Result<ExitCode> {
         Sm::parse(&cli.sm).with_context(|| format!("--sm {}: expected 120, 90 or auto", cli.sm))?
     };
     let (model, model_name) = match &cli.checkpoint {
-        Some(dir) => (
-            CheckpointConfig::from_dir(dir)
+        Some(dir) => {
+            let model = CheckpointConfig::from_dir(dir)
                 .with_context(|| format!("{}", dir.display()))?
-                .model,
-            dir.display().to_string(),
-        ),
+                .model;
+            // The name the cache records: a preset's id, else the folder's (never a path).
+            let name = model::exec::tactics::model_record_name(&model, Some(dir));
+            (model, name)
+        }
         None => (cli.model.model_config(), cli.model.id().to_string()),
     };
     if cli.tp == 0 || model.num_attention_heads % cli.tp as usize != 0 {
@@ -200,15 +205,22 @@ fn run() -> Result<ExitCode> {
     }
     if let Some(Command::StepTime {
         out_dir,
+        write_results,
         tactics,
         cost_model,
     }) = &cli.command
     {
+        // A cache of another model would price this one with that model's winners.
+        model::exec::tactics::check_cache_model(tactics.as_deref(), &model)?;
+        let out_dir = match out_dir {
+            Some(dir) => Some(dir.clone()),
+            None => write_results.then(bench::results_dir_for_write_results),
+        };
         let text = autotune::steptime::write_report(
             &model,
             &model_name,
             cli.tp,
-            out_dir,
+            out_dir.as_deref(),
             &cli.manifest,
             tactics.as_deref(),
             cost_model.as_deref(),
@@ -216,9 +228,6 @@ fn run() -> Result<ExitCode> {
         print!("{text}");
         return Ok(ExitCode::SUCCESS);
     }
-    let Some(out) = cli.out.clone() else {
-        bail!("--out FILE is required (where the tactic cache goes)");
-    };
     let families = if cli.families.is_empty() {
         GPU_FAMILIES.to_vec()
     } else {
@@ -271,10 +280,10 @@ fn run() -> Result<ExitCode> {
     for p in &report.pruned {
         eprintln!("pruned [{}] {} {}: {}", p.stage, p.family, p.tactic, p.why);
     }
-    print!("{}", report.table(sm));
+    let mut table = report.table(sm);
     for e in &report.cache.entries {
-        println!(
-            "{:<10} {:<34} {:<44} {:>9.2} µs {}",
+        table += &format!(
+            "{:<10} {:<34} {:<44} {:>9.2} µs {}\n",
             e.family.id(),
             e.bucket,
             e.winner.tactic,
@@ -282,6 +291,19 @@ fn run() -> Result<ExitCode> {
             e.winner.source
         );
     }
+    // Without --out the cache is stdout's, whole: the table goes to stderr.
+    let Some(out) = cli.out.clone() else {
+        eprint!("{table}");
+        print!("{}", report.cache.to_json());
+        if !report.measured.is_empty() {
+            eprintln!(
+                "note: the refitted cost model and the gap table are written beside --out FILE \
+                 only"
+            );
+        }
+        return Ok(ExitCode::SUCCESS);
+    };
+    print!("{table}");
     if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent)?;
     }

@@ -33,7 +33,6 @@ use model::arch::config::ModelConfig;
 use model::arch::shard::TpShard;
 use model::exec::device::DryStep;
 use model::exec::tactics::TacticSelector;
-use plotters::prelude::*;
 use serde_json::json;
 
 use crate::cost::{self, CostParams, Model};
@@ -380,12 +379,12 @@ fn table(title: &str, steps: &[Step], gpu: &GpuSpec) -> String {
 }
 
 /// Computes the report, writes `step-time.txt`, `step-time.json` and `step-time.svg` into
-/// `out_dir`, and returns the text.
+/// `out_dir` when there is one (else nothing), and returns the text.
 pub fn write_report(
     cfg: &ModelConfig,
     model_name: &str,
     tp: u32,
-    out_dir: &Path,
+    out_dir: Option<&Path>,
     manifest_path: &Path,
     tactics: Option<&Path>,
     cost_model: Option<&Path>,
@@ -436,6 +435,9 @@ pub fn write_report(
         text += "\n";
         text += &table("tactic cache winners (predicted)", t, gpu);
     }
+    let Some(out_dir) = out_dir else {
+        return Ok(text);
+    };
     std::fs::create_dir_all(out_dir)?;
     std::fs::write(out_dir.join("step-time.txt"), &text)?;
     let rows = |steps: &[Step]| -> Vec<serde_json::Value> {
@@ -478,116 +480,9 @@ pub fn write_report(
         out_dir.join("step-time.json"),
         serde_json::to_string_pretty(&doc)? + "\n",
     )?;
-    chart(
-        &out_dir.join("step-time.svg"),
-        model_name,
-        tp,
-        &defaults,
-        tuned.as_deref(),
-        gpu,
-    )?;
+    // Drawn from the JSON just written, as `cargo run -p bench --bin charts` redraws it.
+    bench::charts::step_time::draw(&doc, &out_dir.join("step-time.svg"))?;
     Ok(text)
-}
-
-/// A chart line: label, points, colour, stroke width.
-type Series = (String, Vec<(f64, f64)>, RGBAColor, u32);
-
-fn chart(
-    path: &Path,
-    model_name: &str,
-    tp: u32,
-    defaults: &[Step],
-    tuned: Option<&[Step]>,
-    gpu: &GpuSpec,
-) -> Result<()> {
-    let root = SVGBackend::new(path, (960, 600)).into_drawing_area();
-    root.fill(&WHITE)?;
-    let mut series: Vec<Series> = vec![(
-        "predicted, heuristic default tactics".into(),
-        defaults
-            .iter()
-            .map(|s| (f64::from(s.batch), s.tok_s()))
-            .collect(),
-        BLUE.to_rgba(),
-        2,
-    )];
-    if let Some(t) = tuned {
-        series.push((
-            "predicted, tactic cache winners".into(),
-            t.iter().map(|s| (f64::from(s.batch), s.tok_s())).collect(),
-            GREEN.to_rgba(),
-            3,
-        ));
-    }
-    series.push((
-        "memory roofline: the config's minimum bytes at the data-sheet bandwidth".into(),
-        defaults
-            .iter()
-            .map(|s| (f64::from(s.batch), s.roofline_tok_s(gpu)))
-            .collect(),
-        BLACK.to_rgba(),
-        1,
-    ));
-    series.push((
-        "memory roofline: the recorded launch list's bytes at that bandwidth".into(),
-        defaults
-            .iter()
-            .map(|s| (f64::from(s.batch), s.launch_roofline_tok_s(gpu)))
-            .collect(),
-        RGBColor(110, 110, 110).to_rgba(),
-        1,
-    ));
-    let xs: Vec<f64> = defaults.iter().map(|s| f64::from(s.batch)).collect();
-    let x0 = xs.first().copied().unwrap_or(1.0);
-    let x1 = xs.last().copied().unwrap_or(32.0);
-    for (name, v, color) in [
-        (
-            "vLLM steady state (measured by others)",
-            VLLM_STEADY_TOK_S,
-            RED.to_rgba(),
-        ),
-        (
-            "vLLM first request (measured by others)",
-            VLLM_FIRST_TOK_S,
-            MAGENTA.to_rgba(),
-        ),
-    ] {
-        series.push((name.into(), vec![(x0, v), (x1, v)], color, 1));
-    }
-    let y_max = series
-        .iter()
-        .flat_map(|(_, p, _, _)| p.iter().map(|(_, y)| *y))
-        .fold(1.0f64, f64::max);
-    let mut chart = ChartBuilder::on(&root)
-        .caption(
-            format!("PREDICTED decode tok/s, {model_name}, {tp}x RTX PRO 6000 (PCIe), {CONTEXT}-token contexts"),
-            ("sans-serif", 18),
-        )
-        .margin(15)
-        .x_label_area_size(45)
-        .y_label_area_size(60)
-        .build_cartesian_2d((x0 * 0.8..x1 * 1.25).log_scale(), (5.0f64..y_max * 2.0).log_scale())?;
-    chart
-        .configure_mesh()
-        .x_desc("decode batch (sequences)")
-        .y_desc("tokens/s (all sequences, predicted)")
-        .draw()?;
-    for (name, points, color, width) in series {
-        let style = color.stroke_width(width);
-        chart
-            .draw_series(LineSeries::new(points.iter().copied(), style))?
-            .label(name)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
-        chart.draw_series(points.iter().map(|&p| Circle::new(p, 3, color.filled())))?;
-    }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperLeft)
-        .draw()?;
-    root.present()?;
-    Ok(())
 }
 
 #[cfg(test)]
@@ -631,6 +526,39 @@ mod tests {
                 .iter()
                 .all(|s| !s.by_family.contains_key("allreduce"))
         );
+    }
+
+    #[test]
+    fn the_report_draws_a_legible_chart_from_its_json() {
+        let cfg = Preset::KimiK25.model_config();
+        let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../ptx/manifest.json");
+        let dir = tempfile::tempdir().unwrap();
+        write_report(
+            &cfg,
+            "kimi-k2.5",
+            8,
+            Some(dir.path()),
+            &manifest,
+            None,
+            None,
+        )
+        .unwrap();
+        let svg = std::fs::read_to_string(dir.path().join("step-time.svg")).unwrap();
+        assert_eq!(
+            bench::charts::layout::problems(&svg).unwrap(),
+            Vec::<String>::new()
+        );
+        let (_, texts) = bench::charts::layout::text_boxes(&svg).unwrap();
+        for batch in REPORT_BATCHES {
+            assert!(
+                texts.iter().any(|t| t.text == batch.to_string()),
+                "{texts:?}"
+            );
+        }
+        // Redrawn from the JSON alone, the chart is the same.
+        let redrawn = dir.path().join("redrawn.svg");
+        bench::charts::step_time::draw_file(&dir.path().join("step-time.json"), &redrawn).unwrap();
+        assert_eq!(std::fs::read_to_string(redrawn).unwrap(), svg);
     }
 
     #[test]

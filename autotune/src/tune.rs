@@ -601,6 +601,10 @@ fn pipeline<D: Device>(
             manifest_hash: manifest.hash.clone(),
             kernel_source_hashes: current.clone(),
             command: opts.command.clone(),
+            model: Some(model::exec::tactics::tuned_model(
+                &opts.model_name,
+                &opts.model,
+            )),
         },
         entries: lab.entries,
     };

@@ -1,8 +1,8 @@
 //! Criterion sweeps of the CPU kernels' tactics: per family (grouped NVFP4 GEMM, dense BF16
 //! products, MLA split-KV), every tactic of the family's knobs × Kimi-like decode shapes
 //! scaled to this machine, measured here. Writes per family an SVG chart, time relative to the
-//! default tactic against shape with one line per tactic and the winner per shape marked, and
-//! one results table:
+//! default tactic per shape with one mark per tactic and the winner per shape ringed, and one
+//! results table (from which `cargo run -p bench --bin charts` redraws the charts):
 //!
 //! ```sh
 //! cargo bench -p bench --bench cpu_tactics        # bench/results/cpu-tactics-*.svg, .txt
@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use bench::cpu_tactics::{CpuFamily, Shape};
-use bench::sweep::{Point, SweepChart, read_point};
+use bench::sweep::{Point, read_point};
 use criterion::{BenchmarkId, Criterion, SamplingMode};
 use kernels::cpu_tactic::{CpuTactic, CpuTacticSpace};
 use kernels::isa::Isa;
@@ -90,10 +90,7 @@ fn main() -> Result<()> {
             .context("the default is in every family's space")?;
         text.push_str(&table(*family, tactics, shapes, &points, default));
         chart(
-            &results.join(format!(
-                "{}.svg",
-                family.id().replace("cpu-", "cpu-tactics-")
-            )),
+            &results.join(bench::cpu_tactics::chart_file(*family)),
             *family,
             tactics,
             shapes,
@@ -163,20 +160,15 @@ fn chart(
     default: usize,
 ) -> Result<()> {
     let ratio = |ti: usize, si: usize| points[&(ti, si)].median / points[&(default, si)].median;
-    SweepChart {
-        title: format!(
-            "{family}: time / default tactic (measured, {}, {:?})",
-            bench::cpu_model(),
-            Isa::detect()
-        ),
-        y_desc: "time / default (lower is faster)",
-        shapes: shapes.iter().map(Shape::id).collect(),
-        series: tactics.iter().map(|t| family.label(t)).collect(),
-        values: (0..tactics.len())
+    bench::cpu_tactics::family_chart(
+        family,
+        &format!("{}, {:?}", bench::cpu_model(), Isa::detect()),
+        shapes.iter().map(Shape::id).collect(),
+        tactics.iter().map(|t| family.label(t)).collect(),
+        (0..tactics.len())
             .map(|ti| (0..shapes.len()).map(|si| ratio(ti, si)).collect())
             .collect(),
-        emphasize: Some(default),
-        log_y: false,
-    }
+        default,
+    )
     .draw(path)
 }

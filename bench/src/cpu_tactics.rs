@@ -5,6 +5,7 @@
 use std::fmt;
 use std::sync::Mutex;
 
+use anyhow::{Context, Result};
 use half::bf16;
 use kernels::cpu_tactic::{CpuTactic, CpuTacticSpace};
 use kernels::dense::matmul_transposed_tuned;
@@ -17,6 +18,8 @@ use kernels::mla::reference::{AttentionQuery, MlaProblem};
 use kernels::moe_gemm::cpu::moe_cpu_tuned;
 use kernels::moe_gemm::reference::{ExpertView, Routing};
 use kernels::rng::Rng;
+
+use crate::sweep::SweepChart;
 
 /// A CPU kernel family with its own knobs of [`CpuTactic`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -380,6 +383,127 @@ fn mla_case(
     }
 }
 
+/// The file of `family`'s sweep chart, e.g. `cpu-tactics-moe.svg`.
+pub fn chart_file(family: CpuFamily) -> String {
+    format!("{}.svg", family.id().replace("cpu-", "cpu-tactics-"))
+}
+
+/// `family`'s sweep chart: each tactic's time relative to the default's (`ratios[tactic]
+/// [shape]`, the default's all 1) on `machine` (the CPU and the kernels' ISA).
+pub fn family_chart(
+    family: CpuFamily,
+    machine: &str,
+    shapes: Vec<String>,
+    tactics: Vec<String>,
+    ratios: Vec<Vec<f64>>,
+    default: usize,
+) -> SweepChart<'static> {
+    SweepChart {
+        title: format!("{family}: time / default tactic (measured, {machine})"),
+        y_desc: "time / default (lower is faster)",
+        shapes,
+        series: tactics,
+        values: ratios,
+        emphasize: Some(default),
+        log_y: false,
+    }
+}
+
+/// The sweep charts of the results table `cpu-tactics.txt` (what `cargo bench -p bench
+/// --bench cpu_tactics` writes), to redraw them without measuring again.
+pub fn charts_from_table(text: &str) -> Result<Vec<(CpuFamily, SweepChart<'static>)>> {
+    let cpu_line = text
+        .lines()
+        .find_map(|l| l.strip_prefix("# CPU: "))
+        .context("no `# CPU:` line")?;
+    let cpu = cpu_line.split(" (").next().unwrap_or(cpu_line);
+    let isa = cpu_line
+        .split("kernels' ISA ")
+        .nth(1)
+        .and_then(|r| r.split(')').next())
+        .context("no ISA on the `# CPU:` line")?;
+    let machine = format!("{cpu}, {isa}");
+    // Per family: shapes, tactics, ratio per (tactic, shape), the default.
+    struct Family {
+        family: CpuFamily,
+        shapes: Vec<String>,
+        tactics: Vec<String>,
+        ratios: Vec<(usize, usize, f64)>,
+        default: Option<usize>,
+    }
+    let mut families: Vec<Family> = Vec::new();
+    for line in text.lines() {
+        if let Some(head) = line.strip_prefix("## ") {
+            let id = head.split_whitespace().next().unwrap_or("");
+            let family = CpuFamily::ALL
+                .into_iter()
+                .find(|f| f.id() == id)
+                .with_context(|| format!("unknown family {id:?}"))?;
+            families.push(Family {
+                family,
+                shapes: Vec::new(),
+                tactics: Vec::new(),
+                ratios: Vec::new(),
+                default: None,
+            });
+            continue;
+        }
+        let Some(f) = families.last_mut() else {
+            continue;
+        };
+        if let Some(shape) = line.strip_prefix("shape ") {
+            f.shapes.push(shape.trim().to_string());
+            continue;
+        }
+        // `  * item 64k   15292.3 us  spread  36.9%  n 10  ratio 0.898  (default)`
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let (Some(us), Some(r)) = (
+            words.iter().position(|w| *w == "us"),
+            words.iter().position(|w| *w == "ratio"),
+        ) else {
+            continue;
+        };
+        let start = usize::from(words.first() == Some(&"*"));
+        let label = words[start..us.saturating_sub(1)].join(" ");
+        let ratio: f64 = words
+            .get(r + 1)
+            .and_then(|v| v.parse().ok())
+            .with_context(|| format!("no ratio in {line:?}"))?;
+        let shape = f
+            .shapes
+            .len()
+            .checked_sub(1)
+            .context("a tactic before any shape")?;
+        let tactic = match f.tactics.iter().position(|t| *t == label) {
+            Some(t) => t,
+            None => {
+                f.tactics.push(label);
+                f.tactics.len() - 1
+            }
+        };
+        if line.trim_end().ends_with("(default)") {
+            f.default = Some(tactic);
+        }
+        f.ratios.push((tactic, shape, ratio));
+    }
+    families
+        .into_iter()
+        .map(|f| {
+            let mut ratios = vec![vec![f64::NAN; f.shapes.len()]; f.tactics.len()];
+            for (t, s, r) in f.ratios {
+                ratios[t][s] = r;
+            }
+            let default = f
+                .default
+                .with_context(|| format!("{}: no default tactic", f.family))?;
+            Ok((
+                f.family,
+                family_chart(f.family, &machine, f.shapes, f.tactics, ratios, default),
+            ))
+        })
+        .collect()
+}
+
 /// Median and spread (max − min over the samples, relative to the median) of `samples`.
 pub fn median_spread(samples: &mut [f64]) -> (f64, f64) {
     if samples.is_empty() {
@@ -430,6 +554,34 @@ mod tests {
                 case.run(&t);
             }
         }
+    }
+
+    #[test]
+    fn the_results_table_gives_back_each_familys_chart() {
+        let text = "# CPU kernel tactic sweeps (measured; criterion, 10 samples per point)\n\
+            # CPU: AMD EPYC (2 threads, kernels' ISA Avx2Fma); load average at the end: 8.36\n\n\
+            ## cpu-mla (measured)\n\
+            shape b1.ctx512.h8.l512.r64\n\
+            \x20   chunk 64 x1                  1018.0 us  spread  81.2%  n 10  ratio 1.179\n\
+            \x20 * chunk 256 x4                  863.3 us  spread  39.6%  n 10  ratio 1.000  (default)\n\
+            \x20 winner: moe_item=128k,dense_min=512k,dense_rows=64,mla_chunk=256,mla_tasks=4,threads=0\n\
+            shape b4.ctx2048.h8.l512.r64\n\
+            \x20 * chunk 64 x1                 10857.5 us  spread   8.9%  n 10  ratio 0.613\n\
+            \x20   chunk 256 x4                17707.1 us  spread 181.7%  n 10  ratio 1.000  (default)\n";
+        let charts = charts_from_table(text).unwrap();
+        assert_eq!(charts.len(), 1);
+        let (family, chart) = &charts[0];
+        assert_eq!(*family, CpuFamily::Mla);
+        assert_eq!(chart.series, ["chunk 64 x1", "chunk 256 x4"]);
+        assert_eq!(
+            chart.shapes,
+            ["b1.ctx512.h8.l512.r64", "b4.ctx2048.h8.l512.r64"]
+        );
+        assert_eq!(chart.values, vec![vec![1.179, 0.613], vec![1.0, 1.0]]);
+        assert_eq!(chart.emphasize, Some(1));
+        assert_eq!((chart.winner(0), chart.winner(1)), (Some(1), Some(0)));
+        assert!(chart.title.contains("AMD EPYC, Avx2Fma"), "{}", chart.title);
+        assert_eq!(chart_file(*family), "cpu-tactics-mla.svg");
     }
 
     #[test]

@@ -2,15 +2,59 @@
 //! the machine's copy and read bandwidth measured in the same run, and the facts a result file
 //! records (CPU, load, date).
 
+pub mod charts;
 pub mod cpu_tactics;
 pub mod cpu_tune;
 pub mod gpu_timing;
 pub mod sweep;
 
 use std::hint::black_box;
+use std::path::{Path, PathBuf};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use rayon::prelude::*;
+
+/// The committed results, relative to the repository root: what `--write-results` updates.
+pub const RESULTS_DIR: &str = "bench/results";
+
+/// The folder `--write-results` writes into: [`RESULTS_DIR`] under the working directory,
+/// which must be the repository root (the folder is there): a run elsewhere is refused with
+/// exit code 2 before any work, rather than creating a stray `bench/results`.
+pub fn results_dir_for_write_results() -> PathBuf {
+    let dir = PathBuf::from(RESULTS_DIR);
+    if !dir.is_dir() {
+        eprintln!(
+            "error: --write-results: no {RESULTS_DIR} folder under the working directory; run \
+             from the repository root (or give --out PATH)"
+        );
+        std::process::exit(2);
+    }
+    dir
+}
+
+/// Prints a report on stdout and writes it to `out` when there is one (`--out PATH`, or
+/// [`RESULTS_DIR`]`/NAME` under `--write-results`).
+pub fn emit_report(text: &str, out: Option<&Path>) -> anyhow::Result<()> {
+    print!("{text}");
+    if let Some(path) = out {
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent)?;
+        }
+        std::fs::write(path, text)
+            .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+/// The report file of a run: `--out PATH`, else `--write-results`'s [`RESULTS_DIR`]`/name`,
+/// else none (stdout only).
+pub fn report_path(out: Option<&Path>, write_results: bool, name: &str) -> Option<PathBuf> {
+    match out {
+        Some(p) => Some(p.to_path_buf()),
+        None => write_results.then(|| results_dir_for_write_results().join(name)),
+    }
+}
 
 /// Bytes of each copy buffer of the bandwidth measurement: far beyond any LLC.
 pub const COPY_BYTES: usize = 512 << 20;

@@ -708,6 +708,10 @@ mod tests {
                         cpu_kernel_source_hash(),
                     )]),
                     command: "test".into(),
+                    model: Some(crate::tactic::cache::TunedModel {
+                        name: "test".into(),
+                        dims: BTreeMap::new(),
+                    }),
                 },
                 entries,
             }

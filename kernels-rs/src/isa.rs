@@ -20,6 +20,17 @@ pub enum Isa {
     Scalar,
 }
 
+/// As people name the instruction sets: `avx512`, `avx2+fma`, `scalar`.
+impl std::fmt::Display for Isa {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Avx512 => "avx512",
+            Self::Avx2Fma => "avx2+fma",
+            Self::Scalar => "scalar",
+        })
+    }
+}
+
 impl Isa {
     /// The instruction set the CPU kernels use: the best this CPU supports, or the one
     /// [`ISA_ENV`] names (to measure the AVX2 path on an AVX-512 machine). A name that is
@@ -35,11 +46,11 @@ impl Isa {
             match Self::from_name(&name) {
                 Some(isa) if isa.is_supported() => isa,
                 Some(isa) => {
-                    eprintln!("warning: {ISA_ENV}={name}: {isa:?} is not supported by this CPU; using {best:?}");
+                    eprintln!("warning: {ISA_ENV}={name}: {isa} is not supported by this CPU; using {best}");
                     best
                 }
                 None => {
-                    eprintln!("warning: {ISA_ENV}={name} is not one of avx512, avx2, scalar; using {best:?}");
+                    eprintln!("warning: {ISA_ENV}={name} is not one of avx512, avx2, scalar; using {best}");
                     best
                 }
             }

@@ -9,7 +9,7 @@ use kernels::mla::{MlaDims, MlaTactic};
 use kernels::moe_gemm::MoeGemmTactic;
 use kernels::tactic::cache::{
     CacheEntry, CacheLookup, Expected, FORMAT, FigureSource, NO_GPU, Provenance, TacticCache,
-    TacticFigure, built_source_hashes, load,
+    TacticFigure, TunedModel, built_source_hashes, load,
 };
 use kernels::tactic::{KernelFamily, ProblemShape, Tactic};
 
@@ -43,6 +43,10 @@ fn cache_for(sm: Sm) -> (TacticCache, MoeGemmTactic) {
             manifest_hash: "0".into(),
             kernel_source_hashes: built_source_hashes(),
             command: "test".into(),
+            model: Some(TunedModel {
+                name: "test".into(),
+                dims: Default::default(),
+            }),
         },
         entries: vec![CacheEntry {
             family: KernelFamily::MoeGemm,

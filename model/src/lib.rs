@@ -23,4 +23,5 @@ pub mod exec;
 pub mod input;
 pub mod quantize;
 pub mod serve;
+pub mod start_details;
 pub mod text;

@@ -116,6 +116,8 @@ fn chat_takes_the_cpu_tactic_and_the_weights_placement_from_its_flags() {
         .args(["chat", "--temperature", "0", "--no-thinking"])
         .args(["--prompt", "What is 7 + 5?"])
         .args(["--cpu-tactic", "threads=1", "--weights", "mapped"])
+        // The start-up details (the tactic line) are shown on request.
+        .arg("--verbose")
         .stdin(Stdio::null())
         .output()
         .unwrap();
@@ -140,7 +142,7 @@ fn chat_takes_the_cpu_tactic_and_the_weights_placement_from_its_flags() {
     let missing = cache.path().join("no-such-cache.json");
     let out = model(cache.path())
         .args(["chat", "--temperature", "0", "--no-thinking"])
-        .args(["--prompt", "What is 7 + 5?", "--tactics"])
+        .args(["--prompt", "What is 7 + 5?", "--verbose", "--tactics"])
         .arg(&missing)
         .stdin(Stdio::null())
         .output()

@@ -13,7 +13,8 @@ use model::exec::generate::{GenerationRequest, generate};
 use model::exec::sampler::SamplingParams;
 use model::quantize::random_tokens;
 use model::serve::engine::{
-    EngineConfig, EngineHandle, EngineRequest, FinishReason, SubmitError, TokenEvent, start_engine,
+    EngineConfig, EngineHandle, EngineRequest, FinishReason, RequestEnd, SubmitError, TokenEvent,
+    start_engine,
 };
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
@@ -59,9 +60,11 @@ fn submit(
 ) -> Result<UnboundedReceiver<TokenEvent>, SubmitError> {
     let (tx, rx) = unbounded_channel();
     engine.submit(EngineRequest {
+        request_id: None,
         prompt,
         max_new_tokens,
         sampling: SamplingParams::greedy(),
+        host_sampling: Default::default(),
         stop_ids: vec![],
         events: tx,
     })?;
@@ -73,6 +76,7 @@ fn collect(mut rx: UnboundedReceiver<TokenEvent>) -> (Vec<u32>, FinishReason) {
     loop {
         match rx.blocking_recv().expect("the engine answers") {
             TokenEvent::Token(t) => tokens.push(t),
+            TokenEvent::Logprobs(_) => {}
             TokenEvent::Finished { reason, .. } => return (tokens, reason),
             TokenEvent::Failed(e) => panic!("{e}"),
         }
@@ -158,7 +162,7 @@ fn cancellation_frees_pages_and_admission_is_bounded() {
     let (tokens, _) = collect(queued);
     assert_eq!(tokens.len(), 3);
     wait_until("pages are free", || engine.metrics.kv_pages_used.get() == 0);
-    assert!(engine.metrics.requests_cancelled.get() >= 1);
+    assert!(engine.metrics.requests_ended(RequestEnd::Abort) >= 1);
     engine.shutdown();
     engine.join();
 }

@@ -96,7 +96,7 @@ fn cuda_emulated_over_two_ranks_serves_the_cpus_answers() {
     let (_, metrics) = device.get("/metrics");
     let batch_max = metrics
         .lines()
-        .find(|l| l.starts_with("kimi_batch_sequences_max"))
+        .find(|l| l.starts_with("vllm:batch_sequences_max{"))
         .and_then(|l| l.split_whitespace().last()?.parse::<f64>().ok())
         .unwrap_or(0.0);
     println!("the most sequences one step held: {batch_max}");

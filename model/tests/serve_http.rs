@@ -143,13 +143,16 @@ fn serve_answers_the_smoke_test_and_speaks_openai() {
     let (status, metrics) = server.get("/metrics");
     assert_eq!(status, 200);
     for name in [
-        "kimi_num_requests_running",
-        "kimi_num_requests_waiting",
-        "kimi_kv_cache_pages_used",
-        "kimi_prompt_tokens_total",
-        "kimi_generation_tokens_total",
-        "kimi_time_to_first_token_seconds_bucket",
-        "kimi_inter_token_latency_seconds_bucket",
+        "vllm:num_requests_running{",
+        "vllm:num_requests_waiting{",
+        "vllm:kv_cache_usage_perc{",
+        "vllm:kv_cache_pages_used{",
+        "vllm:prompt_tokens_total{",
+        "vllm:generation_tokens_total{",
+        "vllm:request_success_total{",
+        "vllm:time_to_first_token_seconds_bucket{",
+        "vllm:inter_token_latency_seconds_bucket{",
+        "vllm:e2e_request_latency_seconds_bucket{",
     ] {
         assert!(metrics.contains(name), "{name} missing from\n{metrics}");
     }

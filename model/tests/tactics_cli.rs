@@ -1,18 +1,25 @@
 //! `model run` / `model logits` with `--tactics FILE`: the tactic per family is logged, from the
 //! cache when it is fresh, else after a one-line warning from the heuristic default — for a
-//! missing, corrupt or stale cache alike, and never a failure.
+//! missing, corrupt or stale cache alike (one that records no model included). A cache tuned
+//! for another model is refused (exit code 2).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use std::collections::BTreeMap;
+
 use kernels::arch::Sm;
+use kernels::cpu_tactic::{
+    CPU_SOURCES_KEY, CpuTactic, DECODE_BUCKET_PREFIX, cpu_kernel_source_hash,
+};
 use kernels::mla::MlaSplitTactic;
 use kernels::tactic::cache::{
-    CacheEntry, FORMAT, FigureSource, NO_GPU, Provenance, TacticCache, TacticFigure,
+    CPU_TARGET, CacheEntry, FORMAT, FigureSource, NO_GPU, Provenance, TacticCache, TacticFigure,
     built_source_hashes,
 };
 use kernels::tactic::{KernelFamily, ProblemShape, Tactic};
 use model::arch::config::CheckpointConfig;
+use model::arch::presets::Preset;
 
 fn tiny() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../golden/data/models/kimi-tiny")
@@ -76,6 +83,7 @@ fn fresh_cache() -> (TacticCache, String) {
             manifest_hash: "0".into(),
             kernel_source_hashes: built_source_hashes(),
             command: "test".into(),
+            model: Some(model::exec::tactics::tuned_model("kimi-tiny", &config)),
         },
         entries: vec![CacheEntry {
             family: KernelFamily::MlaDecode,
@@ -250,4 +258,183 @@ fn a_device_run_logs_the_tactic_each_step_ran_and_its_bucket() {
             "{family}: {err}"
         );
     }
+}
+
+/// Runs `model ARGS --tactics cache` on the tiny checkpoint; returns the exit code and stderr.
+fn run_status(args: &[&str], cache: &Path) -> (Option<i32>, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_model"))
+        .env("RUST_BACKTRACE", "0")
+        .args(args)
+        .arg("--checkpoint")
+        .arg(tiny())
+        .arg("--tactics")
+        .arg(cache)
+        .output()
+        .expect("model runs");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+const CPU_RUN: [&str; 7] = [
+    "run",
+    "--max-new-tokens",
+    "2",
+    "--prompt-len",
+    "4",
+    "--kv-dtype",
+    "bf16",
+];
+
+/// A cache of the CPU kernels for the tiny model, as `autotune --cpu` writes it: its decode
+/// entry names a tactic other than the default.
+fn cpu_cache() -> (TacticCache, CpuTactic) {
+    let config = CheckpointConfig::from_dir(&tiny()).unwrap().model;
+    let tuned = CpuTactic {
+        threads: 1,
+        ..CpuTactic::DEFAULT
+    };
+    let fig = |tactic: &CpuTactic| TacticFigure {
+        tactic: tactic.id(),
+        median_us: 100.0,
+        spread_us: 1.0,
+        n: 5,
+        source: FigureSource::Measured,
+    };
+    let cache = TacticCache {
+        format: FORMAT,
+        provenance: Provenance {
+            gpu_or_cpu_model: "test CPU".into(),
+            sm: CPU_TARGET.into(),
+            driver_version: NO_GPU.into(),
+            cuda_version: NO_GPU.into(),
+            commit: "unknown".into(),
+            manifest_hash: "none".into(),
+            kernel_source_hashes: BTreeMap::from([(
+                CPU_SOURCES_KEY.to_string(),
+                cpu_kernel_source_hash(),
+            )]),
+            command: "test".into(),
+            model: Some(model::exec::tactics::tuned_model("kimi-tiny", &config)),
+        },
+        entries: vec![CacheEntry {
+            family: KernelFamily::Cpu,
+            sm: CPU_TARGET.into(),
+            bucket: format!("{DECODE_BUCKET_PREFIX}kimi_tiny"),
+            shape: model::exec::cpu::choice::decode_shape(&config),
+            winner: fig(&tuned),
+            runners_up: vec![fig(&CpuTactic::DEFAULT)],
+        }],
+    };
+    (cache, tuned)
+}
+
+/// A CPU run given a CPU cache of its model runs the cache's tactic and says nothing about the
+/// GPU families (the cache has none): no warning, no `stale: tuned for cpu` against an SM.
+#[test]
+fn a_cpu_run_with_a_cpu_cache_of_its_model_uses_it_and_warns_of_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cache, tuned) = cpu_cache();
+    let path = dir.path().join("cpu.json");
+    std::fs::write(&path, cache.to_json()).unwrap();
+    let (code, err) = run_status(&CPU_RUN, &path);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        !err.contains("warning") && !err.contains("stale") && !err.contains("tactics for sm_"),
+        "{err}"
+    );
+    let line = err
+        .lines()
+        .find(|l| l.starts_with("tactic cpu:"))
+        .unwrap_or_else(|| panic!("no CPU tactic line: {err}"));
+    assert!(
+        line.contains(&format!(
+            "{tuned} (tactic cache, bucket {DECODE_BUCKET_PREFIX}"
+        )),
+        "{line}"
+    );
+}
+
+/// A cache tuned for another model is refused with exit code 2, naming the file, the cache's
+/// model and this run's, whether it holds CPU or GPU tactics and whatever reads it.
+#[test]
+fn a_cache_of_another_model_is_refused_naming_the_file_and_both_models() {
+    let dir = tempfile::tempdir().unwrap();
+    let mini = model::exec::tactics::tuned_model("mini", &Preset::Mini.model_config());
+    let (mut gpu, _) = fresh_cache();
+    gpu.provenance.model = Some(mini.clone());
+    let (mut cpu, _) = cpu_cache();
+    cpu.provenance.model = Some(mini);
+    let logits_out = dir.path().join("l.safetensors");
+    let logits = logits_args(&logits_out);
+    let logits: Vec<&str> = logits.iter().map(String::as_str).collect();
+    let emulated = [
+        "run",
+        "--backend",
+        "cuda-emulated",
+        "--kv-dtype",
+        "bf16",
+        "--prompt-len",
+        "4",
+        "--max-new-tokens",
+        "2",
+    ];
+    for (name, cache, args) in [
+        ("gpu-cpu-run", &gpu, &CPU_RUN[..]),
+        ("cpu-cpu-run", &cpu, &CPU_RUN[..]),
+        ("gpu-logits", &gpu, &logits[..]),
+        ("gpu-device-run", &gpu, &emulated[..]),
+    ] {
+        let path = dir.path().join(format!("{name}.json"));
+        std::fs::write(&path, cache.to_json()).unwrap();
+        let (code, err) = run_status(args, &path);
+        assert_eq!(code, Some(2), "{name}: {err}");
+        let refusal = err
+            .lines()
+            .find(|l| l.contains("tuned for model"))
+            .unwrap_or_else(|| panic!("{name}: no refusal: {err}"));
+        assert!(
+            refusal.contains(&path.display().to_string())
+                && refusal.contains("tuned for model mini")
+                && refusal.contains("this run's model is the checkpoint's (3 layers, hidden 256")
+                && refusal.contains("hidden_size 1024→256"),
+            "{name}: {refusal}"
+        );
+        // Refused before any tactic was logged as if it applied.
+        assert!(!err.contains("tactic cache, bucket"), "{name}: {err}");
+        assert!(!logits_out.exists(), "{name}: wrote logits");
+    }
+}
+
+/// A cache written before caches recorded their model is not used: one warning that says how
+/// to regenerate it, and the run goes on with the defaults.
+#[test]
+fn a_cache_without_a_model_record_warns_once_and_runs_with_the_defaults() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut gpu, tuned) = fresh_cache();
+    gpu.provenance.model = None;
+    gpu.provenance.command = "autotune --sm 120 --checkpoint kimi-tiny --out old.json".into();
+    let path = dir.path().join("old.json");
+    std::fs::write(&path, gpu.to_json()).unwrap();
+    let out = dir.path().join("old.safetensors");
+    let args = logits_args(&out);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let err = run_with(&args, &path);
+    let warnings: Vec<&str> = err.lines().filter(|l| l.contains("warning")).collect();
+    assert_eq!(warnings.len(), 1, "{err}");
+    assert!(
+        warnings[0].contains("records no model")
+            && warnings[0].contains("autotune --sm 120 --checkpoint kimi-tiny --out old.json"),
+        "{}",
+        warnings[0]
+    );
+    let mla = err
+        .lines()
+        .find(|l| l.trim_start().starts_with("mla:"))
+        .unwrap();
+    assert!(
+        mla.contains("heuristic default") && !mla.contains(&format!("{tuned} (")),
+        "{mla}"
+    );
 }

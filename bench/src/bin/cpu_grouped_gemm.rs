@@ -2,8 +2,9 @@
 //! the same run.
 //!
 //! ```sh
-//! cargo run --release -p bench --bin cpu-grouped-gemm            # writes bench/results/cpu_grouped_gemm.txt
-//! cargo run --release -p bench --bin cpu-grouped-gemm -- --quick  # fewer passes, no file
+//! cargo run --release -p bench --bin cpu-grouped-gemm                    # the table on stdout
+//! cargo run --release -p bench --bin cpu-grouped-gemm -- --write-results # and bench/results/cpu_grouped_gemm.txt
+//! cargo run --release -p bench --bin cpu-grouped-gemm -- --quick          # fewer passes
 //! ```
 //!
 //! At decode a routed expert sees 1–8 tokens, so its GEMM is a stream over its weights and the
@@ -37,7 +38,6 @@ const TOP_K: usize = 8;
 const MIN_SET_BYTES: usize = 256 << 20;
 struct Options {
     passes: usize,
-    write: bool,
     /// Weight bytes per pass (`--set-mib N`; small values measure the in-cache compute speed).
     set_bytes: usize,
     /// Only this instruction set (`--isa avx512|avx2fma|scalar`), and no reference: for
@@ -48,43 +48,64 @@ struct Options {
     inter: Option<usize>,
 }
 
+/// Every shape, instruction set and dot kind of the routed experts' grouped GEMM against the
+/// memory bandwidth measured in the same run; the table goes to stdout.
+#[derive(clap::Parser, Debug)]
+#[command(name = "cpu-grouped-gemm")]
+struct Cli {
+    /// Fewer passes (3 instead of 15).
+    #[arg(long)]
+    quick: bool,
+    /// Only this instruction set (avx512, avx2fma, scalar), for profiling one kernel.
+    #[arg(long)]
+    isa: Option<String>,
+    /// Only this many tokens per expert (1, 2, 4 or 8).
+    #[arg(long)]
+    tokens: Option<usize>,
+    /// Only this intermediate size (256 or 2048).
+    #[arg(long)]
+    inter: Option<usize>,
+    /// Weight MiB per pass (default: at least 256 MiB; small values measure the in-cache
+    /// compute speed).
+    #[arg(long)]
+    set_mib: Option<usize>,
+    /// A description of the machine for the table's header.
+    #[arg(long)]
+    label: Option<String>,
+    /// Also write the table to this file.
+    #[arg(long, conflicts_with = "write_results")]
+    out: Option<std::path::PathBuf>,
+    /// Also write the table to bench/results/cpu_grouped_gemm.txt (from the repository root;
+    /// a whole run only).
+    #[arg(long, conflicts_with_all = ["quick", "isa", "tokens", "inter", "set_mib"])]
+    write_results: bool,
+}
+
 fn main() {
-    let quick = std::env::args().any(|a| a == "--quick");
-    let opts = Options {
-        passes: if quick { 3 } else { 15 },
-        write: !quick,
-        set_bytes: MIN_SET_BYTES,
-        only: None,
-        tokens: None,
-        inter: None,
-    };
-    let mut opts = opts;
-    let args: Vec<String> = std::env::args().collect();
-    if let Some(i) = args.iter().position(|a| a == "--isa") {
-        let name = args[i + 1].to_lowercase();
-        opts.only = Isa::all_supported()
+    let cli: Cli = clap::Parser::parse();
+    let out = bench::report_path(
+        cli.out.as_deref(),
+        cli.write_results,
+        "cpu_grouped_gemm.txt",
+    );
+    let only = cli.isa.as_deref().map(|name| {
+        let name = name.to_lowercase();
+        Isa::all_supported()
             .into_iter()
-            .find(|isa| format!("{isa:?}").to_lowercase() == name);
-        assert!(opts.only.is_some(), "--isa {name}: not supported here");
-        opts.write = false;
-    }
-    let number = |flag: &str| {
-        let i = args.iter().position(|a| a == flag)?;
-        Some(args[i + 1].parse::<usize>().expect("a number"))
+            .find(|isa| format!("{isa:?}").to_lowercase() == name)
+            .unwrap_or_else(|| {
+                eprintln!("error: --isa {name}: not supported here");
+                std::process::exit(2);
+            })
+    });
+    let opts = Options {
+        passes: if cli.quick { 3 } else { 15 },
+        set_bytes: cli.set_mib.map_or(MIN_SET_BYTES, |mib| mib << 20),
+        only,
+        tokens: cli.tokens,
+        inter: cli.inter,
     };
-    opts.tokens = number("--tokens");
-    opts.inter = number("--inter");
-    if opts.tokens.is_some() || opts.inter.is_some() {
-        opts.write = false;
-    }
-    if let Some(i) = args.iter().position(|a| a == "--set-mib") {
-        opts.set_bytes = args[i + 1].parse::<usize>().expect("--set-mib N") << 20;
-        opts.write = false;
-    }
-    let label = args
-        .iter()
-        .position(|a| a == "--label")
-        .map(|i| args[i + 1].clone());
+    let label = cli.label;
     let threads = rayon::current_num_threads();
     let cpu = cpu_model();
     let load_start = load_average();
@@ -244,20 +265,18 @@ fn main() {
     .unwrap();
     writeln!(
         report,
-        "# command: cargo run --release -p bench --bin cpu-grouped-gemm{}",
+        "# command: cargo run --release -p bench --bin cpu-grouped-gemm -- --write-results{}",
         label
             .as_ref()
-            .map_or(String::new(), |l| format!(" -- --label '{l}'"))
+            .map_or(String::new(), |l| format!(" --label '{l}'"))
     )
     .unwrap();
     for line in &lines {
         writeln!(report, "{line}").unwrap();
     }
-    print!("{report}");
-    if opts.write {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/results/cpu_grouped_gemm.txt");
-        std::fs::write(path, &report).expect("write results");
-        eprintln!("wrote {path}");
+    if let Err(e) = bench::emit_report(&report, out.as_deref()) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
     }
 }
 

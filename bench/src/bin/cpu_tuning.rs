@@ -1,17 +1,15 @@
 //! Does `autotune --cpu` speed up `model run`? Decode tok/s of the `model` binary with the
 //! default CPU tactic (A) and with a tactic cache (B), in interleaved rounds A B A B …, on
-//! the embedded `kimi-chat-tiny` and the generated `mini` model. Writes
-//! `bench/results/cpu-tuning.txt` (medians, spreads, every round).
+//! the embedded `kimi-chat-tiny` and the generated `mini` model. The table (medians, spreads,
+//! every round) goes to stdout; `--write-results` also writes `bench/results/cpu-tuning.txt`.
 //!
 //! ```sh
 //! cargo build --release -p model -p autotune
-//! target/release/autotune --cpu --out cpu-tactics.json
-//! cargo run --release -p bench --bin cpu-tuning -- --tactics cpu-tactics.json
+//! target/release/autotune --cpu --out /tmp/mini.json
+//! cargo run --release -p bench --bin cpu-tuning -- --only mini --tactics /tmp/mini.json
 //! ```
-//! (`scripts/cpu-tuning.sh` does all three, with one cache per model.) Options: `--rounds N`
-//! (default 5 per side), `--model-bin PATH` (default: `model` next to this binary),
-//! `--max-new-tokens N`, `--only tiny|mini`, `--out FILE`, `--no-write`,
-//! `--print-checkpoint tiny|mini` (print the model's folder and exit).
+//! (`scripts/cpu-tuning.sh` does all three, with one cache per model.) `--help` lists the
+//! options.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -20,63 +18,60 @@ use anyhow::{Context, Result, bail};
 use bench::cpu_tactics::median_spread;
 use bench::{cpu_model, load_average, utc_date};
 
+/// Decode tok/s of `model run` with the default CPU tactic (A) and a tactic cache (B), in
+/// interleaved rounds; the table goes to stdout.
+#[derive(clap::Parser, Debug)]
+#[command(name = "cpu-tuning")]
 struct Options {
-    tactics: PathBuf,
+    /// The tactic cache of side B (written by `autotune --cpu --out FILE`); required unless
+    /// --print-checkpoint.
+    #[arg(long, required_unless_present = "print_checkpoint")]
+    tactics: Option<PathBuf>,
+    /// Rounds per side.
+    #[arg(long, default_value_t = 5)]
     rounds: usize,
-    model_bin: PathBuf,
+    /// The `model` binary (default: `model` next to this binary).
+    #[arg(long)]
+    model_bin: Option<PathBuf>,
+    /// Tokens each `model run` decodes.
+    #[arg(long, default_value_t = 64)]
     max_new_tokens: usize,
-    only: Option<String>,
-    /// Where the table goes; default `bench/results/cpu-tuning.txt`.
+    /// Only this model.
+    #[arg(long, value_enum)]
+    only: Option<Which>,
+    /// Also write the table to this file.
+    #[arg(long, conflicts_with = "write_results")]
     out: Option<PathBuf>,
-    write: bool,
+    /// Also write the table to bench/results/cpu-tuning.txt (from the repository root).
+    #[arg(long)]
+    write_results: bool,
+    /// Print the model's folder (unpacked or generated if needed) and exit, for scripts.
+    #[arg(long, value_enum, exclusive = true)]
+    print_checkpoint: Option<Which>,
 }
 
-fn options() -> Result<Options> {
-    let mut args = std::env::args().skip(1);
-    let mut o = Options {
-        tactics: PathBuf::new(),
-        rounds: 5,
-        model_bin: std::env::current_exe()?
-            .parent()
-            .context("the binary's folder")?
-            .join("model"),
-        max_new_tokens: 64,
-        only: None,
-        out: None,
-        write: true,
-    };
-    while let Some(a) = args.next() {
-        let mut value = || args.next().with_context(|| format!("{a} needs a value"));
-        match a.as_str() {
-            "--tactics" => o.tactics = value()?.into(),
-            "--rounds" => o.rounds = value()?.parse()?,
-            "--model-bin" => o.model_bin = value()?.into(),
-            "--max-new-tokens" => o.max_new_tokens = value()?.parse()?,
-            "--only" => o.only = Some(value()?),
-            "--no-write" => o.write = false,
-            "--out" => o.out = Some(value()?.into()),
-            "--print-checkpoint" => {
-                // The folder of `tiny` or `mini` (unpacked or generated if needed), for scripts.
-                let dir = match value()?.as_str() {
-                    "tiny" => model::cli::serving::default_chat_checkpoint(None)?,
-                    "mini" => model::quantize::generator::default_checkpoint(None)?,
-                    other => bail!("--print-checkpoint tiny|mini, not {other}"),
-                };
-                println!("{}", dir.display());
-                std::process::exit(0);
-            }
-            _ => bail!("unknown argument {a}"),
+/// The two models the comparison runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Which {
+    /// The embedded kimi-chat-tiny.
+    Tiny,
+    /// The generated mini.
+    Mini,
+}
+
+impl Which {
+    fn checkpoint(self) -> Result<PathBuf> {
+        match self {
+            Which::Tiny => model::cli::serving::default_chat_checkpoint(None),
+            Which::Mini => model::quantize::generator::default_checkpoint(None),
         }
     }
-    if o.tactics.as_os_str().is_empty() {
-        bail!("--tactics FILE (a cache written by `autotune --cpu`) is required");
-    }
-    Ok(o)
 }
 
 /// Decode tok/s and the CPU tactic line of one `model run`.
 fn run_once(o: &Options, checkpoint: &Path, tactics: Option<&Path>) -> Result<(f64, String)> {
-    let mut cmd = Command::new(&o.model_bin);
+    let model_bin = o.model_bin.as_deref().expect("main sets the model binary");
+    let mut cmd = Command::new(model_bin);
     cmd.arg("run")
         .arg("--checkpoint")
         .arg(checkpoint)
@@ -87,7 +82,7 @@ fn run_once(o: &Options, checkpoint: &Path, tactics: Option<&Path>) -> Result<(f
     }
     let out = cmd
         .output()
-        .with_context(|| format!("running {}", o.model_bin.display()))?;
+        .with_context(|| format!("running {}", model_bin.display()))?;
     let (stdout, stderr) = (
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr),
@@ -125,19 +120,27 @@ fn run_once(o: &Options, checkpoint: &Path, tactics: Option<&Path>) -> Result<(f
 fn main() -> Result<()> {
     // As `model run` does: its steps' freed activations stay in the heap.
     model::exec::cpu::heap::keep_freed_activations();
-    let o = options()?;
-    let mut models: Vec<(&str, PathBuf)> = Vec::new();
-    if o.only.as_deref() != Some("mini") {
-        models.push((
-            "kimi-chat-tiny (embedded)",
-            model::cli::serving::default_chat_checkpoint(None)?,
-        ));
+    let mut o: Options = clap::Parser::parse();
+    if let Some(which) = o.print_checkpoint {
+        println!("{}", which.checkpoint()?.display());
+        return Ok(());
     }
-    if o.only.as_deref() != Some("tiny") {
-        models.push((
-            "mini (generated)",
-            model::quantize::generator::default_checkpoint(None)?,
-        ));
+    let tactics = o.tactics.clone().expect("clap requires --tactics");
+    if o.model_bin.is_none() {
+        o.model_bin = Some(
+            std::env::current_exe()?
+                .parent()
+                .context("the binary's folder")?
+                .join("model"),
+        );
+    }
+    let out = bench::report_path(o.out.as_deref(), o.write_results, "cpu-tuning.txt");
+    let mut models: Vec<(&str, PathBuf)> = Vec::new();
+    if o.only != Some(Which::Mini) {
+        models.push(("kimi-chat-tiny (embedded)", Which::Tiny.checkpoint()?));
+    }
+    if o.only != Some(Which::Tiny) {
+        models.push(("mini (generated)", Which::Mini.checkpoint()?));
     }
     let mut text = format!(
         "# model run decode tok/s: default CPU tactic (A) vs `--tactics {}` (B), measured\n\
@@ -145,7 +148,7 @@ fn main() -> Result<()> {
          # interleaved rounds A B A B …, {} per side; each round one `model run --prompt-len 16 \
          --max-new-tokens {} --ignore-eos` process (release)\n\
          # spread = (max - min) / median\n\n",
-        o.tactics.display(),
+        tactics.display(),
         cpu_model(),
         std::thread::available_parallelism().map_or(1, |n| n.get()),
         kernels::isa::Isa::detect(),
@@ -159,10 +162,10 @@ fn main() -> Result<()> {
         let (mut tactic_a, mut tactic_b) = (String::new(), String::new());
         // One unrecorded warm-up of each side: page cache, CPU frequency.
         run_once(&o, dir, None)?;
-        run_once(&o, dir, Some(&o.tactics))?;
+        run_once(&o, dir, Some(&tactics))?;
         for round in 0..o.rounds {
             let (x, ta) = run_once(&o, dir, None)?;
-            let (y, tb) = run_once(&o, dir, Some(&o.tactics))?;
+            let (y, tb) = run_once(&o, dir, Some(&tactics))?;
             eprintln!("{name} round {round}: A {x:.1} tok/s, B {y:.1} tok/s");
             a.push(x);
             b.push(y);
@@ -189,13 +192,5 @@ fn main() -> Result<()> {
             rounds.join("  ")
         ));
     }
-    print!("{text}");
-    if o.write {
-        let path = o.out.clone().unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("results/cpu-tuning.txt")
-        });
-        std::fs::write(&path, &text)?;
-        eprintln!("wrote {}", path.display());
-    }
-    Ok(())
+    bench::emit_report(&text, out.as_deref())
 }

@@ -1,8 +1,9 @@
 //! Loading a checkpoint against the disk's read rate, measured in the same run.
 //!
 //! ```sh
-//! cargo run --release -p bench --bin load-rate     # writes bench/results/load-rate.txt
-//! cargo run --release -p bench --bin load-rate -- --checkpoint DIR --repeats 3 --no-write
+//! cargo run --release -p bench --bin load-rate                     # the table on stdout
+//! cargo run --release -p bench --bin load-rate -- --write-results  # and bench/results/load-rate.txt
+//! cargo run --release -p bench --bin load-rate -- --checkpoint DIR --repeats 3
 //! ```
 //!
 //! The default checkpoint is the `mini-deep` preset (`mini`'s widths at Kimi-K2.5's 61 layers,
@@ -29,7 +30,9 @@ use model::exec::backend::{Backend, BackendArgs, RunnerSizing};
 use model::exec::cpu::choice::WeightsArg;
 use model::exec::device::StepCapacity;
 
+/// Loading a checkpoint against the disk's read rate; the table goes to stdout.
 #[derive(clap::Parser)]
+#[command(name = "load-rate")]
 struct Args {
     /// A checkpoint folder; default: the `mini-deep` preset, generated once.
     #[arg(long)]
@@ -37,9 +40,13 @@ struct Args {
     /// Runs of each measurement; the median is reported.
     #[arg(long, default_value_t = 3)]
     repeats: usize,
-    /// Do not write bench/results/load-rate.txt.
-    #[arg(long)]
-    no_write: bool,
+    /// Also write the table to this file.
+    #[arg(long, conflicts_with = "write_results")]
+    out: Option<PathBuf>,
+    /// Also write the table to bench/results/load-rate.txt (from the repository root; the
+    /// default checkpoint only).
+    #[arg(long, conflicts_with = "checkpoint")]
+    write_results: bool,
 }
 
 /// The checkpoint's files: every shard and the small JSON files beside them.
@@ -187,6 +194,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn main() -> Result<()> {
     let args: Args = clap::Parser::parse();
+    let out = bench::report_path(args.out.as_deref(), args.write_results, "load-rate.txt");
     let dir = match &args.checkpoint {
         Some(dir) => dir.clone(),
         None => model::quantize::generator::generated_checkpoint(Preset::MiniDeep, None)?,
@@ -290,11 +298,5 @@ fn main() -> Result<()> {
         "\n# x read rate: the load's GB/s over the reference's (cold: the faster cold read() above, the disk's read rate; warm: the warm read()), measured"
     )?;
     writeln!(report, "# load average after: {}", load_average())?;
-    print!("{report}");
-    if !args.no_write && args.checkpoint.is_none() {
-        let out = Path::new(env!("CARGO_MANIFEST_DIR")).join("results/load-rate.txt");
-        std::fs::write(&out, &report).with_context(|| format!("writing {}", out.display()))?;
-        eprintln!("wrote {}", out.display());
-    }
-    Ok(())
+    bench::emit_report(&report, out.as_deref())
 }

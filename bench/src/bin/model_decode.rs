@@ -2,7 +2,8 @@
 //! measured in the same run.
 //!
 //! ```sh
-//! cargo run --release -p bench --bin model-decode        # writes bench/results/model_decode.txt
+//! cargo run --release -p bench --bin model-decode                     # the table on stdout
+//! cargo run --release -p bench --bin model-decode -- --write-results  # and bench/results/model_decode.txt
 //! cargo run --release -p bench --bin model-decode -- --checkpoint DIR --steps 32
 //! ```
 //!
@@ -25,43 +26,34 @@ use model::exec::sampler::SampleRow;
 use model::exec::{ModelRunner, SeqInput};
 use model::quantize::random_tokens;
 
+/// The CPU decode step at batch 1 against the memory bandwidth measured in the same run; the
+/// table goes to stdout.
+#[derive(clap::Parser, Debug)]
+#[command(name = "model-decode")]
 struct Options {
+    /// A checkpoint folder (default: the generated `mini`, as `model run`).
+    #[arg(long)]
     checkpoint: Option<PathBuf>,
+    /// Decode steps timed per latent-cache type.
+    #[arg(long, default_value_t = 48)]
     steps: usize,
+    /// Prompt tokens prefilled before the timed steps.
+    #[arg(long, default_value_t = 512)]
     prompt: usize,
-    write: bool,
-}
-
-fn options() -> Result<Options> {
-    let mut o = Options {
-        checkpoint: None,
-        steps: 48,
-        prompt: 512,
-        write: true,
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        let mut value = || args.next().with_context(|| format!("{arg} needs a value"));
-        match arg.as_str() {
-            "--checkpoint" => {
-                o.checkpoint = Some(PathBuf::from(value()?));
-                o.write = false;
-            }
-            "--steps" => o.steps = value()?.parse()?,
-            "--prompt" => o.prompt = value()?.parse()?,
-            "--no-write" => o.write = false,
-            other => anyhow::bail!(
-                "unknown option {other} (--checkpoint DIR, --steps N, --prompt N, --no-write)"
-            ),
-        }
-    }
-    Ok(o)
+    /// Also write the table to this file.
+    #[arg(long, conflicts_with = "write_results")]
+    out: Option<PathBuf>,
+    /// Also write the table to bench/results/model_decode.txt (from the repository root; the
+    /// default model only).
+    #[arg(long, conflicts_with = "checkpoint")]
+    write_results: bool,
 }
 
 fn main() -> Result<()> {
     // As `model run` does: its steps' freed activations stay in the heap.
     model::exec::cpu::heap::keep_freed_activations();
-    let o = options()?;
+    let o: Options = clap::Parser::parse();
+    let out = bench::report_path(o.out.as_deref(), o.write_results, "model_decode.txt");
     let (dir, model) = bench::load_model_as_run(o.checkpoint.as_deref())?;
     let c = &model.config;
     let load_start = load_average();
@@ -157,11 +149,5 @@ fn main() -> Result<()> {
     for line in summary {
         writeln!(report, "{line}")?;
     }
-    print!("{report}");
-    if o.write {
-        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("results/model_decode.txt");
-        std::fs::write(&path, report).with_context(|| format!("writing {}", path.display()))?;
-        println!("wrote {}", path.display());
-    }
-    Ok(())
+    bench::emit_report(&report, out.as_deref())
 }

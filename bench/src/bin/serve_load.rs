@@ -4,14 +4,14 @@
 //! requests; then an overload burst past the queue bound. Every valid request must be
 //! answered (200, or 429 in the burst), every malformed one must get a 4xx, the server must
 //! stay up. Before the mix, phase 0 sends one request at a time as soon as `/health` says
-//! ready: the first request must decode as fast as the later ones. Writes
-//! `bench/results/serve_load.txt` (CPU backend; `--backend cuda-emulated` writes
-//! `serve_load-cuda-emulated.txt`).
+//! ready: the first request must decode as fast as the later ones. The report goes to stdout;
+//! `--write-results` also writes `bench/results/serve_load.txt` (CPU backend; `--backend
+//! cuda-emulated` writes `serve_load-cuda-emulated.txt`), `--out PATH` any file.
 //!
 //! ```sh
-//! cargo run --release -p bench --bin serve-load
-//! cargo run --release -p bench --bin serve-load -- --clients 8 --requests-per-client 4 --no-write
-//! cargo run --release -p bench --bin serve-load -- --backend cuda-emulated --no-warm-up --no-write
+//! cargo run --release -p bench --bin serve-load -- --write-results
+//! cargo run --release -p bench --bin serve-load -- --clients 8 --requests-per-client 4
+//! cargo run --release -p bench --bin serve-load -- --backend cuda-emulated --no-warm-up
 //! ```
 
 use std::fmt::Write as _;
@@ -226,34 +226,89 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[rank.min(sorted.len() - 1)]
 }
 
-fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
-        .unwrap_or(f64::NAN)
+/// The value of the samples `selector` picks: `NAME` or `NAME{LABEL="VALUE",…}`, the named
+/// labels among the sample's (every sample carries `model_name`); summed over the samples
+/// picked, NaN if none.
+fn metric(text: &str, selector: &str) -> f64 {
+    let (name, wanted) = selector
+        .split_once('{')
+        .map_or((selector, ""), |(n, l)| (n, l.trim_end_matches('}')));
+    let mut sum = None;
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix(name) else {
+            continue;
+        };
+        let (labels, value) = match rest.strip_prefix('{') {
+            Some(labelled) => match labelled.split_once("} ") {
+                Some(split) => split,
+                None => continue,
+            },
+            None => match rest.strip_prefix(' ') {
+                Some(value) => ("", value),
+                None => continue,
+            },
+        };
+        let picked = wanted
+            .split(',')
+            .filter(|w| !w.is_empty())
+            .all(|w| labels.split(',').any(|l| l == w));
+        if let (true, Ok(value)) = (picked, value.trim().parse::<f64>()) {
+            *sum.get_or_insert(0.0) += value;
+        }
+    }
+    sum.unwrap_or(f64::NAN)
+}
+
+/// The load test's command line.
+#[derive(clap::Parser, Debug)]
+#[command(name = "serve-load")]
+struct Cli {
+    /// Client threads of the mix.
+    #[arg(long, default_value_t = 16)]
+    clients: usize,
+    /// Requests each client sends.
+    #[arg(long, default_value_t = 24)]
+    requests_per_client: usize,
+    /// Simultaneous requests of the overload burst.
+    #[arg(long, default_value_t = 64)]
+    burst: usize,
+    /// Start serving without the server's warm-up request.
+    #[arg(long)]
+    no_warm_up: bool,
+    /// Where the server's model runs.
+    #[arg(long, value_enum, default_value = "cpu")]
+    backend: LoadBackend,
+    /// Also write the report to this file.
+    #[arg(long, conflicts_with = "write_results")]
+    out: Option<std::path::PathBuf>,
+    /// Also write the report to bench/results/serve_load.txt (`--backend cuda-emulated`:
+    /// serve_load-cuda-emulated.txt), from the repository root.
+    #[arg(long)]
+    write_results: bool,
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum LoadBackend {
+    Cpu,
+    CudaEmulated,
 }
 
 fn main() -> Result<()> {
-    let args: Vec<String> = std::env::args().collect();
-    let value = |flag: &str, default: usize| -> usize {
-        args.iter()
-            .position(|a| a == flag)
-            .and_then(|i| args.get(i + 1))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(default)
+    let cli: Cli = clap::Parser::parse();
+    let (clients, per_client, burst) = (cli.clients, cli.requests_per_client, cli.burst);
+    let warm_up = !cli.no_warm_up;
+    let backend = match cli.backend {
+        LoadBackend::Cpu => Backend::Cpu,
+        LoadBackend::CudaEmulated => Backend::CudaEmulated,
     };
-    let clients = value("--clients", 16);
-    let per_client = value("--requests-per-client", 24);
-    let burst = value("--burst", 64);
-    let write = !args.iter().any(|a| a == "--no-write");
-    let warm_up = !args.iter().any(|a| a == "--no-warm-up");
-    let backend = match args.iter().position(|a| a == "--backend") {
-        Some(i) => match args.get(i + 1).map(String::as_str) {
-            Some("cpu") => Backend::Cpu,
-            Some("cuda-emulated") => Backend::CudaEmulated,
-            other => bail!("--backend {other:?}: cpu or cuda-emulated"),
+    let report_path = bench::report_path(
+        cli.out.as_deref(),
+        cli.write_results,
+        &match backend {
+            Backend::Cpu => "serve_load.txt".to_string(),
+            other => format!("serve_load-{}.txt", other.name()),
         },
-        None => Backend::Cpu,
-    };
+    );
     let max_num_seqs = 8;
     let max_waiting = 16;
 
@@ -282,6 +337,7 @@ fn main() -> Result<()> {
                 host: "127.0.0.1".into(),
                 port: 0,
                 served_model_name: "kimi-chat-tiny".into(),
+                api_key: None,
                 shutdown_grace: Duration::from_secs(30),
                 limits: Default::default(),
             },
@@ -461,19 +517,23 @@ fn main() -> Result<()> {
     )?;
     writeln!(
         out,
-        "batch: up to {} sequences in one forward step (kimi_batch_sequences_max), {:.2} on average over {} steps",
-        metric(&metrics_text, "kimi_batch_sequences_max "),
-        metric(&metrics_text, "kimi_batch_sequences_sum ")
-            / metric(&metrics_text, "kimi_batch_sequences_count "),
-        metric(&metrics_text, "kimi_batch_sequences_count "),
+        "batch: up to {} sequences in one forward step (vllm:batch_sequences_max), {:.2} on average over {} steps",
+        metric(&metrics_text, "vllm:batch_sequences_max"),
+        metric(&metrics_text, "vllm:batch_sequences_sum")
+            / metric(&metrics_text, "vllm:batch_sequences_count"),
+        metric(&metrics_text, "vllm:batch_sequences_count"),
     )?;
+    let ended = |reason: &str| {
+        let selector = format!("vllm:request_success_total{{finished_reason=\"{reason}\"}}");
+        metric(&metrics_text, &selector)
+    };
     writeln!(
         out,
         "server counters: {} prompt tokens, {} generated tokens, {} requests finished, {} cancelled (client gone)",
-        metric(&metrics_text, "kimi_prompt_tokens_total "),
-        metric(&metrics_text, "kimi_generation_tokens_total "),
-        metric(&metrics_text, "kimi_requests_finished_total "),
-        metric(&metrics_text, "kimi_requests_cancelled_total "),
+        metric(&metrics_text, "vllm:prompt_tokens_total"),
+        metric(&metrics_text, "vllm:generation_tokens_total"),
+        ended("stop") + ended("length"),
+        ended("abort"),
     )?;
     writeln!(
         out,
@@ -487,18 +547,7 @@ fn main() -> Result<()> {
             f.kind, f.status, f.total, f.detail
         )?;
     }
-    print!("{out}");
-    if write {
-        let name = match backend {
-            Backend::Cpu => "serve_load.txt".to_string(),
-            other => format!("serve_load-{}.txt", other.name()),
-        };
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("results")
-            .join(name);
-        std::fs::write(&path, &out).with_context(|| format!("writing {}", path.display()))?;
-        println!("wrote {}", path.display());
-    }
+    bench::emit_report(&out, report_path.as_deref())?;
     if !failed.is_empty() || other_burst > 0 || health != 200 {
         bail!("the load test failed");
     }

@@ -14,9 +14,18 @@ use std::time::Instant;
 
 use kernels::allreduce::shm::unique_segment_name;
 
+const USAGE: &str = "usage: allreduce-cpu-bench [--ranks 2,4,8] [--sizes 16,64,...] [--out FILE]
+CPU benchmark of the shared-memory all-reduce (rank processes: the sibling allreduce-rank);
+the table goes to stdout, and to FILE with --out.";
+
 const DEFAULT_SIZES: &str = "16,64,256,1024,4096,14336,65536,262144,1048576,4194304,8388608";
 
 fn main() -> ExitCode {
+    // Asking for help runs nothing.
+    if std::env::args().skip(1).any(|a| a == "--help" || a == "-h") {
+        println!("{USAGE}");
+        return ExitCode::SUCCESS;
+    }
     match run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

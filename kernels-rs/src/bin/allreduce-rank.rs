@@ -22,6 +22,13 @@ use kernels::allreduce::cpu::{CpuCommunicator, CpuConfig};
 use kernels::allreduce::testing::{digest, rank_input, residual_input};
 use kernels::allreduce::{Algorithm, AllReduceError, DType, Element, Islands};
 
+const USAGE: &str =
+    "usage: allreduce-rank name=<segment> rank=<r> world=<n> [mode=check|loop|bench]
+    [dtype=bf16|f32] [len=<elements>] [algorithms=all|<id>,<id>] [islands=0,1/2,3]
+    [timeout-ms=<ms>] [capacity=<bytes>] [seed=<u64>] [residual=0|1] [sizes=<bytes>,<bytes>]
+One all-reduce rank as an OS process (started by the multi-process tests and
+allreduce-cpu-bench).";
+
 struct Args(HashMap<String, String>);
 
 impl Args {
@@ -37,6 +44,11 @@ impl Args {
 }
 
 fn main() -> ExitCode {
+    // Asking for help runs nothing.
+    if std::env::args().skip(1).any(|a| a == "--help" || a == "-h") {
+        println!("{USAGE}");
+        return ExitCode::SUCCESS;
+    }
     match run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(message) => {

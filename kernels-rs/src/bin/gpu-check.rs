@@ -110,7 +110,6 @@ fn parse_args() -> Result<Args, String> {
             "--time-budget" => a.time_budget_s = num(value()?)? as f64,
             "--no-timing" => a.timing = false,
             "--prepare-only" => a.prepare_only = true,
-            "-h" | "--help" => return Err(String::new()),
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -605,6 +604,11 @@ impl TacticResult {
 }
 
 fn main() -> ExitCode {
+    // Asking for help runs nothing.
+    if std::env::args().skip(1).any(|a| a == "--help" || a == "-h") {
+        println!("{USAGE}");
+        return ExitCode::SUCCESS;
+    }
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {

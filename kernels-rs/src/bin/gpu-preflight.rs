@@ -11,6 +11,11 @@ use cudarc::driver::CudaContext;
 use cudarc::driver::sys::CUdevice_attribute as A;
 use kernels::cuda::{GpuContext, cublaslt_present, default_ptx_dir, driver_present};
 
+const USAGE: &str = "usage: gpu-preflight
+What a GPU check needs of this machine (driver, devices, peer access, vendor libraries): one
+key=value line each on stdout, a summary on stderr. Exit status: 0 with a usable device, 2
+without a driver or device.";
+
 fn compute_mode(v: i32) -> &'static str {
     match v {
         0 => "default",
@@ -37,6 +42,11 @@ fn library_opens(names: &[&str]) -> bool {
 }
 
 fn main() -> ExitCode {
+    // Asking for help runs nothing.
+    if std::env::args().skip(1).any(|a| a == "--help" || a == "-h") {
+        println!("{USAGE}");
+        return ExitCode::SUCCESS;
+    }
     if !driver_present() {
         println!("driver=absent");
         eprintln!("gpu-preflight: {}", kernels::device::DeviceError::NoDriver);

@@ -24,6 +24,11 @@ use kernels::tactic::Tactic;
 const L: usize = MlaDims::KIMI.latent;
 const R: usize = MlaDims::KIMI.rope;
 
+const USAGE: &str = "usage: mla-gpu-check [--ptx-dir DIR] [--golden-dir DIR] [--tactics SUBSTRING]
+    [--iters N] [--no-timing]
+GPU check of the MLA decode kernels against the goldens, then their bandwidth. Exit status:
+0 all passed, 1 a check failed, 2 nothing could run.";
+
 fn run() -> Result<bool, String> {
     let mut args = std::env::args().skip(1);
     let (mut ptx_dir, mut golden_dir) = (default_ptx_dir(), PathBuf::from("golden/data/mla"));
@@ -223,6 +228,11 @@ fn run() -> Result<bool, String> {
 }
 
 fn main() -> ExitCode {
+    // Asking for help runs nothing.
+    if std::env::args().skip(1).any(|a| a == "--help" || a == "-h") {
+        println!("{USAGE}");
+        return ExitCode::SUCCESS;
+    }
     match run() {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,

@@ -588,7 +588,18 @@ fn fnv1a(bytes: &[u8]) -> String {
     format!("{h:016x}")
 }
 
+const USAGE: &str =
+    "usage: ptx-gate [--out DIR] [--jobs N] [--check] [--family moe_gemm|mla|allreduce]...
+Compile gate of the kernel families with the pinned toolchain: writes ptx/manifest.json and
+the images under ptx/<family>/ (or under --out DIR); --check also fails if the committed
+manifest differs from the one built.";
+
 fn main() -> ExitCode {
+    // Asking for help runs nothing.
+    if std::env::args().skip(1).any(|a| a == "--help" || a == "-h") {
+        println!("{USAGE}");
+        return ExitCode::SUCCESS;
+    }
     let mut args = std::env::args().skip(1);
     let root = repo_root();
     let mut out = root.join("ptx");

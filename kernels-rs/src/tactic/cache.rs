@@ -3,9 +3,15 @@
 //! executor) reads it at start through [`load`].
 //!
 //! A cache that is missing, corrupt, of another format, or stale — written for another SM,
-//! another driver, or other kernel sources than the ones this binary was built from — is never
-//! an error: [`load`] returns a one-line warning and no cache, and the caller uses each
-//! family's [`heuristic_default`](super::Tactic::heuristic_default).
+//! another driver, or other kernel sources than the ones this binary was built from, or before
+//! caches recorded their model — is never an error: [`load`] returns a one-line warning and no
+//! cache, and the caller uses each family's
+//! [`heuristic_default`](super::Tactic::heuristic_default).
+//!
+//! A cache records the model it was tuned for ([`TunedModel`]: a name and the dimensions its
+//! shapes come from). A run of another model is refused by the runtime
+//! ([`TunedModel::differences`]): the file is the wrong one, and its entries, filed under
+//! another model's shapes, would be used for the nearest shapes of this one.
 //!
 //! Figures carry their [`FigureSource`]: a predicted time (the cost model, without a device)
 //! is never presented as measured.
@@ -54,6 +60,35 @@ pub struct Provenance {
     /// The command that wrote the cache.
     #[serde(default)]
     pub command: String,
+    /// The model tuned; `None` in caches written before caches recorded it (stale).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<TunedModel>,
+}
+
+/// The model a cache was tuned for: its name, for messages, and the configuration's dimensions
+/// its problem shapes derive from, which decide whether a run's model is the same.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TunedModel {
+    /// A preset's id (`mini`, `kimi-k2.5`) or the checkpoint folder's name.
+    pub name: String,
+    /// `config.json` keys (`hidden_size`, `n_routed_experts`, …) and their values.
+    pub dims: BTreeMap<String, u64>,
+}
+
+impl TunedModel {
+    /// The dimensions in which `run` differs from this model, `key cached→run` each
+    /// (comma-separated); `None` when the models are the same.
+    pub fn differences(&self, run: &TunedModel) -> Option<String> {
+        let keys: std::collections::BTreeSet<&String> =
+            self.dims.keys().chain(run.dims.keys()).collect();
+        let shown = |v: Option<&u64>| v.map_or("-".to_string(), u64::to_string);
+        let differing: Vec<String> = keys
+            .into_iter()
+            .filter(|k| self.dims.get(*k) != run.dims.get(*k))
+            .map(|k| format!("{k} {}→{}", shown(self.dims.get(k)), shown(run.dims.get(k))))
+            .collect();
+        (!differing.is_empty()).then(|| differing.join(", "))
+    }
 }
 
 /// The tuning result of one (family, SM, shape bucket).
@@ -375,6 +410,19 @@ impl TacticCache {
         if p.kernel_source_hashes.is_empty() && expected.sm != CPU_TARGET {
             return Some("no kernel source hashes in its provenance".to_string());
         }
+        // Which model its shapes are for is unknown: a model's entries would serve the
+        // nearest shapes of any other. Its own command line, rerun, writes the record.
+        if p.model.is_none() {
+            return Some(format!(
+                "records no model it was tuned for (written before caches did); regenerate \
+                 it with its command: {}",
+                if p.command.is_empty() {
+                    "autotune … --out FILE"
+                } else {
+                    &p.command
+                }
+            ));
+        }
         None
     }
 
@@ -458,6 +506,87 @@ mod tests {
         assert!(
             warning.contains("/dev/zero: not a regular file"),
             "{warning}"
+        );
+    }
+}
+
+#[cfg(test)]
+mod model_record_tests {
+    use super::*;
+
+    fn record(name: &str, dims: &[(&str, u64)]) -> TunedModel {
+        TunedModel {
+            name: name.into(),
+            dims: dims.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+        }
+    }
+
+    fn cpu_cache(model: Option<TunedModel>) -> TacticCache {
+        TacticCache {
+            format: FORMAT,
+            provenance: Provenance {
+                gpu_or_cpu_model: "test CPU".into(),
+                sm: CPU_TARGET.into(),
+                driver_version: NO_GPU.into(),
+                cuda_version: NO_GPU.into(),
+                commit: "unknown".into(),
+                manifest_hash: "none".into(),
+                kernel_source_hashes: BTreeMap::new(),
+                command: "autotune --cpu --out cache.json".into(),
+                model,
+            },
+            entries: Vec::new(),
+        }
+    }
+
+    fn cpu_reader() -> Expected {
+        Expected {
+            sm: CPU_TARGET.into(),
+            driver_version: None,
+            kernel_source_hashes: BTreeMap::new(),
+        }
+    }
+
+    #[test]
+    fn differences_name_each_dimension_that_differs_and_none_when_equal() {
+        let a = record("a", &[("hidden_size", 128), ("n_routed_experts", 8)]);
+        let b = record(
+            "b",
+            &[
+                ("hidden_size", 1024),
+                ("n_routed_experts", 8),
+                ("v_head_dim", 64),
+            ],
+        );
+        assert_eq!(a.differences(&a.clone()), None);
+        // The name is not a dimension: the same dimensions under another name are the same model.
+        assert_eq!(
+            a.differences(&TunedModel {
+                name: "other".into(),
+                ..a.clone()
+            }),
+            None
+        );
+        let d = a.differences(&b).unwrap();
+        assert_eq!(d, "hidden_size 128→1024, v_head_dim -→64");
+    }
+
+    #[test]
+    fn a_cache_without_a_model_record_is_stale_and_says_how_to_regenerate() {
+        let old = cpu_cache(None);
+        let why = old.staleness(&cpu_reader()).unwrap();
+        assert!(why.contains("records no model"), "{why}");
+        assert!(why.contains("autotune --cpu --out cache.json"), "{why}");
+        let fresh = cpu_cache(Some(record("mini", &[("hidden_size", 1024)])));
+        assert_eq!(fresh.staleness(&cpu_reader()), None);
+        // The record survives the JSON, and an old file (no `model` key) reads as `None`.
+        let back = TacticCache::from_json(&fresh.to_json()).unwrap();
+        assert_eq!(back, fresh);
+        let text = old.to_json();
+        assert!(!text.contains("\"model\""), "{text}");
+        assert_eq!(
+            TacticCache::from_json(&text).unwrap().provenance.model,
+            None
         );
     }
 }

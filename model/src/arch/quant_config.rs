@@ -18,6 +18,24 @@ pub enum KvCacheQuant {
     Fp8,
 }
 
+/// As `hf_quant_config.json` spells it.
+impl std::fmt::Display for QuantAlgo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Nvfp4 => "NVFP4",
+        })
+    }
+}
+
+/// As `--kv-dtype` spells it.
+impl std::fmt::Display for KvCacheQuant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Fp8 => "fp8",
+        })
+    }
+}
+
 /// ModelOpt's quantization description.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct QuantConfig {

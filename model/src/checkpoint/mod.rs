@@ -4,6 +4,7 @@
 //! memory-mapped; weights are borrowed from the mappings, never copied.
 
 pub mod embedded;
+pub mod hub;
 pub mod nvfp4_file;
 pub mod tensor_file;
 pub mod weights;
@@ -42,6 +43,22 @@ pub enum CheckpointError {
     File(#[from] FileError),
     #[error("{path}: {message}")]
     Invalid { path: PathBuf, message: String },
+    /// A `--checkpoint` (or `flag`) that does not exist or cannot be read.
+    #[error("{flag} {}: {why}", path.display())]
+    Missing {
+        flag: &'static str,
+        path: PathBuf,
+        why: String,
+    },
+    /// A repository id whose files `hf download` has not put in the local cache.
+    #[error(
+        "{flag} {repo}: not in the Hugging Face cache ({looked_in}); download it with `hf download {repo}`"
+    )]
+    NotInHubCache {
+        flag: &'static str,
+        repo: String,
+        looked_in: String,
+    },
 }
 
 #[derive(Deserialize)]
@@ -634,6 +651,7 @@ pub fn load_model(
     let asked = placement(&checkpoint);
     if let Some(copied) = checkpoint.place_weights_timed(asked)
         && shard.rank == 0
+        && crate::start_details::start_details_shown()
     {
         eprintln!(
             "weights: a copy on 2 MiB pages ({copied}; --weights mapped reads the files' mapping)"

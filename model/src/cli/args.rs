@@ -12,8 +12,19 @@ pub enum KvDtypeArg {
     Auto,
     /// Full precision (a reference, not a deployment choice).
     F32,
+    /// Half the bytes of F32; what deployments without an FP8 cache use.
     Bf16,
+    /// FP8 E4M3 with per-token scales: half the bytes of BF16 (vLLM's `fp8`).
     Fp8,
+}
+
+/// `n` and the noun, in the plural unless `n` is 1: `1 token`, `3 tokens`.
+pub fn counted(n: usize, noun: &str) -> String {
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
+    }
 }
 
 pub fn at_least_one(text: &str) -> Result<usize, String> {

@@ -25,12 +25,12 @@ pub fn inspect_checkpoint(dir: &Path) -> Result<()> {
         checkpoint.prefix
     );
     println!(
-        "  {} layers ({} dense), hidden {}, heads {}, q_lora {:?}, kv_lora {}, experts {} (top-{}, {} shared, groups {}/{}), vocab {}",
+        "  {} layers ({} dense), hidden {}, heads {}, q_lora {}, kv_lora {}, experts {} (top-{}, {} shared, groups {}/{}), vocab {}",
         c.num_hidden_layers,
         c.first_k_dense_replace,
         c.hidden_size,
         c.num_attention_heads,
-        c.q_lora_rank,
+        or_none(c.q_lora_rank),
         c.kv_lora_rank,
         c.n_routed_experts,
         c.num_experts_per_tok,
@@ -41,11 +41,11 @@ pub fn inspect_checkpoint(dir: &Path) -> Result<()> {
     );
     match &checkpoint.config.quant {
         Some(q) => println!(
-            "  quantization {:?} group {} (producer {}), KV cache {:?}, {} exclude patterns",
+            "  quantization {} group {} (producer {}), KV cache {}, {} exclude patterns",
             q.quant_algo,
             q.group_size,
-            q.producer.as_deref().unwrap_or("?"),
-            q.kv_cache_quant_algo,
+            q.producer.as_deref().unwrap_or("unknown"),
+            or_none(q.kv_cache_quant_algo),
             q.exclude_modules.len()
         ),
         None => println!("  not quantized"),
@@ -53,7 +53,7 @@ pub fn inspect_checkpoint(dir: &Path) -> Result<()> {
     let mut by_dtype: BTreeMap<String, (usize, usize)> = BTreeMap::new();
     for (name, file) in checkpoint.tensor_names() {
         let info = file.info(name)?;
-        let e = by_dtype.entry(format!("{:?}", info.dtype)).or_default();
+        let e = by_dtype.entry(info.dtype.to_string()).or_default();
         e.0 += 1;
         e.1 += info.numel() * info.dtype.bitsize() / 8;
     }
@@ -74,6 +74,11 @@ pub fn inspect_checkpoint(dir: &Path) -> Result<()> {
     )?;
     println!("  every floating-point weight is finite");
     Ok(())
+}
+
+/// An optional value as plain text: the value, or `none`.
+fn or_none<T: std::fmt::Display>(value: Option<T>) -> String {
+    value.map_or_else(|| "none".to_string(), |v| v.to_string())
 }
 
 /// Fails naming each tensor that holds NaN or Inf (`(tensor, file, first element)`).
@@ -100,7 +105,7 @@ pub fn inspect_file(path: &Path) -> Result<()> {
     let mut by_dtype: BTreeMap<String, (usize, usize)> = BTreeMap::new();
     for name in file.names() {
         let info = file.info(name)?;
-        let entry = by_dtype.entry(format!("{:?}", info.dtype)).or_default();
+        let entry = by_dtype.entry(info.dtype.to_string()).or_default();
         entry.0 += 1;
         entry.1 += info.numel() * info.dtype.bitsize() / 8;
     }
@@ -183,4 +188,17 @@ pub fn quantize_file(input: &Path, output: &Path, force: bool) -> Result<()> {
     stage.commit()?;
     println!("wrote {}", output.display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::arch::config::KvCacheQuant;
+
+    #[test]
+    fn optional_values_print_as_plain_text() {
+        assert_eq!(or_none(Some(64)), "64");
+        assert_eq!(or_none(None::<usize>), "none");
+        assert_eq!(or_none(Some(KvCacheQuant::Fp8)), "fp8");
+    }
 }

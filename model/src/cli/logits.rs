@@ -10,6 +10,7 @@ use safetensors::tensor::TensorView;
 
 use super::args::{KvDtypeArg, kv_dtype_for, resolve_kv_dtype};
 use crate::arch::config::ModelConfig;
+use crate::checkpoint::hub::resolve_checkpoint;
 use crate::checkpoint::writer::{OutputKind, StagedOutput};
 use crate::checkpoint::{Checkpoint, check_tensor_parallel, load_model as load};
 use crate::exec::backend::{Backend, BackendArgs, RunnerSizing, TpArgs, parse_sm};
@@ -21,11 +22,15 @@ use crate::input::{InvalidInput, TokenIds, check_memory, largest_fitting};
 
 #[derive(clap::Args, Clone)]
 pub struct LogitsArgs {
+    /// A checkpoint folder, or a Hugging Face repository id in the local cache
+    /// (`nvidia/Kimi-K2.5-NVFP4`).
     #[arg(long)]
     checkpoint: PathBuf,
     /// Comma-separated token ids.
     #[arg(long)]
     tokens: TokenIds,
+    /// The safetensors file to write (tensor `logits`, float32 `[T, vocab]`); replaced if it
+    /// exists, never inside the checkpoint.
     #[arg(long)]
     out: PathBuf,
     /// Latent cache dtype. Scoring defaults to FP32, the reference; `bf16`/`fp8` (or `auto`,
@@ -47,7 +52,8 @@ pub struct LogitsArgs {
 }
 
 pub fn logits(args: LogitsArgs) -> Result<()> {
-    let (dir, TokenIds(tokens), out) = (&args.checkpoint, &args.tokens, &args.out);
+    let dir = &resolve_checkpoint("--checkpoint", &args.checkpoint)?;
+    let (TokenIds(tokens), out) = (&args.tokens, &args.out);
     args.backend.check_available()?;
     let opened = Checkpoint::open(dir)?;
     let config = opened.model_config().clone();
@@ -132,8 +138,13 @@ pub fn log_gpu_tactics(
         context: context as u32,
         fp8_cache: kv == KvCacheDtype::Fp8E4m3,
     };
+    let lines = crate::exec::tactics::tactic_lines(tactics, config, &run);
+    // None for a CPU cache: the CPU backend logs its tactic.
+    if lines.is_empty() {
+        return;
+    }
     eprintln!("tactics for {sm} (the GPU executor's kernels; this run computes on the CPU):");
-    for line in crate::exec::tactics::tactic_lines(tactics, config, &run) {
+    for line in lines {
         eprintln!("  {line}");
     }
 }

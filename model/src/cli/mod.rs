@@ -1,9 +1,14 @@
 //! The `model` command: its subcommands, their arguments, and how errors become exit codes.
 //!
-//! Errors print as one `Error:` line with the cause chain; the exit code is 2 for input the
-//! engine refuses (arguments, config, checkpoint files, outputs that would destroy an input)
-//! and 1 for a failure while working. A panic is a bug: it is reported the same way with exit
-//! code 1, never Rust's 101.
+//! Errors print as one `Error:` line with the cause chain. Exit codes:
+//! - 0: done (`--help` and `--version` included);
+//! - 1: a failure while working (I/O, a tensor-parallel rank, activations that became NaN or
+//!   Inf, generation that failed), or a check that ran and failed (`compare-logits` beyond its
+//!   bound). A panic is a bug: it is reported the same way with exit code 1, never Rust's 101;
+//! - 2: input refused before any work: a flag clap rejects or a value out of range, a config
+//!   value, a checkpoint that is missing, unreadable, damaged or not in the Hugging Face cache,
+//!   an output that would destroy an input, a plan whose weights do not fit;
+//! - 128 + N: ended by signal N (130 for Ctrl-C) after removing its temporaries.
 
 pub mod args;
 pub mod compare;
@@ -23,6 +28,7 @@ use kernels::files::FileError;
 use crate::arch::config::ConfigError;
 use crate::arch::presets::Preset;
 use crate::checkpoint::CheckpointError;
+pub use crate::checkpoint::hub::resolve_checkpoint;
 use crate::checkpoint::tensor_file::TensorFileError;
 pub use crate::checkpoint::{check_tensor_parallel, load_model as load};
 use crate::exec::error::ExecError;
@@ -85,10 +91,13 @@ pub enum Command {
     },
     /// Write a random-weight model in the Kimi-K2.5-NVFP4 layout.
     GenerateCheckpoint {
+        /// The model's shapes.
         #[arg(long, value_enum)]
         preset: Preset,
+        /// The folder to write (new or empty, unless --force).
         #[arg(long)]
         out: PathBuf,
+        /// Seed of the random weights: the same seed writes the same files.
         #[arg(long, default_value_t = 20261129)]
         seed: u64,
         /// Replace an existing output as a whole (without it, only a new or empty folder).
@@ -99,13 +108,17 @@ pub enum Command {
     /// layout), calibrating `input_scale` on a forward pass. Given a single `.safetensors`
     /// file instead, quantizes each 2-D `*.weight` tensor in it.
     Quantize {
+        /// A BF16 checkpoint folder (or a Hugging Face repository id in the local cache), or
+        /// one `.safetensors` file.
         #[arg(long)]
         input: PathBuf,
         /// A new folder (or file); never the input, inside it, or around it.
         #[arg(long)]
         output: PathBuf,
+        /// Tokens of the calibration forward pass that sets each expert's `input_scale`.
         #[arg(long, default_value_t = 256)]
         calib_tokens: usize,
+        /// Seed of the calibration tokens.
         #[arg(long, default_value_t = 0)]
         seed: u64,
         /// Replace an existing output as a whole (without it, only a new or empty folder).
@@ -119,7 +132,11 @@ pub enum Command {
     /// totals per kernel.
     LaunchList(LaunchListArgs),
     /// Summarize a checkpoint directory or one safetensors file.
-    Inspect { path: PathBuf },
+    Inspect {
+        /// A checkpoint folder, a Hugging Face repository id in the local cache
+        /// (`nvidia/Kimi-K2.5-NVFP4`), or one `.safetensors` file.
+        path: PathBuf,
+    },
 }
 
 /// The `model` binary.
@@ -249,6 +266,7 @@ fn dispatch(cli: Cli) -> Result<()> {
             seed,
             force,
         } => {
+            let input = resolve_checkpoint("--input", &input)?;
             if input.is_file() {
                 inspect::quantize_file(&input, &output, force)
             } else {
@@ -260,11 +278,90 @@ fn dispatch(cli: Cli) -> Result<()> {
         Command::Plan(args) => plan::plan_command(args),
         Command::LaunchList(args) => plan::launch_list_command(args),
         Command::Inspect { path } => {
+            let path = resolve_checkpoint("inspect", &path)?;
             if path.is_dir() {
                 inspect::inspect_checkpoint(&path)
             } else {
                 inspect::inspect_file(&path)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    /// Every argument of every subcommand, at any depth, as `PATH: --flag`, that has no help
+    /// line (clap's own `--help` and `--version` aside).
+    fn arguments_without_help(command: &clap::Command, path: &str, found: &mut Vec<String>) {
+        for arg in command.get_arguments() {
+            let id = arg.get_id().as_str();
+            if id == "help" || id == "version" {
+                continue;
+            }
+            let help = arg.get_help().map(|h| h.to_string()).unwrap_or_default();
+            if help.trim().is_empty() {
+                let name = match arg.get_long() {
+                    Some(long) => format!("--{long}"),
+                    None => id.to_string(),
+                };
+                found.push(format!("{path}: {name}"));
+            }
+        }
+        for sub in command.get_subcommands() {
+            if sub.get_name() == "help" {
+                continue;
+            }
+            let sub_path = format!("{path} {}", sub.get_name());
+            if sub.get_about().is_none() {
+                found.push(format!("{sub_path}: no about line"));
+            }
+            arguments_without_help(sub, &sub_path, found);
+        }
+    }
+
+    #[test]
+    fn every_argument_of_every_subcommand_has_a_help_line() {
+        let command = Cli::command();
+        command.clone().debug_assert();
+        let mut found = Vec::new();
+        arguments_without_help(&command, "model", &mut found);
+        assert!(
+            found.is_empty(),
+            "arguments without help:\n{}",
+            found.join("\n")
+        );
+        // The walk reaches the flattened engine and backend arguments.
+        let chat = command.find_subcommand("chat").unwrap();
+        for flag in ["seed", "temperature", "checkpoint", "backend", "verbose"] {
+            assert!(
+                chat.get_arguments().any(|a| a.get_long() == Some(flag)),
+                "chat has --{flag}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_exit_code_of_a_missing_checkpoint_is_2() {
+        let missing = std::path::Path::new("/nonexistent-checkpoint-folder/of/a/test");
+        let error = anyhow::Error::new(resolve_checkpoint("--checkpoint", missing).unwrap_err());
+        assert_eq!(exit_code(&error), 2);
+        let error = anyhow::Error::new(
+            resolve_checkpoint(
+                "--checkpoint",
+                std::path::Path::new("nobody-owns/this-repo"),
+            )
+            .unwrap_err(),
+        );
+        assert_eq!(exit_code(&error), 2);
+        assert!(
+            error
+                .to_string()
+                .contains("hf download nobody-owns/this-repo"),
+            "{error}"
+        );
     }
 }

@@ -7,22 +7,28 @@ use anyhow::{Context, Result, bail};
 use kernels::mla::cache::KvCacheDtype;
 
 use super::args::{at_least_one, fraction, positive_finite};
+use crate::arch::config::ModelConfig;
 use crate::arch::presets::Preset;
 use crate::arch::shard::TpShard;
+use crate::checkpoint::hub::resolve_checkpoint;
 use crate::checkpoint::{Checkpoint, check_tensor_parallel};
 use crate::exec::backend::parse_sm;
-use crate::exec::plan::{PlanRequest, plan};
+use crate::exec::plan::{GIB, PlanRequest, fewest_gpus_that_fit, plan};
 use crate::input::InvalidInput;
 
 #[derive(clap::Args)]
 pub struct PlanArgs {
+    /// A checkpoint folder, or a Hugging Face repository id in the local cache
+    /// (`nvidia/Kimi-K2.5-NVFP4`): its config is planned (weights are not read).
     #[arg(long, conflicts_with = "preset")]
     checkpoint: Option<PathBuf>,
+    /// A built-in model's shapes instead of a checkpoint.
     #[arg(long, value_enum)]
     preset: Option<Preset>,
     /// GPUs in the tensor-parallel group; the model must split evenly over them.
     #[arg(long, default_value_t = 8, value_parser = at_least_one)]
     gpus: usize,
+    /// Memory of each GPU in GiB (96: RTX PRO 6000).
     #[arg(long, default_value_t = 96.0, value_parser = positive_finite)]
     gpu_mem_gib: f64,
     /// Share of each GPU's memory the engine may use, in (0, 1].
@@ -31,9 +37,10 @@ pub struct PlanArgs {
     /// `bf16` or `fp8`; without it both are shown.
     #[arg(long)]
     kv_dtype: Option<String>,
-    /// Default: the model's max_position_embeddings.
+    /// The context to check for, in tokens. Default: the model's max_position_embeddings.
     #[arg(long, value_parser = at_least_one)]
     max_model_len: Option<usize>,
+    /// Tokens per forward pass the activation workspace is sized for.
     #[arg(long, default_value_t = 8192, value_parser = at_least_one)]
     max_batched_tokens: usize,
     /// Sequences per step (rows of logits the workspace holds).
@@ -43,11 +50,13 @@ pub struct PlanArgs {
 
 #[derive(clap::Args)]
 pub struct LaunchListArgs {
+    /// The built-in model whose step is listed.
     #[arg(long, value_enum, default_value = "kimi-k2.5")]
     preset: Preset,
     /// Ranks of the tensor-parallel group; the list is rank `--rank`'s.
     #[arg(long, default_value_t = 8, value_parser = at_least_one)]
     tp: usize,
+    /// The rank whose launches are listed, in 0..--tp.
     #[arg(long, default_value_t = 0)]
     rank: usize,
     /// Sequences in the decode step.
@@ -162,7 +171,8 @@ pub fn launch_list_command(args: LaunchListArgs) -> Result<()> {
 
 pub fn plan_command(args: PlanArgs) -> Result<()> {
     let (config, nvfp4, model) = match (&args.checkpoint, args.preset) {
-        (Some(dir), _) => {
+        (Some(arg), _) => {
+            let dir = &resolve_checkpoint("--checkpoint", arg)?;
             let checkpoint = Checkpoint::open(dir)?;
             let nvfp4 = checkpoint.config.quant.is_some();
             (checkpoint.model_config().clone(), nvfp4, dir.clone())
@@ -181,18 +191,21 @@ pub fn plan_command(args: PlanArgs) -> Result<()> {
         ],
         None => vec![KvCacheDtype::Bf16, KvCacheDtype::Fp8E4m3],
     };
+    let request = |kv_dtype| PlanRequest {
+        gpus: args.gpus,
+        gpu_mem_gib: args.gpu_mem_gib,
+        memory_utilization: args.memory_utilization,
+        kv_dtype,
+        max_model_len: args.max_model_len.unwrap_or(config.max_position_embeddings),
+        max_batched_tokens: args.max_batched_tokens,
+        max_num_seqs: args.max_num_seqs,
+        nvfp4_experts: nvfp4,
+    };
+    // The weights and reserves do not depend on the cache's dtype: one check for all.
+    check_weights_fit(&config, &request(dtypes[0]))?;
     let mut contexts = Vec::new();
     for kv_dtype in dtypes {
-        let request = PlanRequest {
-            gpus: args.gpus,
-            gpu_mem_gib: args.gpu_mem_gib,
-            memory_utilization: args.memory_utilization,
-            kv_dtype,
-            max_model_len: args.max_model_len.unwrap_or(config.max_position_embeddings),
-            max_batched_tokens: args.max_batched_tokens,
-            max_num_seqs: args.max_num_seqs,
-            nvfp4_experts: nvfp4,
-        };
+        let request = request(kv_dtype);
         let result = plan(&config, &request);
         println!("{}", result.render(&request));
         contexts.push((kv_dtype, result.max_context_tokens));
@@ -206,4 +219,38 @@ pub fn plan_command(args: PlanArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The most GPUs the search for a split that fits tries.
+const MOST_GPUS_SEARCHED: usize = 1024;
+
+/// Refuses a plan whose weights, runtime reserve and activations leave no room for the latent
+/// cache on each GPU, saying how many GPUs would (the same plan, at each split the model
+/// accepts).
+fn check_weights_fit(config: &ModelConfig, request: &PlanRequest) -> Result<()> {
+    let planned = plan(config, request);
+    if planned.weights_fit() {
+        return Ok(());
+    }
+    let splits = |gpus: usize| config.check_tensor_parallel(gpus).is_ok();
+    let need = match fewest_gpus_that_fit(config, request, MOST_GPUS_SEARCHED, splits) {
+        Some(gpus) => format!("need >= {gpus} GPUs"),
+        None => format!(
+            "no split over up to {MOST_GPUS_SEARCHED} GPUs fits; more memory per GPU is needed"
+        ),
+    };
+    let gib = |bytes: f64| bytes / GIB;
+    bail!(InvalidInput(format!(
+        "--gpus {}: weights {:.1} GiB > usable {:.1} GiB per GPU ({:.1} GiB at {:.0}%, less \
+         {:.1} GiB of runtime reserve and {:.1} GiB of activations for --max-batched-tokens \
+         {}); {need}",
+        request.gpus,
+        gib(planned.weights),
+        gib(planned.usable_for_weights()).max(0.0),
+        request.gpu_mem_gib,
+        request.memory_utilization * 100.0,
+        gib(planned.runtime_reserve),
+        gib(planned.activation_reserve),
+        request.max_batched_tokens,
+    )))
 }

@@ -6,13 +6,16 @@ use std::path::{Path, PathBuf};
 use anyhow::Result;
 use kernels::mla::cache::{KvCacheDtype, PAGE_TOKENS};
 
-use super::args::{KvDtypeArg, at_least_one, kv_dtype_for, resolve_kv_dtype, temperature, top_p};
+use super::args::{
+    KvDtypeArg, at_least_one, counted, kv_dtype_for, resolve_kv_dtype, temperature, top_p,
+};
 use crate::arch::config::ModelConfig;
+use crate::checkpoint::hub::resolve_checkpoint;
 use crate::checkpoint::{Checkpoint, check_tensor_parallel, load_model as load};
 use crate::exec::backend::{Backend, BackendArgs, RunnerSizing, TpArgs, parse_sm};
 use crate::exec::device::StepCapacity;
 use crate::exec::footprint::forward_bytes;
-use crate::exec::generate::{GenerationRequest, generate};
+use crate::exec::generate::{GenerationRequest, GenerationResult, StopReason, generate};
 use crate::exec::sampler::SamplingParams;
 use crate::exec::tp::{RankRole, open_ranks};
 use crate::input::{InvalidInput, TokenIds, check_memory, largest_fitting};
@@ -21,7 +24,8 @@ use crate::quantize::random_tokens;
 
 #[derive(clap::Args, Clone)]
 pub struct RunArgs {
-    /// A checkpoint directory; default: the `mini` preset, generated on first use.
+    /// A checkpoint folder, or a Hugging Face repository id in the local cache
+    /// (`nvidia/Kimi-K2.5-NVFP4`); default: the `mini` preset, generated on first use.
     #[arg(long)]
     checkpoint: Option<PathBuf>,
     /// Where the default model is cached.
@@ -30,6 +34,7 @@ pub struct RunArgs {
     /// Comma-separated prompt token ids (default: --prompt-len seeded random tokens).
     #[arg(long)]
     prompt: Option<TokenIds>,
+    /// Tokens of the random prompt when --prompt is not given.
     #[arg(long, default_value_t = 32, value_parser = at_least_one)]
     prompt_len: usize,
     /// New tokens per sequence; prompt plus these must fit the model's context.
@@ -38,14 +43,16 @@ pub struct RunArgs {
     /// Sequences decoded together.
     #[arg(long, default_value_t = 1, value_parser = at_least_one)]
     batch: usize,
-    /// 0 = greedy.
+    /// Sampling temperature, >= 0; 0 = greedy.
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true, value_parser = temperature)]
     temperature: f32,
+    /// Sample among the k most likely tokens only; 0 = no cut.
     #[arg(long, default_value_t = 0)]
     top_k: usize,
     /// Nucleus mass in (0, 1]; 1 = no cut.
     #[arg(long, default_value_t = 1.0, allow_negative_numbers = true, value_parser = top_p)]
     top_p: f32,
+    /// Seed of the random prompt and of sampling; sequence i uses seed + i.
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// The latent cache's dtype (vLLM's `--kv-cache-dtype`).
@@ -143,7 +150,7 @@ fn run_requests(args: &RunArgs, c: &ModelConfig, dir: &Path) -> Result<Vec<Gener
 pub fn run(args: RunArgs) -> Result<()> {
     args.backend.check_available()?;
     let dir = match &args.checkpoint {
-        Some(dir) => dir.clone(),
+        Some(arg) => resolve_checkpoint("--checkpoint", arg)?,
         None => default_checkpoint(args.cache_dir.clone())?,
     };
     let started = std::time::Instant::now();
@@ -217,12 +224,7 @@ pub fn run(args: RunArgs) -> Result<()> {
         print!("{report}");
     }
     for (i, r) in results.iter().enumerate() {
-        println!(
-            "sequence {i}: {:?} ({} tokens): {:?}",
-            r.stop,
-            r.tokens.len(),
-            r.tokens
-        );
+        println!("{}", sequence_line(i, r));
     }
     println!(
         "prefill: {} tokens in {:.3} s = {:.1} tok/s",
@@ -238,6 +240,21 @@ pub fn run(args: RunArgs) -> Result<()> {
         timing.decode_tokens_per_second()
     );
     Ok(())
+}
+
+/// `sequence I: STOP (N tokens): ID,ID,…`: why it stopped (`eos`, the end-of-sequence
+/// token, or `length`, --max-new-tokens) and its ids as `--prompt` takes them.
+fn sequence_line(i: usize, result: &GenerationResult) -> String {
+    let stop = match result.stop {
+        StopReason::Eos => "eos",
+        StopReason::Length => "length",
+    };
+    let ids: Vec<String> = result.tokens.iter().map(u32::to_string).collect();
+    format!(
+        "sequence {i}: {stop} ({}): {}",
+        counted(result.tokens.len(), "token"),
+        ids.join(",")
+    )
 }
 
 fn header(
@@ -260,4 +277,27 @@ fn header(
         backend.backend.name(),
         world
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_sequence_line_is_plain_text_its_ids_as_the_prompt_takes_them() {
+        let result = GenerationResult {
+            tokens: vec![7, 0, 123],
+            stop: StopReason::Length,
+        };
+        let line = sequence_line(2, &result);
+        assert_eq!(line, "sequence 2: length (3 tokens): 7,0,123");
+        let ids = line.rsplit(": ").next().unwrap();
+        let TokenIds(parsed) = ids.parse().unwrap();
+        assert_eq!(parsed, result.tokens);
+        let eos = GenerationResult {
+            tokens: vec![5],
+            stop: StopReason::Eos,
+        };
+        assert_eq!(sequence_line(0, &eos), "sequence 0: eos (1 token): 5");
+    }
 }

@@ -11,13 +11,18 @@ use anyhow::{Context, Result, bail};
 use kernels::mla::cache::KvCacheDtype;
 use serde_json::{Map, Value, json};
 
-use super::args::{at_least_one, temperature, top_p};
+use super::args::{at_least_one, counted, temperature, top_p};
+use crate::checkpoint::hub::{display_name, resolve_checkpoint};
 use crate::exec::backend::{BackendArgs, TpArgs};
 use crate::quantize::generator::cache_base;
 use crate::serve::api::{ChatRequest, SamplingRequest, ToolChoice};
+use crate::serve::engine::TokenEvent;
 use crate::serve::runtime::{Delta, OutputMode, Runtime, checkpoint_name, drive_choice};
-use crate::serve::{ConnectionLimits, RuntimeOptions, ServeOptions, serve};
+use crate::serve::{ApiKey, ConnectionLimits, RuntimeOptions, ServeOptions, serve};
 use crate::text::tokenizer::Tokenizer;
+
+/// The name of the model chat, serve and tokenize use without `--checkpoint`.
+const DEFAULT_CHAT_MODEL: &str = "kimi-chat-tiny";
 
 /// The question the front door asks when `model` runs without arguments.
 pub const DEMO_QUESTION: &str = "What is the capital of France? Answer in one sentence.";
@@ -51,7 +56,11 @@ const CHAT_MODEL_FILES: [(&str, &[u8]); 9] = [
 /// `~/.cache/kimi-sm120`) and checked against the embedded bytes on every later use, unpacked
 /// again when damaged.
 pub fn default_chat_checkpoint(cache_dir: Option<PathBuf>) -> Result<PathBuf> {
-    crate::checkpoint::embedded::unpack(&cache_base(cache_dir), "kimi-chat-tiny", &CHAT_MODEL_FILES)
+    crate::checkpoint::embedded::unpack(
+        &cache_base(cache_dir),
+        DEFAULT_CHAT_MODEL,
+        &CHAT_MODEL_FILES,
+    )
 }
 
 fn checkpoint_or_default(
@@ -59,7 +68,7 @@ fn checkpoint_or_default(
     cache_dir: &Option<PathBuf>,
 ) -> Result<PathBuf> {
     match checkpoint {
-        Some(dir) => Ok(dir.clone()),
+        Some(arg) => Ok(resolve_checkpoint("--checkpoint", arg)?),
         None => default_chat_checkpoint(cache_dir.clone()),
     }
 }
@@ -76,8 +85,9 @@ pub enum ServeKvDtype {
 /// Engine settings shared by `serve` and `chat`.
 #[derive(clap::Args, Clone, Debug)]
 pub struct EngineArgs {
-    /// A checkpoint folder (weights, `tiktoken.model`, `tokenizer_config.json`, chat template);
-    /// default: the small trained `kimi-chat-tiny`.
+    /// A checkpoint folder (weights, `tiktoken.model`, `tokenizer_config.json`, chat template)
+    /// or a Hugging Face repository id in the local cache (`nvidia/Kimi-K2.5-NVFP4`); default:
+    /// the small trained `kimi-chat-tiny`.
     #[arg(long)]
     pub checkpoint: Option<PathBuf>,
     /// Where the default model is unpacked.
@@ -138,8 +148,10 @@ impl EngineArgs {
 pub struct ServeArgs {
     #[command(flatten)]
     pub engine: EngineArgs,
+    /// The address to listen on (`127.0.0.1`: this machine only).
     #[arg(long, default_value = "0.0.0.0")]
     pub host: String,
+    /// The port to listen on (0: any free one, printed at start).
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
     /// The model name clients send and see (default: the checkpoint folder's name).
@@ -161,6 +173,11 @@ pub struct ServeArgs {
     /// connection closes the one idle longest.
     #[arg(long, default_value_t = 512, value_parser = at_least_one)]
     pub max_connections: usize,
+    /// The key every `/v1/*` request must send as `Authorization: Bearer KEY` (401 without);
+    /// `/health` and `/metrics` stay open. The environment variable keeps it out of the
+    /// process list, which shows the flag.
+    #[arg(long, env = "VLLM_API_KEY", hide_env_values = true)]
+    pub api_key: Option<ApiKey>,
 }
 
 pub fn run_serve(args: ServeArgs) -> Result<()> {
@@ -170,8 +187,14 @@ pub fn run_serve(args: ServeArgs) -> Result<()> {
     }
     let name = match &args.served_model_name {
         Some(name) => name.clone(),
-        None if args.engine.checkpoint.is_none() => "kimi-chat-tiny".to_string(),
-        None => checkpoint_name(&runtime_options.checkpoint),
+        None => match &args.engine.checkpoint {
+            None => DEFAULT_CHAT_MODEL.to_string(),
+            // A repository id names the model as clients of vLLM know it.
+            Some(arg) if crate::checkpoint::hub::repo_id(arg).is_some() && !arg.exists() => {
+                display_name(arg, &runtime_options.checkpoint)
+            }
+            Some(_) => checkpoint_name(&runtime_options.checkpoint),
+        },
     };
     serve(
         runtime_options,
@@ -179,6 +202,7 @@ pub fn run_serve(args: ServeArgs) -> Result<()> {
             host: args.host,
             port: args.port,
             served_model_name: name,
+            api_key: args.api_key,
             shutdown_grace: Duration::from_secs(args.shutdown_grace_secs),
             limits: ConnectionLimits {
                 header_read_timeout: Duration::from_secs(args.header_read_timeout_secs),
@@ -200,19 +224,28 @@ pub struct ChatArgs {
     /// A system message (default: the template's).
     #[arg(long)]
     pub system: Option<String>,
+    /// Sampling temperature, >= 0; 0 = greedy.
     #[arg(long, default_value_t = 0.6, value_parser = temperature)]
     pub temperature: f32,
+    /// Nucleus mass in (0, 1]; 1 = no cut.
     #[arg(long, default_value_t = 0.95, value_parser = top_p)]
     pub top_p: f32,
+    /// Sample among the k most likely tokens only; 0 = no cut.
     #[arg(long, default_value_t = 0)]
     pub top_k: usize,
+    /// Seed of sampling, for answers that repeat (default: a random one per answer).
     #[arg(long)]
     pub seed: Option<u64>,
+    /// New tokens per answer at most, reasoning included.
     #[arg(long, default_value_t = 512)]
     pub max_tokens: usize,
     /// Answer without reasoning (`thinking: false` in the template).
     #[arg(long)]
     pub no_thinking: bool,
+    /// Also print the engine's start-up details (weights placement, tactics, cache size), as
+    /// a set `RUST_LOG` does.
+    #[arg(short, long)]
+    pub verbose: bool,
 }
 
 /// Terminal styling: reasoning dimmed when stdout is a terminal.
@@ -230,7 +263,124 @@ impl Style {
     }
 }
 
+/// The commands of a chat session, typed as a line of their own.
+const CHAT_COMMANDS: [(&str, &str); 3] = [
+    ("/help", "list these commands"),
+    (
+        "/reset",
+        "forget the conversation (the system message stays)",
+    ),
+    ("/exit", "end the chat (also Ctrl-D)"),
+];
+
+/// What a line typed in a chat asks for.
+#[derive(Debug, PartialEq, Eq)]
+enum ChatLine {
+    /// Nothing: the prompt again.
+    Empty,
+    Question(String),
+    Help,
+    Reset,
+    Exit,
+    /// A line starting with `/` that is no command: never sent to the model.
+    Unknown(String),
+}
+
+impl ChatLine {
+    fn parse(line: &str) -> Self {
+        let line = line.trim();
+        if line.is_empty() {
+            return Self::Empty;
+        }
+        if !line.starts_with('/') {
+            return Self::Question(line.to_string());
+        }
+        match line {
+            "/help" | "/?" => Self::Help,
+            "/reset" | "/clear" => Self::Reset,
+            "/exit" | "/quit" => Self::Exit,
+            _ => Self::Unknown(line.split_whitespace().next().unwrap_or(line).to_string()),
+        }
+    }
+}
+
+fn chat_help() -> String {
+    CHAT_COMMANDS
+        .iter()
+        .map(|(command, what)| format!("  {command:<8} {what}"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Where the lines of a chat come from: `--prompt` questions, a terminal (line editing and
+/// in-memory history with rustyline), or lines read from a pipe or file.
+enum ChatInput {
+    Prompts(std::vec::IntoIter<String>),
+    Terminal(Box<rustyline::DefaultEditor>),
+    Lines(std::io::StdinLock<'static>),
+}
+
+impl ChatInput {
+    fn new(prompts: Vec<String>) -> Result<Self> {
+        if !prompts.is_empty() {
+            return Ok(Self::Prompts(prompts.into_iter()));
+        }
+        let stdin = std::io::stdin();
+        if stdin.is_terminal() {
+            let editor =
+                rustyline::DefaultEditor::new().context("opening the terminal for line editing")?;
+            return Ok(Self::Terminal(Box::new(editor)));
+        }
+        Ok(Self::Lines(stdin.lock()))
+    }
+
+    fn interactive(&self) -> bool {
+        !matches!(self, Self::Prompts(_))
+    }
+
+    /// The next line, `None` at the end (Ctrl-D, Ctrl-C at the prompt, the end of the input
+    /// or of the questions). Lines that are not typed are echoed after `> `, so that the
+    /// transcript shows what was asked.
+    fn next_line(&mut self) -> Result<Option<String>> {
+        match self {
+            Self::Prompts(questions) => Ok(questions.next().inspect(|q| println!("> {q}"))),
+            Self::Terminal(editor) => match editor.readline("> ") {
+                Ok(line) => {
+                    if !line.trim().is_empty() {
+                        // In memory only: an error here costs the up arrow, not the chat.
+                        let _ = editor.add_history_entry(line.as_str());
+                    }
+                    Ok(Some(line))
+                }
+                Err(rustyline::error::ReadlineError::Eof)
+                | Err(rustyline::error::ReadlineError::Interrupted) => Ok(None),
+                Err(e) => Err(anyhow::Error::new(e).context("reading the terminal")),
+            },
+            Self::Lines(stdin) => {
+                let mut line = String::new();
+                let read = stdin
+                    .read_line(&mut line)
+                    .context("reading stdin (it must be UTF-8 text)")?;
+                if read == 0 {
+                    return Ok(None);
+                }
+                let line = line.trim_end_matches(['\n', '\r']).to_string();
+                if !line.trim().is_empty() {
+                    println!("> {line}");
+                }
+                Ok(Some(line))
+            }
+        }
+    }
+}
+
+/// Whether the engine's start-up details were asked for: `--verbose`, or a set `RUST_LOG`.
+fn start_details_wanted(verbose: bool) -> bool {
+    verbose || std::env::var_os("RUST_LOG").is_some_and(|v| !v.is_empty())
+}
+
 pub fn run_chat(args: ChatArgs) -> Result<()> {
+    crate::start_details::show_start_details(start_details_wanted(args.verbose));
     let mut options = args.engine.runtime_options()?;
     options.max_num_seqs = 1;
     if options.is_follower() {
@@ -242,21 +392,20 @@ pub fn run_chat(args: ChatArgs) -> Result<()> {
     let style = Style {
         tty: std::io::stdout().is_terminal(),
     };
-    let interactive = args.prompt.is_empty();
-    eprintln!(
-        "{}",
-        style.dim(&format!(
-            "model {} loaded in {:.2} s ({}); reasoning is shown dimmed{}",
-            runtime.checkpoint.display(),
-            started.elapsed().as_secs_f64(),
-            options.backend.backend.name(),
-            if interactive {
-                "; /reset clears the conversation, /exit or Ctrl-D quits"
-            } else {
-                ""
-            }
-        ))
+    let mut input = ChatInput::new(args.prompt.clone())?;
+    let model = match &args.engine.checkpoint {
+        Some(arg) => display_name(arg, &options.checkpoint),
+        None => DEFAULT_CHAT_MODEL.to_string(),
+    };
+    let mut start = format!(
+        "{model} loaded in {:.2} s ({})",
+        started.elapsed().as_secs_f64(),
+        options.backend.backend.name(),
     );
+    if input.interactive() {
+        start += "; /help lists the commands, /exit or Ctrl-D ends the chat";
+    }
+    eprintln!("{}", style.dim(&start));
     let tokio = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -265,34 +414,29 @@ pub fn run_chat(args: ChatArgs) -> Result<()> {
         history.push(json!({"role": "system", "content": system}));
     }
     let initial = history.clone();
-    let mut questions = args.prompt.clone().into_iter();
-    let stdin = std::io::stdin();
     loop {
-        let question = if interactive {
-            print!("> ");
-            std::io::stdout().flush()?;
-            let mut line = String::new();
-            if stdin.lock().read_line(&mut line)? == 0 {
+        let Some(line) = input.next_line()? else {
+            if input.interactive() {
                 println!();
-                return Ok(());
             }
-            let line = line.trim().to_string();
-            match line.as_str() {
-                "" => continue,
-                "/exit" | "/quit" => return Ok(()),
-                "/reset" => {
-                    history = initial.clone();
-                    continue;
-                }
-                _ => line,
+            return Ok(());
+        };
+        let question = match ChatLine::parse(&line) {
+            ChatLine::Empty => continue,
+            ChatLine::Question(question) => question,
+            ChatLine::Help => {
+                println!("{}", chat_help());
+                continue;
             }
-        } else {
-            match questions.next() {
-                Some(q) => {
-                    println!("> {q}");
-                    q
-                }
-                None => return Ok(()),
+            ChatLine::Reset => {
+                history = initial.clone();
+                println!("{}", style.dim("(the conversation is forgotten)"));
+                continue;
+            }
+            ChatLine::Exit => return Ok(()),
+            ChatLine::Unknown(command) => {
+                println!("unknown command {command}; /help lists them");
+                continue;
             }
         };
         history.push(json!({"role": "user", "content": question}));
@@ -303,6 +447,37 @@ pub fn run_chat(args: ChatArgs) -> Result<()> {
         }
         history.push(message);
     }
+}
+
+/// The line after an answer: tokens and overall time, when the first token came, and the
+/// decode rate over the tokens after it ((tokens - 1) / the time after the first token; n/a
+/// below two tokens, where there is no time to divide by).
+fn answer_summary(
+    tokens: usize,
+    elapsed: Duration,
+    first_token: Option<Duration>,
+    prompt_tokens: usize,
+    finish_reason: &str,
+) -> String {
+    let mut parts = vec![format!(
+        "{} in {:.2} s",
+        counted(tokens, "token"),
+        elapsed.as_secs_f64()
+    )];
+    if let Some(first) = first_token {
+        parts.push(format!("first after {:.0} ms", first.as_secs_f64() * 1e3));
+    }
+    let after_first = first_token.map(|first| elapsed.saturating_sub(first));
+    parts.push(match after_first {
+        Some(time) if tokens >= 2 && !time.is_zero() => format!(
+            "decode {:.1} tok/s",
+            (tokens - 1) as f64 / time.as_secs_f64()
+        ),
+        _ => "decode tok/s n/a".to_string(),
+    });
+    parts.push(counted(prompt_tokens, "prompt token"));
+    parts.push(format!("finish: {finish_reason}"));
+    format!("[{}]", parts.join("; "))
 }
 
 async fn answer(
@@ -332,6 +507,7 @@ async fn answer(
             stream: true,
             include_usage: false,
             ignore_eos: false,
+            host_sampling: Default::default(),
         },
     };
     let (prompt, thinking, parse_tools) = runtime
@@ -341,20 +517,35 @@ async fn answer(
         .submit(&prompt, &request.sampling)
         .map_err(|e| anyhow::anyhow!(e.message))?;
     let started = Instant::now();
-    let mut first_token: Option<Duration> = None;
+    // The engine's events pass through here to time the first token itself: a token may
+    // print nothing (the reasoning's opening tag), so the first text is not the first token.
+    let mut engine_events = receivers.remove(0);
+    let (events_tx, events) = tokio::sync::mpsc::unbounded_channel();
+    let forward = async move {
+        let mut first_token = None;
+        while let Some(event) = engine_events.recv().await {
+            if matches!(event, TokenEvent::Token(_)) && first_token.is_none() {
+                first_token = Some(started.elapsed());
+            }
+            let last = matches!(event, TokenEvent::Finished { .. } | TokenEvent::Failed(_));
+            if events_tx.send(event).is_err() || last {
+                break;
+            }
+        }
+        first_token
+    };
     let mut reasoning = String::new();
     let mut content = String::new();
     let mut in_reasoning = false;
-    let end = drive_choice(
+    let drive = drive_choice(
         runtime.tokenizer.clone(),
-        receivers.remove(0),
+        events,
         OutputMode::Chat {
             thinking,
             parse_tools,
         },
         Vec::new(),
         |delta| {
-            first_token.get_or_insert_with(|| started.elapsed());
             let mut out = std::io::stdout().lock();
             match delta {
                 Delta::Reasoning(t) => {
@@ -378,21 +569,19 @@ async fn answer(
             let _ = out.flush();
             async { true }
         },
-    )
-    .await;
-    let elapsed = started.elapsed().as_secs_f64();
+    );
+    let (end, first_token) = tokio::join!(drive, forward);
+    let elapsed = started.elapsed();
     println!();
     if let Some(error) = end.error {
         bail!("generation failed: {error}");
     }
-    let decode_time = elapsed - first_token.map_or(0.0, |d| d.as_secs_f64());
     println!(
         "{}",
-        style.dim(&format!(
-            "[{} tokens in {elapsed:.2} s: {:.1} tok/s after a first token at {:.0} ms; {} prompt tokens; finish: {}]",
+        style.dim(&answer_summary(
             end.completion_tokens,
-            end.completion_tokens.saturating_sub(1) as f64 / decode_time.max(1e-9),
-            first_token.map_or(0.0, |d| d.as_secs_f64() * 1e3),
+            elapsed,
+            first_token,
             prompt.len(),
             end.finish_reason
         ))
@@ -402,9 +591,11 @@ async fn answer(
 
 #[derive(clap::Args, Clone, Debug)]
 pub struct TokenizeArgs {
-    /// A folder with `tiktoken.model` (and `tokenizer_config.json`); default: the chat model's.
+    /// A folder with `tiktoken.model` (and `tokenizer_config.json`), or a Hugging Face
+    /// repository id in the local cache; default: the chat model's.
     #[arg(long)]
     pub checkpoint: Option<PathBuf>,
+    /// Where the default model is unpacked.
     #[arg(long, env = "KIMI_SM120_CACHE")]
     pub cache_dir: Option<PathBuf>,
     /// Treat special-token strings as plain text (default: they become control ids, as Kimi's
@@ -439,4 +630,58 @@ pub fn demo_chat_args() -> ChatArgs {
         chat: ChatArgs,
     }
     Wrapper::parse_from(["model", "--prompt", DEMO_QUESTION]).chat
+}
+
+#[cfg(test)]
+mod chat_tests {
+    use super::*;
+
+    #[test]
+    fn lines_starting_with_a_slash_are_commands_never_questions() {
+        assert_eq!(ChatLine::parse("  "), ChatLine::Empty);
+        assert_eq!(
+            ChatLine::parse(" What is 7 + 5? \n"),
+            ChatLine::Question("What is 7 + 5?".into())
+        );
+        assert_eq!(ChatLine::parse("/help"), ChatLine::Help);
+        assert_eq!(ChatLine::parse("/reset\n"), ChatLine::Reset);
+        assert_eq!(ChatLine::parse("/exit"), ChatLine::Exit);
+        assert_eq!(ChatLine::parse("/quit"), ChatLine::Exit);
+        assert_eq!(
+            ChatLine::parse("/resets please"),
+            ChatLine::Unknown("/resets".into())
+        );
+        assert_eq!(ChatLine::parse("/"), ChatLine::Unknown("/".into()));
+        // Every command /help lists is one.
+        for (command, _) in CHAT_COMMANDS {
+            assert!(
+                !matches!(
+                    ChatLine::parse(command),
+                    ChatLine::Unknown(_) | ChatLine::Question(_)
+                ),
+                "{command}"
+            );
+            assert!(chat_help().contains(command));
+        }
+    }
+
+    #[test]
+    fn the_decode_rate_counts_the_tokens_after_the_first_over_the_time_after_it() {
+        let ms = Duration::from_millis;
+        let line = answer_summary(11, ms(1200), Some(ms(200)), 25, "stop");
+        // 10 tokens after the first, in the 1 s after it.
+        assert_eq!(
+            line,
+            "[11 tokens in 1.20 s; first after 200 ms; decode 10.0 tok/s; 25 prompt tokens; \
+             finish: stop]"
+        );
+        // One token: nothing to divide, whatever the clock says.
+        let one = answer_summary(1, ms(300), Some(ms(299)), 1, "length");
+        assert!(one.contains("decode tok/s n/a"), "{one}");
+        assert!(one.starts_with("[1 token in 0.30 s"), "{one}");
+        assert!(one.contains("1 prompt token;"), "{one}");
+        // No token at all, and two tokens in no measurable time.
+        assert!(answer_summary(0, ms(5), None, 3, "error").contains("n/a"));
+        assert!(answer_summary(2, ms(5), Some(ms(5)), 3, "length").contains("n/a"));
+    }
 }

@@ -53,6 +53,8 @@ impl Backend {
 /// The backend options every command that runs the model takes.
 #[derive(clap::Args, Clone, Debug)]
 pub struct BackendArgs {
+    /// Where the forward pass runs: `cpu`, `cuda` (a GPU) or `cuda-emulated` (the GPU's
+    /// kernels run on the CPU).
     #[arg(long, value_enum, default_value = "cpu")]
     pub backend: Backend,
     /// The SM whose kernels and limits `--backend cuda-emulated` runs (120 or 90).
@@ -105,8 +107,10 @@ pub struct TpArgs {
     /// Seconds a rank waits for its peers in a collective before failing.
     #[arg(long, default_value_t = 300)]
     pub tp_timeout_secs: u64,
+    /// This process's rank, given by the launcher of `--tp N` to the ranks it starts.
     #[arg(long, hide = true)]
     pub tp_rank: Option<usize>,
+    /// The shared-memory segment of the ranks' collectives, given by the launcher.
     #[arg(long, hide = true)]
     pub tp_segment: Option<String>,
 }
@@ -272,6 +276,7 @@ impl BackendArgs {
         sizing: RunnerSizing,
         quiet: bool,
     ) -> Result<Box<dyn ModelRunner>> {
+        super::tactics::check_cache_model(self.tactics.as_deref(), &model.config)?;
         match self.backend {
             Backend::Cpu => {
                 let tactic = self
@@ -374,7 +379,7 @@ impl BackendArgs {
         }
         // The tactics of a one-sequence decode step, also what a run without a cache runs.
         let first = selector.select(1, 4096).map_err(refuse)?.executor();
-        if !quiet {
+        if !quiet && crate::start_details::start_details_shown() {
             eprintln!(
                 "device: {}; tactics{}: mla_decode {}, moe_gemm {}, dense {}",
                 dev.describe(),
@@ -498,7 +503,7 @@ fn log_memory<D: kernels::device::Device>(
     kv_dtype: KvCacheDtype,
     quiet: bool,
 ) {
-    if quiet {
+    if quiet || !crate::start_details::start_details_shown() {
         return;
     }
     let bytes = runner.ops().device_bytes();

@@ -44,6 +44,8 @@ pub struct Plan {
     pub kv_bytes_per_token: f64,
     pub runtime_reserve: f64,
     pub activation_reserve: f64,
+    /// The share of a GPU the engine may use (`gpu_mem_gib × memory_utilization`).
+    pub usable: f64,
     pub kv_budget: f64,
     pub max_context_tokens: usize,
     pub fits: bool,
@@ -141,13 +143,39 @@ pub fn plan(c: &ModelConfig, r: &PlanRequest) -> Plan {
         kv_bytes_per_token,
         runtime_reserve: RUNTIME_RESERVE_BYTES,
         activation_reserve,
+        usable,
         kv_budget,
         max_context_tokens,
         fits: max_context_tokens >= r.max_model_len,
     }
 }
 
+/// The fewest GPUs, from `r.gpus` up to `most`, over which `c`'s weights, runtime reserve and
+/// activations leave room for at least one token of latent cache, counting only the GPU
+/// counts `splits` accepts (the model's tensor-parallel split); `None` when none does.
+pub fn fewest_gpus_that_fit(
+    c: &ModelConfig,
+    r: &PlanRequest,
+    most: usize,
+    splits: impl Fn(usize) -> bool,
+) -> Option<usize> {
+    (r.gpus.max(1)..=most)
+        .filter(|&gpus| splits(gpus))
+        .find(|&gpus| plan(c, &PlanRequest { gpus, ..r.clone() }).weights_fit())
+}
+
 impl Plan {
+    /// Whether the weights, the runtime reserve and the activations leave room for at least
+    /// one token of latent cache.
+    pub fn weights_fit(&self) -> bool {
+        self.max_context_tokens > 0
+    }
+
+    /// What is left of a GPU's usable share for the weights.
+    pub fn usable_for_weights(&self) -> f64 {
+        self.usable - self.runtime_reserve - self.activation_reserve
+    }
+
     pub fn render(&self, r: &PlanRequest) -> String {
         let mut s = String::new();
         let gib = |b: f64| b / GIB;
@@ -367,5 +395,52 @@ mod tests {
             fp8.max_context_tokens
         );
         assert!(fp8.max_context_tokens as f64 > 1.7 * bf16.max_context_tokens as f64);
+    }
+
+    /// Kimi at 4 GPUs of 96 GiB holds ~142 GiB of weights each: no room. The answer is the
+    /// first GPU count whose own plan leaves room, and every smaller split leaves none.
+    #[test]
+    fn the_fewest_gpus_are_the_first_count_whose_plan_fits() {
+        let c = Preset::KimiK25.model_config();
+        let four = PlanRequest {
+            gpus: 4,
+            ..request(KvCacheDtype::Bf16, 8192)
+        };
+        let planned = plan(&c, &four);
+        assert!(!planned.weights_fit());
+        assert!(planned.weights > planned.usable_for_weights());
+        let splits = |g: usize| c.check_tensor_parallel(g).is_ok();
+        let n = fewest_gpus_that_fit(&c, &four, 64, splits).expect("some split fits");
+        assert!(
+            plan(
+                &c,
+                &PlanRequest {
+                    gpus: n,
+                    ..four.clone()
+                }
+            )
+            .weights_fit()
+        );
+        assert!(splits(n));
+        for smaller in 4..n {
+            assert!(
+                !splits(smaller)
+                    || !plan(
+                        &c,
+                        &PlanRequest {
+                            gpus: smaller,
+                            ..four.clone()
+                        }
+                    )
+                    .weights_fit(),
+                "{smaller} GPUs already fit"
+            );
+        }
+        // A GPU too small for any split.
+        let tiny = PlanRequest {
+            gpu_mem_gib: 1.0,
+            ..four
+        };
+        assert_eq!(fewest_gpus_that_fit(&c, &tiny, 64, splits), None);
     }
 }

@@ -12,17 +12,22 @@ use std::path::Path;
 use kernels::allreduce::tactic::AllReduceTactic;
 use kernels::arch::Sm;
 use kernels::blas::DenseTactic;
+use kernels::files::{TEXT_FILE_LIMIT, read_text_bounded};
 use kernels::layers::LayersTactic;
 use kernels::mla::MlaSplitTactic;
 use kernels::mla::cache::KvCacheDtype;
 use kernels::moe_gemm::MoeGemmTactic;
-use kernels::tactic::cache::{self, CacheLookup, Chosen, Expected};
+use kernels::tactic::cache::{
+    self, CPU_TARGET, CacheLookup, Chosen, Expected, TacticCache, TunedModel,
+};
 use kernels::tactic::{KernelFamily, ProblemShape, Tactic};
 
 use crate::arch::config::ModelConfig;
 use crate::arch::names;
+use crate::arch::presets::Preset;
 use crate::exec::device::support::{ExecutorTactics, device_expert_inter};
 use crate::exec::error::ExecError;
+use crate::input::InvalidInput;
 
 /// Decode batches the lab tunes for.
 pub const BATCHES: [u32; 6] = [1, 4, 8, 16, 32, 64];
@@ -206,6 +211,100 @@ pub fn shapes(cfg: &ModelConfig, tp: u32, family: KernelFamily) -> Vec<ProblemSh
     out
 }
 
+/// The record a tactic cache keeps of the model `cfg` it is tuned for, named `name`: the
+/// dimensions every family's shapes (and the CPU decode step) derive from.
+pub fn tuned_model(name: &str, cfg: &ModelConfig) -> TunedModel {
+    let dims = [
+        ("vocab_size", cfg.vocab_size),
+        ("hidden_size", cfg.hidden_size),
+        ("intermediate_size", cfg.intermediate_size),
+        ("moe_intermediate_size", cfg.moe_intermediate_size),
+        ("num_hidden_layers", cfg.num_hidden_layers),
+        ("num_attention_heads", cfg.num_attention_heads),
+        ("n_routed_experts", cfg.n_routed_experts),
+        ("n_shared_experts", cfg.n_shared_experts),
+        ("num_experts_per_tok", cfg.num_experts_per_tok),
+        ("first_k_dense_replace", cfg.first_k_dense_replace),
+        // 0: queries from a plain `q_proj`.
+        ("q_lora_rank", cfg.q_lora_rank.unwrap_or(0)),
+        ("kv_lora_rank", cfg.kv_lora_rank),
+        ("qk_nope_head_dim", cfg.qk_nope_head_dim),
+        ("qk_rope_head_dim", cfg.qk_rope_head_dim),
+        ("v_head_dim", cfg.v_head_dim),
+    ];
+    TunedModel {
+        name: name.to_string(),
+        dims: dims
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v as u64))
+            .collect(),
+    }
+}
+
+/// The preset whose dimensions `cfg` has, if any: a model's name where its checkpoint's folder
+/// is not at hand (or is a cache folder with a version or checksum in its name).
+pub fn preset_named(cfg: &ModelConfig) -> Option<Preset> {
+    let dims = tuned_model("", cfg).dims;
+    <Preset as clap::ValueEnum>::value_variants()
+        .iter()
+        .copied()
+        .find(|p| tuned_model("", &p.model_config()).dims == dims)
+}
+
+/// The name a cache records for the model of `cfg` read from `folder` (or a preset): the
+/// preset's id where the dimensions are a preset's, else the folder's name.
+pub fn model_record_name(cfg: &ModelConfig, folder: Option<&Path>) -> String {
+    match (preset_named(cfg), folder.and_then(Path::file_name)) {
+        (Some(p), _) => p.id().to_string(),
+        (None, Some(name)) => name.to_string_lossy().into_owned(),
+        (None, None) => "unnamed".to_string(),
+    }
+}
+
+/// The cache at `path` as written, fresh or not; `None` where it cannot be read or parsed (its
+/// loader says why).
+fn parsed_cache(path: &Path) -> Option<TacticCache> {
+    let text = read_text_bounded(path, TEXT_FILE_LIMIT).ok()?;
+    TacticCache::from_json(&text).ok()
+}
+
+/// Refuses a run of the model `cfg` given the tactic cache at `path` when the cache records
+/// another model: its entries would be taken, nearest shape first, for this model's shapes
+/// (the CPU decode entry of any model, the GPU families' wherever the fixed dimensions agree).
+/// A cache that cannot be read, or records no model, passes: its loader warns and the run
+/// uses the defaults.
+pub fn check_cache_model(path: Option<&Path>, cfg: &ModelConfig) -> Result<(), InvalidInput> {
+    let Some((path, cache)) = path.and_then(|p| Some((p, parsed_cache(p)?))) else {
+        return Ok(());
+    };
+    let Some(tuned) = &cache.provenance.model else {
+        return Ok(());
+    };
+    let run = tuned_model("", cfg);
+    match tuned.differences(&run) {
+        None => Ok(()),
+        Some(differences) => Err(InvalidInput(format!(
+            "--tactics {}: tuned for model {} but this run's model is {} (dimensions differ, \
+             the cache's→this run's: {differences}); \
+             tune this model into a cache of its own (`autotune --cpu --checkpoint DIR --out \
+             FILE` for the CPU, `autotune --sm 120 --checkpoint DIR --out FILE` for a GPU) or \
+             leave out --tactics",
+            path.display(),
+            tuned.name,
+            match preset_named(cfg) {
+                Some(p) => p.id().to_string(),
+                None => format!(
+                    "the checkpoint's ({} layers, hidden {}, {} experts top-{})",
+                    cfg.num_hidden_layers,
+                    cfg.hidden_size,
+                    cfg.n_routed_experts,
+                    cfg.num_experts_per_tok
+                ),
+            },
+        ))),
+    }
+}
+
 /// One run's view of the tactic cache (`--tactics FILE`): the SM its GPU executor targets and
 /// the shapes of this run.
 pub struct RunShapes {
@@ -220,12 +319,23 @@ pub struct RunShapes {
 
 /// Reads the tactic cache at `path` (or none) and says, one line per GPU family, the tactic
 /// the GPU executor uses for this run's shapes: the cache's winner, or the heuristic default
-/// after a one-line warning when the cache is missing, corrupt or stale. Never fails.
+/// after a one-line warning when the cache is missing, corrupt or stale. Never fails. No lines
+/// for a cache of the CPU kernels (it has no GPU families: the CPU backend logs its tactic) or
+/// of another model (the run refuses it: [`check_cache_model`]).
 pub fn tactic_lines(path: Option<&Path>, cfg: &ModelConfig, run: &RunShapes) -> Vec<String> {
+    if check_cache_model(path, cfg).is_err() {
+        return Vec::new();
+    }
     let lookup = match path {
         Some(p) => cache::load(p, &Expected::for_sm(run.sm, None)),
         None => CacheLookup::none(),
     };
+    if lookup.cache.is_none()
+        && let Some(p) = path
+        && parsed_cache(p).is_some_and(|c| c.provenance.sm == CPU_TARGET)
+    {
+        return Vec::new();
+    }
     let mut lines = Vec::new();
     if let Some(w) = &lookup.warning {
         lines.push(w.clone());
@@ -543,6 +653,33 @@ impl TacticSelector {
             }
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod model_record_tests {
+    use super::*;
+
+    /// A preset's dimensions name it, whatever folder it was read from; another model is named
+    /// by its folder; models of the same widths but other depths are different models.
+    #[test]
+    fn records_name_presets_by_id_and_other_models_by_folder() {
+        let mini = Preset::Mini.model_config();
+        assert_eq!(preset_named(&mini), Some(Preset::Mini));
+        assert_eq!(
+            model_record_name(&mini, Some(Path::new("/somewhere/mini-0.1.0"))),
+            "mini"
+        );
+        let mut other = mini.clone();
+        other.hidden_size = 512;
+        assert_eq!(preset_named(&other), None);
+        assert_eq!(
+            model_record_name(&other, Some(Path::new("/somewhere/my-model"))),
+            "my-model"
+        );
+        let deep = tuned_model("mini-deep", &Preset::MiniDeep.model_config());
+        let differences = tuned_model("mini", &mini).differences(&deep).unwrap();
+        assert_eq!(differences, "num_hidden_layers 6→61");
     }
 }
 

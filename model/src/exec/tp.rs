@@ -132,10 +132,12 @@ pub fn open_ranks(
     let local = backend
         .open_runner(&model, Some(&group), sizing, quiet)
         // The watcher may know more than the join saw (a stopped rank it ended).
-        .map_err(|e| match followers.failure_within(Duration::from_millis(100)) {
-            Some(failed) => e.context(failed),
-            None => e,
-        })?;
+        .map_err(
+            |e| match followers.failure_within(Duration::from_millis(100)) {
+                Some(failed) => e.context(failed),
+                None => e,
+            },
+        )?;
     Ok(RankRole::Lead(Box::new(TpLeader {
         local,
         followers,

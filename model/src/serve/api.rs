@@ -6,6 +6,8 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value, json};
 
+use crate::exec::sampler::HostSampling;
+
 /// An OpenAI-style error response.
 #[derive(Debug, Clone)]
 pub struct ApiError {
@@ -153,6 +155,8 @@ pub struct SamplingRequest {
     pub include_usage: bool,
     /// vLLM's `ignore_eos`: generate `max_tokens` past the stop tokens (benchmarks).
     pub ignore_eos: bool,
+    /// Penalties, `min_tokens` and logprobs (the top-N count under both endpoints' spelling).
+    pub host_sampling: HostSampling,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -188,6 +192,173 @@ pub struct CompletionRequest {
 }
 
 const MAX_N: usize = 16;
+
+/// The most top logprobs a token gets (OpenAI's `top_logprobs` bound, vLLM's default
+/// `max_logprobs`).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// Which endpoint a body is for: `logprobs` is a boolean in chat, a count in completions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Endpoint {
+    Chat,
+    Completions,
+}
+
+/// Fields the server reads (or, like `user`, accepts and ignores as OpenAI does).
+const HONOURED: &[&str] = &[
+    "model",
+    "messages",
+    "prompt",
+    "echo",
+    "tools",
+    "tool_choice",
+    "chat_template_kwargs",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "n",
+    "best_of",
+    "stream",
+    "stream_options",
+    "ignore_eos",
+    "logprobs",
+    "top_logprobs",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    // Bookkeeping that changes no output.
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "prompt_cache_key",
+    "safety_identifier",
+    "request_id",
+    "cache_salt",
+    "add_special_tokens",
+    "spaces_between_special_tokens",
+    "skip_special_tokens",
+];
+
+fn is_false(v: &Value) -> bool {
+    v == &Value::Bool(false)
+}
+
+fn is_true(v: &Value) -> bool {
+    v == &Value::Bool(true)
+}
+
+fn is_empty(v: &Value) -> bool {
+    match v {
+        Value::String(s) => s.is_empty(),
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty(),
+        _ => false,
+    }
+}
+
+fn is_number(v: &Value, value: f64) -> bool {
+    v.as_f64() == Some(value)
+}
+
+/// Whether a field's value asks for nothing the server skips.
+type Harmless = fn(&Value) -> bool;
+
+/// Fields OpenAI or vLLM define that this server does not honour, each with the values that
+/// ask for nothing it skips (null always does): any other value is refused, naming the field,
+/// rather than answered as if it had been followed.
+const NOT_HONOURED: &[(&str, Harmless)] = &[
+    ("response_format", |v| {
+        v.as_object()
+            .is_some_and(|o| o.len() == 1 && o.get("type") == Some(&json!("text")))
+    }),
+    ("logit_bias", is_empty),
+    ("prompt_logprobs", |_| false),
+    ("suffix", is_empty),
+    ("audio", |_| false),
+    ("modalities", |v| v == &json!(["text"])),
+    ("prediction", |_| false),
+    ("functions", is_empty),
+    ("function_call", |v| {
+        v == &json!("none") || v == &json!("auto")
+    }),
+    ("parallel_tool_calls", is_true),
+    ("reasoning_effort", |_| false),
+    ("web_search_options", |_| false),
+    ("verbosity", |_| false),
+    ("include_reasoning", is_true),
+    ("min_p", |v| is_number(v, 0.0)),
+    ("use_beam_search", is_false),
+    ("length_penalty", |v| is_number(v, 1.0)),
+    ("stop_token_ids", is_empty),
+    ("include_stop_str_in_output", is_false),
+    ("allowed_token_ids", is_empty),
+    ("bad_words", is_empty),
+    ("logits_processors", is_empty),
+    ("truncate_prompt_tokens", |_| false),
+    ("return_tokens_as_token_ids", is_false),
+    ("return_token_ids", is_false),
+    ("prompt_embeds", |_| false),
+    ("chat_template", |_| false),
+    ("documents", |_| false),
+    ("continue_final_message", is_false),
+    ("add_generation_prompt", is_true),
+    ("guided_json", |_| false),
+    ("guided_regex", |_| false),
+    ("guided_choice", |_| false),
+    ("guided_grammar", |_| false),
+    ("guided_decoding_backend", |_| false),
+    ("guided_whitespace_pattern", |_| false),
+    ("structured_outputs", |_| false),
+    ("structural_tag", |_| false),
+    ("priority", |v| is_number(v, 0.0)),
+    ("mm_processor_kwargs", is_empty),
+    ("kv_transfer_params", |_| false),
+    ("vllm_xargs", is_empty),
+];
+
+/// Refuses a field the server would not honour; warns (once per request) of fields neither
+/// OpenAI nor vLLM defines, which are ignored, as vLLM ignores them.
+fn check_fields(body: &Map<String, Value>, endpoint: Endpoint) -> Result<(), ApiError> {
+    let mut unknown = Vec::new();
+    for (key, value) in body {
+        // Completions count their top logprobs in `logprobs`; neither API has this there.
+        let foreign = endpoint == Endpoint::Completions && key == "top_logprobs";
+        if HONOURED.contains(&key.as_str()) && !foreign {
+            continue;
+        }
+        if let Some((field, harmless)) = NOT_HONOURED.iter().find(|(field, _)| field == key) {
+            if !value.is_null() && !harmless(value) {
+                return Err(ApiError::invalid(
+                    *field,
+                    format!("`{field}` is not supported by this server (got {value})"),
+                ));
+            }
+            continue;
+        }
+        unknown.push(format!("`{key}`"));
+    }
+    // Chat has no `echo` of OpenAI's; vLLM's repeats the last message, which this server
+    // does not.
+    if endpoint == Endpoint::Chat && present(body, "echo").is_some_and(|v| !is_false(v)) {
+        return Err(ApiError::invalid(
+            "echo",
+            "`echo` is not supported by this server's chat completions",
+        ));
+    }
+    if !unknown.is_empty() {
+        eprintln!(
+            "warning: the request's fields {} are not in OpenAI's or vLLM's API: ignored",
+            unknown.join(", ")
+        );
+    }
+    Ok(())
+}
 
 /// Parses a body as a JSON object.
 pub fn parse_body(bytes: &[u8]) -> Result<Map<String, Value>, ApiError> {
@@ -273,6 +444,7 @@ fn opt_integer(body: &Map<String, Value>, key: &'static str) -> Result<Option<i6
 
 fn parse_sampling(
     body: &Map<String, Value>,
+    endpoint: Endpoint,
     default_max_tokens: Option<usize>,
 ) -> Result<SamplingRequest, ApiError> {
     // `max_completion_tokens` wins over the deprecated `max_tokens`.
@@ -379,12 +551,24 @@ fn parse_sampling(
             ));
         }
     };
-    if opt_bool(body, "logprobs")?.unwrap_or(false) {
+    // `best_of` candidates, the best `n` returned: only `best_of == n` is what runs.
+    if let Some(best_of) = opt_integer(body, "best_of")?
+        && best_of != n
+    {
         return Err(ApiError::invalid(
-            "logprobs",
-            "`logprobs` are not supported by this server",
+            "best_of",
+            format!(
+                "`best_of` must equal `n` ({n}): this server returns every sequence it generates, got {best_of}"
+            ),
         ));
     }
+    let host_sampling = HostSampling {
+        repetition_penalty: parse_repetition_penalty(body)?,
+        frequency_penalty: parse_penalty(body, "frequency_penalty")?,
+        presence_penalty: parse_penalty(body, "presence_penalty")?,
+        min_tokens: parse_min_tokens(body, max_tokens)?,
+        logprobs: parse_logprobs(body, endpoint)?,
+    };
     Ok(SamplingRequest {
         max_tokens,
         temperature,
@@ -396,7 +580,99 @@ fn parse_sampling(
         stream,
         include_usage,
         ignore_eos,
+        host_sampling,
     })
+}
+
+/// `frequency_penalty` or `presence_penalty`: OpenAI's range, -2 to 2 (0 is off).
+fn parse_penalty(body: &Map<String, Value>, key: &'static str) -> Result<f32, ApiError> {
+    let requested = opt_number(body, key)?.unwrap_or(0.0);
+    if !(-2.0..=2.0).contains(&requested) {
+        return Err(ApiError::invalid(
+            key,
+            format!("`{key}` must be between -2 and 2, got {requested}"),
+        ));
+    }
+    Ok(requested as f32)
+}
+
+/// vLLM's `repetition_penalty`: above 0 (1 is off), finite as the sampler holds it.
+fn parse_repetition_penalty(body: &Map<String, Value>) -> Result<f32, ApiError> {
+    let requested = opt_number(body, "repetition_penalty")?.unwrap_or(1.0);
+    let penalty = requested as f32;
+    if !(penalty.is_normal() && penalty > 0.0) {
+        return Err(ApiError::invalid(
+            "repetition_penalty",
+            format!(
+                "`repetition_penalty` must be a finite number above 0 (1 is off), got {requested}"
+            ),
+        ));
+    }
+    Ok(penalty)
+}
+
+/// vLLM's `min_tokens`: at least 0, at most `max_tokens`.
+fn parse_min_tokens(
+    body: &Map<String, Value>,
+    max_tokens: Option<usize>,
+) -> Result<usize, ApiError> {
+    let min_tokens = opt_integer(body, "min_tokens")?.unwrap_or(0);
+    if min_tokens < 0 {
+        return Err(ApiError::invalid(
+            "min_tokens",
+            format!("`min_tokens` must be at least 0, got {min_tokens}"),
+        ));
+    }
+    let min_tokens = min_tokens as usize;
+    if let Some(max) = max_tokens
+        && min_tokens > max
+    {
+        return Err(ApiError::invalid(
+            "min_tokens",
+            format!("`min_tokens` ({min_tokens}) must not exceed `max_tokens` ({max})"),
+        ));
+    }
+    Ok(min_tokens)
+}
+
+/// How many top logprobs each token gets, `None` for no logprobs. Chat: `logprobs` a boolean
+/// and `top_logprobs` the count; completions: `logprobs` the count.
+fn parse_logprobs(
+    body: &Map<String, Value>,
+    endpoint: Endpoint,
+) -> Result<Option<usize>, ApiError> {
+    let in_range = |key: &'static str, n: i64| {
+        usize::try_from(n)
+            .ok()
+            .filter(|&n| n <= MAX_TOP_LOGPROBS)
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    key,
+                    format!("`{key}` must be between 0 and {MAX_TOP_LOGPROBS}, got {n}"),
+                )
+            })
+    };
+    match endpoint {
+        Endpoint::Chat => {
+            let logprobs = opt_bool(body, "logprobs")?.unwrap_or(false);
+            let top = opt_integer(body, "top_logprobs")?
+                .map(|n| in_range("top_logprobs", n))
+                .transpose()?;
+            match (logprobs, top) {
+                (false, Some(top)) if top > 0 => Err(ApiError::invalid(
+                    "top_logprobs",
+                    "`top_logprobs` needs `logprobs: true`",
+                )),
+                (false, _) => Ok(None),
+                (true, top) => Ok(Some(top.unwrap_or(0))),
+            }
+        }
+        // `false` is read as chat spells "none"; `true` names no count.
+        Endpoint::Completions if present(body, "logprobs") == Some(&Value::Bool(false)) => Ok(None),
+        Endpoint::Completions => opt_integer(body, "logprobs")?
+            .map(|n| in_range("logprobs", n))
+            .transpose(),
+    }
 }
 
 const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
@@ -621,13 +897,14 @@ pub fn parse_chat(body: &Map<String, Value>) -> Result<ChatRequest, ApiError> {
             ));
         }
     };
+    check_fields(body, Endpoint::Chat)?;
     Ok(ChatRequest {
         model,
         messages,
         tools,
         tool_choice,
         template_kwargs,
-        sampling: parse_sampling(body, None)?,
+        sampling: parse_sampling(body, Endpoint::Chat, None)?,
     })
 }
 
@@ -660,11 +937,21 @@ pub fn parse_completion(body: &Map<String, Value>) -> Result<CompletionRequest, 
     if matches!(&prompt, PromptInput::Text(t) if t.is_empty()) {
         return Err(ApiError::invalid("prompt", "`prompt` must not be empty"));
     }
+    let echo = opt_bool(body, "echo")?.unwrap_or(false);
+    let sampling = parse_sampling(body, Endpoint::Completions, Some(16))?;
+    // Echoed logprobs would be the prompt's too (its `prompt_logprobs`), which are not computed.
+    if echo && sampling.host_sampling.logprobs.is_some() {
+        return Err(ApiError::invalid(
+            "echo",
+            "`echo` with `logprobs` is not supported by this server (the prompt's logprobs are not computed)",
+        ));
+    }
+    check_fields(body, Endpoint::Completions)?;
     Ok(CompletionRequest {
         model,
         prompt,
-        echo: opt_bool(body, "echo")?.unwrap_or(false),
-        sampling: parse_sampling(body, Some(16))?,
+        echo,
+        sampling,
     })
 }
 
@@ -785,6 +1072,178 @@ mod tests {
             assert_eq!(r.template_kwargs["thinking"], json!(on), "{value}");
         }
         assert!(thinking_requested(&Map::new()));
+    }
+
+    fn completion(body: Value) -> Result<CompletionRequest, ApiError> {
+        parse_completion(body.as_object().unwrap())
+    }
+
+    #[test]
+    fn logprobs_are_a_boolean_in_chat_and_a_count_in_completions() {
+        let user = json!([{"role": "user", "content": "hi"}]);
+        let host = |body: Value| chat(body).unwrap().sampling.host_sampling;
+        assert_eq!(host(json!({"messages": user})).logprobs, None);
+        assert_eq!(
+            host(json!({"messages": user, "logprobs": true})).logprobs,
+            Some(0)
+        );
+        assert_eq!(
+            host(json!({"messages": user, "logprobs": true, "top_logprobs": 20})).logprobs,
+            Some(20)
+        );
+        assert_eq!(
+            host(json!({"messages": user, "logprobs": false, "top_logprobs": 0})).logprobs,
+            None
+        );
+        let prompt = |body: Value| completion(body).unwrap().sampling.host_sampling;
+        assert_eq!(
+            prompt(json!({"prompt": "a", "logprobs": 3})).logprobs,
+            Some(3)
+        );
+        assert_eq!(
+            prompt(json!({"prompt": "a", "logprobs": 0})).logprobs,
+            Some(0)
+        );
+        assert_eq!(prompt(json!({"prompt": "a"})).logprobs, None);
+        assert_eq!(
+            prompt(json!({"prompt": "a", "logprobs": false})).logprobs,
+            None
+        );
+        let chat_cases = [
+            (json!({"messages": user, "logprobs": 2}), "logprobs"),
+            (
+                json!({"messages": user, "logprobs": true, "top_logprobs": 21}),
+                "top_logprobs",
+            ),
+            (
+                json!({"messages": user, "logprobs": true, "top_logprobs": -1}),
+                "top_logprobs",
+            ),
+            (json!({"messages": user, "top_logprobs": 3}), "top_logprobs"),
+        ];
+        for (body, param) in chat_cases {
+            let err = chat(body.clone()).unwrap_err();
+            assert_eq!(err.param.as_deref(), Some(param), "{body}: {}", err.message);
+        }
+        let completion_cases = [
+            (json!({"prompt": "a", "logprobs": true}), "logprobs"),
+            (json!({"prompt": "a", "logprobs": 21}), "logprobs"),
+            (json!({"prompt": "a", "logprobs": -1}), "logprobs"),
+            (json!({"prompt": "a", "logprobs": 1, "echo": true}), "echo"),
+        ];
+        for (body, param) in completion_cases {
+            let err = completion(body.clone()).unwrap_err();
+            assert_eq!(err.param.as_deref(), Some(param), "{body}: {}", err.message);
+        }
+    }
+
+    #[test]
+    fn penalties_and_min_tokens_parse_within_vllms_ranges() {
+        let user = json!([{"role": "user", "content": "hi"}]);
+        let r = chat(
+            json!({"messages": user, "frequency_penalty": -2, "presence_penalty": 1.5,
+            "repetition_penalty": 1.25, "min_tokens": 4, "max_tokens": 4}),
+        )
+        .unwrap();
+        assert_eq!(
+            r.sampling.host_sampling,
+            HostSampling {
+                repetition_penalty: 1.25,
+                frequency_penalty: -2.0,
+                presence_penalty: 1.5,
+                min_tokens: 4,
+                logprobs: None,
+            }
+        );
+        assert_eq!(
+            chat(json!({"messages": user}))
+                .unwrap()
+                .sampling
+                .host_sampling,
+            HostSampling::default()
+        );
+        // Without max_tokens (chat), min_tokens has no ceiling here.
+        let r = chat(json!({"messages": user, "min_tokens": 5000})).unwrap();
+        assert_eq!(r.sampling.host_sampling.min_tokens, 5000);
+        let cases = [
+            (json!({"frequency_penalty": 2.01}), "frequency_penalty"),
+            (json!({"frequency_penalty": "x"}), "frequency_penalty"),
+            (json!({"presence_penalty": -2.5}), "presence_penalty"),
+            (json!({"repetition_penalty": 0}), "repetition_penalty"),
+            (json!({"repetition_penalty": -1.0}), "repetition_penalty"),
+            (json!({"repetition_penalty": 1e300}), "repetition_penalty"),
+            (json!({"min_tokens": -1}), "min_tokens"),
+            (json!({"min_tokens": 9, "max_tokens": 8}), "min_tokens"),
+        ];
+        for (extra, param) in cases {
+            let mut body = extra.clone();
+            body["messages"] = user.clone();
+            let err = chat(body).unwrap_err();
+            assert_eq!(
+                err.param.as_deref(),
+                Some(param),
+                "{extra}: {}",
+                err.message
+            );
+        }
+        // Completions default to 16 tokens, and min_tokens is held to that.
+        let err = completion(json!({"prompt": "a", "min_tokens": 17})).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("min_tokens"));
+    }
+
+    #[test]
+    fn fields_the_server_does_not_honour_are_refused_and_unknown_ones_accepted() {
+        let user = json!([{"role": "user", "content": "hi"}]);
+        let refused = [
+            (
+                json!({"response_format": {"type": "json_object"}}),
+                "response_format",
+            ),
+            (
+                json!({"response_format": {"type": "json_schema", "json_schema": {}}}),
+                "response_format",
+            ),
+            (json!({"logit_bias": {"42": 100}}), "logit_bias"),
+            (json!({"prompt_logprobs": 1}), "prompt_logprobs"),
+            (json!({"prompt_logprobs": 0}), "prompt_logprobs"),
+            (json!({"best_of": 3}), "best_of"),
+            (json!({"best_of": 2, "n": 3}), "best_of"),
+            (json!({"guided_json": {"type": "object"}}), "guided_json"),
+            (json!({"stop_token_ids": [5]}), "stop_token_ids"),
+            (json!({"min_p": 0.1}), "min_p"),
+            (json!({"parallel_tool_calls": false}), "parallel_tool_calls"),
+            (json!({"echo": true}), "echo"),
+        ];
+        for (extra, param) in refused {
+            let mut body = extra.clone();
+            body["messages"] = user.clone();
+            let err = chat(body).unwrap_err();
+            assert_eq!(err.status, StatusCode::BAD_REQUEST);
+            assert_eq!(
+                err.param.as_deref(),
+                Some(param),
+                "{extra}: {}",
+                err.message
+            );
+            assert!(err.message.contains(param), "{}", err.message);
+        }
+        let accepted = [
+            json!({"response_format": {"type": "text"}}),
+            json!({"logit_bias": {}}),
+            json!({"prompt_logprobs": null}),
+            json!({"best_of": 2, "n": 2}),
+            json!({"user": "someone", "metadata": {"k": "v"}, "store": false}),
+            json!({"parallel_tool_calls": true, "min_p": 0, "echo": false}),
+            json!({"not_in_any_schema": 1, "another_one": [2]}),
+        ];
+        for extra in accepted {
+            let mut body = extra.clone();
+            body["messages"] = user.clone();
+            chat(body).unwrap_or_else(|e| panic!("{extra}: {}", e.message));
+        }
+        let err = completion(json!({"prompt": "a", "suffix": "z"})).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("suffix"));
+        completion(json!({"prompt": "a", "suffix": "", "top_logprobs": 2})).unwrap();
     }
 
     #[test]

@@ -18,8 +18,10 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use super::api::{ApiError, SamplingRequest};
 use super::engine::TokenEvent;
-use super::runtime::{ChoiceEnd, Delta, OutputMode, drive_choice};
+use super::runtime::{ChoiceEnd, Delta, OutputMode, drive_choice_scored};
 use super::state::Shared;
+use crate::exec::sampler::TokenLogprobs;
+use crate::text::tokenizer::Tokenizer;
 
 /// The tasks generating one request's choices. Dropping it aborts them, and with them their
 /// engine receivers, so the engine frees their sequences at its next step. It lives in the
@@ -73,6 +75,8 @@ pub(super) struct Collected {
     pub(super) reasoning: String,
     pub(super) content: String,
     pub(super) tool_calls: Vec<(String, String, String)>,
+    /// Every generated token's, where the request asked for logprobs.
+    pub(super) logprobs: Vec<TokenLogprobs>,
 }
 
 impl Collected {
@@ -103,22 +107,32 @@ pub(super) async fn collect_choices(
     state: &Shared,
     receivers: Vec<mpsc::UnboundedReceiver<TokenEvent>>,
     mode: OutputMode,
-    stops: &[String],
+    sampling: &SamplingRequest,
 ) -> Result<Vec<(Collected, ChoiceEnd)>, ApiError> {
     let mut tasks = ChoiceTasks(
         receivers
             .into_iter()
             .map(|events| {
                 let tokenizer = state.runtime.tokenizer.clone();
-                let stops = stops.to_vec();
+                let stops = sampling.stop.clone();
+                let min_tokens = sampling.host_sampling.min_tokens;
                 let grace_over = state.grace_over.clone();
                 tokio::spawn(async move {
                     let mut collected = Collected::default();
-                    let driven = drive_choice(tokenizer, events, mode, stops, |delta| {
-                        collected.apply(delta);
-                        async { true }
-                    });
-                    let end = unless_grace_over(grace_over, driven).await?;
+                    let driven = drive_choice_scored(
+                        tokenizer,
+                        events,
+                        mode,
+                        stops,
+                        min_tokens,
+                        |delta, logprobs| {
+                            collected.apply(delta);
+                            collected.logprobs.extend(logprobs);
+                            async { true }
+                        },
+                    );
+                    let (end, rest) = unless_grace_over(grace_over, driven).await?;
+                    collected.logprobs.extend(rest);
                     Some((collected, end))
                 })
             })
@@ -196,12 +210,26 @@ pub(super) fn stream_response(
         }
     };
     let mut tasks = Vec::new();
+    let wants_logprobs = sampling.host_sampling.logprobs.is_some();
     for (index, events) in receivers.into_iter().enumerate() {
         let tx = tx.clone();
         let chunk = chunk.clone();
         let state = state.clone();
         let stops = sampling.stop.clone();
+        let min_tokens = sampling.host_sampling.min_tokens;
         tasks.push(tokio::spawn(async move {
+            let tokenizer = state.runtime.tokenizer.clone();
+            // The text offset of a completion's tokens runs on from chunk to chunk.
+            let mut text_logprobs = TextLogprobs::default();
+            let mut logprobs_json = |tokens: &[TokenLogprobs]| -> Value {
+                if !wants_logprobs {
+                    Value::Null
+                } else if chat {
+                    chat_logprobs(&tokenizer, tokens)
+                } else {
+                    text_logprobs.render(&tokenizer, tokens)
+                }
+            };
             if chat {
                 let role = json!({"index": index, "delta": {"role": "assistant", "content": ""},
                                   "logprobs": null, "finish_reason": null});
@@ -209,13 +237,18 @@ pub(super) fn stream_response(
                     return StreamedChoice::ClientGone;
                 }
             }
-            let driven = drive_choice(state.runtime.tokenizer.clone(), events, mode, stops, |delta| {
+            let driven = drive_choice_scored(state.runtime.tokenizer.clone(), events, mode, stops, min_tokens, |delta, tokens| {
                 let payload = if chat { chat_delta(&delta) } else { text_delta(&delta) };
+                // A delta with no text of its own still carries its tokens' logprobs.
+                let payload = payload.or_else(|| {
+                    (!tokens.is_empty()).then(|| if chat { json!({}) } else { json!("") })
+                });
                 let event = payload.map(|delta_json| {
+                    let logprobs = logprobs_json(&tokens);
                     chunk(if chat {
-                        json!({"index": index, "delta": delta_json, "logprobs": null, "finish_reason": null})
+                        json!({"index": index, "delta": delta_json, "logprobs": logprobs, "finish_reason": null})
                     } else {
-                        json!({"index": index, "text": delta_json, "logprobs": null, "finish_reason": null})
+                        json!({"index": index, "text": delta_json, "logprobs": logprobs, "finish_reason": null})
                     })
                 });
                 let tx = tx.clone();
@@ -227,7 +260,7 @@ pub(super) fn stream_response(
                     }
                 }
             });
-            let Some(end) = unless_grace_over(state.grace_over.clone(), driven).await else {
+            let Some((end, rest)) = unless_grace_over(state.grace_over.clone(), driven).await else {
                 return StreamedChoice::Cut;
             };
             if end.finish_reason == "abort" {
@@ -240,10 +273,12 @@ pub(super) fn stream_response(
                 let _ = tx.send(Ok(Event::default().data(error.to_string()))).await;
                 return StreamedChoice::Ended(end);
             }
+            // The tokens after the last delta (a stop token, text a stop string cut).
+            let logprobs = if rest.is_empty() { Value::Null } else { logprobs_json(&rest) };
             let last = if chat {
-                json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": end.finish_reason})
+                json!({"index": index, "delta": {}, "logprobs": logprobs, "finish_reason": end.finish_reason})
             } else {
-                json!({"index": index, "text": "", "logprobs": null, "finish_reason": end.finish_reason})
+                json!({"index": index, "text": "", "logprobs": logprobs, "finish_reason": end.finish_reason})
             };
             if tx.send(Ok(chunk(last))).await.is_err() {
                 return StreamedChoice::ClientGone;
@@ -296,7 +331,8 @@ pub(super) fn stream_response(
 
 pub(super) fn chat_delta(delta: &Delta) -> Option<Value> {
     Some(match delta {
-        Delta::Reasoning(t) => json!({"reasoning": t}),
+        // vLLM sends both names: `reasoning` now, `reasoning_content` as before.
+        Delta::Reasoning(t) => json!({"reasoning": t, "reasoning_content": t}),
         Delta::Content(t) => json!({"content": t}),
         Delta::ToolCallStart { index, id, name } => json!({"tool_calls": [{
             "index": index, "id": id, "type": "function",
@@ -310,5 +346,73 @@ pub(super) fn text_delta(delta: &Delta) -> Option<Value> {
     match delta {
         Delta::Content(t) | Delta::Reasoning(t) => Some(Value::String(t.clone())),
         _ => None,
+    }
+}
+
+/// A logprob as JSON: vLLM's -9999 where it is -inf (JSON has no infinity).
+fn logprob_json(logprob: f32) -> Value {
+    json!(if logprob.is_finite() {
+        logprob
+    } else {
+        -9999.0
+    })
+}
+
+/// A token's text (bytes that are not UTF-8 on their own as U+FFFD) and its bytes.
+fn token_text(tokenizer: &Tokenizer, id: u32) -> (String, Vec<u8>) {
+    let bytes = tokenizer.token_bytes(id).unwrap_or_default();
+    (String::from_utf8_lossy(&bytes).into_owned(), bytes)
+}
+
+/// OpenAI's chat `logprobs`: `{"content": [{token, logprob, bytes, top_logprobs: [{token,
+/// logprob, bytes}]}]}`, one entry per token.
+pub(super) fn chat_logprobs(tokenizer: &Tokenizer, tokens: &[TokenLogprobs]) -> Value {
+    let entry = |id: u32, logprob: f32| {
+        let (token, bytes) = token_text(tokenizer, id);
+        json!({"token": token, "logprob": logprob_json(logprob), "bytes": bytes})
+    };
+    let content: Vec<Value> = tokens
+        .iter()
+        .map(|t| {
+            let mut e = entry(t.token, t.logprob);
+            e["top_logprobs"] = t.top.iter().map(|&(id, lp)| entry(id, lp)).collect();
+            e
+        })
+        .collect();
+    json!({"content": content})
+}
+
+/// OpenAI's completions `logprobs` (`tokens`, `token_logprobs`, `top_logprobs` as one
+/// token-to-logprob object per token, the drawn token's included, and `text_offset`), with
+/// the text offset carried from one rendered piece to the next.
+#[derive(Default)]
+pub(super) struct TextLogprobs {
+    /// Characters of the tokens rendered so far.
+    offset: usize,
+}
+
+impl TextLogprobs {
+    pub(super) fn render(&mut self, tokenizer: &Tokenizer, tokens: &[TokenLogprobs]) -> Value {
+        let mut texts = Vec::with_capacity(tokens.len());
+        let mut logprobs = Vec::with_capacity(tokens.len());
+        let mut tops = Vec::with_capacity(tokens.len());
+        let mut offsets = Vec::with_capacity(tokens.len());
+        for t in tokens {
+            let (text, _) = token_text(tokenizer, t.token);
+            offsets.push(self.offset);
+            self.offset += text.chars().count();
+            let mut top = serde_json::Map::new();
+            for &(id, lp) in &t.top {
+                top.entry(token_text(tokenizer, id).0)
+                    .or_insert_with(|| logprob_json(lp));
+            }
+            top.entry(text.clone())
+                .or_insert_with(|| logprob_json(t.logprob));
+            texts.push(text);
+            logprobs.push(logprob_json(t.logprob));
+            tops.push(Value::Object(top));
+        }
+        json!({"tokens": texts, "token_logprobs": logprobs, "top_logprobs": tops,
+               "text_offset": offsets})
     }
 }

@@ -8,6 +8,7 @@
 //! admission, so a running sequence never runs out of cache. Requests whose receiver is gone
 //! (the client disconnected, or the server stopped reading) are freed before the next step.
 
+use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
@@ -15,14 +16,15 @@ use std::time::Instant;
 
 use kernels::mla::cache::{PAGE_TOKENS, SeqId};
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::exec::ops::SeqInput;
+use crate::exec::ops::{LogitRows, SeqInput};
 use crate::exec::runner::ModelRunner;
-use crate::exec::sampler::{Sampler, SamplingParams};
+use crate::exec::sampler::{Drawn, HostSampling, Sampler, SamplingParams, TokenLogprobs};
 
 #[derive(Clone, Copy, Debug)]
 pub struct EngineConfig {
@@ -51,6 +53,8 @@ pub enum FinishReason {
 /// What the engine sends back for one request.
 #[derive(Clone, Debug, PartialEq)]
 pub enum TokenEvent {
+    /// The logprobs of the token that comes next (where the request asked for them).
+    Logprobs(TokenLogprobs),
     Token(u32),
     Finished {
         reason: FinishReason,
@@ -61,9 +65,13 @@ pub enum TokenEvent {
 }
 
 pub struct EngineRequest {
+    /// The id the request's end is logged under (`None`: not logged, as in `model chat`).
+    pub request_id: Option<String>,
     pub prompt: Vec<u32>,
     pub max_new_tokens: usize,
     pub sampling: SamplingParams,
+    /// Penalties, `min_tokens` and logprobs: drawn on the host (the default: none).
+    pub host_sampling: HostSampling,
     pub stop_ids: Vec<u32>,
     pub events: UnboundedSender<TokenEvent>,
 }
@@ -82,19 +90,59 @@ pub enum SubmitError {
     Failed(String),
 }
 
-/// Serving metrics, exported in the Prometheus text format.
+/// Why a request left the engine: vLLM's `finished_reason` label values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RequestEnd {
+    /// A stop token.
+    Stop,
+    /// `max_new_tokens` reached.
+    Length,
+    /// Its receiver went away: the client hung up, a stop string ended it, or the drain's
+    /// grace period cut it.
+    Abort,
+    /// The engine failed it.
+    Error,
+}
+
+impl RequestEnd {
+    pub const ALL: [Self; 4] = [Self::Stop, Self::Length, Self::Abort, Self::Error];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+            Self::Abort => "abort",
+            Self::Error => "error",
+        }
+    }
+}
+
+impl From<FinishReason> for RequestEnd {
+    fn from(reason: FinishReason) -> Self {
+        match reason {
+            FinishReason::Stop => Self::Stop,
+            FinishReason::Length => Self::Length,
+        }
+    }
+}
+
+type FinishedReasonLabel = [(&'static str, &'static str); 1];
+
+/// Serving metrics under vLLM's names (`vllm:` prefix, a `model_name` label), exported in the
+/// OpenMetrics text format.
 pub struct EngineMetrics {
-    pub registry: Mutex<Registry>,
     pub running: Gauge,
     pub waiting: Gauge,
+    /// Reserved latent cache pages over all pages, 0 to 1.
+    pub kv_cache_usage: Gauge<f64, AtomicU64>,
     pub kv_pages_used: Gauge,
     pub kv_pages_total: Gauge,
     pub prompt_tokens: Counter,
     pub generation_tokens: Counter,
-    pub requests_finished: Counter,
-    pub requests_cancelled: Counter,
+    request_success: Family<FinishedReasonLabel, Counter>,
     pub time_to_first_token: Histogram,
     pub inter_token_latency: Histogram,
+    pub e2e_request_latency: Histogram,
     pub batch_sequences: Histogram,
     /// The most sequences one step held.
     pub max_batch_sequences: Gauge,
@@ -109,94 +157,171 @@ impl EngineMetrics {
             ])
         };
         let metrics = Self {
-            registry: Mutex::new(Registry::with_prefix("kimi")),
             running: Gauge::default(),
             waiting: Gauge::default(),
+            kv_cache_usage: Gauge::default(),
             kv_pages_used: Gauge::default(),
             kv_pages_total: Gauge::default(),
             prompt_tokens: Counter::default(),
             generation_tokens: Counter::default(),
-            requests_finished: Counter::default(),
-            requests_cancelled: Counter::default(),
+            request_success: Family::default(),
             time_to_first_token: latency(),
             inter_token_latency: latency(),
+            // vLLM's buckets: a request runs from a fraction of a second to hours.
+            e2e_request_latency: Histogram::new([
+                0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+            ]),
             batch_sequences: Histogram::new([1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0]),
             max_batch_sequences: Gauge::default(),
             steps: AtomicU64::new(0),
         };
-        {
-            let mut r = metrics.registry.lock().expect("fresh lock");
-            r.register(
-                "num_requests_running",
-                "Sequences in the decode batch",
-                metrics.running.clone(),
-            );
-            r.register(
-                "num_requests_waiting",
-                "Requests waiting for admission",
-                metrics.waiting.clone(),
-            );
-            r.register(
-                "kv_cache_pages_used",
-                "Latent cache pages reserved by sequences",
-                metrics.kv_pages_used.clone(),
-            );
-            r.register(
-                "kv_cache_pages_total",
-                "Latent cache pages",
-                metrics.kv_pages_total.clone(),
-            );
-            r.register(
-                "prompt_tokens",
-                "Prompt tokens prefilled",
-                metrics.prompt_tokens.clone(),
-            );
-            r.register(
-                "generation_tokens",
-                "Tokens generated",
-                metrics.generation_tokens.clone(),
-            );
-            r.register(
-                "requests_finished",
-                "Requests that ran to a stop token or their length",
-                metrics.requests_finished.clone(),
-            );
-            r.register(
-                "requests_cancelled",
-                "Requests dropped because their client went away",
-                metrics.requests_cancelled.clone(),
-            );
-            r.register(
-                "time_to_first_token_seconds",
-                "Arrival to first generated token",
-                metrics.time_to_first_token.clone(),
-            );
-            r.register(
-                "inter_token_latency_seconds",
-                "Time between tokens of one sequence",
-                metrics.inter_token_latency.clone(),
-            );
-            r.register(
-                "batch_sequences",
-                "Sequences in each forward step",
-                metrics.batch_sequences.clone(),
-            );
-            r.register(
-                "batch_sequences_max",
-                "The most sequences one forward step held",
-                metrics.max_batch_sequences.clone(),
+        // Every reason's sample exists from the start, at 0, as vLLM's do: a rate over a
+        // counter that appears mid-way misses its first increments.
+        for end in RequestEnd::ALL {
+            drop(
+                metrics
+                    .request_success
+                    .get_or_create(&[("finished_reason", end.label())]),
             );
         }
         metrics
     }
 
-    /// The Prometheus text exposition.
-    pub fn render(&self) -> String {
+    /// Requests that ended for `end` so far.
+    pub fn requests_ended(&self, end: RequestEnd) -> u64 {
+        self.request_success
+            .get_or_create(&[("finished_reason", end.label())])
+            .get()
+    }
+
+    fn request_ended(&self, end: RequestEnd, latency: std::time::Duration) {
+        self.request_success
+            .get_or_create(&[("finished_reason", end.label())])
+            .inc();
+        self.e2e_request_latency.observe(latency.as_secs_f64());
+    }
+
+    /// The OpenMetrics text exposition (ending in `# EOF`), every sample labelled with
+    /// `model_name`.
+    pub fn render(&self, model_name: &str) -> String {
+        let model_name = [(
+            Cow::Borrowed("model_name"),
+            Cow::Owned(escape_label_value(model_name)),
+        )];
+        let mut r = Registry::with_labels(model_name.into_iter());
+        r.register(
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches",
+            self.running.clone(),
+        );
+        r.register(
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed",
+            self.waiting.clone(),
+        );
+        r.register(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage",
+            self.kv_cache_usage.clone(),
+        );
+        r.register(
+            "vllm:kv_cache_pages_used",
+            "Latent cache pages reserved by sequences",
+            self.kv_pages_used.clone(),
+        );
+        r.register(
+            "vllm:kv_cache_pages_total",
+            "Latent cache pages",
+            self.kv_pages_total.clone(),
+        );
+        r.register(
+            "vllm:prompt_tokens",
+            "Number of prefill tokens processed",
+            self.prompt_tokens.clone(),
+        );
+        r.register(
+            "vllm:generation_tokens",
+            "Number of generation tokens processed",
+            self.generation_tokens.clone(),
+        );
+        r.register(
+            "vllm:request_success",
+            "Count of processed requests by finished reason (abort: the client went away or a stop string ended it)",
+            self.request_success.clone(),
+        );
+        r.register(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds",
+            self.time_to_first_token.clone(),
+        );
+        r.register(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds",
+            self.inter_token_latency.clone(),
+        );
+        r.register(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds",
+            self.e2e_request_latency.clone(),
+        );
+        r.register(
+            "vllm:batch_sequences",
+            "Sequences in each forward step",
+            self.batch_sequences.clone(),
+        );
+        r.register(
+            "vllm:batch_sequences_max",
+            "The most sequences one forward step held",
+            self.max_batch_sequences.clone(),
+        );
         let mut out = String::new();
-        let registry = self.registry.lock().expect("metrics lock");
-        prometheus_client::encoding::text::encode(&mut out, &registry)
-            .expect("writing to a String");
+        prometheus_client::encoding::text::encode(&mut out, &r).expect("writing to a String");
         out
+    }
+}
+
+/// A label value as the exposition format quotes it (the encoder writes values as given).
+fn escape_label_value(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// What the per-request log line says of a request that left the engine.
+struct EndedRequest<'a> {
+    id: Option<&'a str>,
+    end: RequestEnd,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    arrived: Instant,
+    first_token_at: Option<Instant>,
+    last_token_at: Option<Instant>,
+}
+
+impl EndedRequest<'_> {
+    /// `request ID finished: finish_reason=…, prompt_tokens=…, completion_tokens=…, ttft=…s,
+    /// decode=… tok/s, e2e=…s`; `n/a` where there is no measure (no token, or one).
+    fn log_line(&self, now: Instant) -> Option<String> {
+        let id = self.id?;
+        let ttft = self.first_token_at.map_or("n/a".to_string(), |first| {
+            format!("{:.3}s", (first - self.arrived).as_secs_f64())
+        });
+        let decode = match (self.first_token_at, self.last_token_at) {
+            (Some(first), Some(last)) if self.completion_tokens > 1 && last > first => format!(
+                "{:.1} tok/s",
+                (self.completion_tokens - 1) as f64 / (last - first).as_secs_f64()
+            ),
+            _ => "n/a".to_string(),
+        };
+        Some(format!(
+            "request {id} finished: finish_reason={}, prompt_tokens={}, completion_tokens={}, ttft={ttft}, decode={decode}, e2e={:.3}s",
+            self.end.label(),
+            self.prompt_tokens,
+            self.completion_tokens,
+            (now - self.arrived).as_secs_f64(),
+        ))
     }
 }
 
@@ -331,12 +456,39 @@ struct Running {
     prefilled: usize,
     generated: Vec<u32>,
     arrived: Instant,
+    first_token_at: Option<Instant>,
     last_token_at: Option<Instant>,
 }
 
 impl Running {
     fn prefill_done(&self) -> bool {
         self.prefilled == self.request.prompt.len()
+    }
+
+    fn ended(&self, end: RequestEnd) -> EndedRequest<'_> {
+        EndedRequest {
+            id: self.request.request_id.as_deref(),
+            end,
+            prompt_tokens: self.request.prompt.len(),
+            completion_tokens: self.generated.len(),
+            arrived: self.arrived,
+            first_token_at: self.first_token_at,
+            last_token_at: self.last_token_at,
+        }
+    }
+}
+
+impl Pending {
+    fn ended(&self, end: RequestEnd) -> EndedRequest<'_> {
+        EndedRequest {
+            id: self.request.request_id.as_deref(),
+            end,
+            prompt_tokens: self.request.prompt.len(),
+            completion_tokens: 0,
+            arrived: self.arrived,
+            first_token_at: None,
+            last_token_at: None,
+        }
     }
 }
 
@@ -461,12 +613,24 @@ impl Engine {
         if let Ok(mut state) = self.state.lock() {
             *state = EngineState::Failed(why.clone());
         }
-        for r in self.running.drain(..) {
+        for r in std::mem::take(&mut self.running) {
             let _ = r.request.events.send(TokenEvent::Failed(why.clone()));
+            self.record_end(r.ended(RequestEnd::Error));
         }
         for p in std::mem::take(&mut self.waiting) {
             let _ = p.request.events.send(TokenEvent::Failed(why.clone()));
             self.waiting_count.fetch_sub(1, Ordering::SeqCst);
+            self.record_end(p.ended(RequestEnd::Error));
+        }
+    }
+
+    /// Counts a request that left the engine and logs its line (one per request, as vLLM's
+    /// server does: its id, token counts, time to first token, decode speed, finish reason).
+    fn record_end(&self, ended: EndedRequest<'_>) {
+        let now = Instant::now();
+        self.metrics.request_ended(ended.end, now - ended.arrived);
+        if let Some(line) = ended.log_line(now) {
+            eprintln!("{line}");
         }
     }
 
@@ -482,18 +646,20 @@ impl Engine {
     }
 
     fn drop_cancelled(&mut self) {
-        let before = self.waiting.len();
-        self.waiting.retain(|p| !p.request.events.is_closed());
-        for _ in self.waiting.len()..before {
+        let (gone, staying) = std::mem::take(&mut self.waiting)
+            .into_iter()
+            .partition(|p| p.request.events.is_closed());
+        self.waiting = staying;
+        for p in gone {
             self.dequeued();
-            self.metrics.requests_cancelled.inc();
+            self.record_end(p.ended(RequestEnd::Abort));
         }
         let mut i = 0;
         while i < self.running.len() {
             if self.running[i].request.events.is_closed() {
                 let gone = self.running.swap_remove(i);
                 let _ = self.runner.free_sequence(gone.seq);
-                self.metrics.requests_cancelled.inc();
+                self.record_end(gone.ended(RequestEnd::Abort));
             } else {
                 i += 1;
             }
@@ -520,15 +686,22 @@ impl Engine {
                     .events
                     .send(TokenEvent::Failed(e.to_string()));
                 let _ = self.runner.free_sequence(seq);
+                self.record_end(pending.ended(RequestEnd::Error));
                 continue;
             }
             self.running.push(Running {
-                sampler: Sampler::new(pending.request.sampling),
+                sampler: Sampler::with_host(
+                    pending.request.sampling,
+                    pending.request.host_sampling.clone(),
+                    &pending.request.prompt,
+                    &pending.request.stop_ids,
+                ),
                 request: pending.request,
                 seq,
                 prefilled: 0,
                 generated: Vec::new(),
                 arrived: pending.arrived,
+                first_token_at: None,
                 last_token_at: None,
             });
         }
@@ -537,9 +710,16 @@ impl Engine {
     fn update_gauges(&self) {
         self.metrics.running.set(self.running.len() as i64);
         self.metrics.waiting.set(self.waiting.len() as i64);
-        self.metrics
-            .kv_pages_used
-            .set((self.runner.total_pages() - self.runner.free_pages()) as i64);
+        let (total, used) = (
+            self.runner.total_pages(),
+            self.runner.total_pages() - self.runner.free_pages(),
+        );
+        self.metrics.kv_pages_used.set(used as i64);
+        self.metrics.kv_cache_usage.set(if total == 0 {
+            0.0
+        } else {
+            used as f64 / total as f64
+        });
     }
 
     /// One forward pass: every decoding sequence's last token, then prefill chunks within the
@@ -578,26 +758,66 @@ impl Engine {
                 tokens,
             })
             .collect();
-        // A row whose prompt is not all prefilled yet gets no token: its draw is looked at,
-        // not taken (the sampler's count stays where the token will be drawn).
-        let draws: Vec<_> = plan
+        // A row whose prompt is not all prefilled yet gets no token: its draw is not taken
+        // (the sampler's count stays where the token will be drawn).
+        let takes_token: Vec<bool> = plan
             .iter()
             .map(|(i, tokens)| {
-                let r = &mut self.running[*i];
-                if r.prefilled + tokens.len() >= r.request.prompt.len() {
-                    r.sampler.next_row()
-                } else {
-                    r.sampler.peek_row()
-                }
+                let r = &self.running[*i];
+                r.prefilled + tokens.len() >= r.request.prompt.len()
             })
             .collect();
-        let result = self.runner.step(&inputs, &draws);
+        // One row that needs its logits on the host (penalties, min_tokens, logprobs) draws
+        // the whole step there: the other rows' draws are the same definition as the device's.
+        let on_host = plan
+            .iter()
+            .zip(&takes_token)
+            .any(|((i, _), &takes)| takes && self.running[*i].sampler.needs_logits());
+        let result: Result<Vec<Option<Drawn>>, _> = if on_host {
+            self.runner.logits(&inputs, LogitRows::Last).map(|logits| {
+                plan.iter()
+                    .zip(&takes_token)
+                    .enumerate()
+                    .map(|(row, ((i, _), &takes))| {
+                        takes.then(|| self.running[*i].sampler.draw(logits.row(row)))
+                    })
+                    .collect()
+            })
+        } else {
+            let draws: Vec<_> = plan
+                .iter()
+                .zip(&takes_token)
+                .map(|((i, _), &takes)| {
+                    let sampler = &mut self.running[*i].sampler;
+                    if takes {
+                        sampler.next_row()
+                    } else {
+                        sampler.peek_row()
+                    }
+                })
+                .collect();
+            self.runner.step(&inputs, &draws).map(|ids| {
+                plan.iter()
+                    .zip(&takes_token)
+                    .zip(ids)
+                    .map(|(((i, _), &takes), token)| {
+                        takes.then(|| {
+                            self.running[*i].sampler.accept(token);
+                            Drawn {
+                                token,
+                                logprobs: None,
+                            }
+                        })
+                    })
+                    .collect()
+            })
+        };
         self.metrics.steps.fetch_add(1, Ordering::Relaxed);
         self.metrics.batch_sequences.observe(plan.len() as f64);
         if plan.len() as i64 > self.metrics.max_batch_sequences.get() {
             self.metrics.max_batch_sequences.set(plan.len() as i64);
         }
-        let drawn = match result {
+        let mut drawn = match result {
             Ok(drawn) => drawn,
             Err(e) if e.is_fatal() => {
                 // The state turns failed before any client hears of it: a client that asks
@@ -613,6 +833,7 @@ impl Engine {
                     let r = self.running.swap_remove(i);
                     let _ = r.request.events.send(TokenEvent::Failed(e.to_string()));
                     let _ = self.runner.free_sequence(r.seq);
+                    self.record_end(r.ended(RequestEnd::Error));
                 }
                 return;
             }
@@ -628,20 +849,27 @@ impl Engine {
                     continue;
                 }
             }
-            let token = drawn[row];
+            let Some(Drawn { token, logprobs }) = drawn[row].take() else {
+                unreachable!("a row whose prefill is done takes its token")
+            };
             r.generated.push(token);
             self.metrics.generation_tokens.inc();
             match r.last_token_at {
-                None => self
-                    .metrics
-                    .time_to_first_token
-                    .observe((now - r.arrived).as_secs_f64()),
+                None => {
+                    r.first_token_at = Some(now);
+                    self.metrics
+                        .time_to_first_token
+                        .observe((now - r.arrived).as_secs_f64())
+                }
                 Some(t) => self
                     .metrics
                     .inter_token_latency
                     .observe((now - t).as_secs_f64()),
             }
             r.last_token_at = Some(now);
+            if let Some(logprobs) = logprobs {
+                let _ = r.request.events.send(TokenEvent::Logprobs(logprobs));
+            }
             let _ = r.request.events.send(TokenEvent::Token(token));
             let reason = if r.request.stop_ids.contains(&token) {
                 Some(FinishReason::Stop)
@@ -656,14 +884,14 @@ impl Engine {
                     prompt_tokens: r.request.prompt.len(),
                     completion_tokens: r.generated.len(),
                 });
-                finished.push(*i);
+                finished.push((*i, reason));
             }
         }
-        finished.sort_unstable_by(|a, b| b.cmp(a));
-        for i in finished {
+        finished.sort_unstable_by_key(|&(i, _)| std::cmp::Reverse(i));
+        for (i, reason) in finished {
             let r = self.running.swap_remove(i);
             let _ = self.runner.free_sequence(r.seq);
-            self.metrics.requests_finished.inc();
+            self.record_end(r.ended(reason.into()));
         }
     }
 }

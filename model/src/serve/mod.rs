@@ -1,14 +1,19 @@
 //! `model serve`: an OpenAI-compatible HTTP server (axum on tokio) over the continuous-batching
 //! engine. `/v1/chat/completions` (JSON or SSE), `/v1/completions`, `/v1/models`, `/health`,
-//! `/metrics` (Prometheus text). SIGTERM or Ctrl-C: refuse new requests (`/health` answers
-//! 503), let in-flight requests finish within the grace period, then end what is left with an
-//! error (a stream's error frame and `[DONE]`, a plain request's 503) and exit.
+//! `/metrics` (OpenMetrics text, vLLM's `vllm:` names). With an API key every `/v1/*` route
+//! wants `Authorization: Bearer KEY` (401 without), while `/health` and `/metrics` stay open,
+//! as in vLLM. SIGTERM or Ctrl-C: refuse new requests (`/health` answers 503, on new
+//! connections too), let in-flight requests finish within the grace period, then end what is
+//! left with an error (a stream's error frame and `[DONE]`, a plain request's 503) and exit.
+//! Each request's end is logged on stderr: its id, token counts, time to first token, decode
+//! speed and finish reason.
 //!
 //! No client can hold the server: connections time out ([`conn`]), bodies are capped in size and
 //! time, renders run off the async workers, and a request whose client hangs up, streaming or
 //! not, stops generating.
 
 pub mod api;
+mod api_key;
 mod choices;
 pub mod conn;
 pub mod engine;
@@ -23,7 +28,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use anyhow::{Context as _, Result};
 use axum::Router;
 use axum::extract::{Request, State};
-use axum::http::{StatusCode, Uri, header};
+use axum::http::{HeaderValue, Method, StatusCode, Uri, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -32,12 +37,13 @@ use serde_json::{Value, json};
 use tokio::sync::{Semaphore, watch};
 
 use api::{ApiError, PromptInput, parse_body, parse_chat, parse_completion};
-use choices::{collect_choices, stream_response, usage};
+use choices::{TextLogprobs, chat_logprobs, collect_choices, stream_response, usage};
 use conn::Connections;
 use engine::EngineState;
 use runtime::{ChoiceEnd, OutputMode, Runtime, checkpoint_name};
 use state::{AppState, Shared};
 
+pub use api_key::{ApiKey, ApiKeyParser};
 pub use conn::ConnectionLimits;
 pub use runtime::RuntimeOptions;
 
@@ -47,6 +53,8 @@ pub struct ServeOptions {
     pub host: String,
     pub port: u16,
     pub served_model_name: String,
+    /// Required of every `/v1/*` request when set.
+    pub api_key: Option<ApiKey>,
     /// How long in-flight requests may run after SIGTERM.
     pub shutdown_grace: Duration,
     /// How long a client may take, and how many connections it may hold.
@@ -79,12 +87,42 @@ fn router(state: Shared) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(|uri: Uri| async move { ApiError::not_found_route(uri.path()) })
-        .with_state(state);
+        .with_state(state.clone());
     // Around the whole router, so that it sees each answer as sent: a 405's `Allow` header is
     // added by the route's method router, past any layer on the routes.
     Router::new()
         .fallback_service(routes)
+        .layer(axum::middleware::from_fn_with_state(state, require_api_key))
         .layer(axum::middleware::from_fn(json_errors))
+}
+
+/// With an API key, a `/v1/*` request without it gets 401 (OpenAI's `invalid_api_key` error);
+/// `/health` and `/metrics` stay open, and CORS preflights (`OPTIONS`) pass, as in vLLM.
+async fn require_api_key(State(state): State<Shared>, request: Request, next: Next) -> Response {
+    let path = request.uri().path();
+    let guarded = path == "/v1" || path.starts_with("/v1/");
+    match &state.api_key {
+        Some(key)
+            if guarded
+                && request.method() != Method::OPTIONS
+                && !key.authorizes(request.headers().get(header::AUTHORIZATION)) =>
+        {
+            let mut refusal = ApiError {
+                status: StatusCode::UNAUTHORIZED,
+                message: "Incorrect or missing API key: send it as `Authorization: Bearer KEY`"
+                    .into(),
+                kind: "invalid_request_error",
+                param: None,
+                code: Some("invalid_api_key"),
+            }
+            .into_response();
+            refusal
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            refusal
+        }
+        _ => next.run(request).await,
+    }
 }
 
 /// Gives the router's own refusals (a wrong method, an extractor's rejection) the error body
@@ -164,6 +202,7 @@ pub fn serve_until(
             checkpoint_name: checkpoint_name(checkpoint),
             checkpoint_paths,
             created: unix_now(),
+            api_key: options.api_key.clone(),
             shutting_down: AtomicBool::new(false),
             body_read_timeout: options.limits.body_read_timeout,
             grace_over,
@@ -187,6 +226,13 @@ pub fn serve_until(
             engine.max_model_len,
             state.runtime.engine.metrics.kv_pages_total.get(),
         );
+        if options.api_key.is_some() {
+            eprintln!("/v1/* requires the API key (`Authorization: Bearer KEY`)");
+        } else if !local.ip().is_loopback() {
+            eprintln!(
+                "warning: serving on {local}, not a loopback address, without --api-key: anyone who reaches it can use the model"
+            );
+        }
         ready(local);
         let connections = Connections::new(max_connections);
         let (draining_tx, draining) = watch::channel(false);
@@ -273,13 +319,15 @@ async fn health(State(state): State<Shared>) -> Response {
     }
 }
 
+/// The metrics in the OpenMetrics text format: what the registry's encoder writes (counters'
+/// `_total`, the closing `# EOF`), labelled as such; Prometheus scrapes it as it does vLLM's.
 async fn metrics(State(state): State<Shared>) -> Response {
     (
         [(
             header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
-        state.runtime.engine.metrics.render(),
+        state.runtime.engine.metrics.render(&state.model_name),
     )
         .into_response()
 }
@@ -363,12 +411,14 @@ async fn chat_inner(state: &Shared, request: Request) -> Result<Response, ApiErr
     })
     .await?;
     let (prompt, thinking, parse_tools) = prompt?;
-    let receivers = state.runtime.submit(&prompt, &request.sampling)?;
+    let id = request_id("chatcmpl");
+    let receivers = state
+        .runtime
+        .submit_logged(&id, &prompt, &request.sampling)?;
     let mode = OutputMode::Chat {
         thinking,
         parse_tools,
     };
-    let id = request_id("chatcmpl");
     let created = unix_now();
     if request.sampling.stream {
         return Ok(stream_response(
@@ -382,7 +432,8 @@ async fn chat_inner(state: &Shared, request: Request) -> Result<Response, ApiErr
             true,
         ));
     }
-    let collected = collect_choices(state, receivers, mode, &request.sampling.stop).await?;
+    let collected = collect_choices(state, receivers, mode, &request.sampling).await?;
+    let wants_logprobs = request.sampling.host_sampling.logprobs.is_some();
     let ends: Vec<ChoiceEnd> = collected.iter().map(|(_, end)| end.clone()).collect();
     let choices: Vec<Value> = collected
         .into_iter()
@@ -395,15 +446,23 @@ async fn chat_inner(state: &Shared, request: Request) -> Result<Response, ApiErr
                     json!({"id": id, "type": "function", "function": {"name": name, "arguments": args.trim()}})
                 })
                 .collect();
+            let reasoning = (!collected.reasoning.is_empty()).then_some(&collected.reasoning);
+            // vLLM sends both names: `reasoning` now, `reasoning_content` as before.
             let mut message = json!({
                 "role": "assistant",
                 "content": (!collected.content.is_empty()).then_some(&collected.content),
-                "reasoning": (!collected.reasoning.is_empty()).then_some(&collected.reasoning),
+                "reasoning": reasoning,
+                "reasoning_content": reasoning,
             });
             if !tool_calls.is_empty() {
                 message["tool_calls"] = Value::Array(tool_calls);
             }
-            json!({"index": index, "message": message, "logprobs": null,
+            let logprobs = if wants_logprobs {
+                chat_logprobs(&state.runtime.tokenizer, &collected.logprobs)
+            } else {
+                Value::Null
+            };
+            json!({"index": index, "message": message, "logprobs": logprobs,
                    "finish_reason": end.finish_reason})
         })
         .collect();
@@ -458,8 +517,10 @@ async fn completions_inner(state: &Shared, request: Request) -> Result<Response,
     })
     .await?;
     let (prompt, prompt_text) = prompt?;
-    let receivers = state.runtime.submit(&prompt, &request.sampling)?;
     let id = request_id("cmpl");
+    let receivers = state
+        .runtime
+        .submit_logged(&id, &prompt, &request.sampling)?;
     let created = unix_now();
     if request.sampling.stream {
         return Ok(stream_response(
@@ -473,8 +534,8 @@ async fn completions_inner(state: &Shared, request: Request) -> Result<Response,
             false,
         ));
     }
-    let collected =
-        collect_choices(state, receivers, OutputMode::Text, &request.sampling.stop).await?;
+    let collected = collect_choices(state, receivers, OutputMode::Text, &request.sampling).await?;
+    let wants_logprobs = request.sampling.host_sampling.logprobs.is_some();
     let ends: Vec<ChoiceEnd> = collected.iter().map(|(_, end)| end.clone()).collect();
     let choices: Vec<Value> = collected
         .into_iter()
@@ -485,7 +546,13 @@ async fn completions_inner(state: &Shared, request: Request) -> Result<Response,
             } else {
                 collected.content
             };
-            json!({"index": index, "text": text, "logprobs": null,
+            // `echo` with logprobs is refused: the offsets start at the completion.
+            let logprobs = if wants_logprobs {
+                TextLogprobs::default().render(&state.runtime.tokenizer, &collected.logprobs)
+            } else {
+                Value::Null
+            };
+            json!({"index": index, "text": text, "logprobs": logprobs,
                    "finish_reason": end.finish_reason})
         })
         .collect();

@@ -13,7 +13,7 @@ use crate::checkpoint::{Checkpoint, WeightPlacement};
 use crate::exec::backend::{Backend, BackendArgs, RunnerSizing, TpArgs};
 use crate::exec::device::StepCapacity;
 use crate::exec::footprint::forward_bytes;
-use crate::exec::sampler::SamplingParams;
+use crate::exec::sampler::{SamplingParams, TokenLogprobs};
 use crate::exec::tp::{RankRole, open_ranks};
 use crate::input::InvalidInput;
 use crate::serve::engine::{
@@ -204,14 +204,16 @@ impl Runtime {
                 warm_up: options.warm_up,
             },
         )?;
-        eprintln!(
-            "latent cache: {} tokens ({}, {} pages of {}); context {} tokens",
-            engine.cache_tokens(),
-            sizing.kv_dtype.id(),
-            engine.cache_tokens() / kernels::mla::cache::PAGE_TOKENS,
-            kernels::mla::cache::PAGE_TOKENS,
-            plan.max_model_len,
-        );
+        if crate::start_details::start_details_shown() {
+            eprintln!(
+                "latent cache: {} tokens ({}, {} pages of {}); context {} tokens",
+                engine.cache_tokens(),
+                sizing.kv_dtype.id(),
+                engine.cache_tokens() / kernels::mla::cache::PAGE_TOKENS,
+                kernels::mla::cache::PAGE_TOKENS,
+                plan.max_model_len,
+            );
+        }
         Ok(Self {
             tokenizer: Arc::new(tokenizer),
             template,
@@ -252,6 +254,26 @@ impl Runtime {
         prompt: &[u32],
         sampling: &SamplingRequest,
     ) -> Result<Vec<mpsc::UnboundedReceiver<TokenEvent>>, ApiError> {
+        self.submit_request(None, prompt, sampling)
+    }
+
+    /// [`submit`](Self::submit), with a log line on stderr as each generation ends, under
+    /// `request_id` (vLLM's `INDEX_ID` for each of `n` > 1 choices).
+    pub fn submit_logged(
+        &self,
+        request_id: &str,
+        prompt: &[u32],
+        sampling: &SamplingRequest,
+    ) -> Result<Vec<mpsc::UnboundedReceiver<TokenEvent>>, ApiError> {
+        self.submit_request(Some(request_id), prompt, sampling)
+    }
+
+    fn submit_request(
+        &self,
+        request_id: Option<&str>,
+        prompt: &[u32],
+        sampling: &SamplingRequest,
+    ) -> Result<Vec<mpsc::UnboundedReceiver<TokenEvent>>, ApiError> {
         if prompt.len() >= self.max_model_len {
             return Err(ApiError::invalid(
                 "messages",
@@ -285,6 +307,10 @@ impl Runtime {
             let (tx, rx) = mpsc::unbounded_channel();
             self.engine
                 .submit(EngineRequest {
+                    request_id: request_id.map(|id| match sampling.n {
+                        1 => id.to_string(),
+                        _ => format!("{i}_{id}"),
+                    }),
                     prompt: prompt.to_vec(),
                     max_new_tokens: max_new,
                     sampling: SamplingParams {
@@ -293,6 +319,7 @@ impl Runtime {
                         top_p: sampling.top_p,
                         seed: base_seed.wrapping_add(i as u64),
                     },
+                    host_sampling: sampling.host_sampling.clone(),
                     stop_ids: if sampling.ignore_eos {
                         Vec::new()
                     } else {
@@ -421,13 +448,68 @@ pub enum OutputMode {
 /// dropping `events` frees its sequence in the engine).
 pub async fn drive_choice<F, Fut>(
     tokenizer: Arc<Tokenizer>,
-    mut events: mpsc::UnboundedReceiver<TokenEvent>,
+    events: mpsc::UnboundedReceiver<TokenEvent>,
     mode: OutputMode,
     stops: Vec<String>,
     mut send: F,
 ) -> ChoiceEnd
 where
     F: FnMut(Delta) -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let mut logprobs = Vec::new();
+    drive(
+        tokenizer,
+        events,
+        mode,
+        stops,
+        0,
+        &mut logprobs,
+        |delta, _| send(delta),
+    )
+    .await
+}
+
+/// [`drive_choice`], each delta sent with the logprobs of the tokens generated since the
+/// previous one; those of tokens after the last delta come back with the end. Stop strings
+/// are looked for once more than `min_tokens` tokens are generated (as vLLM does).
+pub async fn drive_choice_scored<F, Fut>(
+    tokenizer: Arc<Tokenizer>,
+    events: mpsc::UnboundedReceiver<TokenEvent>,
+    mode: OutputMode,
+    stops: Vec<String>,
+    min_tokens: usize,
+    send: F,
+) -> (ChoiceEnd, Vec<TokenLogprobs>)
+where
+    F: FnMut(Delta, Vec<TokenLogprobs>) -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let mut logprobs = Vec::new();
+    let end = drive(
+        tokenizer,
+        events,
+        mode,
+        stops,
+        min_tokens,
+        &mut logprobs,
+        send,
+    )
+    .await;
+    (end, logprobs)
+}
+
+async fn drive<F, Fut>(
+    tokenizer: Arc<Tokenizer>,
+    mut events: mpsc::UnboundedReceiver<TokenEvent>,
+    mode: OutputMode,
+    stops: Vec<String>,
+    min_tokens: usize,
+    logprobs: &mut Vec<TokenLogprobs>,
+    mut send: F,
+) -> ChoiceEnd
+where
+    F: FnMut(Delta, Vec<TokenLogprobs>) -> Fut,
     Fut: std::future::Future<Output = bool>,
 {
     let (thinking, parse_tools, text_only) = match mode {
@@ -452,6 +534,10 @@ where
             };
         };
         let finished = match event {
+            TokenEvent::Logprobs(token) => {
+                logprobs.push(token);
+                continue;
+            }
             TokenEvent::Token(id) => {
                 generated += 1;
                 if text_only {
@@ -489,9 +575,15 @@ where
             }
         };
         for event in parsed.drain(..) {
-            let (ready, stopped) = matcher.push(event);
+            let (ready, stopped) = if generated > min_tokens {
+                matcher.push(event)
+            } else {
+                let mut ready = matcher.flush();
+                ready.push(event);
+                (ready, false)
+            };
             for delta in ready {
-                if !send(delta).await {
+                if !send(delta, std::mem::take(logprobs)).await {
                     return ChoiceEnd {
                         finish_reason: "abort",
                         prompt_tokens: 0,
@@ -511,7 +603,7 @@ where
         }
         if let Some((reason, prompt_tokens, completion_tokens)) = finished {
             for delta in matcher.flush() {
-                send(delta).await;
+                send(delta, std::mem::take(logprobs)).await;
             }
             let finish_reason = match reason {
                 FinishReason::Length => "length",

@@ -8,6 +8,7 @@ use std::time::Duration;
 use tokio::sync::{Semaphore, watch};
 
 use super::api::ApiError;
+use super::api_key::ApiKey;
 use super::runtime::Runtime;
 
 pub(super) struct AppState {
@@ -18,6 +19,8 @@ pub(super) struct AppState {
     /// The checkpoint folder's absolute spellings, replaced by its name in what clients see.
     pub(super) checkpoint_paths: Vec<String>,
     pub(super) created: u64,
+    /// What `/v1/*` requests must carry, if anything.
+    pub(super) api_key: Option<ApiKey>,
     pub(super) shutting_down: AtomicBool,
     pub(super) body_read_timeout: Duration,
     /// Turns true when the drain's grace period ends: every choice still generating stops.

@@ -90,18 +90,26 @@ fn health_answers_within_a_second(server: &Server, during: &str) {
     );
 }
 
-/// The value of the Prometheus sample `name` (a gauge or a counter's `_total`).
-fn metric(server: &Server, name: &str) -> f64 {
+/// The value of the sample `name` (a gauge or a counter's `_total`) whose labels include
+/// `labels` (`k="v"` each; every sample also carries `model_name`).
+fn metric_with(server: &Server, name: &str, labels: &[&str]) -> f64 {
     let (_, text) = server.get("/metrics");
     text.lines()
         .find_map(|line| {
-            line.strip_prefix(name)?
-                .strip_prefix(' ')?
-                .trim()
-                .parse()
-                .ok()
+            let (sample_labels, value) = line
+                .strip_prefix(name)?
+                .strip_prefix('{')?
+                .split_once("} ")?;
+            labels
+                .iter()
+                .all(|l| sample_labels.split(',').any(|s| s == *l))
+                .then(|| value.trim().parse().ok())?
         })
-        .unwrap_or_else(|| panic!("{name} in\n{text}"))
+        .unwrap_or_else(|| panic!("{name}{labels:?} in\n{text}"))
+}
+
+fn metric(server: &Server, name: &str) -> f64 {
+    metric_with(server, name, &[])
 }
 
 /// The error object of a refusal: a non-empty message, a type, and `param` and `code` keys.
@@ -148,8 +156,8 @@ fn clients_that_give_up_on_plain_requests_free_their_sequences() {
         "the six requests queued or running",
         Duration::from_secs(60),
         || {
-            metric(&server, "kimi_num_requests_running")
-                + metric(&server, "kimi_num_requests_waiting")
+            metric(&server, "vllm:num_requests_running")
+                + metric(&server, "vllm:num_requests_waiting")
                 == 6.0
         },
     );
@@ -159,11 +167,18 @@ fn clients_that_give_up_on_plain_requests_free_their_sequences() {
         "no sequence left once their clients left",
         Duration::from_secs(10),
         || {
-            metric(&server, "kimi_num_requests_running") == 0.0
-                && metric(&server, "kimi_num_requests_waiting") == 0.0
+            metric(&server, "vllm:num_requests_running") == 0.0
+                && metric(&server, "vllm:num_requests_waiting") == 0.0
         },
     );
-    assert_eq!(metric(&server, "kimi_requests_cancelled_total"), 6.0);
+    assert_eq!(
+        metric_with(
+            &server,
+            "vllm:request_success_total",
+            &["finished_reason=\"abort\""]
+        ),
+        6.0
+    );
     let started = Instant::now();
     let (status, body) = server.post(
         "/v1/chat/completions",
@@ -468,7 +483,7 @@ fn streams_cut_at_the_end_of_the_grace_get_an_error_frame_then_done() {
         })
     };
     wait_until("both requests running", Duration::from_secs(60), || {
-        metric(&server, "kimi_num_requests_running") == 2.0
+        metric(&server, "vllm:num_requests_running") == 2.0
     });
     // SAFETY: a signal to this test's own child.
     assert_eq!(

@@ -58,7 +58,7 @@ impl CpuTacticArgs {
             (None, Some(path)) => choose_from_cache(path, &decode_shape(config)),
             (None, None) => CpuChoice::default_choice(),
         };
-        if !quiet {
+        if !quiet && crate::start_details::start_details_shown() {
             match &choice.warning {
                 // The cache's warning (missing, corrupt, or a GPU cache) is printed once, by
                 // the GPU families' log of the same file: here only why the default is used.
