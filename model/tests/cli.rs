@@ -230,7 +230,7 @@ fn backend_cuda_without_a_driver_fails_at_once_with_exit_code_2() {
         model_cmd()
             .args(["logits", "--backend", "cuda", "--tokens", "1,2"])
             .arg("--checkpoint")
-            .arg(dir.path().join("missing"))
+            .arg(golden_model("kimi-tiny"))
             .arg("--out")
             .arg(dir.path().join("l.safetensors")),
     );
