@@ -157,7 +157,7 @@ fn quantize_refuses_a_non_empty_output_and_force_replaces_it_whole() {
         "the old output is replaced as a whole"
     );
     let text = String::from_utf8(succeeds(&["inspect", path_str(&output)]).stdout).unwrap();
-    assert!(text.contains("quantization Nvfp4"), "{text}");
+    assert!(text.contains("quantization NVFP4"), "{text}");
     assert!(hidden_entries(tmp.path()).is_empty());
 }
 
