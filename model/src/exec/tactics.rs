@@ -274,9 +274,14 @@ fn parsed_cache(path: &Path) -> Option<TacticCache> {
 /// A cache that cannot be read, or records no model, passes: its loader warns and the run
 /// uses the defaults.
 pub fn check_cache_model(path: Option<&Path>, cfg: &ModelConfig) -> Result<(), InvalidInput> {
-    let Some((path, cache)) = path.and_then(|p| Some((p, parsed_cache(p)?))) else {
-        return Ok(());
-    };
+    match path.and_then(|p| Some((p, parsed_cache(p)?))) {
+        Some((path, cache)) => model_matches(path, &cache, cfg),
+        None => Ok(()),
+    }
+}
+
+/// [`check_cache_model`] of a cache already read from `path`.
+fn model_matches(path: &Path, cache: &TacticCache, cfg: &ModelConfig) -> Result<(), InvalidInput> {
     let Some(tuned) = &cache.provenance.model else {
         return Ok(());
     };
@@ -323,19 +328,16 @@ pub struct RunShapes {
 /// for a cache of the CPU kernels (it has no GPU families: the CPU backend logs its tactic) or
 /// of another model (the run refuses it: [`check_cache_model`]).
 pub fn tactic_lines(path: Option<&Path>, cfg: &ModelConfig, run: &RunShapes) -> Vec<String> {
-    if check_cache_model(path, cfg).is_err() {
+    // Read once for both questions; the loader below reads it again to say why it is stale.
+    if let Some((p, cache)) = path.and_then(|p| Some((p, parsed_cache(p)?)))
+        && (cache.provenance.sm == CPU_TARGET || model_matches(p, &cache, cfg).is_err())
+    {
         return Vec::new();
     }
     let lookup = match path {
         Some(p) => cache::load(p, &Expected::for_sm(run.sm, None)),
         None => CacheLookup::none(),
     };
-    if lookup.cache.is_none()
-        && let Some(p) = path
-        && parsed_cache(p).is_some_and(|c| c.provenance.sm == CPU_TARGET)
-    {
-        return Vec::new();
-    }
     let mut lines = Vec::new();
     if let Some(w) = &lookup.warning {
         lines.push(w.clone());
