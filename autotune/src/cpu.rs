@@ -234,7 +234,7 @@ fn bucket_name(s: &str) -> String {
 pub fn cpu_provenance(command: &str, model: TunedModel) -> Provenance {
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../ptx/manifest.json");
     Provenance {
-        gpu_or_cpu_model: format!("{} ({:?})", bench::cpu_model(), Isa::detect()),
+        gpu_or_cpu_model: format!("{} ({})", bench::cpu_model(), Isa::detect()),
         sm: CPU_TARGET.to_string(),
         driver_version: NO_GPU.to_string(),
         cuda_version: NO_GPU.to_string(),

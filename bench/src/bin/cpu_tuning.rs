@@ -144,11 +144,15 @@ fn main() -> Result<()> {
     }
     let mut text = format!(
         "# model run decode tok/s: default CPU tactic (A) vs `--tactics {}` (B), measured\n\
-         # CPU: {} ({} threads, kernels' ISA {:?}); {}; load average at the start: {}\n\
+         # CPU: {} ({} threads, kernels' ISA {}); {}; load average at the start: {}\n\
          # interleaved rounds A B A B …, {} per side; each round one `model run --prompt-len 16 \
          --max-new-tokens {} --ignore-eos` process (release)\n\
          # spread = (max - min) / median\n\n",
-        tactics.display(),
+        // The file's name: a committed report names no machine's paths.
+        tactics
+            .file_name()
+            .unwrap_or(tactics.as_os_str())
+            .to_string_lossy(),
         cpu_model(),
         std::thread::available_parallelism().map_or(1, |n| n.get()),
         kernels::isa::Isa::detect(),

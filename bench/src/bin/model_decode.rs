@@ -69,7 +69,8 @@ fn main() -> Result<()> {
     writeln!(
         report,
         "# model: {} ({} layers, hidden {}, {} experts top-{})",
-        dir.display(),
+        // The folder's name: a committed report names no machine's paths.
+        dir.file_name().unwrap_or(dir.as_os_str()).to_string_lossy(),
         c.num_hidden_layers,
         c.hidden_size,
         c.n_routed_experts,
